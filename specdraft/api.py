@@ -1,0 +1,84 @@
+"""The library entry point.
+
+    from specdraft import SpecDecoder, SamplingParams, SpecConfig
+    dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    out = dec.generate("Write a haiku about caches.", chat=True,
+                       sampling=SamplingParams(max_new_tokens=64),
+                       spec=SpecConfig(method="draft_model", k=4))
+    print(out.text, out.stats.mat, out.stats.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+from .config import SamplingParams, SpecConfig
+from .drafters.base import NoDrafter
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.prompt_lookup import PromptLookupDrafter
+from .engine import GenerationResult, generate
+from .errors import ConfigError
+from .models.adapter import HFModel
+from .models.loading import check_same_tokenizer, load_model, set_threads
+
+
+class SpecDecoder:
+    def __init__(self, target: HFModel, draft: HFModel | None = None):
+        self.target = target
+        self.draft = draft
+        if draft is not None:
+            check_same_tokenizer(target, draft)
+        self.tokenizer = target.tokenizer
+        self.eos_ids = target.eos_token_ids()
+
+    @classmethod
+    def load(
+        cls,
+        target: str,
+        draft: str | None = None,
+        dtype: str = "bfloat16",
+        draft_layers: int | None = None,
+        threads: int | None = None,
+    ) -> "SpecDecoder":
+        """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4)."""
+        set_threads(threads)
+        t = load_model(target, dtype)
+        d = load_model(draft, dtype, num_layers=draft_layers) if draft else None
+        return cls(t, d)
+
+    def make_drafter(self, spec: SpecConfig):
+        spec.validate()
+        if spec.method == "plain":
+            return NoDrafter()
+        if spec.method == "prompt_lookup":
+            return PromptLookupDrafter(spec)
+        if spec.method == "draft_model":
+            if self.draft is None:
+                raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
+            return DraftModelDrafter(self.draft, spec, self.target.vocab_size)
+        raise ConfigError(f"unknown method {spec.method!r}")
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ConfigError("a text prompt needs a tokenizer; pass token ids instead")
+        if chat:
+            msgs = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | dict | None = None,
+        spec: SpecConfig | dict | None = None,
+        chat: bool = False,
+    ) -> GenerationResult:
+        sp = SamplingParams.from_dict(sampling) if not isinstance(sampling, SamplingParams) else sampling.validate()
+        sc = SpecConfig.from_dict(spec) if not isinstance(spec, SpecConfig) else spec.validate()
+        if spec is None and self.draft is None:
+            sc = SpecConfig(method="prompt_lookup")
+        ids = self.encode(prompt, chat=chat)
+        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer)

@@ -1,0 +1,86 @@
+"""Benchmark prompts: Spec-Bench's question.jsonl, or any jsonl with a prompt/turns field."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from ..errors import SpecDraftError
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def default_dataset() -> Path:
+    env = os.environ.get("SPECDRAFT_DATASET")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for base in [Path.cwd(), *here.parents]:
+        p = base / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
+        if p.exists():
+            return p.resolve()
+    return Path("../shared/data/spec_bench/question.jsonl")
+
+
+def task_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    path = Path(path) if path else default_dataset()
+    if not path.exists():
+        raise SpecDraftError(f"dataset {path} not found (pass --dataset PATH.jsonl)")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecDraftError(f"{path}:{i + 1}: not valid JSON: {e}") from e
+            if "turns" in r and r["turns"]:
+                prompt = r["turns"][0]
+            else:
+                prompt = next((r[k] for k in ("prompt", "question", "text", "instruction") if k in r), None)
+            if not isinstance(prompt, str) or not prompt:
+                raise SpecDraftError(f"{path}:{i + 1}: no prompt (need a 'turns', 'prompt', 'question' or 'text' field)")
+            cat = str(r.get("category", "default"))
+            rows.append({"id": str(r.get("question_id", r.get("id", i))), "category": cat, "task": task_of(cat), "prompt": prompt})
+    return rows
+
+
+def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | None = None, preset: str | None = None) -> list[dict]:
+    if preset == "core18":
+        # The 18 prompts of the core-engine issue: the first 3 of each of translation,
+        # summarization, qa, math_reasoning, rag, and the first of writing, coding, reasoning.
+        out = []
+        for cat, n in [("translation", 3), ("summarization", 3), ("qa", 3), ("math_reasoning", 3), ("rag", 3),
+                       ("writing", 1), ("coding", 1), ("reasoning", 1)]:
+            out += [r for r in rows if r["category"] == cat][:n]
+        return out
+    if preset:
+        raise SpecDraftError(f"unknown preset {preset!r}; known: core18")
+    by: OrderedDict[str, list[dict]] = OrderedDict()
+    for r in rows:
+        by.setdefault(r["task"], []).append(r)
+    if tasks:
+        unknown = [t for t in tasks if t not in by]
+        if unknown:
+            raise SpecDraftError(f"unknown task(s) {unknown}; this dataset has: {list(by)}")
+        by = OrderedDict((t, by[t]) for t in tasks)
+    out = []
+    for t, rs in by.items():
+        if t == "mt_bench" and n_per_task:
+            # spread over the eight MT-bench categories rather than taking 'writing' only
+            seen, picked = set(), []
+            for r in rs:
+                if r["category"] not in seen:
+                    picked.append(r)
+                    seen.add(r["category"])
+            rs = picked + [r for r in rs if r not in picked]
+        out += rs[:n_per_task] if n_per_task else rs
+    return out

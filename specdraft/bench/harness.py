@@ -1,0 +1,308 @@
+"""``specdraft bench``: fair by construction.
+
+- every method runs on the same token ids, interleaved per prompt (A B C A B C ...), after a
+  warm-up of each method, in one process, with a fixed torch thread count;
+- tokens are counted from token ids; wall time is the method's own call, prefill included;
+- results are written (atomically) after every record, so Ctrl-C leaves a valid file and a rerun
+  with the same ``--out`` resumes;
+- greedy outputs are compared with the engine's plain decoding; each mismatch records the first
+  diverging position and the target's top-2 logit gap there (near-tie or bug?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import ConfigError, SpecDraftError
+from . import data
+from .report import render
+
+ENGINE_METHODS = ("plain", "draft_model", "prompt_lookup")
+BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp")
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("action", nargs="?", default="run", choices=["run", "report"],
+                   help="run (default) or re-render a report from --out / a results file")
+    b.add_argument("results", nargs="?", default=None, help="with 'report': the results JSON")
+    b.add_argument("--target", default="qwen2.5-coder-1.5b")
+    b.add_argument("--draft", default=None)
+    b.add_argument("--draft-layers", type=int, default=None)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
+                   help=f"comma list of {ENGINE_METHODS + BASELINES}; name=JSON-file for a named SpecConfig")
+    b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
+                   "and 'variants' {name: SpecConfig}")
+    b.add_argument("--dataset", default=None)
+    b.add_argument("--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)")
+    b.add_argument("--n-per-task", type=int, default=None)
+    b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--k", type=int, default=None, help="draft tokens per step for the engine's methods")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
+    b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
+    b.add_argument("--out", default="results/bench.json")
+    b.add_argument("--no-plots", action="store_true")
+
+
+def _load_config(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as e:
+            raise SpecDraftError("YAML configs need PyYAML (pip install pyyaml), or use JSON") from e
+        d = yaml.safe_load(text)
+    else:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecDraftError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise SpecDraftError(f"{path} must hold an object")
+    return d
+
+
+def _parse_value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return v
+
+
+def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
+    """-> [(name, kind, spec)] where kind is an engine method or a baseline name."""
+    base = dict(cfg.get("spec", {}))
+    if a.k is not None:
+        base["k"] = a.k
+        base.setdefault("max_k", max(16, a.k))
+    named = {n: SpecConfig.from_dict(d) for n, d in cfg.get("variants", {}).items()}
+    sweeps = []
+    for s in a.sweep:
+        if "=" not in s:
+            raise ConfigError(f"--sweep expects FIELD=v1,v2,..., got {s!r}")
+        f, vs = s.split("=", 1)
+        if f not in SpecConfig.__dataclass_fields__ or f == "method":
+            raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
+        sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
+    out = []
+    for m in [x.strip() for x in a.methods.split(",") if x.strip()]:
+        if m in named:
+            out.append((m, named[m].method, named[m]))
+        elif m in BASELINES:
+            out.append((m, m, None))
+        elif m in ENGINE_METHODS:
+            if m == "plain" or not sweeps:
+                out.append((m, m, SpecConfig.from_dict({**base, "method": m})))
+            else:
+                combos = [{}]
+                for f, vs in sweeps:
+                    combos = [{**c, f: v} for c in combos for v in vs]
+                for c in combos:
+                    d = {**base, "method": m, **c}
+                    if "k" in c:
+                        d["max_k"] = max(d.get("max_k", 16), c["k"])
+                    label = m + "[" + ",".join(f"{f}={v}" for f, v in c.items()) + "]"
+                    out.append((label, m, SpecConfig.from_dict(d)))
+        else:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ENGINE_METHODS + BASELINES)} "
+                              f"or a variant named in --config")
+    if not any(k == "plain" for _, k, _ in out):
+        out.insert(0, ("plain", "plain", SpecConfig(method="plain")))  # the reference for speedup and exactness
+    else:  # plain first, so that exactness can be checked as soon as a method finishes
+        out.sort(key=lambda t: t[0] != "plain")
+    return out
+
+
+def environment(a, threads: int) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                                  cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+        except Exception:
+            return None
+
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "specdraft": __version__,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "threads": threads,
+        "dtype": a.dtype,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _save(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def top2_gap_at(dec, prompt_ids: list[int], ref_tokens: list[int], pos: int) -> float:
+    """The target's top-2 logit gap before ref token ``pos`` (plain decoding's context there)."""
+    t = dec.target
+    t.reset()
+    logits = t.forward(torch.tensor(prompt_ids + ref_tokens[:pos]), keep=1)[-1]
+    t.reset()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def compare(dec, ids, ref: list[int], got: list[int]) -> dict:
+    if got == ref:
+        return {"exact": True}
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    d = {"exact": False, "first_divergence": pos}
+    if pos < len(ref):
+        d["top2_gap"] = top2_gap_at(dec, ids, ref, pos)
+    return d
+
+
+def run_bench(a) -> dict:
+    from ..api import SpecDecoder
+    from ..models.loading import set_threads
+
+    cfg = _load_config(a.config) if a.config else {}
+    for key, val in cfg.items():
+        if key not in ("spec", "variants"):
+            attr = key.replace("-", "_")
+            if not hasattr(a, attr):
+                raise ConfigError(f"unknown option {key!r} in {a.config}")
+            setattr(a, attr, val)
+    sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                        max_new_tokens=a.max_new_tokens).validate()
+    variants = build_variants(a, cfg)
+    needs_draft = any(k in ("draft_model", "hf_assisted") for _, k, _ in variants)
+    if needs_draft and not a.draft:
+        raise ConfigError("draft_model / hf_assisted need --draft NAME")
+    rows = data.select(data.load_prompts(a.dataset), a.tasks.split(",") if a.tasks else None, a.n_per_task, a.preset)
+    if not rows:
+        raise SpecDraftError("no prompts selected")
+    threads = set_threads(a.threads)
+    dec = SpecDecoder.load(a.target, draft=a.draft if needs_draft else None, dtype=a.dtype,
+                           draft_layers=a.draft_layers, threads=threads)
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner
+
+    runners, skipped = [], {}
+    for name, kind, spec in variants:
+        if kind in ENGINE_METHODS:
+            runners.append(EngineRunner(name, dec, spec))
+        elif kind == "hf_generate":
+            runners.append(HFRunner(name, dec, "plain"))
+        elif kind == "hf_assisted":
+            runners.append(HFRunner(name, dec, "assisted"))
+        elif kind == "hf_prompt_lookup":
+            runners.append(HFRunner(name, dec, "prompt_lookup"))
+        elif kind == "llama_cpp":
+            try:
+                from ..models import registry
+
+                runners.append(LlamaCppRunner(name, str(registry.gguf_path(a.target)), threads))
+            except (ImportError, SpecDraftError) as e:
+                skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
+                print(f"{name}: {skipped[name]}", file=sys.stderr)
+
+    out = Path(a.out)
+    settings = {
+        "target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype,
+        "sampling": sp.to_dict(), "chat": not a.no_chat, "repeats": a.repeats,
+        "methods": {n: (s.to_dict() if s else {"baseline": k}) for n, k, s in variants},
+        "prompts": [r["id"] for r in rows],
+    }
+    doc = {"settings": settings, "environment": environment(a, threads), "skipped": skipped, "records": []}
+    if out.exists():
+        old = json.loads(out.read_text())
+        if old.get("settings") != settings:
+            raise SpecDraftError(f"{out} holds results of other settings; pass another --out to start afresh")
+        doc["records"] = old.get("records", [])
+        print(f"resuming {out}: {len(doc['records'])} records already done", file=sys.stderr)
+    done = {(r["prompt_id"], r["method"], r["repeat"]) for r in doc["records"]}
+    ref = {r["prompt_id"]: r["token_ids"] for r in doc["records"] if r["method"] == "plain" and r["repeat"] == 0}
+
+    encoded = {r["id"]: dec.encode(r["prompt"], chat=not a.no_chat) for r in rows}
+    # warm-up: every method once on a short generation (not recorded)
+    warm_sp = SamplingParams(**{**sp.to_dict(), "max_new_tokens": min(8, sp.max_new_tokens)})
+    for rn in runners:
+        rn.run(encoded[rows[0]["id"]], warm_sp)
+
+    from tqdm import tqdm
+
+    todo = [(rep, r, rn) for rep in range(a.repeats) for r in rows for rn in runners
+            if (r["id"], rn.name, rep) not in done]
+    bar = tqdm(todo, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for rep, r, rn in bar:
+            bar.set_postfix_str(f"{r['task']}:{r['id']} {rn.name}")
+            ids = encoded[r["id"]]
+            rsp = SamplingParams(**{**sp.to_dict(), "seed": sp.seed + rep if sp.seed is not None else None})
+            res = rn.run(ids, rsp)
+            rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
+                   "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
+            if rn.name == "plain" and rep == 0:
+                ref[r["id"]] = res["token_ids"]
+            if sp.greedy and rn.name != "plain" and r["id"] in ref:
+                rec.update(compare(dec, ids, ref[r["id"]], res["token_ids"]))
+            doc["records"].append(rec)
+            _save(out, doc)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: {len(doc['records'])} records saved in {out}; rerun the same command to resume",
+              file=sys.stderr)
+        raise
+    bar.close()
+    return doc
+
+
+def main_bench(a) -> int:
+    if a.action == "report":
+        path = Path(a.results or a.out)
+        if not path.exists():
+            raise SpecDraftError(f"no results file {path}")
+        doc = json.loads(path.read_text())
+    else:
+        t0 = time.time()
+        doc = run_bench(a)
+        path = Path(a.out)
+        print(f"bench finished in {time.time() - t0:.0f}s", file=sys.stderr)
+    md = render(doc, path, plots=not a.no_plots)
+    print(md)
+    return 0

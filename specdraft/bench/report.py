@@ -1,0 +1,193 @@
+"""Aggregate a results file into tables and plots. All metrics come from specdraft.metrics."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import OrderedDict, defaultdict
+from pathlib import Path
+
+from ..metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_position_acceptance, speedup, tokens_per_second
+from .data import TASKS
+
+
+def _steps(recs) -> list[StepRecord]:
+    return [StepRecord(d, a, 0) for r in recs for d, a in r.get("steps", [])]
+
+
+def aggregate(doc: dict) -> dict:
+    recs = doc["records"]
+    methods = list(OrderedDict.fromkeys(r["method"] for r in recs))
+    present = set(r["task"] for r in recs)
+    tasks = [t for t in TASKS if t in present] + sorted(present - set(TASKS))
+    repeats = sorted(set(r["repeat"] for r in recs))
+    # only prompts (per repeat) that every method finished, so totals compare like with like
+    complete = set()
+    by_pr = defaultdict(set)
+    for r in recs:
+        by_pr[(r["prompt_id"], r["repeat"])].add(r["method"])
+    for key, ms in by_pr.items():
+        if set(methods) <= ms:
+            complete.add(key)
+    recs = [r for r in recs if (r["prompt_id"], r["repeat"]) in complete]
+
+    def tot(method, task=None, rep=None):
+        rs = [r for r in recs if r["method"] == method and (task is None or r["task"] == task)
+              and (rep is None or r["repeat"] == rep)]
+        return sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs), rs
+
+    out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
+           "repeats": len(repeats), "rows": {}}
+    for m in methods:
+        row = {"task_speedup": {}, "task_mat": {}}
+        for t in tasks + [None]:
+            n, w, rs = tot(m, t)
+            bn, bw, _ = tot("plain", t)
+            sp = speedup(n, w, bn, bw)
+            mat = mean_accepted_tokens(_steps(rs))
+            if t is None:
+                row.update(tokens=n, wall_s=w, tokens_per_s=tokens_per_second(n, w), speedup=sp, mat=mat,
+                           acceptance_rate=acceptance_rate(_steps(rs)),
+                           per_position=per_position_acceptance(_steps(rs)),
+                           draft_s=sum(r.get("draft_s", 0.0) for r in rs),
+                           verify_s=sum(r.get("verify_s", 0.0) for r in rs))
+                if "hf_generate" in methods:
+                    hn, hw, _ = tot("hf_generate")
+                    row["speedup_vs_hf"] = speedup(n, w, hn, hw)
+                per_rep = [speedup(*tot(m, None, k)[:2], *tot("plain", None, k)[:2]) for k in repeats]
+                per_rep = [x for x in per_rep if x is not None]
+                row["speedup_std"] = statistics.stdev(per_rep) if len(per_rep) > 1 else 0.0
+                checked = [r for r in rs if "exact" in r]
+                row["exact"] = (sum(r["exact"] for r in checked), len(checked)) if checked else None
+                row["mismatches"] = [
+                    {k: r.get(k) for k in ("prompt_id", "task", "repeat", "first_divergence", "top2_gap")}
+                    for r in checked if not r["exact"]
+                ]
+            else:
+                row["task_speedup"][t] = sp
+                row["task_mat"][t] = mat
+        out["rows"][m] = row
+    return out
+
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def markdown(doc: dict, agg: dict) -> str:
+    s = doc["settings"]
+    env = doc["environment"]
+    sp = s["sampling"]
+    mode = "greedy" if sp["temperature"] == 0 else f"T={sp['temperature']}, top-k {sp['top_k']}, top-p {sp['top_p']}"
+    lines = [
+        f"### {s['target']}" + (f" (draft {s['draft']})" if s.get("draft") else "") +
+        f", {s['dtype']}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
+        "",
+        f"Speedup = (total new tokens / total wall s) over the engine's plain decoding; MAT = mean over steps of "
+        f"(accepted + 1). {env.get('cpu')}, {env.get('threads')} threads, torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}, commit {str(env.get('git_commit'))[:10]}, {env.get('date')}.",
+        "",
+        "| method | " + " | ".join(agg["tasks"]) + " | Overall | MAT | tok/s |",
+        "|---" * (len(agg["tasks"]) + 4) + "|",
+    ]
+    for m, r in agg["rows"].items():
+        cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
+        ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
+    lines += ["", "| method | tok/s | vs transformers generate | acceptance | draft s | verify s | greedy exact |",
+              "|---|---|---|---|---|---|---|"]
+    for m, r in agg["rows"].items():
+        ex = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]}"
+        lines.append(f"| {m} | {_f(r['tokens_per_s'])} | {_f(r.get('speedup_vs_hf'), '{:.2f}x')} | "
+                     f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |")
+    mism = [(m, x) for m, r in agg["rows"].items() for x in r["mismatches"]]
+    if mism:
+        lines += ["", "Greedy mismatches against plain decoding (first diverging token; the target's top-2 logit "
+                  "gap there: a gap near 0 is a numerical near-tie, a large gap is a bug):", ""]
+        for m, x in mism:
+            lines.append(f"- {m}: prompt {x['prompt_id']} ({x['task']}), position {x['first_divergence']}, "
+                         f"top-2 gap {_f(x.get('top2_gap'), '{:.4f}')}")
+    for name, why in doc.get("skipped", {}).items():
+        lines.append(f"- {name}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    methods = [m for m in agg["methods"] if m != "plain"]
+    tasks = agg["tasks"] + ["Overall"]
+    if methods:
+        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 4))
+        w = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            r = agg["rows"][m]
+            ys = [r["task_speedup"].get(t) or 0 for t in agg["tasks"]] + [r["speedup"] or 0]
+            ax.bar([j + i * w for j in range(len(tasks))], ys, w, label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(tasks))], tasks, rotation=20)
+        ax.set_ylabel("speedup over plain decoding")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{doc['settings']['target']}: speedup per task")
+        fig.tight_layout()
+        p = stem.with_name(stem.name + "_speedup.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(p)
+    curves = {m: agg["rows"][m]["per_position"] for m in methods if agg["rows"][m]["per_position"]}
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m, ys in curves.items():
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=m)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | drafted)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        ax.set_title("per-position acceptance")
+        fig.tight_layout()
+        p = stem.with_name(stem.name + "_acceptance.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(p)
+    sweep = defaultdict(list)
+    for m in methods:
+        mm = re.fullmatch(r"(\w+)\[(\w+)=([^,\]]+)\]", m)
+        if mm:
+            try:
+                sweep[(mm.group(1), mm.group(2))].append((float(mm.group(3)), agg["rows"][m]["tokens_per_s"]))
+            except ValueError:
+                pass
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (m, f), pts in sweep.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{m} ({f})")
+        base = agg["rows"]["plain"]["tokens_per_s"]
+        if base:
+            ax.axhline(base, color="k", lw=0.8, ls="--", label="plain")
+        ax.set_xlabel(", ".join(sorted({f for _, f in sweep})))
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=8)
+        ax.set_title("tokens/s against the swept field")
+        fig.tight_layout()
+        p = stem.with_name(stem.name + "_sweep.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(p)
+    return files
+
+
+def render(doc: dict, results_path: Path, plots: bool = True) -> str:
+    """Markdown report (also written next to the results as *_report.md) and PNG plots."""
+    agg = aggregate(doc)
+    md = markdown(doc, agg)
+    stem = results_path.with_suffix("")
+    files = make_plots(doc, agg, stem) if plots else []
+    if files:
+        md += "\nPlots: " + ", ".join(str(f) for f in files) + "\n"
+    stem.with_name(stem.name + "_report.md").write_text(md)
+    return md

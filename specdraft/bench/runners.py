@@ -1,0 +1,110 @@
+"""Everything the benchmark times is a Runner: ``run(prompt_ids, sp) -> dict`` with ``token_ids``,
+``wall_s`` and, where the method has them, per-step ``steps`` ([drafted, accepted] pairs).
+
+The engine's methods (plain included) run through the same ``engine.generate``; the baselines users
+run today (transformers ``generate``, assisted generation, prompt lookup; llama.cpp if installed)
+are timed around their own call, on the same token ids.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..engine import generate
+
+
+class EngineRunner:
+    kind = "engine"
+
+    def __init__(self, name: str, dec, spec: SpecConfig):
+        self.name = name
+        self.dec = dec
+        self.spec = spec.validate()
+
+    def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        drafter = self.dec.make_drafter(self.spec)
+        out = generate(self.dec.target, drafter, ids, sp, self.dec.eos_ids, None)
+        return {
+            "token_ids": out.token_ids,
+            "wall_s": out.stats.wall_s,
+            "steps": [[s.drafted, s.accepted] for s in out.stats.steps],
+            "draft_s": out.stats.draft_s,
+            "verify_s": out.stats.verify_s,
+        }
+
+
+class HFRunner:
+    """transformers ``generate``: plain, assisted (``assistant_model``) or prompt lookup."""
+
+    kind = "baseline"
+
+    def __init__(self, name: str, dec, mode: str, assistant_tokens: int | None = None, lookup_tokens: int = 10):
+        self.name = name
+        self.dec = dec
+        self.mode = mode
+        self.assistant_tokens = assistant_tokens
+        self.lookup_tokens = lookup_tokens
+        if mode == "assisted" and dec.draft is None:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{name} needs a draft model (--draft NAME)")
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        model = self.dec.target.model
+        x = torch.tensor([ids])
+        eos = sorted(self.dec.eos_ids)
+        kw = dict(
+            max_new_tokens=sp.max_new_tokens,
+            attention_mask=torch.ones_like(x),
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+        )
+        if sp.greedy:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kw.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
+            if sp.seed is not None:
+                torch.manual_seed(sp.seed)
+        if self.mode == "assisted":
+            kw["assistant_model"] = self.dec.draft.model
+            if self.assistant_tokens:
+                self.dec.draft.model.generation_config.num_assistant_tokens = self.assistant_tokens
+                self.dec.draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+        elif self.mode == "prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = self.lookup_tokens
+        t0 = time.perf_counter()
+        out = model.generate(x, **kw)
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        for i, t in enumerate(new):  # what the engine would emit: up to and including EOS
+            if t in self.dec.eos_ids:
+                new = new[: i + 1]
+                break
+        return {"token_ids": new, "wall_s": wall}
+
+
+class LlamaCppRunner:
+    """llama.cpp plain decoding of the same GGUF file, as an external reference (not the same
+    weights precision: its 4-bit kernels read the quantized file directly)."""
+
+    kind = "baseline"
+
+    def __init__(self, name: str, gguf_path: str, threads: int):
+        from llama_cpp import Llama  # noqa: F401  (ImportError means: skipped)
+
+        self.name = name
+        self.llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, verbose=False)
+
+    def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        t0 = time.perf_counter()
+        new = []
+        self.llm.reset()
+        for t in self.llm.generate(ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p):
+            new.append(int(t))
+            if self.llm.token_eos() == t or len(new) >= sp.max_new_tokens:
+                break
+        return {"token_ids": new, "wall_s": time.perf_counter() - t0}

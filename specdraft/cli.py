@@ -1,0 +1,174 @@
+"""Command line: ``specdraft models list|pull``, ``specdraft generate``, ``specdraft demo``,
+``specdraft bench``. Errors in user input print one line ``error: ...`` and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecDraftError
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.5b", default_draft=None):
+    p.add_argument("--target", default=default_target, help="model name, transformers directory or .gguf file")
+    p.add_argument("--draft", default=default_draft, help="draft model (needed by --method draft_model)")
+    p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def _add_spec_args(p: argparse.ArgumentParser):
+    p.add_argument("--method", default=None, help="plain | draft_model | prompt_lookup")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step")
+    p.add_argument("--adaptive", action="store_true", default=None, help="adapt k to acceptance (draft_model)")
+    p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser):
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def spec_from_args(a, default_method: str) -> "SpecConfig":
+    from .config import SpecConfig
+
+    d = {}
+    if a.config:
+        try:
+            with open(a.config) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise SpecDraftError(f"cannot read --config {a.config}: {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise SpecDraftError(f"--config {a.config} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise SpecDraftError(f"--config {a.config} must hold a JSON object")
+    if a.method is not None:
+        d["method"] = a.method
+    d.setdefault("method", default_method)
+    if a.k is not None:
+        d["k"] = a.k
+        d.setdefault("max_k", max(16, a.k))
+    if a.adaptive:
+        d["adaptive"] = True
+    return SpecConfig.from_dict(d)
+
+
+def sampling_from_args(a) -> "SamplingParams":
+    from .config import SamplingParams
+
+    return SamplingParams(
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        max_new_tokens=a.max_new_tokens,
+        stop=list(a.stop),
+    ).validate()
+
+
+def cmd_models(a) -> int:
+    from .models import registry
+
+    if a.action == "list":
+        for r in registry.status():
+            state = "ready" if r["dense"] else ("gguf only" if r["gguf"] else "not pulled")
+            print(f"{r['name']:22s} {state:11s} {r['description']}")
+        print(f"(models live in {registry.home()}; set SPECDRAFT_HOME to move them)")
+        return 0
+    names = a.names or list(registry.MODELS)
+    for n in names:
+        print(registry.pull(n))
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from .api import SpecDecoder
+
+    sp = sampling_from_args(a)
+    spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
+    if spec.method == "draft_model" and not a.draft:
+        raise SpecDraftError("--method draft_model needs --draft NAME")
+    dec = SpecDecoder.load(a.target, draft=a.draft if spec.method == "draft_model" else None,
+                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
+    if a.json:
+        d = out.to_dict()
+        d["method"] = spec.method
+        print(json.dumps(d))
+    else:
+        print(out.text)
+        s = out.stats
+        rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
+        print(
+            f"[{spec.method}] {s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.2f} tok/s; "
+            f"steps {len(s.steps)}, MAT {s.mat:.2f}, acceptance {rate}, finish {s.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+def cmd_bench(a) -> int:
+    from .bench.harness import main_bench
+
+    return main_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("models", help="list or pull the known models")
+    m.add_argument("action", choices=["list", "pull"])
+    m.add_argument("names", nargs="*")
+    m.set_defaults(fn=cmd_models)
+
+    g = sub.add_parser("generate", help="generate text from one prompt")
+    _add_model_args(g)
+    _add_spec_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.add_argument("prompt")
+    g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="the Qwen pair on a few Spec-Bench prompts, every method")
+    _add_model_args(d, default_draft="qwen2.5-coder-0.5b")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--n-prompts", type=int, default=3)
+    d.add_argument("--k", type=int, default=4)
+    d.set_defaults(fn=cmd_demo)
+
+    from .bench.harness import add_bench_args
+
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
+    add_bench_args(b)
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SpecDraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The two configuration objects: what to sample (SamplingParams) and how to speculate (SpecConfig).
+
+Both round-trip through plain dicts / JSON with validation, so the CLI (``--config FILE.json``), the
+benchmark and the server all take the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+METHODS = ("plain", "draft_model", "prompt_lookup")
+
+
+def _from_dict(cls, d: dict[str, Any] | None):
+    if d is None:
+        return cls()
+    if isinstance(d, cls):
+        return d
+    if not isinstance(d, dict):
+        raise ConfigError(f"{cls.__name__} must be a JSON object, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s) {unknown}; valid fields: {sorted(names)}")
+    obj = cls(**d)
+    obj.validate()
+    return obj
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        def num(name, v, kind):
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+
+        num("temperature", self.temperature, (int, float))
+        num("top_p", self.top_p, (int, float))
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0 or self.temperature != self.temperature or self.temperature == float("inf"):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        return self
+
+    @classmethod
+    def from_dict(cls, d):
+        return _from_dict(cls, d)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SpecConfig:
+    """How to speculate. ``method`` picks the drafter; the other fields configure it.
+
+    - plain: no drafting, the autoregressive baseline (same engine, same loop).
+    - draft_model: an independent smaller model with the target's tokenizer drafts ``k`` tokens.
+      ``adaptive`` grows k by 2 after a fully accepted step and shrinks it by 1 otherwise (between 1
+      and ``max_k``); ``confidence_threshold`` > 0 stops drafting early when the draft's top
+      probability falls below it. Both only change what is drafted, never what is emitted.
+    - prompt_lookup: copy the ``k`` tokens that followed the most recent earlier occurrence of the
+      longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output.
+    """
+
+    method: str = "draft_model"
+    k: int = 4
+    adaptive: bool = False
+    max_k: int = 16
+    confidence_threshold: float = 0.0
+    min_ngram: int = 1
+    max_ngram: int = 3
+
+    def validate(self) -> "SpecConfig":
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
+        for name in ("k", "max_k", "min_ngram", "max_ngram"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name} must be an integer, got {v!r}")
+        if self.k < 1:
+            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {self.k}")
+        if self.max_k < self.k:
+            raise ConfigError(f"max_k must be >= k, got max_k={self.max_k} < k={self.k}")
+        if not 0 <= self.confidence_threshold < 1:
+            raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
+            raise ConfigError(
+                f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
+            )
+        return self
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_dict(cls, d):
+        return _from_dict(cls, d)
+
+    @classmethod
+    def from_json(cls, s: str):
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"spec config is not valid JSON: {e}") from e
+        return _from_dict(cls, d)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)

@@ -1,0 +1,65 @@
+"""``make demo``: the Qwen2.5-Coder 1.5B target with its 0.5B draft on a few Spec-Bench prompts,
+every method interleaved after a warm-up, printing an excerpt, tok/s, speedup, MAT, acceptance."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .bench import data
+from .config import SamplingParams, SpecConfig
+from .engine import generate
+from .metrics import GenerationStats, speedup
+
+
+def run_demo(a) -> int:
+    from .api import SpecDecoder
+
+    t0 = time.time()
+    print(f"loading {a.target} (target) and {a.draft} (draft), {a.dtype} ...", file=sys.stderr)
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
+    rows = data.select(data.load_prompts(), preset="core18")
+    picks = [r for r in rows if r["category"] in ("coding", "summarization", "math_reasoning", "rag", "qa")]
+    seen, prompts = set(), []
+    for r in picks:
+        if r["category"] not in seen:
+            prompts.append(r)
+            seen.add(r["category"])
+    prompts = prompts[: a.n_prompts]
+    methods = {
+        "plain": SpecConfig(method="plain"),
+        "draft_model": SpecConfig(method="draft_model", k=a.k),
+        "prompt_lookup": SpecConfig(method="prompt_lookup", k=8, max_ngram=3),
+    }
+    sp = SamplingParams(max_new_tokens=a.max_new_tokens)
+    ids = {r["id"]: dec.encode(r["prompt"], chat=True) for r in prompts}
+    warm = SamplingParams(max_new_tokens=4)
+    for spec in methods.values():
+        generate(dec.target, dec.make_drafter(spec), ids[prompts[0]["id"]], warm, dec.eos_ids)
+    totals = {m: GenerationStats() for m in methods}
+    plain_out = {}
+    for r in prompts:
+        print(f"\n=== [{r['task']}] {r['prompt'][:90]!r}")
+        for m, spec in methods.items():
+            out = generate(dec.target, dec.make_drafter(spec), ids[r["id"]], sp, dec.eos_ids, dec.tokenizer)
+            s = out.stats
+            tot = totals[m]
+            tot.new_tokens += s.new_tokens
+            tot.wall_s += s.wall_s
+            tot.steps += s.steps
+            if m == "plain":
+                plain_out[r["id"]] = out.token_ids
+            same = "same tokens as plain" if out.token_ids == plain_out[r["id"]] else "DIFFERS from plain"
+            rate = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
+            print(f"  {m:14s} {s.tokens_per_s:6.2f} tok/s  MAT {s.mat:.2f}  acc {rate:>4s}  {same}")
+        print(f"  text: {out.text[:160]!r}")
+    base = totals["plain"]
+    print("\n| method | tok/s | speedup | MAT | acceptance |\n|---|---|---|---|---|")
+    for m, t in totals.items():
+        rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.2f}"
+        print(f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
+              f"| {t.mat:.2f} | {rate} |")
+    print(f"\n(greedy, {a.max_new_tokens} new tokens, {len(prompts)} prompts, {a.dtype}; "
+          f"full benchmark: specdraft bench --help, docs/benchmarks.md)")
+    return 0

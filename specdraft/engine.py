@@ -1,0 +1,140 @@
+"""The decode loop. One loop for every method: the plain baseline is the drafter that drafts nothing.
+
+Invariant: the target's KV cache holds every token of ``tokens`` except the last one(s), which are
+"pending"; each step feeds pending + draft in one forward and keeps logits for the last k + 1
+positions (row i predicts the token after pending + the first i drafts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+from .drafters.base import Drafter
+from .errors import ContextLengthError, ConfigError
+from .metrics import GenerationStats, StepRecord
+from .models.adapter import HFModel
+from .sampling import make_generator, probs_from_logits
+from .verify import greedy_verify, rejection_sample
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+
+    def to_dict(self, per_step: bool = False) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
+
+
+def check_fits(target: HFModel, n_prompt: int, sp: SamplingParams) -> None:
+    if n_prompt == 0:
+        raise ConfigError("the prompt is empty: need at least one token")
+    ctx = target.max_context
+    if n_prompt >= ctx:
+        raise ContextLengthError(f"the prompt has {n_prompt} tokens; the model's context is {ctx} tokens")
+    if n_prompt + sp.max_new_tokens > ctx:
+        raise ContextLengthError(
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({sp.max_new_tokens}) = {n_prompt + sp.max_new_tokens} "
+            f"exceeds the model's context of {ctx} tokens; lower max_new_tokens to at most {ctx - n_prompt}"
+        )
+
+
+def generate(
+    target: HFModel,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    sp: SamplingParams,
+    eos_ids: set[int] | None = None,
+    tokenizer=None,
+) -> GenerationResult:
+    sp.validate()
+    prompt_ids = [int(t) for t in prompt_ids]
+    n_prompt = len(prompt_ids)
+    check_fits(target, n_prompt, sp)
+    if sp.stop and tokenizer is None:
+        raise ConfigError("stop strings need a tokenizer")
+    eos = set() if sp.ignore_eos else set(eos_ids if eos_ids is not None else target.eos_token_ids())
+    stopper = _StopChecker(sp.stop, tokenizer) if sp.stop else None
+    gen = make_generator(sp.seed)
+    stats = GenerationStats(prompt_tokens=n_prompt)
+
+    t_start = time.perf_counter()
+    target.reset()
+    drafter.begin(prompt_ids, sp, gen)
+    tokens = list(prompt_ids)
+    finish = None
+    while finish is None:
+        remaining = sp.max_new_tokens - (len(tokens) - n_prompt)
+        t0 = time.perf_counter()
+        draft = drafter.propose(tokens, remaining - 1)
+        t1 = time.perf_counter()
+        k = draft.size
+        pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
+        logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
+        d = draft.tokens[None]
+        if sp.greedy:
+            n_acc, nxt = greedy_verify(d, logits[None])
+        else:
+            q = None if draft.draft_probs is None else draft.draft_probs[None]
+            n_acc, nxt = rejection_sample(d, q, probs_from_logits(logits, sp)[None], gen)
+        n_acc, nxt = int(n_acc[0]), int(nxt[0])
+        target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
+        new = draft.tokens[:n_acc].tolist() + [nxt]
+        drafter.feedback(n_acc, new)
+        t2 = time.perf_counter()
+
+        new, finish = _cut_at_stop(new, eos, remaining)
+        if stopper is not None and finish is None:
+            new, finish = stopper.check(tokens[n_prompt:], new)
+        tokens.extend(new)
+        stats.steps.append(StepRecord(k, n_acc, len(new), t1 - t0, t2 - t1))
+    stats.wall_s = time.perf_counter() - t_start
+    out = tokens[n_prompt:]
+    stats.new_tokens = len(out)
+    stats.finish_reason = finish
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if stopper is not None:
+            text = stopper.trim(text)
+    return GenerationResult(out, text, stats)
+
+
+def _cut_at_stop(new: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:
+    for i, t in enumerate(new):
+        if t in eos:
+            return new[: i + 1], "stop"
+    if len(new) >= remaining:
+        return new[:remaining], "length"
+    return new, None
+
+
+class _StopChecker:
+    """Stop strings: emit no token past the one that completes a stop string."""
+
+    def __init__(self, stops: list[str], tokenizer):
+        self.stops = stops
+        self.tok = tokenizer
+        self.window = max(len(s) for s in stops)
+
+    def _hit(self, ids: list[int]) -> bool:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in self.stops)
+
+    def check(self, before: list[int], new: list[int]) -> tuple[list[int], str | None]:
+        ctx = before[-self.window :]  # a stop string spans at most `window` earlier tokens
+        if not self._hit(ctx + new):
+            return new, None
+        for i in range(1, len(new) + 1):
+            if self._hit(ctx + new[:i]):
+                return new[:i], "stop"
+        return new, "stop"
+
+    def trim(self, text: str) -> str:
+        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
+        return text if cut < 0 else text[:cut]

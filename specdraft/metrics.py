@@ -1,0 +1,115 @@
+"""Metrics, defined once. Everything that reports MAT, acceptance rate, tokens/s or speedup uses
+these functions: the engine's per-request stats, the CLI, the benchmark report and the server.
+
+- MAT (mean accepted tokens) = mean over verification steps of (accepted drafts + 1).
+- acceptance rate = total accepted draft tokens / total drafted tokens.
+- per-position acceptance[i] = P(draft position i accepted | position i was drafted).
+- tokens/s = new tokens / wall seconds.
+- speedup = (tokens / wall of the method) / (tokens / wall of the baseline), on totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    drafted: int  # draft tokens the target scored this step
+    accepted: int  # of which the verifier accepted (a prefix)
+    emitted: int  # tokens appended to the output (accepted + 1, less any cut by a stop condition)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def mean_accepted_tokens(steps: list[StepRecord]) -> float | None:
+    if not steps:
+        return None
+    return sum(s.accepted + 1 for s in steps) / len(steps)
+
+
+def acceptance_rate(steps: list[StepRecord]) -> float | None:
+    drafted = sum(s.drafted for s in steps)
+    if drafted == 0:
+        return None
+    return sum(s.accepted for s in steps) / drafted
+
+
+def per_position_acceptance(steps: list[StepRecord]) -> list[float]:
+    if not steps:
+        return []
+    kmax = max(s.drafted for s in steps)
+    out = []
+    for i in range(kmax):
+        tried = [s for s in steps if s.drafted > i]
+        out.append(sum(1 for s in tried if s.accepted > i) / len(tried))
+    return out
+
+
+def tokens_per_second(tokens: int, wall_s: float) -> float | None:
+    return tokens / wall_s if wall_s > 0 else None
+
+
+def speedup(tokens: int, wall_s: float, base_tokens: int, base_wall_s: float) -> float | None:
+    a = tokens_per_second(tokens, wall_s)
+    b = tokens_per_second(base_tokens, base_wall_s)
+    if a is None or not b:
+        return None
+    return a / b
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    steps: list[StepRecord] = field(default_factory=list)
+    finish_reason: str = "length"
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.steps)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    @property
+    def mat(self) -> float | None:
+        return mean_accepted_tokens(self.steps)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return acceptance_rate(self.steps)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return tokens_per_second(self.new_tokens, self.wall_s)
+
+    @property
+    def draft_s(self) -> float:
+        return sum(s.draft_s for s in self.steps)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(s.verify_s for s in self.steps)
+
+    def to_dict(self, per_step: bool = False) -> dict:
+        d = {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": len(self.steps),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mat": self.mat,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": per_position_acceptance(self.steps),
+            "tokens_per_s": self.tokens_per_s,
+            "wall_s": self.wall_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "finish_reason": self.finish_reason,
+        }
+        if per_step:
+            d["step_records"] = [[s.drafted, s.accepted, s.emitted] for s in self.steps]
+        return d

@@ -1,0 +1,85 @@
+"""A small adapter over any transformers causal LM: the only place that touches model internals.
+
+The adapter owns one KV cache (a transformers ``DynamicCache``) for a single sequence and tracks
+how many positions it holds. The engine talks to it through three calls:
+
+- ``forward(ids, keep)``: append ``ids`` to the cache and return the logits of the last ``keep``
+  positions (prefill is just a forward of the whole prompt);
+- ``crop(n)``: keep only the first ``n`` cached positions (rollback after a rejection);
+- ``reset()``: start a new sequence.
+
+Trees (next issue) add a 4D attention mask and explicit position ids to ``forward`` and a gather
+along the sequence axis to the cache; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+class HFModel:
+    def __init__(self, model, tokenizer=None, name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.cache: DynamicCache | None = None
+        self.cached_len = 0
+        self.device = next(model.parameters()).device
+        # transformers 5.x renamed past_key_values to cache; accept models of either style
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # --- facts -------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (may exceed the tokenizer's size: Qwen pads its vocabulary)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is None:
+                continue
+            ids.update([e] if isinstance(e, int) else list(e))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # --- cache -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+        self.cached_len = 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first n cached positions."""
+        if n < self.cached_len:
+            self.cache.crop(n - self.cached_len)  # transformers 5.x: a negative count drops positions
+            self.cached_len = n
+
+    # --- compute -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Append ``ids`` (LongTensor [n]) to the cache; return float32 logits [keep, V]."""
+        if self.cache is None:
+            self.reset()
+        ids = ids.reshape(1, -1).to(self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        self.cached_len += ids.shape[1]
+        return out.logits[0].float()

@@ -1,0 +1,48 @@
+"""Logits processing, applied identically to the target and the draft side.
+
+``probs_from_logits`` is the one place where temperature, top-k and top-p turn logits into the
+distribution a token is sampled from. The verifier's exactness rests on both sides using it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Rows of logits [..., V] -> rows of probabilities (float32), vectorized, no Python loops.
+
+    Order as in transformers: temperature, then top-k, then top-p (on the temperature-scaled
+    distribution). Requires sp.temperature > 0.
+    """
+    x = logits.float() / sp.temperature
+    if sp.top_k > 0 and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        sp_sorted = torch.softmax(sorted_x, dim=-1)
+        # mass strictly before each token; drop tokens once top_p is already covered (keeps >= 1)
+        before = torch.cumsum(sp_sorted, dim=-1) - sp_sorted
+        drop_sorted = before >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V] -> LongTensor [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,93 @@
+"""Verification: pure, batched functions on tensors. Names follow vLLM's rejection sampler:
+
+- accepted: draft tokens the target keeps (a prefix of the chain),
+- recovered: the token sampled from the residual distribution at the first rejection,
+- bonus: the token sampled from the target after every draft token was accepted.
+
+Shapes, for B rows each with a chain of up to k draft tokens over a vocabulary of V:
+
+- ``draft_tokens`` [B, k] (LongTensor); ``num_draft`` [B] optional, the real length of each row's
+  chain (ragged batches; positions past it are padding and never accepted);
+- ``target_*`` [B, k + 1, V]: row i predicts the token after the context plus the first i drafts;
+- ``draft_probs`` [B, k, V]: the distribution each draft token was sampled from, or None for a
+  deterministic drafter (one-hot at the drafted token).
+
+Each function returns ``(num_accepted [B], next_token [B])``; row b emits
+``draft_tokens[b, :num_accepted[b]]`` followed by ``next_token[b]`` (recovered or bonus).
+No Python loop over rows, positions or the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+
+def _valid(draft_tokens: torch.Tensor, num_draft: torch.Tensor | None) -> torch.Tensor:
+    B, k = draft_tokens.shape
+    if num_draft is None:
+        return torch.ones(B, k, dtype=torch.bool, device=draft_tokens.device)
+    return torch.arange(k, device=draft_tokens.device)[None, :] < num_draft[:, None]
+
+
+def _prefix_len(ok: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row."""
+    return torch.cumprod(ok.to(torch.int64), dim=-1).sum(dim=-1)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_draft: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix equal to the target's argmax, then the target's argmax after it."""
+    k = draft_tokens.shape[1]
+    argmax = target_logits.argmax(dim=-1)  # [B, k+1]
+    ok = (argmax[:, :k] == draft_tokens) & _valid(draft_tokens, num_draft)
+    n = _prefix_len(ok)
+    return n, argmax.gather(1, n[:, None]).squeeze(1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) row-wise, unnormalized (sampling normalizes)."""
+    return torch.clamp(p - q, min=0.0)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    num_draft: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling for chains (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
+    sample the recovered token from norm(max(0, p_i - q_i)); if the whole chain is accepted sample
+    the bonus token from p_k. The emitted tokens are then distributed exactly as the target's.
+    """
+    B, k = draft_tokens.shape
+    V = target_probs.shape[-1]
+    rows = torch.arange(B, device=target_probs.device)
+    valid = _valid(draft_tokens, num_draft)
+    nd = valid.sum(dim=1)
+    if k > 0:
+        p_x = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)
+        q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)
+        u = torch.rand(B, k, generator=generator, device=target_probs.device)
+        n = _prefix_len((u * q_x < p_x) & valid)  # u < p/q without dividing; q_x > 0 for drafted tokens
+    else:
+        n = torch.zeros(B, dtype=torch.long, device=target_probs.device)
+    p_n = target_probs[rows, n]  # [B, V]
+    if k > 0:
+        at = torch.clamp(n, max=k - 1)
+        if draft_probs is None:
+            q_n = torch.nn.functional.one_hot(draft_tokens[rows, at], V).to(p_n.dtype)
+        else:
+            q_n = draft_probs[rows, at]
+        rejected = (n < nd)[:, None]
+        dist = torch.where(rejected, residual_distribution(p_n, q_n), p_n)
+        # p == q up to rounding: the rejection had probability ~0, and p itself is then exact
+        dist = torch.where(dist.sum(dim=1, keepdim=True) > 0, dist, p_n)
+    else:
+        dist = p_n
+    return n, sample(dist, generator)

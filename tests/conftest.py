@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(int(os.environ.get("SPECDRAFT_THREADS", "0")) or os.cpu_count() or 1)
+
+
+def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, noise_seed=None, noise=0.0):
+    """A random-weight Llama: for the mechanics only (real models are used for exactness)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.models.adapter import HFModel
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    m = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # sharper distributions than the default init, so tokens matter
+        m.lm_head.weight.mul_(scale)
+        if noise_seed is not None:  # a related model: the same weights with a perturbed head
+            g = torch.Generator().manual_seed(noise_seed)
+            m.lm_head.weight.add_(noise * torch.randn(m.lm_head.weight.shape, generator=g))
+    return HFModel(m, None, name=f"tiny-{seed}")
+
+
+@pytest.fixture(scope="session")
+def smol_f32():
+    from specdraft.models.loading import load_model
+
+    return load_model("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def smol_tok(smol_f32):
+    return smol_f32.tokenizer

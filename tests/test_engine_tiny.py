@@ -1,0 +1,100 @@
+"""End-to-end engine behaviour on tiny random-weight models (mechanics, sampling exactness)."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.drafters.base import NoDrafter
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import generate
+from specdraft.errors import ContextLengthError
+from specdraft.sampling import probs_from_logits
+from stat_util import fit_pvalue
+
+V = 6
+PROMPT = [1, 2, 3, 1, 2]
+N = 2000
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(vocab=V), tiny_llama(vocab=V, noise_seed=5, noise=0.25)
+
+
+def exact_first_two(target, sp):
+    target.reset()
+    p1 = probs_from_logits(target.forward(torch.tensor(PROMPT), keep=1)[-1], sp).double()
+    joint = np.zeros((V, V))
+    for a in range(V):
+        target.reset()
+        p2 = probs_from_logits(target.forward(torch.tensor(PROMPT + [a]), keep=1)[-1], sp).double()
+        joint[a] = (p1[a] * p2).numpy()
+    return joint
+
+
+def sample_first_two(target, drafter, sp, max_new):
+    counts = np.zeros((V, V))
+    for i in range(N):
+        s = SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new})
+        out = generate(target, drafter, PROMPT, s, eos_ids=set())
+        a, b = out.token_ids[:2]
+        counts[a, b] += 1
+    return counts
+
+
+T1 = SamplingParams(temperature=1.0)
+TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path; 5: chain positions
+    ("draft_model", 2, T1), ("draft_model", 5, TRUNC), ("prompt_lookup", 3, TRUNC), ("plain", 2, T1),
+]
+
+
+@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
+def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
+    target, draft = pair
+    if method == "draft_model":
+        drafter = DraftModelDrafter(draft, SpecConfig(k=3), V)
+    elif method == "prompt_lookup":
+        drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
+    else:
+        drafter = NoDrafter()
+    counts = sample_first_two(target, drafter, sp, max_new)
+    assert fit_pvalue(counts, exact_first_two(target, sp)) > 1e-3
+
+
+def test_greedy_matches_plain_and_accepts(pair):
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=40)
+    ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
+    for cfg in [SpecConfig(k=3), SpecConfig(k=2, adaptive=True, max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
+        out = generate(target, DraftModelDrafter(draft, cfg, V), PROMPT, sp, eos_ids=set())
+        assert out.token_ids == ref.token_ids
+        assert out.stats.accepted > 0 and out.stats.drafted > out.stats.accepted
+    assert len(ref.token_ids) == 40 and ref.stats.finish_reason == "length"
+    assert ref.stats.mat == 1.0 and ref.stats.acceptance_rate is None
+
+
+def test_stop_at_eos_and_max_tokens(pair):
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=30)
+    ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set()).token_ids
+    eos = ref[7]
+    first = ref.index(eos)
+    for drafter in [NoDrafter(), DraftModelDrafter(draft, SpecConfig(k=4), V)]:
+        out = generate(target, drafter, PROMPT, sp, eos_ids={eos})
+        assert out.token_ids == ref[: first + 1] and out.stats.finish_reason == "stop"
+    for n in [1, 2, 3, 7]:
+        out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4), V), PROMPT,
+                       SamplingParams(max_new_tokens=n), eos_ids=set())
+        assert out.token_ids == ref[:n]
+
+
+def test_context_length_errors():
+    t = tiny_llama(vocab=V, max_pos=16)
+    with pytest.raises(ContextLengthError, match="context is 16 tokens"):
+        generate(t, NoDrafter(), list(range(6)) * 3, SamplingParams(max_new_tokens=1), eos_ids=set())
+    with pytest.raises(ContextLengthError, match="lower max_new_tokens to at most 6"):
+        generate(t, NoDrafter(), [1] * 10, SamplingParams(max_new_tokens=20), eos_ids=set())
