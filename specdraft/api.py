@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 from .config import SamplingParams, SpecConfig
 from .drafters.base import NoDrafter
 from .drafters.draft_model import DraftModelDrafter
@@ -18,6 +20,7 @@ from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .models.adapter import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
+from .policy import CostAwarePolicy
 
 
 class SpecDecoder:
@@ -28,6 +31,16 @@ class SpecDecoder:
             check_same_tokenizer(target, draft)
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids()
+        self._policies: dict[str, CostAwarePolicy] = {}
+
+    def policy_for(self, spec: SpecConfig) -> CostAwarePolicy | None:
+        """The cost-aware schedule's measurements persist across requests of one decoder."""
+        if spec.schedule != "cost_aware" or spec.method == "plain":
+            return None
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        if key not in self._policies:
+            self._policies[key] = CostAwarePolicy(spec.k)
+        return self._policies[key]
 
     @classmethod
     def load(
@@ -81,4 +94,4 @@ class SpecDecoder:
         if spec is None and self.draft is None:
             sc = SpecConfig(method="prompt_lookup")
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer)
+        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer, self.policy_for(sc))

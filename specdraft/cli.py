@@ -21,7 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--method", default=None, help="plain | draft_model | prompt_lookup")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
-    p.add_argument("--adaptive", action="store_true", default=None, help="adapt k to acceptance (draft_model)")
+    p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
+                   help="draft length per step (default constant k; cost_aware measures when speculation pays)")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -54,8 +55,8 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
     if a.k is not None:
         d["k"] = a.k
         d.setdefault("max_k", max(16, a.k))
-    if a.adaptive:
-        d["adaptive"] = True
+    if a.schedule:
+        d["schedule"] = a.schedule
     return SpecConfig.from_dict(d)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from .errors import ConfigError
 
 METHODS = ("plain", "draft_model", "prompt_lookup")
+SCHEDULES = ("constant", "heuristic", "cost_aware")
 
 
 def _from_dict(cls, d: dict[str, Any] | None):
@@ -90,17 +91,22 @@ class SpecConfig:
     """How to speculate. ``method`` picks the drafter; the other fields configure it.
 
     - plain: no drafting, the autoregressive baseline (same engine, same loop).
-    - draft_model: an independent smaller model with the target's tokenizer drafts ``k`` tokens.
-      ``adaptive`` grows k by 2 after a fully accepted step and shrinks it by 1 otherwise (between 1
-      and ``max_k``); ``confidence_threshold`` > 0 stops drafting early when the draft's top
-      probability falls below it. Both only change what is drafted, never what is emitted.
+    - draft_model: an independent smaller model with the target's tokenizer drafts ``k`` tokens;
+      ``confidence_threshold`` > 0 stops drafting early when the draft's top probability falls
+      below it.
     - prompt_lookup: copy the ``k`` tokens that followed the most recent earlier occurrence of the
       longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output.
+
+    ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
+    rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
+    ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
+    0 meaning a plain step, so speculation never runs where it does not pay). A schedule changes only
+    what is drafted, never what is emitted.
     """
 
     method: str = "draft_model"
     k: int = 4
-    adaptive: bool = False
+    schedule: str = "constant"
     max_k: int = 16
     confidence_threshold: float = 0.0
     min_ngram: int = 1
@@ -113,6 +119,8 @@ class SpecConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name} must be an integer, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.k < 1:
             raise ConfigError(f"k (draft tokens per step) must be >= 1, got {self.k}")
         if self.max_k < self.k:

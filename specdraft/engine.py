@@ -17,6 +17,7 @@ from .drafters.base import Drafter
 from .errors import ContextLengthError, ConfigError
 from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
+from .policy import CostAwarePolicy
 from .sampling import make_generator, probs_from_logits
 from .verify import greedy_verify, rejection_sample
 
@@ -51,6 +52,7 @@ def generate(
     sp: SamplingParams,
     eos_ids: set[int] | None = None,
     tokenizer=None,
+    policy: CostAwarePolicy | None = None,
 ) -> GenerationResult:
     sp.validate()
     prompt_ids = [int(t) for t in prompt_ids]
@@ -67,11 +69,13 @@ def generate(
     target.reset()
     drafter.begin(prompt_ids, sp, gen)
     tokens = list(prompt_ids)
+    policy_cap = getattr(policy, "max_k", 0)
     finish = None
     while finish is None:
         remaining = sp.max_new_tokens - (len(tokens) - n_prompt)
         t0 = time.perf_counter()
-        draft = drafter.propose(tokens, remaining - 1)
+        cap = remaining - 1 if policy is None else policy.choose(min(remaining - 1, policy_cap))
+        draft = drafter.propose(tokens, cap)
         t1 = time.perf_counter()
         k = draft.size
         pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
@@ -88,6 +92,9 @@ def generate(
         drafter.feedback(n_acc, new)
         t2 = time.perf_counter()
 
+        if policy is not None:
+            n_pending = pending.shape[0]
+            policy.observe(k, n_acc, t1 - t0, t2 - t1, scored=n_pending + k if n_pending == 1 else None)
         new, finish = _cut_at_stop(new, eos, remaining)
         if stopper is not None and finish is None:
             new, finish = stopper.check(tokens[n_prompt:], new)

@@ -69,7 +69,7 @@ def test_greedy_matches_plain_and_accepts(pair):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=40)
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
-    for cfg in [SpecConfig(k=3), SpecConfig(k=2, adaptive=True, max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
+    for cfg in [SpecConfig(k=3), SpecConfig(k=2, schedule="heuristic", max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
         out = generate(target, DraftModelDrafter(draft, cfg, V), PROMPT, sp, eos_ids=set())
         assert out.token_ids == ref.token_ids
         assert out.stats.accepted > 0 and out.stats.drafted > out.stats.accepted
@@ -98,3 +98,37 @@ def test_context_length_errors():
         generate(t, NoDrafter(), list(range(6)) * 3, SamplingParams(max_new_tokens=1), eos_ids=set())
     with pytest.raises(ContextLengthError, match="lower max_new_tokens to at most 6"):
         generate(t, NoDrafter(), [1] * 10, SamplingParams(max_new_tokens=20), eos_ids=set())
+
+
+def test_cost_aware_schedule_is_exact_and_backs_off(pair):
+    from specdraft.policy import CostAwarePolicy
+
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=40)
+    ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set()).token_ids
+    pol = CostAwarePolicy(4)
+    for _ in range(2):
+        out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V), PROMPT, sp,
+                       eos_ids=set(), policy=pol)
+        assert out.token_ids == ref
+    assert 1 in pol.cost and 5 in pol.cost
+
+
+def test_cost_aware_policy_decisions():
+    from specdraft.policy import CostAwarePolicy
+
+    p = CostAwarePolicy(4, explore_every=3)
+    assert p.choose(4) == 0  # measure a plain step first
+    p.observe(0, 0, 0.0, 1.0, scored=1)
+    assert p.choose(4) == 4  # then the longest draft
+    # verification nearly free, high acceptance: draft the most
+    p.observe(4, 4, 0.0, 1.1, scored=5)
+    assert p.choose(4) == 4
+    # verification costs 5x a token and drafts are rejected: plain decoding
+    for _ in range(20):
+        p.observe(4, 0, 0.4, 5.0, scored=5)
+    assert p.choose(4) == 0
+    for _ in range(3):
+        p.observe(0, 0, 0.0, 1.0, scored=1)
+    assert p.choose(4) >= 1  # periodic exploration keeps the estimates current
+    assert p.expected_tokens(0) == 1.0

@@ -26,7 +26,7 @@ class EngineRunner:
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         drafter = self.dec.make_drafter(self.spec)
-        out = generate(self.dec.target, drafter, ids, sp, self.dec.eos_ids, None)
+        out = generate(self.dec.target, drafter, ids, sp, self.dec.eos_ids, None, self.dec.policy_for(self.spec))
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,

@@ -66,7 +66,7 @@ class DraftModelDrafter:
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         # The cache holds the context plus the drafts that were fed back in (all but the last).
         self.model.crop(self._base + min(num_accepted, max(self._drafted - 1, 0)))
-        if self.cfg.adaptive and self._drafted:
+        if self.cfg.schedule == "heuristic" and self._drafted:
             if num_accepted == self._drafted:
                 self.k = min(self.k + 2, self.cfg.max_k)
             else:

@@ -1,0 +1,86 @@
+"""When to speculate, and how far: a cost-aware draft length (``SpecConfig.schedule="cost_aware"``).
+
+Speculation pays only when the tokens a step is expected to emit outweigh what the step costs. Both
+sides are measured online, on the machine at hand:
+
+- ``cost(n)``: seconds of a step whose target forward scores n tokens (draft + pending), an EMA
+  per n, interpolated between measured n (never extrapolated below the largest measured value);
+- ``draft_cost``: seconds per drafted token (an EMA; ~0 for prompt lookup);
+- ``acc[i]``: P(draft position i accepted | positions before it accepted), an EMA.
+
+Each step drafts the k in 0..cap maximizing E[emitted] / E[seconds], with
+E[emitted] = 1 + sum_{j=1..k} prod_{i<j} acc[i] and E[seconds] = k * draft_cost + cost(k + 1).
+k = 0 is plain decoding. The costs it needs first are measured by exploration (cost(1), then
+cost(cap + 1)); while speculation does not pay, one step in ``explore_every`` still drafts, so
+acceptance estimates stay current. Only what is drafted changes: the output is exactly the same.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class CostAwarePolicy:
+    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.3, prior_acceptance: float = 0.6):
+        self.max_k = max_k
+        self.cost: dict[int, float] = {}
+        self.draft_cost = 0.0
+        self.acc: list[float] = []
+        self.prior = prior_acceptance
+        self.ema = ema
+        self.explore_every = explore_every
+        self.since_spec = 0
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def est_cost(self, n: int) -> float:
+        if n in self.cost:
+            return self.cost[n]
+        ns = sorted(self.cost)
+        i = bisect.bisect_left(ns, n)
+        if i == 0:
+            return self.cost[ns[0]]
+        if i == len(ns):
+            return self.cost[ns[-1]]
+        a, b = ns[i - 1], ns[i]
+        return self.cost[a] + (self.cost[b] - self.cost[a]) * (n - a) / (b - a)
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acc[i] if i < len(self.acc) else self.prior
+            e += run
+        return e
+
+    def choose(self, cap: int) -> int:
+        if cap <= 0:
+            return 0
+        if 1 not in self.cost:
+            return 0
+        if cap + 1 not in self.cost and not any(n > cap for n in self.cost):
+            return cap
+        best_k, best = 0, 1.0 / self.est_cost(1)
+        for k in range(1, cap + 1):
+            rate = self.expected_tokens(k) / (k * self.draft_cost + self.est_cost(k + 1))
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0 and self.since_spec >= self.explore_every:
+            best_k = max(range(1, cap + 1), key=lambda k: self.expected_tokens(k) / (k * self.draft_cost + self.est_cost(k + 1)))
+        return best_k
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, step_s: float, scored: int | None = None) -> None:
+        """One verification step: ``drafted`` tokens, ``accepted`` of them; ``step_s`` is the
+        target-side time; ``scored`` the tokens the target forward scored (None: skip the cost,
+        e.g. for the prefill step)."""
+        if scored is not None:
+            self.cost[scored] = self._avg(self.cost.get(scored), step_s)
+        if drafted:
+            self.since_spec = 0
+            self.draft_cost = self._avg(self.draft_cost if self.draft_cost else None, draft_s / drafted)
+            while len(self.acc) < drafted:
+                self.acc.append(self.prior)
+            for i in range(min(accepted + 1, drafted)):  # position i was tested iff all before it passed
+                self.acc[i] = self._avg(self.acc[i], 1.0 if i < accepted else 0.0)
+        else:
+            self.since_spec += 1

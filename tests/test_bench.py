@@ -1,0 +1,117 @@
+"""The benchmark harness end to end on a tiny model (seconds): run, resume, report, plots."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdraft.bench import harness, runners
+from specdraft.bench.report import aggregate
+from specdraft.cli import main
+from specdraft.models import registry
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    src = registry.pull("smollm2-135m")  # only its tokenizer files are used
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture()
+def dataset(tmp_path):
+    p = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"Say {c} number {i}. Say {c} number {i}."]}
+            for i, c in enumerate(["summarization", "summarization", "qa", "writing"])]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def _args(tiny_dir, dataset, out, *extra):
+    return ["bench", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--draft-layers", "1",
+            "--dtype", "float32", "--dataset", str(dataset), "--max-new-tokens", "8",
+            "--methods", "plain,draft_model,prompt_lookup,hf_generate,llama_cpp", "--sweep", "k=1,3",
+            "--out", str(out), *extra]
+
+
+def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "r.json"
+    # interrupt after 5 records: a valid partial file remains
+    calls = {"n": 0}
+    orig = runners.EngineRunner.run
+
+    def flaky(self, ids, sp):
+        calls["n"] += 1
+        if calls["n"] == 5 + 5:  # 5 warm-up runs first
+            raise KeyboardInterrupt
+        return orig(self, ids, sp)
+
+    monkeypatch.setattr(runners.EngineRunner, "run", flaky)
+    assert main(_args(tiny_dir, dataset, out)) == 130
+    partial = json.loads(out.read_text())
+    assert 0 < len(partial["records"]) < 4 * 6
+    monkeypatch.setattr(runners.EngineRunner, "run", orig)
+    assert main(_args(tiny_dir, dataset, out)) == 0
+    doc = json.loads(out.read_text())
+    keys = [(r["prompt_id"], r["method"], r["repeat"]) for r in doc["records"]]
+    assert len(keys) == len(set(keys)) == 4 * 6  # 4 prompts x (plain, 2 draft_model, 2 prompt_lookup, hf)
+    assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
+    for r in doc["records"]:
+        assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
+        if r["method"] != "plain":
+            assert r["exact"] is True  # greedy: every method reproduces plain decoding
+    env = doc["environment"]
+    for k in ("torch", "transformers", "cpu", "threads", "dtype", "git_commit", "date"):
+        assert k in env
+    agg = aggregate(doc)
+    assert agg["rows"]["plain"]["speedup"] == 1.0
+    assert set(agg["tasks"]) == {"summarization", "qa", "mt_bench"}
+    capsys.readouterr()
+    # re-render without rerunning
+    for f in tmp_path.glob("r_*"):
+        f.unlink()
+    assert main(["bench", "report", str(out)]) == 0
+    md = capsys.readouterr().out
+    assert "| method | mt_bench | summarization | qa | Overall | MAT | tok/s |" in md
+    assert "draft_model[k=3]" in md and "hf_generate" in md
+    for suffix in ("_report.md", "_speedup.png", "_acceptance.png", "_sweep.png"):
+        assert (tmp_path / f"r{suffix}").stat().st_size > 0
+
+
+def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"settings": {"target": "x"}, "records": []}))
+    assert main(_args(tiny_dir, dataset, out)) == 2
+
+
+def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(_args(tiny_dir, dataset, out, "--sweep", "bogus=1,2")) == 2
+    assert "not a SpecConfig field" in capsys.readouterr().err
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"variants": {"x": {"method": "draft_model", "k": 0}}}))
+    assert main(_args(tiny_dir, dataset, out, "--config", str(bad))) == 2
+    assert "k (draft tokens per step) must be >= 1" in capsys.readouterr().err
+
+
+def test_metric_functions_used_by_report():
+    doc = {"records": [
+        {"prompt_id": "a", "task": "qa", "method": "plain", "repeat": 0, "new_tokens": 10, "wall_s": 10.0,
+         "steps": [[0, 0]] * 10},
+        {"prompt_id": "a", "task": "qa", "method": "draft_model", "repeat": 0, "new_tokens": 10, "wall_s": 4.0,
+         "steps": [[4, 4], [4, 0], [4, 2]]},
+    ]}
+    r = aggregate(doc)["rows"]["draft_model"]
+    assert r["speedup"] == 2.5 and r["mat"] == (5 + 1 + 3) / 3 and r["acceptance_rate"] == 6 / 12
+    assert r["per_position"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]

