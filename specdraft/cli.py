@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the Qwen pair on a few Spec-Bench prompts, every method")
     _add_model_args(d, default_draft="qwen2.5-coder-0.5b")
-    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--n-prompts", type=int, default=3)
-    d.add_argument("--k", type=int, default=4)
+    d.add_argument("--k", type=int, default=3)
     d.set_defaults(fn=cmd_demo)
 
     from .bench.harness import add_bench_args

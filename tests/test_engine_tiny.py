@@ -132,3 +132,25 @@ def test_cost_aware_policy_decisions():
         p.observe(0, 0, 0.0, 1.0, scored=1)
     assert p.choose(4) >= 1  # periodic exploration keeps the estimates current
     assert p.expected_tokens(0) == 1.0
+
+
+class _CharTok:
+    """Token i decodes to the letter 'a' + i: enough to test stop strings."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + int(i)) for i in ids)
+
+
+def test_stop_strings_emit_nothing_past_the_stop(pair):
+    target, draft = pair
+    tok = _CharTok()
+    sp = SamplingParams(max_new_tokens=30)
+    ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set(), tokenizer=tok)
+    stop = ref.text[5:7]  # a two-character stop string first completed at some token j
+    first = ref.text.find(stop)
+    for drafter in [NoDrafter(), DraftModelDrafter(draft, SpecConfig(k=4), V)]:
+        s = SamplingParams(max_new_tokens=30, stop=[stop])
+        out = generate(target, drafter, PROMPT, s, eos_ids=set(), tokenizer=tok)
+        assert out.stats.finish_reason == "stop"
+        assert out.token_ids == ref.token_ids[: first + 2]  # up to the token that completes the stop
+        assert out.text == ref.text[:first]  # the stop string itself is not returned

@@ -112,6 +112,18 @@ def markdown(doc: dict, agg: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finish(fig, ax, title: str, stem: Path, suffix: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(title)
+    fig.tight_layout()
+    p = stem.with_name(stem.name + suffix)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
     import matplotlib
 
@@ -122,7 +134,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
     methods = [m for m in agg["methods"] if m != "plain"]
     tasks = agg["tasks"] + ["Overall"]
     if methods:
-        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 4))
+        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)) + 2.5, 4))
         w = 0.8 / len(methods)
         for i, m in enumerate(methods):
             r = agg["rows"][m]
@@ -131,28 +143,16 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(tasks))], tasks, rotation=20)
         ax.set_ylabel("speedup over plain decoding")
-        ax.legend(fontsize=8)
-        ax.set_title(f"{doc['settings']['target']}: speedup per task")
-        fig.tight_layout()
-        p = stem.with_name(stem.name + "_speedup.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        files.append(p)
+        files.append(_finish(fig, ax, f"{doc['settings']['target']}: speedup per task", stem, "_speedup.png"))
     curves = {m: agg["rows"][m]["per_position"] for m in methods if agg["rows"][m]["per_position"]}
     if curves:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8.5, 4))
         for m, ys in curves.items():
             ax.plot(range(1, len(ys) + 1), ys, marker="o", label=m)
         ax.set_xlabel("draft position")
         ax.set_ylabel("P(accepted | drafted)")
         ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
-        ax.set_title("per-position acceptance")
-        fig.tight_layout()
-        p = stem.with_name(stem.name + "_acceptance.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        files.append(p)
+        files.append(_finish(fig, ax, "per-position acceptance", stem, "_acceptance.png"))
     sweep = defaultdict(list)
     for m in methods:
         mm = re.fullmatch(r"(\w+)\[(\w+)=([^,\]]+)\]", m)
@@ -162,7 +162,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
             except ValueError:
                 pass
     if sweep:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8.5, 4))
         for (m, f), pts in sweep.items():
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{m} ({f})")
@@ -171,13 +171,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
             ax.axhline(base, color="k", lw=0.8, ls="--", label="plain")
         ax.set_xlabel(", ".join(sorted({f for _, f in sweep})))
         ax.set_ylabel("tokens/s")
-        ax.legend(fontsize=8)
-        ax.set_title("tokens/s against the swept field")
-        fig.tight_layout()
-        p = stem.with_name(stem.name + "_sweep.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        files.append(p)
+        files.append(_finish(fig, ax, "tokens/s against the swept field", stem, "_sweep.png"))
     return files
 
 
