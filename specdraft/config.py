@@ -95,7 +95,9 @@ class SpecConfig:
       ``confidence_threshold`` > 0 stops drafting early when the draft's top probability falls
       below it.
     - prompt_lookup: copy the ``k`` tokens that followed the most recent earlier occurrence of the
-      longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output.
+      longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output. With
+      ``branches`` > 1 the continuations of up to that many matches form a token tree, scored in one
+      forward with a tree attention mask (greedy only for now).
 
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
@@ -111,11 +113,12 @@ class SpecConfig:
     confidence_threshold: float = 0.0
     min_ngram: int = 1
     max_ngram: int = 3
+    branches: int = 1
 
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
-        for name in ("k", "max_k", "min_ngram", "max_ngram"):
+        for name in ("k", "max_k", "min_ngram", "max_ngram", "branches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name} must be an integer, got {v!r}")
@@ -127,6 +130,8 @@ class SpecConfig:
             raise ConfigError(f"max_k must be >= k, got max_k={self.max_k} < k={self.k}")
         if not 0 <= self.confidence_threshold < 1:
             raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        if self.branches < 1:
+            raise ConfigError(f"branches must be >= 1 (1 = a chain), got {self.branches}")
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
             raise ConfigError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"

@@ -19,7 +19,7 @@ from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .policy import CostAwarePolicy
 from .sampling import make_generator, probs_from_logits
-from .verify import greedy_verify, rejection_sample
+from .verify import greedy_verify, greedy_verify_tree, rejection_sample
 
 
 @dataclass
@@ -79,16 +79,21 @@ def generate(
         t1 = time.perf_counter()
         k = draft.size
         pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
-        logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
-        d = draft.tokens[None]
-        if sp.greedy:
-            n_acc, nxt = greedy_verify(d, logits[None])
+        if draft.is_chain():
+            logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
+            d = draft.tokens[None]
+            if sp.greedy:
+                n_acc, nxt = greedy_verify(d, logits[None])
+            else:
+                q = None if draft.draft_probs is None else draft.draft_probs[None]
+                n_acc, nxt = rejection_sample(d, q, probs_from_logits(logits, sp)[None], gen)
+            n_acc, nxt = int(n_acc[0]), int(nxt[0])
+            target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
+            accepted = draft.tokens[:n_acc].tolist()
         else:
-            q = None if draft.draft_probs is None else draft.draft_probs[None]
-            n_acc, nxt = rejection_sample(d, q, probs_from_logits(logits, sp)[None], gen)
-        n_acc, nxt = int(n_acc[0]), int(nxt[0])
-        target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
-        new = draft.tokens[:n_acc].tolist() + [nxt]
+            accepted, nxt = _verify_tree(target, draft, pending, sp)
+            n_acc = len(accepted)
+        new = accepted + [nxt]
         drafter.feedback(n_acc, new)
         t2 = time.perf_counter()
 
@@ -110,6 +115,20 @@ def generate(
         if stopper is not None:
             text = stopper.trim(text)
     return GenerationResult(out, text, stats)
+
+
+def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams) -> tuple[list[int], int]:
+    """Score a whole token tree in one forward (tree attention mask + depth positions), keep the
+    accepted path in the cache, return (accepted tokens, next token)."""
+    if not sp.greedy:
+        raise ConfigError("sampling verification of token trees is not implemented yet; use branches=1 (a chain)")
+    past, n_pend = target.cached_len, pending.shape[0]
+    logits = target.forward(torch.cat([pending, tree.tokens]), keep=tree.size + 1,
+                            attention_mask=tree.attention_mask(past, n_pend), position_ids=tree.position_ids(past, n_pend))
+    path, nxt = greedy_verify_tree(tree, logits)
+    keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])
+    target.keep_positions(keep)
+    return tree.tokens[path].tolist(), nxt
 
 
 def _cut_at_stop(new: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:

@@ -45,3 +45,40 @@ class DraftTree:
         for i, p in enumerate(par):
             d[i] = 1 if p < 0 else d[p] + 1
         return d
+
+    # --- tree attention (the target scores a whole tree in one forward) ------------------------
+    def ancestors(self) -> torch.Tensor:
+        """Bool [n, n]: A[i, j] is True iff node j is node i or one of its ancestors."""
+        n = self.size
+        a = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist()):  # nodes, not vocabulary: n is small
+            if p >= 0:
+                a[i] |= a[p]
+        return a
+
+    def attention_mask(self, past_len: int, n_pending: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Additive 4D mask (1, 1, q, past_len + q), q = n_pending + n: the pending tokens are causal
+        among themselves; each tree node sees the cache, every pending token and its own ancestors.
+        0 where attention is allowed, the dtype's minimum elsewhere."""
+        n, q = self.size, n_pending + self.size
+        allow = torch.zeros(q, past_len + q, dtype=torch.bool)
+        allow[:, :past_len] = True
+        allow[:n_pending, past_len : past_len + n_pending] = torch.tril(torch.ones(n_pending, n_pending, dtype=torch.bool))
+        allow[n_pending:, past_len : past_len + n_pending] = True
+        allow[n_pending:, past_len + n_pending :] = self.ancestors()
+        mask = torch.zeros(q, past_len + q, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    def position_ids(self, past_len: int, n_pending: int = 1) -> torch.Tensor:
+        """(1, n_pending + n): pending tokens at past_len.., node i at (last pending) + depth(i)."""
+        pend = torch.arange(past_len, past_len + n_pending)
+        nodes = past_len + n_pending - 1 + self.depths()
+        return torch.cat([pend, nodes])[None]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node`` (empty for node -1, the root)."""
+        path, par = [], self.parents.tolist()
+        while node >= 0:
+            path.append(node)
+            node = par[node]
+        return path[::-1]

@@ -91,3 +91,23 @@ def rejection_sample(
     else:
         dist = p_n
     return n, sample(dist, generator)
+
+
+def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verification of a token tree scored in one forward.
+
+    ``target_logits`` [n + 1, V]: row 0 predicts the root's children, row 1 + i node i's children.
+    Node i is correct when its token is the target's argmax at its parent; the accepted path is the
+    deepest node whose whole path is correct (the first such node on ties). Returns the path's node
+    indices (root to leaf) and the target's argmax after it.
+    """
+    argmax = target_logits.argmax(dim=-1)
+    if tree.size == 0:
+        return [], int(argmax[0])
+    correct = tree.tokens == argmax[tree.parents + 1]
+    ok = ~(tree.ancestors() & ~correct[None, :]).any(dim=1)
+    score = torch.where(ok, tree.depths(), torch.zeros_like(tree.tokens))
+    best = int(score.argmax())
+    if int(score[best]) == 0:
+        return [], int(argmax[0])
+    return tree.path_to(best), int(argmax[best + 1])

@@ -154,3 +154,12 @@ def test_stop_strings_emit_nothing_past_the_stop(pair):
         assert out.stats.finish_reason == "stop"
         assert out.token_ids == ref.token_ids[: first + 2]  # up to the token that completes the stop
         assert out.text == ref.text[:first]  # the stop string itself is not returned
+
+
+def test_tree_sampling_is_refused_clearly(pair):
+    from specdraft.errors import ConfigError
+
+    target, _ = pair
+    d = PromptLookupDrafter(SpecConfig(method="prompt_lookup", branches=2))
+    with pytest.raises(ConfigError, match="supports greedy decoding only"):
+        generate(target, d, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=4), eos_ids=set())

@@ -77,3 +77,14 @@ def test_prompt_lookup_greedy_exact(smol, reference):
         assert out.token_ids == reference[p], f"prompt_lookup diverged on {p!r}"
         accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_prompt_lookup_tree_greedy_exact(smol, reference):
+    """Several lookup matches as one token tree, scored with a tree attention mask in one forward."""
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    accepted = 0
+    for p in PROMPTS:
+        out = smol.generate(p, sampling=sp, spec=SpecConfig(method="prompt_lookup", k=4, branches=3), chat=True)
+        assert out.token_ids == reference[p], f"prompt_lookup tree diverged on {p!r}"
+        accepted += out.stats.accepted
+    assert accepted > 0

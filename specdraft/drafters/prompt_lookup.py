@@ -7,21 +7,51 @@ import numpy as np
 import torch
 
 from ..config import SpecConfig
+from ..errors import ConfigError
 from ..tree import DraftTree
 
 
-def find_candidate(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Tokens following the most recent earlier match of the longest suffix n-gram (n from max_n
-    down to min_n); empty if none. Vectorized over positions."""
+def find_candidates(tokens: np.ndarray, min_n: int, max_n: int, k: int, branches: int) -> list[np.ndarray]:
+    """Up to ``branches`` distinct continuations of the longest suffix n-gram, most recent match
+    first."""
     L = tokens.shape[0]
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        pattern = tokens[L - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: L - 1], n)  # starts 0..L-1-n
-        hits = np.nonzero((windows == pattern).all(axis=1))[0]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: L - 1], n)
+        hits = np.nonzero((windows == tokens[L - n :]).all(axis=1))[0]
         if hits.size:
-            start = int(hits[-1]) + n  # most recent match; it has >= 1 following token
-            return tokens[start : start + k]
-    return tokens[:0]
+            out, seen = [], set()
+            for h in hits[::-1]:
+                c = tokens[int(h) + n : int(h) + n + k]
+                key = c.tobytes()
+                if key not in seen:
+                    seen.add(key)
+                    out.append(c)
+                    if len(out) == branches:
+                        break
+            return out
+    return []
+
+
+def find_candidate(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The tokens following the most recent earlier match of the longest suffix n-gram (n from
+    max_n down to min_n); empty if none."""
+    c = find_candidates(tokens, min_n, max_n, k, 1)
+    return c[0] if c else tokens[:0]
+
+
+def trie(paths: list[np.ndarray]) -> DraftTree:
+    """Merge token paths into a tree (shared prefixes become shared nodes)."""
+    tokens, parents, index = [], [], {}
+    for path in paths:
+        parent = -1
+        for t in path.tolist():
+            key = (parent, t)
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+            parent = index[key]
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
 class PromptLookupDrafter:
@@ -31,13 +61,18 @@ class PromptLookupDrafter:
         self.cfg = cfg
 
     def begin(self, prompt_ids, sp, generator):
-        pass
+        if self.cfg.branches > 1 and not sp.greedy:
+            raise ConfigError("prompt_lookup with branches > 1 (a token tree) supports greedy decoding only for now; "
+                              "use branches=1 when sampling")
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         k = min(self.cfg.k, max_tokens)
         if k <= 0:
             return DraftTree.empty()
-        cand = find_candidate(np.asarray(tokens, dtype=np.int64), self.cfg.min_ngram, self.cfg.max_ngram, k)
+        arr = np.asarray(tokens, dtype=np.int64)
+        if self.cfg.branches > 1:
+            return trie(find_candidates(arr, self.cfg.min_ngram, self.cfg.max_ngram, k, self.cfg.branches))
+        cand = find_candidate(arr, self.cfg.min_ngram, self.cfg.max_ngram, k)
         return DraftTree.chain(torch.from_numpy(cand.copy()))
 
     def feedback(self, num_accepted, emitted):

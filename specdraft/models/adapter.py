@@ -74,12 +74,36 @@ class HFModel:
             self.cached_len = n
 
     # --- compute -----------------------------------------------------------------------------
+    def keep_positions(self, idx: torch.Tensor) -> None:
+        """Keep only the cached positions ``idx`` (ascending), e.g. the prefix plus the accepted
+        path of a token tree: a gather along the sequence axis of every layer's keys and values."""
+        idx = idx.to(self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+        self.cached_len = int(idx.shape[0])
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """Append ``ids`` (LongTensor [n]) to the cache; return float32 logits [keep, V]."""
+    def forward(
+        self,
+        ids: torch.Tensor,
+        keep: int = 1,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append ``ids`` (LongTensor [n]) to the cache; return float32 logits [keep, V].
+
+        For a token tree pass the 4D additive ``attention_mask`` and ``position_ids`` from
+        ``DraftTree.attention_mask`` / ``position_ids``; the stock model classes accept them."""
         if self.cache is None:
             self.reset()
         ids = ids.reshape(1, -1).to(self.device)
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_kw: self.cache})
+        kw = {self._cache_kw: self.cache}
+        if attention_mask is not None:
+            kw["attention_mask"] = attention_mask.to(self.device, self.dtype)
+        if position_ids is not None:
+            kw["position_ids"] = position_ids.to(self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kw)
         self.cached_len += ids.shape[1]
         return out.logits[0].float()

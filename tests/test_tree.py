@@ -1,0 +1,96 @@
+"""Token-tree mechanics (groundwork for the tree issue): mask and positions on hand-made trees,
+tree scoring through the stock model classes, and cache compaction to the accepted path."""
+
+import pytest
+import torch
+
+from specdraft.tree import DraftTree
+
+NEG = torch.finfo(torch.float32).min
+
+
+def _tree():
+    #        root
+    #       /    \
+    #     0(a)   1(b)
+    #    /   \      \
+    #  2(c)  3(d)   4(e)
+    #   |
+    #  5(f)
+    return DraftTree(torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor([-1, -1, 0, 0, 1, 2]))
+
+
+def test_mask_positions_known_answers():
+    t = _tree()
+    assert t.depths().tolist() == [1, 1, 2, 2, 2, 3]
+    assert not t.is_chain() and DraftTree.chain([1, 2, 3]).is_chain()
+    anc = t.ancestors().int().tolist()
+    assert anc[5] == [1, 0, 1, 0, 0, 1] and anc[4] == [0, 1, 0, 0, 1, 0] and anc[1] == [0, 1, 0, 0, 0, 0]
+    m = t.attention_mask(past_len=3, n_pending=1)[0, 0]
+    assert m.shape == (7, 10)
+    allowed = (m == 0).int().tolist()
+    assert allowed[0] == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # pending token: cache + itself
+    assert allowed[6] == [1, 1, 1, 1, 1, 0, 1, 0, 0, 1]  # node 5: cache, pending, 0, 2, itself
+    assert allowed[5] == [1, 1, 1, 1, 0, 1, 0, 0, 1, 0]  # node 4: cache, pending, 1, itself
+    assert (m[m != 0] == NEG).all()
+    assert t.position_ids(past_len=3).tolist() == [[3, 4, 4, 5, 5, 5, 6]]
+    m2 = DraftTree.chain([7, 8]).attention_mask(past_len=0, n_pending=2)[0, 0]
+    assert (m2 == 0).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert t.path_to(5) == [0, 2, 5] and t.path_to(-1) == []
+
+
+@pytest.mark.slow
+def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
+    m = smol_f32
+    prompt = torch.tensor(m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"])
+    t = _tree()
+    t.tokens = torch.tensor(m.tokenizer(" Paris London , . is the", add_special_tokens=False)["input_ids"][:6])
+    m.reset()
+    m.forward(prompt[:-1], keep=1)
+    past = m.cached_len
+    ids = torch.cat([prompt[-1:], t.tokens])
+    logits = m.forward(ids, keep=ids.shape[0], attention_mask=t.attention_mask(past), position_ids=t.position_ids(past))
+    # each node's logits equal sequential decoding of its path
+    for node in range(t.size):
+        path = t.tokens[t.path_to(node)]
+        m.reset()
+        ref = m.forward(torch.cat([prompt, path]), keep=1)[-1]
+        assert torch.allclose(logits[1 + node], ref, atol=1e-3), node
+    # compaction: keep the prefix + path [0, 2, 5], then the next step equals a directly built cache
+    m.reset()
+    m.forward(prompt[:-1], keep=1)
+    m.forward(ids, keep=1, attention_mask=t.attention_mask(past), position_ids=t.position_ids(past))
+    path = t.path_to(5)
+    m.keep_positions(torch.cat([torch.arange(past + 1), past + 1 + torch.tensor(path)]))
+    nxt = torch.tensor([m.tokenizer(" and", add_special_tokens=False)["input_ids"][0]])
+    got = m.forward(nxt, keep=1)[-1]
+    m.reset()
+    want = m.forward(torch.cat([prompt, t.tokens[path], nxt]), keep=1)[-1]
+    assert torch.allclose(got, want, atol=1e-3)
+
+
+def test_greedy_verify_tree_known_answers():
+    from specdraft.verify import greedy_verify_tree
+
+    t = _tree()  # tokens 10..15
+    logits = torch.zeros(7, 20)
+    # target argmax: after root -> 10 (node 0), after node 0 -> 13 (node 3), after node 3 -> 7
+    logits[0, 10] = logits[1, 13] = logits[4, 7] = 1.0
+    logits[3, 15] = 1.0  # node 2's child 5 would be right, but node 2 itself is wrong
+    assert greedy_verify_tree(t, logits) == ([0, 3], 7)
+    logits2 = torch.zeros(7, 20)
+    logits2[0, 3] = 1.0
+    assert greedy_verify_tree(t, logits2) == ([], 3)
+
+
+def test_prompt_lookup_tree_and_trie():
+    import numpy as np
+
+    from specdraft.drafters.prompt_lookup import find_candidates, trie
+
+    t = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 5, 6, 8, 1, 2, 3])
+    c = find_candidates(t, 1, 3, 3, branches=3)
+    assert [x.tolist() for x in c] == [[5, 6, 8], [5, 9, 1], [4, 9, 1]]
+    tr = trie(c)
+    assert tr.tokens.tolist() == [5, 6, 8, 9, 1, 4, 9, 1]
+    assert tr.parents.tolist() == [-1, 0, 1, 0, 3, -1, 5, 6]
