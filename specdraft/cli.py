@@ -120,6 +120,12 @@ def cmd_demo(a) -> int:
     return run_demo(a)
 
 
+def cmd_costs(a) -> int:
+    from .bench.costs import main_costs
+
+    return main_costs(a)
+
+
 def cmd_bench(a) -> int:
     from .bench.harness import main_bench
 
@@ -150,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n-prompts", type=int, default=3)
     d.add_argument("--k", type=int, default=3)
     d.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
+    c.add_argument("--target", default="qwen2.5-coder-1.5b")
+    c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
+    c.add_argument("--context", type=int, default=60)
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--threads", type=int, default=None)
+    c.set_defaults(fn=cmd_costs)
 
     from .bench.harness import add_bench_args
 

@@ -115,3 +115,9 @@ def test_metric_functions_used_by_report():
     r = aggregate(doc)["rows"]["draft_model"]
     assert r["speedup"] == 2.5 and r["mat"] == (5 + 1 + 3) / 3 and r["acceptance_rate"] == 6 / 12
     assert r["per_position"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
+
+
+def test_costs_command(tiny_dir, capsys):
+    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| dtype | 1 tok | 3 tok |" in out and "| float32 | " in out and "(1.0x)" in out
