@@ -89,8 +89,8 @@ class SpecDecoder:
         spec: SpecConfig | dict | None = None,
         chat: bool = False,
     ) -> GenerationResult:
-        sp = SamplingParams.from_dict(sampling) if not isinstance(sampling, SamplingParams) else sampling.validate()
-        sc = SpecConfig.from_dict(spec) if not isinstance(spec, SpecConfig) else spec.validate()
+        sp = SamplingParams.from_dict(sampling)
+        sc = SpecConfig.from_dict(spec)
         if spec is None and self.draft is None:
             sc = SpecConfig(method="prompt_lookup")
         ids = self.encode(prompt, chat=chat)

@@ -21,7 +21,7 @@ def _from_dict(cls, d: dict[str, Any] | None):
     if d is None:
         return cls()
     if isinstance(d, cls):
-        return d
+        return d.validate()
     if not isinstance(d, dict):
         raise ConfigError(f"{cls.__name__} must be a JSON object, got {type(d).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}

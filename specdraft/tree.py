@@ -40,11 +40,10 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """Depth of each node (1 for children of the root)."""
-        d = torch.zeros(self.size, dtype=torch.long)
-        par = self.parents.tolist()
-        for i, p in enumerate(par):
-            d[i] = 1 if p < 0 else d[p] + 1
-        return d
+        d: list[int] = []
+        for p in self.parents.tolist():  # nodes are topologically ordered
+            d.append(1 if p < 0 else d[p] + 1)
+        return torch.tensor(d, dtype=torch.long)
 
     # --- tree attention (the target scores a whole tree in one forward) ------------------------
     def ancestors(self) -> torch.Tensor:

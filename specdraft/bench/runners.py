@@ -13,7 +13,6 @@ import time
 import torch
 
 from ..config import SamplingParams, SpecConfig
-from ..engine import generate
 
 
 class EngineRunner:
@@ -25,8 +24,7 @@ class EngineRunner:
         self.spec = spec.validate()
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
-        drafter = self.dec.make_drafter(self.spec)
-        out = generate(self.dec.target, drafter, ids, sp, self.dec.eos_ids, None, self.dec.policy_for(self.spec))
+        out = self.dec.generate(ids, sampling=sp, spec=self.spec)
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,
@@ -41,11 +39,10 @@ class HFRunner:
 
     kind = "baseline"
 
-    def __init__(self, name: str, dec, mode: str, assistant_tokens: int | None = None, lookup_tokens: int = 10):
+    def __init__(self, name: str, dec, mode: str, lookup_tokens: int = 10):
         self.name = name
         self.dec = dec
         self.mode = mode
-        self.assistant_tokens = assistant_tokens
         self.lookup_tokens = lookup_tokens
         if mode == "assisted" and dec.draft is None:
             from ..errors import ConfigError
@@ -70,10 +67,7 @@ class HFRunner:
             if sp.seed is not None:
                 torch.manual_seed(sp.seed)
         if self.mode == "assisted":
-            kw["assistant_model"] = self.dec.draft.model
-            if self.assistant_tokens:
-                self.dec.draft.model.generation_config.num_assistant_tokens = self.assistant_tokens
-                self.dec.draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+            kw["assistant_model"] = self.dec.draft.model  # transformers' default draft schedule
         elif self.mode == "prompt_lookup":
             kw["prompt_lookup_num_tokens"] = self.lookup_tokens
         t0 = time.perf_counter()
