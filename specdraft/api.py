@@ -88,10 +88,12 @@ class SpecDecoder:
         sampling: SamplingParams | dict | None = None,
         spec: SpecConfig | dict | None = None,
         chat: bool = False,
+        on_emit=None,
     ) -> GenerationResult:
         sp = SamplingParams.from_dict(sampling)
         sc = SpecConfig.from_dict(spec)
         if spec is None and self.draft is None:
             sc = SpecConfig(method="prompt_lookup")
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer, self.policy_for(sc))
+        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer, self.policy_for(sc),
+                        on_emit=on_emit)

@@ -53,7 +53,15 @@ def generate(
     eos_ids: set[int] | None = None,
     tokenizer=None,
     policy: CostAwarePolicy | None = None,
+    on_emit=None,
 ) -> GenerationResult:
+    """Decode ``prompt_ids`` with ``drafter`` proposing and ``target`` verifying.
+
+    ``on_emit(new_tokens)`` (optional) is called after every step with the tokens appended (for
+    streaming); returning True cancels the request (finish_reason "cancelled"). A drafter may define
+    ``observe_target(row_tokens, logits)``: after each target forward it receives the rows' logits
+    [n + 1, V] and, per row, the token whose successor the row predicts (Token Recycling uses it).
+    """
     sp.validate()
     prompt_ids = [int(t) for t in prompt_ids]
     n_prompt = len(prompt_ids)
@@ -70,6 +78,7 @@ def generate(
     drafter.begin(prompt_ids, sp, gen)
     tokens = list(prompt_ids)
     policy_cap = getattr(policy, "max_k", 0)
+    observe = getattr(drafter, "observe_target", None)
     finish = None
     while finish is None:
         remaining = sp.max_new_tokens - (len(tokens) - n_prompt)
@@ -81,6 +90,8 @@ def generate(
         pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
         if draft.is_chain():
             logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
+            if observe is not None:
+                observe(torch.cat([pending[-1:], draft.tokens]), logits)
             d = draft.tokens[None]
             if sp.greedy:
                 n_acc, nxt = greedy_verify(d, logits[None])
@@ -91,7 +102,7 @@ def generate(
             target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
             accepted = draft.tokens[:n_acc].tolist()
         else:
-            accepted, nxt = _verify_tree(target, draft, pending, sp)
+            accepted, nxt = _verify_tree(target, draft, pending, sp, gen, observe)
             n_acc = len(accepted)
         new = accepted + [nxt]
         drafter.feedback(n_acc, new)
@@ -105,6 +116,8 @@ def generate(
             new, finish = stopper.check(tokens[n_prompt:], new)
         tokens.extend(new)
         stats.steps.append(StepRecord(k, n_acc, len(new), t1 - t0, t2 - t1))
+        if on_emit is not None and on_emit(new) and finish is None:
+            finish = "cancelled"
     stats.wall_s = time.perf_counter() - t_start
     out = tokens[n_prompt:]
     stats.new_tokens = len(out)
@@ -117,7 +130,8 @@ def generate(
     return GenerationResult(out, text, stats)
 
 
-def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams) -> tuple[list[int], int]:
+def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams, gen=None,
+                 observe=None) -> tuple[list[int], int]:
     """Score a whole token tree in one forward (tree attention mask + depth positions), keep the
     accepted path in the cache, return (accepted tokens, next token)."""
     if not sp.greedy:
@@ -125,6 +139,8 @@ def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParam
     past, n_pend = target.cached_len, pending.shape[0]
     logits = target.forward(torch.cat([pending, tree.tokens]), keep=tree.size + 1,
                             attention_mask=tree.attention_mask(past, n_pend), position_ids=tree.position_ids(past, n_pend))
+    if observe is not None:
+        observe(torch.cat([pending[-1:], tree.tokens]), logits)
     path, nxt = greedy_verify_tree(tree, logits)
     keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])
     target.keep_positions(keep)
