@@ -15,6 +15,7 @@ import json
 from .config import SamplingParams, SpecConfig
 from .drafters.base import NoDrafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.draft_tree import DraftTreeDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .engine import GenerationResult, generate
 from .errors import ConfigError
@@ -66,6 +67,8 @@ class SpecDecoder:
         if spec.method == "draft_model":
             if self.draft is None:
                 raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
+            if spec.tree != "chain":
+                return DraftTreeDrafter(self.draft, spec, self.target.vocab_size)
             return DraftModelDrafter(self.draft, spec, self.target.vocab_size)
         raise ConfigError(f"unknown method {spec.method!r}")
 
