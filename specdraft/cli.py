@@ -19,13 +19,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 
 
 def _add_spec_args(p: argparse.ArgumentParser):
-    p.add_argument("--method", default=None, help="plain | draft_model | prompt_lookup")
+    p.add_argument("--method", default=None, help="plain | draft_model | prompt_lookup | layer_skip | early_exit")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
     p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
                    help="draft_model: a chain (default) or a token tree; shape fields via --config "
                         "(tree_branching, tree_choices, tree_budget, tree_topk)")
+    p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
+    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -62,6 +64,10 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d["schedule"] = a.schedule
     if getattr(a, "tree", None):
         d["tree"] = a.tree
+    if getattr(a, "skip_config", None):
+        d["skip_config"] = a.skip_config
+    if getattr(a, "exit_layer", None) is not None:
+        d["exit_layer"] = a.exit_layer
     return SpecConfig.from_dict(d)
 
 
@@ -125,6 +131,12 @@ def cmd_demo(a) -> int:
     return run_demo(a)
 
 
+def cmd_tune_skip(a) -> int:
+    from .tune_skip import main_tune_skip
+
+    return main_tune_skip(a)
+
+
 def cmd_costs(a) -> int:
     from .bench.costs import main_costs
 
@@ -173,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, help="save the measurements as JSON")
     c.add_argument("--plot", default=None, help="save a PNG of the cost curve")
     c.set_defaults(fn=cmd_costs)
+
+    t = sub.add_parser("tune-skip", help="search the decoder layers to skip for layer_skip self-speculation")
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--dataset", default=None, help="prompts jsonl (default: Spec-Bench)")
+    t.add_argument("--prompts-per-task", type=int, default=2, help="tuning prompts from the end of each task")
+    t.add_argument("--tokens", type=int, default=48, help="target greedy tokens per tuning prompt")
+    t.add_argument("--max-k", type=int, default=6)
+    t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
+    t.add_argument("-o", "--out", default="skip.json")
+    t.set_defaults(fn=cmd_tune_skip)
 
     from .bench.harness import add_bench_args
 
