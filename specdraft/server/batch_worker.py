@@ -1,0 +1,97 @@
+"""The continuous-batching scheduler: waiting requests join the running batch between steps (up
+to ``max_batch`` rows), every step decodes all rows together (specdraft.batch.BatchEngine), and
+finished or cancelled rows leave at once, freeing their KV slots."""
+
+from __future__ import annotations
+
+import time
+
+from ..batch import BatchEngine, BatchSpecPolicy
+from ..drafters.draft_model import DraftModelDrafter
+from ..errors import SpecDraftError
+from ..models.adapter import HFModel
+from .scheduler import BaseWorker, log
+
+
+class BatchWorker(BaseWorker):
+    kind = "batch"
+
+    def __init__(self, decoder, metrics, max_queue: int, max_batch: int = 16, spec_shrink_at: int = 8,
+                 spec_off_at: int = 16):
+        super().__init__(decoder, metrics, max_queue)
+        self.max_batch = max_batch
+        self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
+                                  policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
+        self._n_rows = 0
+
+    def num_running(self) -> int:
+        return self._n_rows
+
+    def _cancel_running(self, reason):
+        for row in list(self.engine.rows):
+            row.tag.cancel(reason)
+
+    def make_drafter(self, spec):
+        dec = self.decoder
+        if spec.method == "draft_model" and dec.draft is not None:
+            spec.validate()
+            # every row drafts with its own KV cache over the shared draft weights
+            return DraftModelDrafter(HFModel(dec.draft.model, dec.draft.tokenizer, name=dec.draft.name), spec,
+                                     dec.target.vocab_size)
+        return dec.make_drafter(spec)
+
+    def _admit(self, job) -> None:
+        m = self.metrics
+
+        def on_emit(new, job=job):
+            if job.t_first is None:
+                m.ttft.observe(time.monotonic() - job.t_arrive)
+            return job.on_emit(new)
+
+        try:
+            self.engine.add(job.prompt_ids, job.sampling, self.make_drafter(job.spec), on_emit=on_emit, tag=job)
+        except SpecDraftError as e:
+            job.fail(e)
+        except Exception as e:
+            log.exception("admitting request %s failed", job.id)
+            job.fail(e)
+
+    def _loop(self):
+        eng = self.engine
+        while True:
+            while eng.num_rows < self.max_batch:
+                job = self._take(block=eng.num_rows == 0)
+                if job is None:
+                    break
+                self._admit(job)
+            with self.cv:
+                self._n_rows = eng.num_rows
+                self._update_gauges()
+                if self._stop and not eng.rows:
+                    return
+            if not eng.rows:
+                continue
+            # rows whose request was cancelled while waiting for this step leave before it
+            for row in [r for r in eng.rows if r.tag.cancelled.is_set()]:
+                eng.cancel(row)
+                self.metrics.observe_result(row.result.stats)
+                row.tag.finish(row.result)
+            if not eng.rows:
+                continue
+            try:
+                t0 = time.perf_counter()
+                finished = eng.step()
+                self.metrics.step_latency.observe(time.perf_counter() - t0)
+            except Exception as e:  # a bug: fail every running request, start over with an empty batch
+                log.exception("batch step failed")
+                for row in list(eng.rows):
+                    row.tag.fail(e if isinstance(e, SpecDraftError) else e)
+                self.engine = eng = BatchEngine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
+                                                policy=eng.policy)
+                continue
+            for row in finished:
+                self.metrics.observe_result(row.result.stats)
+                row.tag.finish(row.result)
+            with self.cv:
+                self._n_rows = eng.num_rows
+                self._update_gauges()
