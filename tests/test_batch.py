@@ -117,3 +117,31 @@ def test_batchkv_empty_prefix_rows(pair):
     assert kv.lens == [1, 5, 0]
     kv.remove_rows([0, 1, 2])
     assert kv.B == 0 and kv.L == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
+    """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == batch-size-1."""
+    from specdraft.models.loading import load_model
+
+    tok = smol_f32.tokenizer
+    draft = load_model("smollm2-135m", "float32", num_layers=4) if method == "draft_model" else None
+    texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+             "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
+             "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    lens = [24, 16, 30, 12, 20, 28, 8, 18]
+
+    def mk():
+        if method == "draft_model":
+            return DraftModelDrafter(HFModel(draft.model, tok, name="d"), SpecConfig(k=4), smol_f32.vocab_size)
+        return make(method, None, k=4)
+
+    refs = [generate(HFModel(smol_f32.model, tok), mk(), p, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
+            for p, n in zip(prompts, lens)]
+    jobs = [(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, lens)]
+    out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=3)
+    assert [r.token_ids for r in out] == refs
+    if method != "plain":
+        assert sum(r.stats.accepted for r in out) > 0
