@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from .config import SamplingParams
 from .engine import GenerationResult, _cut_at_stop, _StopChecker, check_fits
-from .errors import ConfigError
+from .errors import ConfigError, SpecDraftError
 from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .sampling import make_generator, probs_from_logits
@@ -83,39 +83,50 @@ class BatchKV:
             if kv is not None:
                 _set(layer, fn(kv[0]), fn(kv[1]))
 
-    @torch.inference_mode()
     def add_row(self, prefix: list[int]) -> int:
         """Prefill ``prefix`` (may be empty) as a new last row; returns its index."""
-        P = len(prefix)
-        row_cache = DynamicCache(config=self.model.config)
-        if P:
-            ids = torch.tensor([prefix], dtype=torch.long, device=self.model.device)
-            kw = {self.model._cache_kw: row_cache}
-            self.model.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
-        L, newL = self.L, max(self.L, P)
-        for layer, rlayer in zip(self._layers(), row_cache.layers):
-            a, r = _kv(layer), _kv(rlayer)
+        return self.add_rows([prefix])[0]
+
+    @torch.inference_mode()
+    def add_rows(self, prefixes: list[list[int]]) -> list[int]:
+        """Prefill several prefixes (ragged, may be empty) together in one forward of their own,
+        then append them as new last rows (left-padded to the batch); returns their indices."""
+        new = BatchKV(self.model, self.compact_slack)
+        new.lens = [0] * len(prefixes)
+        new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool)
+        if any(prefixes):
+            new.forward(prefixes, keep=1)
+            new.commit([len(p) for p in prefixes])
+        first = self.B
+        self._append(new)
+        return list(range(first, self.B))
+
+    def _append(self, other: "BatchKV") -> None:
+        """Concatenate another BatchKV's rows below ours, left-padding the shorter one."""
+        L, P, B2 = self.L, other.L, other.B
+        newL = max(L, P)
+        for layer, olayer in zip(self._layers(), other._layers()):
+            a, r = _kv(layer), _kv(olayer)
             if a is None and r is None:
                 continue
             ref = (a or r)[0]
             H, D = ref.shape[1], ref.shape[3]
 
-            def pad(t, rows, n, have):
+            def pad(t, rows, have):
                 if t is None:
-                    return ref.new_zeros(rows, H, n, D)
-                if n > have:
-                    return torch.cat([t.new_zeros(rows, H, n - have, D), t], dim=2)
+                    return ref.new_zeros(rows, H, newL, D)
+                if newL > have:
+                    return torch.cat([t.new_zeros(rows, H, newL - have, D), t], dim=2)
                 return t
 
-            k = torch.cat([pad(a and a[0], self.B, newL, L), pad(r and r[0], 1, newL, P)], dim=0)
-            v = torch.cat([pad(a and a[1], self.B, newL, L), pad(r and r[1], 1, newL, P)], dim=0)
+            k = torch.cat([pad(a and a[0], self.B, L), pad(r and r[0], B2, P)], dim=0)
+            v = torch.cat([pad(a and a[1], self.B, L), pad(r and r[1], B2, P)], dim=0)
             _set(layer, k, v)
-        valid = torch.zeros(self.B + 1, newL, dtype=torch.bool)
+        valid = torch.zeros(self.B + B2, newL, dtype=torch.bool)
         valid[: self.B, newL - L:] = self.valid
-        valid[self.B, newL - P:] = True
+        valid[self.B:, newL - P:] = other.valid
         self.valid = valid
-        self.lens.append(P)
-        return self.B - 1
+        self.lens = self.lens + other.lens
 
     @torch.inference_mode()
     def remove_rows(self, idx: list[int]) -> None:
@@ -135,9 +146,10 @@ class BatchKV:
         self.trim()
 
     @torch.inference_mode()
-    def forward(self, seqs: list[list[int]]) -> torch.Tensor:
+    def forward(self, seqs: list[list[int]], keep: int | None = None) -> torch.Tensor:
         """Feed row r the tokens ``seqs[r]`` (ragged; may be empty) at positions lens[r].. in one
-        forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real).
+        forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real);
+        ``keep`` returns only the last ``keep`` positions' logits (prefill).
         The slots stay provisional until ``commit``."""
         B, L = self.B, self.L
         n = [len(s) for s in seqs]
@@ -154,7 +166,7 @@ class BatchKV:
         dev = self.model.device
         kw = {self.model._cache_kw: self.cache}
         out = self.model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                               use_cache=True, logits_to_keep=N, **kw)
+                               use_cache=True, logits_to_keep=keep or N, **kw)
         self._last_n = N
         self.valid = torch.cat([self.valid, torch.zeros(B, N, dtype=torch.bool)], dim=1)
         return out.logits.float()
@@ -264,6 +276,30 @@ class BatchEngine:
 
     def add(self, prompt_ids: list[int], sp: SamplingParams, drafter, on_emit=None, tag=None) -> BatchRow:
         """Admit a sequence: validate, prefill its prompt (all but the last token, which is pending)."""
+        return self.add_many([(prompt_ids, sp, drafter, on_emit, tag)])[0]
+
+    def add_many(self, items: list[tuple]) -> list:
+        """Admit several (prompt_ids, sampling, drafter, on_emit, tag) at once, prefilled together in one
+        forward. Returns, per item, its BatchRow or the SpecDraftError that refused it."""
+        rows, out = [], []
+        for prompt_ids, sp, drafter, on_emit, tag in items:
+            try:
+                rows.append(self._new_row(prompt_ids, sp, drafter, on_emit, tag))
+                out.append(rows[-1])
+            except SpecDraftError as e:
+                out.append(e)
+        if rows:
+            t0 = time.perf_counter()
+            self.kv.add_rows([r.prompt_ids[:-1] for r in rows])
+            dt = (time.perf_counter() - t0) / len(rows)
+            for r in rows:
+                r.prefill_s = dt
+            self.rows.extend(rows)
+        if len(items) == 1 and isinstance(out[0], SpecDraftError):
+            raise out[0]
+        return out
+
+    def _new_row(self, prompt_ids, sp, drafter, on_emit, tag) -> BatchRow:
         sp = SamplingParams.from_dict(sp)
         prompt_ids = [int(t) for t in prompt_ids]
         check_fits(self.target, len(prompt_ids), sp)
@@ -275,10 +311,6 @@ class BatchEngine:
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
         drafter.begin(prompt_ids, sp, row.gen)
-        t0 = time.perf_counter()
-        self.kv.add_row(prompt_ids[:-1])
-        row.prefill_s = time.perf_counter() - t0
-        self.rows.append(row)
         return row
 
     def cancel(self, row: BatchRow) -> None:
@@ -393,13 +425,14 @@ def generate_batch(target: HFModel, jobs: list[tuple[list[int], SamplingParams, 
     results: dict[int, GenerationResult] = {}
     steps = 0
     while waiting or eng.rows:
-        while waiting and (max_batch is None or eng.num_rows < max_batch):
-            if join_every and eng.rows and steps % join_every:
-                break
-            i, (ids, sp, drafter) = waiting.pop(0)
-            eng.add(ids, sp, drafter, tag=i)
-            if join_every:
-                break
+        room = len(waiting) if max_batch is None else max_batch - eng.num_rows
+        if join_every and eng.rows:
+            room = min(room, 0 if steps % join_every else 1)
+        if room > 0 and waiting:
+            admit, waiting = waiting[:room], waiting[room:]
+            for r in eng.add_many([(ids, sp, drafter, None, i) for i, (ids, sp, drafter) in admit]):
+                if isinstance(r, SpecDraftError):
+                    raise r
         for row in eng.step():
             results[row.tag] = row.result
         steps += 1

@@ -40,30 +40,47 @@ class BatchWorker(BaseWorker):
                                      dec.target.vocab_size)
         return dec.make_drafter(spec)
 
-    def _admit(self, job) -> None:
+    def _admit(self, jobs) -> None:
+        """Admit jobs together: one batched prefill."""
         m = self.metrics
 
-        def on_emit(new, job=job):
-            if job.t_first is None:
-                m.ttft.observe(time.monotonic() - job.t_arrive)
-            return job.on_emit(new)
+        def wrap(job):
+            def on_emit(new):
+                if job.t_first is None:
+                    m.ttft.observe(time.monotonic() - job.t_arrive)
+                return job.on_emit(new)
+            return on_emit
 
+        items = []
+        for job in jobs:
+            try:
+                items.append((job.prompt_ids, job.sampling, self.make_drafter(job.spec), wrap(job), job))
+            except SpecDraftError as e:
+                job.fail(e)
+        if not items:
+            return
         try:
-            self.engine.add(job.prompt_ids, job.sampling, self.make_drafter(job.spec), on_emit=on_emit, tag=job)
-        except SpecDraftError as e:
-            job.fail(e)
+            out = self.engine.add_many(items)
         except Exception as e:
-            log.exception("admitting request %s failed", job.id)
-            job.fail(e)
+            log.exception("admitting %d request(s) failed", len(items))
+            for it in items:
+                it[4].fail(e)
+            return
+        for it, r in zip(items, out):
+            if isinstance(r, Exception):
+                it[4].fail(r)
 
     def _loop(self):
         eng = self.engine
         while True:
-            while eng.num_rows < self.max_batch:
-                job = self._take(block=eng.num_rows == 0)
+            jobs = []
+            while eng.num_rows + len(jobs) < self.max_batch:
+                job = self._take(block=eng.num_rows == 0 and not jobs)
                 if job is None:
                     break
-                self._admit(job)
+                jobs.append(job)
+            if jobs:
+                self._admit(jobs)
             with self.cv:
                 self._n_rows = eng.num_rows
                 self._update_gauges()
