@@ -33,7 +33,8 @@ from .engine import GenerationResult, _cut_at_stop, _StopChecker, check_fits
 from .errors import ConfigError, SpecDraftError
 from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
-from .sampling import make_generator, probs_from_logits
+from .sampling import make_generator, probs_from_logits, sample
+from .tree import DraftTree
 from .verify import greedy_verify, rejection_sample
 
 
@@ -183,6 +184,14 @@ class BatchKV:
             self.compact()
 
     @torch.inference_mode()
+    def truncate(self, r: int, n: int) -> None:
+        """Keep only row r's first n cached tokens (rollback of one row; call trim() after)."""
+        if n < self.lens[r]:
+            slots = self.valid[r].nonzero().flatten()
+            self.valid[r, slots[n:]] = False
+            self.lens[r] = n
+
+    @torch.inference_mode()
     def trim(self) -> None:
         """Drop leading and trailing columns that no row uses."""
         used = self.valid.any(dim=0).nonzero().flatten()
@@ -215,6 +224,121 @@ class BatchKV:
 
     def holes(self) -> int:
         return int(self.B * self.L - int(self.valid.sum()))
+
+
+# --- batched drafting with a draft model ------------------------------------------------------
+
+
+class BatchedDraftModel:
+    """Drafts for all draft_model rows of a batch together: one BatchKV over the draft model's
+    weights, so each drafting iteration is one batched draft forward (ragged catch-up feeds, then
+    one token per still-drafting row). Per row it emits exactly what DraftModelDrafter emits: the
+    row's draft cache holds a prefix of its tokens, the last draft is never fed, and after
+    verification the cache is cut back to the context + accepted drafts."""
+
+    def __init__(self, draft: HFModel, target_vocab: int):
+        self.draft = draft
+        self.target_vocab = target_vocab
+        self.kv = BatchKV(draft)
+        self.members: list = []  # BatchRow, in kv row order
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        v = logits.shape[-1]
+        if v == self.target_vocab:
+            return logits
+        if v > self.target_vocab:
+            return logits[..., : self.target_vocab]
+        return torch.cat([logits, logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))], -1)
+
+    def join(self, rows) -> None:
+        self.kv.add_rows([[] for _ in rows])
+        self.members.extend(rows)
+
+    def leave(self, rows) -> None:
+        idx = [self.members.index(r) for r in rows if r in self.members]
+        self.kv.remove_rows(idx)
+        drop = set(idx)
+        self.members = [m for i, m in enumerate(self.members) if i not in drop]
+
+    def propose(self, rows, caps: list[int]) -> list[DraftTree]:
+        kv, R = self.kv, len(self.members)
+        cap_of = {id(r): c for r, c in zip(rows, caps)}
+        c = [cap_of.get(id(m), 0) for m in self.members]
+        out = [[] for _ in range(R)]
+        probs = [[] for _ in range(R)]
+        active = [c[i] > 0 for i in range(R)]
+        for i in range(R):
+            self.members[i]._dbase = len(self.members[i].tokens)
+        step = 0
+        while any(active):
+            if step == 0:
+                seqs = [m.tokens[kv.lens[i]:] if active[i] else [] for i, m in enumerate(self.members)]
+                last = [max(len(q) - 1, 0) for q in seqs]
+            else:
+                seqs = [[int(out[i][-1])] if active[i] else [] for i in range(R)]
+                last = [0] * R
+            logits = kv.forward(seqs)
+            kv.commit([len(q) for q in seqs])
+            for i, m in enumerate(self.members):
+                if not active[i]:
+                    continue
+                lg = self._fit(logits[i, last[i]])
+                thr = m.drafter.cfg.confidence_threshold
+                if m.sp.greedy:
+                    if thr > 0 and step > 0 and float(torch.softmax(lg, -1).max()) < thr:
+                        active[i] = False
+                        continue
+                    t = lg.argmax(-1)
+                else:
+                    q = probs_from_logits(lg, m.sp)
+                    if thr > 0 and step > 0 and float(q.max()) < thr:
+                        active[i] = False
+                        continue
+                    t = sample(q, m.gen)
+                    probs[i].append(q)
+                out[i].append(t)
+                if len(out[i]) >= c[i]:
+                    active[i] = False
+            step += 1
+        for i, m in enumerate(self.members):
+            m._ddrafted = len(out[i])
+        by_row = {id(m): i for i, m in enumerate(self.members)}
+        trees = []
+        for r in rows:
+            i = by_row[id(r)]
+            if not out[i]:
+                trees.append(DraftTree.empty())
+            else:
+                trees.append(DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None))
+        return trees
+
+    def feedback(self, rows, n_acc: list[int]) -> None:
+        for r, n in zip(rows, n_acc):
+            i = self.members.index(r)
+            self.kv.truncate(i, r._dbase + min(n, max(r._ddrafted - 1, 0)))
+        self.kv.trim()
+
+
+class GroupDraft:
+    """The per-row drafter of a row drafted by a BatchedDraftModel (``group``); holds the row's
+    draft length schedule (constant or heuristic, as DraftModelDrafter)."""
+
+    name = "draft_model"
+
+    def __init__(self, group: BatchedDraftModel, cfg):
+        self.group = group
+        self.cfg = cfg
+        self.k = cfg.k
+
+    def begin(self, prompt_ids, sp, generator):
+        self.k = self.cfg.k
+
+    def propose(self, tokens, max_tokens):
+        raise RuntimeError("a GroupDraft row is drafted by its group (BatchEngine.step)")
+
+    def feedback(self, num_accepted, emitted, drafted: int = 0):
+        if self.cfg.schedule == "heuristic" and drafted:
+            self.k = min(self.k + 2, self.cfg.max_k) if num_accepted == drafted else max(self.k - 1, 1)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -291,6 +415,8 @@ class BatchEngine:
         if rows:
             t0 = time.perf_counter()
             self.kv.add_rows([r.prompt_ids[:-1] for r in rows])
+            for g in {id(r.drafter.group): r.drafter.group for r in rows if getattr(r.drafter, "group", None)}.values():
+                g.join([r for r in rows if getattr(r.drafter, "group", None) is g])
             dt = (time.perf_counter() - t0) / len(rows)
             for r in rows:
                 r.prefill_s = dt
@@ -336,6 +462,10 @@ class BatchEngine:
     def _drop(self, idx: list[int]) -> None:
         self.kv.remove_rows(idx)
         drop = set(idx)
+        for i in idx:
+            g = getattr(self.rows[i].drafter, "group", None)
+            if g is not None:
+                g.leave([self.rows[i]])
         self.rows = [r for i, r in enumerate(self.rows) if i not in drop]
 
     def step(self) -> list[BatchRow]:
@@ -345,19 +475,34 @@ class BatchEngine:
             return []
         B = len(rows)
         t0 = time.perf_counter()
-        drafts, draft_s = [], []
-        for row in rows:
-            ta = time.perf_counter()
+        drafts, draft_s, caps = [None] * B, [0.0] * B, []
+        groups: dict[int, tuple] = {}
+        for r, row in enumerate(rows):
             remaining = row.sp.max_new_tokens - len(row.output)
             cap = remaining - 1
+            k = getattr(row.drafter, "k", None) or getattr(getattr(row.drafter, "cfg", None), "k", 0)
             if self.policy is not None:
-                cap = min(cap, self.policy.cap(B, getattr(row.drafter, "k", None) or getattr(
-                    getattr(row.drafter, "cfg", None), "k", 0)))
-            d = row.drafter.propose(row.tokens, max(cap, 0))
+                cap = min(cap, self.policy.cap(B, k))
+            caps.append(max(cap, 0))
+            g = getattr(row.drafter, "group", None)
+            if g is not None:
+                caps[r] = min(caps[r], k)
+                groups.setdefault(id(g), (g, []))[1].append(r)
+        for g, idx in groups.values():
+            ta = time.perf_counter()
+            for r, d in zip(idx, g.propose([rows[r] for r in idx], [caps[r] for r in idx])):
+                drafts[r] = d
+            for r in idx:
+                draft_s[r] = (time.perf_counter() - ta) / len(idx)
+        for r, row in enumerate(rows):
+            if drafts[r] is not None:
+                continue
+            ta = time.perf_counter()
+            d = row.drafter.propose(row.tokens, caps[r])
             if not d.is_chain():
                 raise ConfigError("token trees (branches > 1) are not supported by the batch engine; use branches=1")
-            drafts.append(d)
-            draft_s.append(time.perf_counter() - ta)
+            drafts[r] = d
+            draft_s[r] = time.perf_counter() - ta
         t1 = time.perf_counter()
         ks = [d.size for d in drafts]
         seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
@@ -388,13 +533,18 @@ class BatchEngine:
             if observe is not None:
                 observe(torch.tensor(seqs[r]), logits[r, : ks[r] + 1])
         self.kv.commit([1 + a for a in n_acc])
+        for g, idx in groups.values():
+            g.feedback([rows[r] for r in idx], [n_acc[r] for r in idx])
         t2 = time.perf_counter()
         verify_s = (t2 - t1) / B
         done = []
         for r, row in enumerate(rows):
             acc = drafts[r].tokens[: n_acc[r]].tolist()
             new = acc + [nxt[r]]
-            row.drafter.feedback(n_acc[r], new)
+            if getattr(row.drafter, "group", None) is not None:
+                row.drafter.feedback(n_acc[r], new, ks[r])
+            else:
+                row.drafter.feedback(n_acc[r], new)
             remaining = row.sp.max_new_tokens - len(row.output)
             new, finish = _cut_at_stop(new, row.eos, remaining)
             if row.stopper is not None and finish is None:

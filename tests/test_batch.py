@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.batch import BatchEngine, BatchKV, BatchSpecPolicy, generate_batch
+from specdraft.batch import BatchedDraftModel, BatchEngine, BatchKV, BatchSpecPolicy, GroupDraft, generate_batch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
@@ -23,7 +23,13 @@ def pair():
     return tiny_llama(vocab=V, layers=2), tiny_llama(vocab=V, noise_seed=5, noise=0.25)
 
 
+_GROUPS = {}
+
+
 def make(method, draft, k=3):
+    if method == "draft_batched":  # one BatchedDraftModel per draft model and test
+        g = _GROUPS.setdefault(id(draft), BatchedDraftModel(HFModel(draft.model, None, name="d"), V))
+        return GroupDraft(g, SpecConfig(k=k))
     if method == "plain":
         return NoDrafter()
     if method == "prompt_lookup":
@@ -32,6 +38,7 @@ def make(method, draft, k=3):
 
 
 def single(target, draft, method, prompt, n):
+    method = "draft_model" if method == "draft_batched" else method
     t = HFModel(target.model, None, name="t")
     return generate(t, make(method, draft), prompt, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
 
@@ -39,7 +46,7 @@ def single(target, draft, method, prompt, n):
 METHODS = ["plain", "prompt_lookup", "draft_model"]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ["draft_batched"])
 def test_greedy_rows_equal_batch1(pair, method):
     target, draft = pair
     lens = [12, 20, 7, 16, 25, 3, 18, 10]
@@ -54,11 +61,13 @@ def test_mixed_methods_join_leave_and_compaction(pair):
     target, draft = pair
     jobs, refs = [], []
     for i in range(16):
-        m, p, n = METHODS[i % 3], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
+        m, p, n = (METHODS + ["draft_batched"])[i % 4], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
         jobs.append((p, SamplingParams(max_new_tokens=n), make(m, draft, k=1 + i % 4)))
         refs.append(single(target, draft, m, p, n))
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=5, join_every=2)
     assert [r.token_ids for r in out] == refs
+    g = _GROUPS[id(draft)]
+    assert g.members == [] and g.kv.B == 0 and g.kv.L == 0  # draft rows left with their rows
     # ragged acceptance: within one step rows accepted different numbers of drafts
     accs = {tuple(s.accepted for s in r.stats.steps[:1]) for r in out if r.stats.drafted}
     assert len({a for t in accs for a in t}) > 1 or any(r.stats.accepted for r in out)
@@ -95,13 +104,14 @@ def test_policy_shrinks_speculation_with_batch_size(pair):
     assert [r.token_ids for r in out] == [single(target, draft, "plain", p, 8) for p in PROMPTS[:6]]
 
 
-def test_sampling_rows_reproducible_by_seed(pair):
+@pytest.mark.parametrize("method", ["draft_model", "draft_batched"])
+def test_sampling_rows_reproducible_by_seed(pair, method):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, seed=3, max_new_tokens=12)
-    a = generate_batch(target, [(PROMPTS[0], sp, make("draft_model", draft)),
+    a = generate_batch(target, [(PROMPTS[0], sp, make(method, draft)),
                                 (PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter())], eos_ids=set())
-    b = generate_batch(target, [(PROMPTS[0], sp, make("draft_model", draft))], eos_ids=set())
-    assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 12
+    b = generate(HFModel(target.model, None), make("draft_model", draft), PROMPTS[0], sp, eos_ids=set())
+    assert a[0].token_ids == b.token_ids and len(a[0].token_ids) == 12  # the seed's batch-1 sample
 
 
 def test_batchkv_empty_prefix_rows(pair):
@@ -120,25 +130,29 @@ def test_batchkv_empty_prefix_rows(pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ["draft_batched"])
 def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
     """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == batch-size-1."""
     from specdraft.models.loading import load_model
 
     tok = smol_f32.tokenizer
-    draft = load_model("smollm2-135m", "float32", num_layers=4) if method == "draft_model" else None
+    draft = load_model("smollm2-135m", "float32", num_layers=4) if method.startswith("draft") else None
     texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
              "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
              "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     lens = [24, 16, 30, 12, 20, 28, 8, 18]
 
-    def mk():
-        if method == "draft_model":
+    group = BatchedDraftModel(HFModel(draft.model, tok), smol_f32.vocab_size) if draft else None
+
+    def mk(batched=method == "draft_batched"):
+        if batched:
+            return GroupDraft(group, SpecConfig(k=4))
+        if draft is not None:
             return DraftModelDrafter(HFModel(draft.model, tok, name="d"), SpecConfig(k=4), smol_f32.vocab_size)
         return make(method, None, k=4)
 
-    refs = [generate(HFModel(smol_f32.model, tok), mk(), p, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
+    refs = [generate(HFModel(smol_f32.model, tok), mk(False), p, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
             for p, n in zip(prompts, lens)]
     jobs = [(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, lens)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=3)

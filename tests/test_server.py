@@ -231,8 +231,9 @@ def test_queue_full_429_and_timeout(smol_f32):
         assert 'specdraft_requests_total{endpoint="completions",status="rejected"} 1.0' in text
 
 
-def test_metrics_parse_and_match_requests(smol_f32):
-    with running_server(decoder(smol_f32), max_queue=8) as (url, app):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_metrics_parse_and_match_requests(smol_f32, max_batch):
+    with running_server(decoder(smol_f32), max_queue=8, max_batch=max_batch) as (url, app):
         c = client(url)
         usages = []
         for i in range(3):

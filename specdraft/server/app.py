@@ -48,6 +48,23 @@ def _engine_error(err: Exception) -> RequestError:
                         type="server_error", code="internal_error")
 
 
+class _JobStream(StreamingResponse):
+    """A stream that, however it ends (finished, client gone, even before its first chunk), cancels
+    its job if still unfinished and counts the request's outcome."""
+
+    def __init__(self, content, job, worker, on_close, **kw):
+        super().__init__(content, **kw)
+        self._job, self._worker, self._on_close = job, worker, on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._job.done.is_set():
+                self._worker.cancel(self._job, "disconnect")
+            self._on_close()
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -126,8 +143,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         rb = ResponseBuilder(chat, model_name)
         method = p.spec.method
         if p.stream:
-            return StreamingResponse(stream(job, request, rb, p, endpoint, method), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            state = {"status": "cancelled"}
+            return _JobStream(stream(job, request, rb, p, state, method), job, worker,
+                              lambda: count(endpoint, state["status"]).inc(), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             while True:
                 kind, payload = await next_event(job, request, watch_disconnect=True)
@@ -155,51 +174,45 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         count(endpoint, "ok").inc()
         return JSONResponse(rb.full(res.text or "", res.stats, method))
 
-    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, endpoint: str, method: str):
-        status = "cancelled"
+    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
         ts = TextStream(tok, p.sampling.stop)
-        try:
-            if rb.chat:
-                yield _sse(rb.chunk(None, first=True))
-            while True:
-                try:
-                    kind, payload = await next_event(job, request, watch_disconnect=False)
-                except _Timeout:
-                    status = "timeout"
-                    yield _sse(_timeout_error(timeout_s).body())
-                    yield "data: [DONE]\n\n"
+        if rb.chat:
+            yield _sse(rb.chunk(None, first=True))
+        while True:
+            try:
+                kind, payload = await next_event(job, request, watch_disconnect=False)
+            except _Timeout:
+                state["status"] = "timeout"
+                yield _sse(_timeout_error(timeout_s).body())
+                yield "data: [DONE]\n\n"
+                return
+            if kind == "tokens":
+                delta = ts.push(payload)
+                if delta:
+                    yield _sse(rb.chunk(delta))
+            elif kind == "error":
+                e = _engine_error(payload)
+                state["status"] = "error" if e.status >= 500 else "invalid"
+                yield _sse(e.body())
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                res = payload
+                if res.stats.finish_reason == "cancelled":
+                    state["status"] = "timeout" if job.cancel_reason == "timeout" else "cancelled"
+                    if state["status"] == "timeout":
+                        yield _sse(_timeout_error(timeout_s).body())
+                        yield "data: [DONE]\n\n"
                     return
-                if kind == "tokens":
-                    delta = ts.push(payload)
-                    if delta:
-                        yield _sse(rb.chunk(delta))
-                elif kind == "error":
-                    e = _engine_error(payload)
-                    status = "error" if e.status >= 500 else "invalid"
-                    yield _sse(e.body())
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
-                    res = payload
-                    if res.stats.finish_reason == "cancelled":
-                        status = "timeout" if job.cancel_reason == "timeout" else "cancelled"
-                        if status == "timeout":
-                            yield _sse(_timeout_error(timeout_s).body())
-                            yield "data: [DONE]\n\n"
-                        return
-                    delta = ts.push([], final=True)
-                    if delta:
-                        yield _sse(rb.chunk(delta))
-                    yield _sse(rb.chunk(None, finish=finish_reason(res.stats)))
-                    if p.include_usage:
-                        yield _sse(rb.usage_chunk(res.stats, method))
-                    yield "data: [DONE]\n\n"
-                    status = "ok"
-                    return
-        finally:
-            if status != "ok" and not job.done.is_set():
-                worker.cancel(job, "disconnect" if status == "cancelled" else status)
-            metrics.requests.labels(endpoint, status).inc()
+                delta = ts.push([], final=True)
+                if delta:
+                    yield _sse(rb.chunk(delta))
+                yield _sse(rb.chunk(None, finish=finish_reason(res.stats)))
+                if p.include_usage:
+                    yield _sse(rb.usage_chunk(res.stats, method))
+                yield "data: [DONE]\n\n"
+                state["status"] = "ok"
+                return
 
     @app.post("/v1/completions")
     async def completions(request: Request):

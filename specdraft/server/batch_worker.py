@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import time
 
-from ..batch import BatchEngine, BatchSpecPolicy
-from ..drafters.draft_model import DraftModelDrafter
+from ..batch import BatchedDraftModel, BatchEngine, BatchSpecPolicy, GroupDraft
 from ..errors import SpecDraftError
-from ..models.adapter import HFModel
 from .scheduler import BaseWorker, log
 
 
@@ -23,6 +21,13 @@ class BatchWorker(BaseWorker):
         self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
                                   policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
         self._n_rows = 0
+        self._new_group()
+
+    def _new_group(self):
+        d = self.decoder.draft
+        # draft_model rows draft together: one batched draft forward per drafting iteration
+        self.group = None if d is None else BatchedDraftModel(
+            type(d)(d.model, d.tokenizer, name=d.name), self.decoder.target.vocab_size)
 
     def num_running(self) -> int:
         return self._n_rows
@@ -33,11 +38,8 @@ class BatchWorker(BaseWorker):
 
     def make_drafter(self, spec):
         dec = self.decoder
-        if spec.method == "draft_model" and dec.draft is not None:
-            spec.validate()
-            # every row drafts with its own KV cache over the shared draft weights
-            return DraftModelDrafter(HFModel(dec.draft.model, dec.draft.tokenizer, name=dec.draft.name), spec,
-                                     dec.target.vocab_size)
+        if spec.method == "draft_model" and self.group is not None:
+            return GroupDraft(self.group, spec.validate())
         return dec.make_drafter(spec)
 
     def _admit(self, jobs) -> None:
@@ -105,6 +107,7 @@ class BatchWorker(BaseWorker):
                     row.tag.fail(e if isinstance(e, SpecDraftError) else e)
                 self.engine = eng = BatchEngine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
                                                 policy=eng.policy)
+                self._new_group()
                 continue
             for row in finished:
                 self.metrics.observe_result(row.result.stats)
