@@ -203,14 +203,18 @@ def test_cancelled_streams_leak_nothing(server):
     assert r.usage.completion_tokens == 4
 
 
-def test_queue_full_429_and_timeout(smol_f32):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_queue_full_429_and_timeout(smol_f32, max_batch):
     import openai
 
-    with running_server(decoder(smol_f32), max_queue=1, timeout_s=8) as (url, app):
+    with running_server(decoder(smol_f32), max_queue=1, timeout_s=8, max_batch=max_batch) as (url, app):
         c = client(url)
-        first = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=1000, temperature=0,
-                                     stream=True, extra_body={"ignore_eos": True})
-        next(iter(first))  # it runs
+        running = []
+        for i in range(max_batch):  # fill the running batch
+            st = c.completions.create(model="smol", prompt=PROMPTS[i], max_tokens=1000, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+            next(iter(st))
+            running.append(st)
         second = {}
         t = threading.Thread(target=lambda: second.setdefault("r", httpx.post(
             url + "/v1/completions", json={"model": "smol", "prompt": "a", "max_tokens": 2}, timeout=60)))
@@ -219,16 +223,19 @@ def test_queue_full_429_and_timeout(smol_f32):
         with pytest.raises(openai.RateLimitError) as e:
             c.completions.create(model="smol", prompt="b", max_tokens=2)
         assert e.value.status_code == 429 and e.value.code == "queue_full"
-        # the first request runs into the 8 s timeout: its stream ends with an error event
-        with pytest.raises(openai.APIError) as e:
-            for _ in first:
-                pass
-        assert "timeout" in str(e.value)
+        # the running requests run into the 8 s timeout: their streams end with an error event
+        for st in running:
+            with pytest.raises(openai.APIError) as e:
+                for _ in st:
+                    pass
+            assert "timeout" in str(e.value)
         t.join(60)
         assert second["r"].status_code in (200, 408)
         wait_until(lambda: health(url)["running"] == 0)
         text = httpx.get(url + "/metrics").text
         assert 'specdraft_requests_total{endpoint="completions",status="rejected"} 1.0' in text
+        timeouts = max_batch + (second["r"].status_code == 408)
+        assert f'specdraft_requests_total{{endpoint="completions",status="timeout"}} {float(timeouts)}' in text
 
 
 @pytest.mark.parametrize("max_batch", [1, 4])
