@@ -362,7 +362,7 @@ class BatchSpecPolicy:
         return k
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity
 class BatchRow:
     prompt_ids: list[int]
     sp: SamplingParams
