@@ -144,3 +144,15 @@ def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
     assert all(r["output_tokens"] == 15 and r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0 for r in d["results"])
     assert d["results"][1]["drafted"] == 0 and d["results"][0]["drafted"] > 0
     assert "TTFT p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["serve", "--max-queue", "0"], "error: --max-queue must be >= 1, got 0"),
+    (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
+    (["serve", "--method", "medusa"], "error: unknown method 'medusa'"),
+    (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
+])
+def test_serve_argument_errors_before_loading(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(msg) and err.count("\n") == 1
