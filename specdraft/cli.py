@@ -149,6 +149,41 @@ def cmd_bench(a) -> int:
     return main_bench(a)
 
 
+def cmd_serve(a) -> int:
+    from .api import SpecDecoder
+
+    spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
+    if spec.method == "draft_model" and not a.draft:
+        raise SpecDraftError("--method draft_model needs --draft NAME")
+    if a.max_queue < 1:
+        raise SpecDraftError(f"--max-queue must be >= 1, got {a.max_queue}")
+    if a.max_batch < 1:
+        raise SpecDraftError(f"--max-batch must be >= 1, got {a.max_batch}")
+    if a.timeout is not None and a.timeout <= 0:
+        raise SpecDraftError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
+    app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
+                     timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
+                     batch_options=batch_options)
+    print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
+          file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def cmd_loadtest(a) -> int:
+    from .server.loadtest import main_loadtest
+
+    return main_loadtest(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -197,6 +232,35 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
     t.add_argument("-o", "--out", default="skip.json")
     t.set_defaults(fn=cmd_tune_skip)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
+    _add_model_args(s, default_target="smollm2-135m")
+    _add_spec_args(s)
+    s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get HTTP 429")
+    s.add_argument("--timeout", type=float, default=None, help="seconds a request may take (queue + decode)")
+    s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
+    s.add_argument("--max-batch", type=int, default=1,
+                   help="sequences decoded together (1: one request at a time; >1: continuous batching)")
+    s.add_argument("--spec-shrink-at", type=int, default=8,
+                   help="batch size from which draft length is halved (batch scheduler)")
+    s.add_argument("--spec-off-at", type=int, default=16,
+                   help="batch size from which speculation is turned off (batch scheduler)")
+    s.add_argument("--log-level", default="warning")
+    s.set_defaults(fn=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="load-test a local specdraft server (spec on vs off)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
+    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
+    lt.add_argument("--requests", type=int, default=16, help="requests per concurrency level and mode")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (and per request)")
+    lt.add_argument("--modes", default="spec,plain", help="spec (server default) and/or plain (spec off)")
+    lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
+    lt.add_argument("--out", default="loadtest.json", help="JSON results file")
+    lt.set_defaults(fn=cmd_loadtest)
 
     from .bench.harness import add_bench_args
 

@@ -34,6 +34,14 @@ def mean_accepted_tokens(steps: list[StepRecord]) -> float | None:
     return sum(s.accepted + 1 for s in steps) / len(steps)
 
 
+def mean_accepted_tokens_from_totals(accepted: int, steps: int) -> float | None:
+    """MAT from aggregate counts (sum of accepted drafts over ``steps`` steps): the same quantity
+    as mean_accepted_tokens(steps), for callers that only have totals (server usage, loadtest)."""
+    if steps <= 0:
+        return None
+    return (accepted + steps) / steps
+
+
 def acceptance_rate(steps: list[StepRecord]) -> float | None:
     drafted = sum(s.drafted for s in steps)
     if drafted == 0:
