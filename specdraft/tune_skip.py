@@ -45,6 +45,9 @@ def load_skip_config(path: str | None, target) -> list[int]:
     n = d.get("num_layers")
     if n is not None and n != target.num_layers:
         raise ConfigError(f"skip_config {path} was tuned for a {n}-layer model; this target has {target.num_layers} layers")
+    if not d["skip_layers"]:
+        raise ConfigError(f"skip_config {path} skips no layer: tune-skip found no set that pays on the machine it "
+                          "ran on; use another method, or set skip_layers yourself")
     return [int(i) for i in d["skip_layers"]]
 
 
