@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import SamplingParams
+from .drafters.draft_model import fit_vocab
 from .engine import GenerationResult, _cut_at_stop, _StopChecker, check_fits
 from .errors import ConfigError, SpecDraftError
 from .metrics import GenerationStats, StepRecord
@@ -243,12 +244,7 @@ class BatchedDraftModel:
         self.members: list = []  # BatchRow, in kv row order
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        v = logits.shape[-1]
-        if v == self.target_vocab:
-            return logits
-        if v > self.target_vocab:
-            return logits[..., : self.target_vocab]
-        return torch.cat([logits, logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))], -1)
+        return fit_vocab(logits, self.target_vocab)
 
     def join(self, rows) -> None:
         self.kv.add_rows([[] for _ in rows])

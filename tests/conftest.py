@@ -26,6 +26,26 @@ def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, no
     return HFModel(m, None, name=f"tiny-{seed}")
 
 
+def tiny_model_dir(d, layers=2):
+    """A tiny random Llama saved as a transformers directory with SmolLM2's tokenizer files
+    (for CLI / harness tests that load models by path)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.models import registry
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    for f in registry.pull("smollm2-135m").iterdir():  # only its tokenizer files are used
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, d / f.name)
+    return d
+
+
 @pytest.fixture(scope="session")
 def smol_f32():
     from specdraft.models.loading import load_model

@@ -1,32 +1,18 @@
 """The benchmark harness end to end on a tiny model (seconds): run, resume, report, plots."""
 
 import json
-import shutil
 
 import pytest
-import torch
 
 from specdraft.bench import harness, runners
 from specdraft.bench.report import aggregate
+from conftest import tiny_model_dir
 from specdraft.cli import main
-from specdraft.models import registry
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=2, bos_token_id=1)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    src = registry.pull("smollm2-135m")  # only its tokenizer files are used
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, d / f.name)
-    return d
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture()

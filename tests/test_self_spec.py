@@ -2,13 +2,12 @@
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
 
+from conftest import tiny_model_dir
 from specdraft.cli import main
-from specdraft.models import registry
 from specdraft.models.views import layer_view
 
 
@@ -46,18 +45,7 @@ def test_views_equal_truncated_and_layer_deleted_models(smol_f32):
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny4")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=2, bos_token_id=1)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    for f in registry.pull("smollm2-135m").iterdir():
-        if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, d / f.name)
-    return d
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny4"), layers=4)
 
 
 def test_tune_skip_writes_a_config_that_layer_skip_loads(tiny4, tmp_path, capsys):

@@ -10,6 +10,17 @@ from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
 
 
+def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """Put draft logits on the target's vocabulary rows (rows beyond either side are impossible)."""
+    v = logits.shape[-1]
+    if v == target_vocab:
+        return logits
+    if v > target_vocab:
+        return logits[..., :target_vocab]
+    pad = logits.new_full((*logits.shape[:-1], target_vocab - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
 class DraftModelDrafter:
     name = "draft_model"
 
@@ -28,14 +39,7 @@ class DraftModelDrafter:
         self._drafted = 0
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        """Put draft logits on the target's vocabulary rows (rows beyond either side are impossible)."""
-        v = logits.shape[-1]
-        if v == self.target_vocab:
-            return logits
-        if v > self.target_vocab:
-            return logits[..., : self.target_vocab]
-        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
+        return fit_vocab(logits, self.target_vocab)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         k = min(self.k, max_tokens)
