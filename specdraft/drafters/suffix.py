@@ -102,6 +102,13 @@ class SuffixAutomaton:
     def match_len(self) -> int:
         return self.length[self.match_state()]
 
+    def state_of_len(self, m: int) -> int:
+        """The state holding the text's suffix of length ``m``."""
+        s = self.last
+        while self.link[s] >= 0 and self.length[self.link[s]] >= m:
+            s = self.link[s]
+        return s
+
     def end_positions(self, state: int, limit: int) -> list[int]:
         """End positions of ``state``'s strings, excluding the text's last position, at most
         ``limit`` of them (the most recent among the first ``4 * limit`` states visited)."""
