@@ -264,20 +264,17 @@ def drafters(store=None):
     }
 
 
-@pytest.mark.parametrize("seed", [0, 3])
-def test_greedy_exact_on_tiny_model(tmp_path, seed):
-    target = tiny_llama(vocab=V, seed=seed, scale=4.0)
-    sp = SamplingParams(max_new_tokens=40)
-    ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
-    rng = np.random.default_rng(seed)
-    store = ds.build([ref.token_ids[:20], rng.integers(0, V, 50)], tmp_path / "s")
+def test_greedy_exact_on_tiny_model(tmp_path):
+    target = tiny_llama(vocab=V, seed=3, scale=4.0)
+    ref = generate(target, NoDrafter(), PROMPT, SamplingParams(max_new_tokens=32), eos_ids=set())
+    rng = np.random.default_rng(0)
+    store = ds.build([ref.token_ids[:16], rng.integers(0, V, 50)], tmp_path / "s")
     for name, d in drafters(store).items():
-        for n in (40, 7, 1):
-            out = generate(target, d, PROMPT, SamplingParams(max_new_tokens=n), eos_ids=set())
-            assert out.token_ids == ref.token_ids[:n], name
-        assert out.stats.drafted >= 0
-        out = generate(target, d, PROMPT, sp, eos_ids=set())
+        out = generate(target, d, PROMPT, SamplingParams(max_new_tokens=32), eos_ids=set())
+        assert out.token_ids == ref.token_ids, name
         assert out.stats.accepted > 0, name
+        out = generate(target, d, PROMPT, SamplingParams(max_new_tokens=5), eos_ids=set())  # max_tokens caps
+        assert out.token_ids == ref.token_ids[:5], name
 
 
 def test_spec_config_validation():
