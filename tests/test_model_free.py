@@ -359,3 +359,22 @@ def test_lookahead_refuses_sampling():
     with pytest.raises(ConfigError, match="lookahead supports greedy decoding only"):
         generate(target, LookaheadDrafter(SpecConfig(method="lookahead")), PROMPT,
                  SamplingParams(temperature=1.0, max_new_tokens=4), eos_ids=set())
+
+
+def test_suffix_incremental_equals_fresh(tmp_path):
+    """The draft depends only on the tokens: a drafter extended step by step (automaton and the
+    global match bound) proposes what a fresh one built on the same tokens proposes."""
+    rng = np.random.default_rng(5)
+    corpus = [rng.integers(0, 4, 60) for _ in range(10)]
+    store = ds.build(corpus, tmp_path / "s", sort_depth=16)
+    cfg = SpecConfig(method="suffix", k=6, min_token_prob=0.0, tree_nodes=10)
+    tokens = rng.integers(0, 4, 5).tolist()
+    inc = SuffixDrafter(cfg, store)
+    inc.begin(tokens, SamplingParams(), None)
+    for _ in range(40):
+        tokens += rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
+        fresh = SuffixDrafter(cfg, store)
+        fresh.begin(tokens, SamplingParams(), None)
+        a, b = inc.propose(tokens, 6), fresh.propose(tokens, 6)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert inc.last_source == fresh.last_source

@@ -138,11 +138,11 @@ class Datastore:
         lo = self._cmp_bound(pat, False)
         return lo, self._cmp_bound(pat, True)
 
-    def lookup(self, context: list[int], limit: int) -> tuple[int, np.ndarray]:
-        """(m, end positions): the longest suffix of ``context`` (at most sort_depth tokens) found in
-        the corpus, and the corpus positions of its last token in up to ``limit`` occurrences
-        (evenly spaced over the suffix array range)."""
-        lo_m, hi_m = 0, min(len(context), self.sort_depth)
+    def lookup(self, context: list[int], limit: int, max_len: int | None = None) -> tuple[int, np.ndarray]:
+        """(m, end positions): the longest suffix of ``context`` (at most sort_depth tokens, and at most
+        ``max_len`` when the caller knows a bound) found in the corpus, and the corpus positions of
+        its last token in up to ``limit`` occurrences (evenly spaced over the suffix array range)."""
+        lo_m, hi_m = 0, min(len(context), self.sort_depth, len(context) if max_len is None else max_len)
         rng = (0, 0)
         while lo_m < hi_m:  # invariant: length lo_m occurs; find the largest m that does
             mid = (lo_m + hi_m + 1) // 2

@@ -207,10 +207,12 @@ class SuffixDrafter:
         self.store = datastore  # a Datastore or None
         self.sam = SuffixAutomaton()
         self._buf = np.empty(0, dtype=np.int64)
+        self._g_m, self._g_at = 0, None
         self.last_source = None  # "local" | "global" | None: which tree the last proposal used
 
     def begin(self, prompt_ids, sp, generator):
         self.sam = SuffixAutomaton()
+        self._g_m, self._g_at = 0, None  # the last global match length and the text length then
         self._buf = np.empty(max(64, 2 * len(prompt_ids)), dtype=np.int64)
         self._sync([int(t) for t in prompt_ids])
 
@@ -218,6 +220,7 @@ class SuffixDrafter:
         n = len(self.sam)
         if len(tokens) < n or (n and tokens[n - 1] != self.sam.tokens[n - 1]):
             self.sam = SuffixAutomaton()  # not a continuation of what we saw: rebuild
+            self._g_m, self._g_at = 0, None
             n = 0
         new = tokens[n:]
         self.sam.extend_many(new)
@@ -245,7 +248,10 @@ class SuffixDrafter:
     def global_tree(self, tokens: list[int], max_tokens: int):
         if self.store is None:
             return None
-        m, ends = self.store.lookup(tokens, self.cfg.max_occurrences)
+        # the match can grow by at most the tokens appended since the last lookup
+        bound = None if self._g_at is None else self._g_m + len(tokens) - self._g_at
+        m, ends = self.store.lookup(tokens, self.cfg.max_occurrences, bound)
+        self._g_m, self._g_at = m, len(tokens)
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0 or ends.size == 0:
             return None
