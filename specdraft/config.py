@@ -110,12 +110,12 @@ class SpecConfig:
     - token_recycling (specdraft.drafters.token_recycling): an int32 adjacency table [V, top_k] of
       each token's top-k successors, refreshed from every target forward's logits; the draft is a
       static tree from the last token with ``recycle_branching[d]`` children per node at depth d
-      (top_k = max(recycle_branching)). The table lives as long as the SpecDecoder (it is recycled
-      across requests).
+      (top_k = max(recycle_branching)); ``k`` is not used. The table lives as long as the
+      SpecDecoder (it is recycled across requests).
     - lookahead (specdraft.drafters.lookahead; greedy only): Jacobi window ``lookahead_window`` (W)
       of ``lookahead_ngram`` - 1 levels (N), an n-gram pool, and a verification branch of up to
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
-      one token tree scored in one forward.
+      one token tree scored in one forward (depth W + N - 2; ``k`` is not used).
 
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
