@@ -15,6 +15,7 @@ import json
 from .config import SamplingParams, SpecConfig
 from .drafters.base import NoDrafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.draft_tree import DraftTreeDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .drafters.suffix import SuffixDrafter
 from .drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter
@@ -96,6 +97,8 @@ class SpecDecoder:
         if spec.method == "draft_model":
             if self.draft is None:
                 raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
+            if spec.tree != "chain":
+                return DraftTreeDrafter(self.draft, spec, self.target.vocab_size)
             return DraftModelDrafter(self.draft, spec, self.target.vocab_size)
         raise ConfigError(f"unknown method {spec.method!r}")
 

@@ -15,6 +15,7 @@ from .errors import ConfigError
 
 METHODS = ("plain", "draft_model", "prompt_lookup", "suffix", "token_recycling", "lookahead")
 SCHEDULES = ("constant", "heuristic", "cost_aware")
+TREES = ("chain", "static", "dynamic")
 
 
 def _from_dict(cls, d: dict[str, Any] | None):
@@ -86,6 +87,23 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
+def check_choices(choices) -> None:
+    """Medusa-style choices: a list of paths of child ranks, prefix-closed, ranks contiguous."""
+    if not isinstance(choices, list) or not choices:
+        raise ConfigError(f"tree_choices must be a non-empty list of paths like [[0], [1], [0, 0]], got {choices!r}")
+    paths = set()
+    for c in choices:
+        if (not isinstance(c, list) or not c
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)):
+            raise ConfigError(f"each tree_choices entry must be a non-empty list of ranks >= 0, got {c!r}")
+        paths.add(tuple(c))
+    for c in paths:
+        if len(c) > 1 and c[:-1] not in paths:
+            raise ConfigError(f"tree_choices is not prefix-closed: {list(c)} needs {list(c[:-1])}")
+        if c[-1] > 0 and c[:-1] + (c[-1] - 1,) not in paths:
+            raise ConfigError(f"tree_choices skips a rank: {list(c)} needs {list(c[:-1] + (c[-1] - 1,))}")
+
+
 @dataclass
 class SpecConfig:
     """How to speculate. ``method`` picks the drafter; the other fields configure it.
@@ -97,7 +115,7 @@ class SpecConfig:
     - prompt_lookup: copy the ``k`` tokens that followed the most recent earlier occurrence of the
       longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output. With
       ``branches`` > 1 the continuations of up to that many matches form a token tree, scored in one
-      forward with a tree attention mask (greedy only for now).
+      forward with a tree attention mask (greedy and sampling: one-hot candidates).
     - suffix (SuffixDecoding / SAM-Decoding / REST family; specdraft.drafters.suffix): a suffix
       automaton over prompt + output, extended by the new tokens each step, finds the longest
       suffix of the context that occurred before; the continuations of its occurrences (the
@@ -117,6 +135,23 @@ class SpecConfig:
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
       one token tree scored in one forward (depth W + N - 2; ``k`` is not used).
 
+    Token trees from the draft model (``tree``; draft_model only):
+
+    - ``chain`` (default): one candidate per position, ``k`` deep.
+    - ``static``: a fixed shape, ``tree_branching[d]`` children per node at depth d (e.g. [3, 2, 1]:
+      3 + 6 + 6 nodes), or an explicit list of paths of child ranks, Medusa's "choices"
+      (``tree_choices`` = [[0], [1], [0, 0], ...]; prefix-closed). Greedy takes the draft's top
+      ranks; sampling draws the children of a node without replacement from the processed draft
+      distribution.
+    - ``dynamic`` (EAGLE-2's idea): ``k`` levels; at each level the ``tree_topk`` deepest nodes with
+      the highest cumulative draft probability get ``tree_topk`` children each; greedy then reranks
+      all candidates to the ``tree_budget`` best (sampling keeps every drawn node and stops
+      drawing at the budget instead, since dropping drawn nodes by their own value would bias the
+      proposal).
+
+    The draft model scores each level of the tree in one forward with its own tree mask; trees
+    need schedule=constant.
+
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
@@ -132,6 +167,11 @@ class SpecConfig:
     min_ngram: int = 1
     max_ngram: int = 3
     branches: int = 1
+    tree: str = "chain"
+    tree_branching: list[int] = field(default_factory=lambda: [2, 2, 1])
+    tree_choices: list[list[int]] | None = None
+    tree_budget: int = 16
+    tree_topk: int = 4
     # suffix
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
@@ -163,6 +203,22 @@ class SpecConfig:
             raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         if self.branches < 1:
             raise ConfigError(f"branches must be >= 1 (1 = a chain), got {self.branches}")
+        if self.tree not in TREES:
+            raise ConfigError(f"unknown tree {self.tree!r}; choose one of: {', '.join(TREES)}")
+        if self.tree != "chain":
+            if self.method != "draft_model":
+                raise ConfigError(f"tree={self.tree!r} is for method 'draft_model' (prompt_lookup makes trees with branches > 1)")
+            if self.schedule != "constant":
+                raise ConfigError(f"tree={self.tree!r} needs schedule 'constant', got {self.schedule!r}")
+        for name in ("tree_budget", "tree_topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if (not isinstance(self.tree_branching, list) or not self.tree_branching
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree_branching)):
+            raise ConfigError(f"tree_branching must be a non-empty list of integers >= 1, got {self.tree_branching!r}")
+        if self.tree_choices is not None:
+            check_choices(self.tree_choices)
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
             raise ConfigError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"

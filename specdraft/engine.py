@@ -19,7 +19,7 @@ from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .policy import CostAwarePolicy
 from .sampling import make_generator, probs_from_logits
-from .verify import greedy_verify, greedy_verify_tree, rejection_sample
+from .verify import greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree
 
 
 @dataclass
@@ -134,14 +134,15 @@ def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParam
                  observe=None) -> tuple[list[int], int]:
     """Score a whole token tree in one forward (tree attention mask + depth positions), keep the
     accepted path in the cache, return (accepted tokens, next token)."""
-    if not sp.greedy:
-        raise ConfigError("sampling verification of token trees is not implemented yet; use branches=1 (a chain)")
     past, n_pend = target.cached_len, pending.shape[0]
     logits = target.forward(torch.cat([pending, tree.tokens]), keep=tree.size + 1,
                             attention_mask=tree.attention_mask(past, n_pend), position_ids=tree.position_ids(past, n_pend))
     if observe is not None:
         observe(torch.cat([pending[-1:], tree.tokens]), logits)
-    path, nxt = greedy_verify_tree(tree, logits)
+    if sp.greedy:
+        path, nxt = greedy_verify_tree(tree, logits)
+    else:
+        path, nxt = rejection_sample_tree(tree, probs_from_logits(logits, sp), gen)
     keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])
     target.keep_positions(keep)
     return tree.tokens[path].tolist(), nxt

@@ -111,3 +111,59 @@ def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], in
     if int(score[best]) == 0:
         return [], int(argmax[0])
     return tree.path_to(best), int(argmax[best + 1])
+
+
+def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Lossless sampling verification of a token tree: multi-draft recursive rejection sampling
+    (SpecInfer's multi-step speculative sampling; SpecTr / Recursive Speculative Decoding).
+
+    ``target_probs`` [n + 1, V]: row 0 is the target's processed distribution at the root (after
+    the context), row 1 + i after node i. ``tree.draft_probs[i]`` is the distribution node i was
+    drawn from *given its earlier siblings* (for siblings drawn without replacement: the parent's
+    draft distribution with the earlier siblings' tokens removed and renormalized; for i.i.d.
+    siblings: the same distribution for each), or None for a deterministic drafter (one-hot).
+
+    Starting at the root with p = target distribution, try the children of the current node in
+    index order: accept child x with probability min(1, p(x) / q(x)); on acceptance descend into it
+    (p = the target's distribution after it); on rejection replace p by the residual
+    norm(max(0, p - q)) and try the next child. When no child is accepted (or there is none),
+    sample the next token from p: the recovered token (p is a residual) or the bonus token (p is
+    the target's own distribution). Each child is a standard speculative-sampling step against the
+    current p, whose rejection branch is realized by the rest of the siblings, so every emitted
+    token is distributed exactly as the target's (docs/design.md has the argument).
+
+    Returns (accepted node indices root to leaf, next token). The loop is sequential over the
+    tried nodes by nature; tree sizes are small (<= 64 nodes).
+    """
+    n = tree.size
+    children: list[list[int]] = [[] for _ in range(n + 1)]  # slot 0 = root, slot 1 + i = node i
+    for i, par in enumerate(tree.parents.tolist()):
+        children[par + 1].append(i)
+    tokens = tree.tokens.tolist()
+    u = torch.rand(n, generator=generator).tolist() if n else []
+    V = target_probs.shape[-1]
+    path: list[int] = []
+    p = target_probs[0]
+    slot = 0
+    while True:
+        nxt_node = None
+        for c in children[slot]:
+            x = tokens[c]
+            if tree.draft_probs is None:
+                q = torch.zeros(V, dtype=p.dtype, device=p.device)
+                q[x] = 1.0
+            else:
+                q = tree.draft_probs[c]
+            px, qx = float(p[x]), float(q[x])
+            if u[c] * qx < px:  # accept with probability min(1, p(x) / q(x)); q(x) > 0 for drawn x
+                nxt_node = c
+                break
+            r = residual_distribution(p, q)
+            s = r.sum()
+            if s > 0:  # s == 0 only when p == q up to rounding: p itself is then exact
+                p = r / s
+        if nxt_node is None:
+            return path, int(sample(p, generator))
+        path.append(nxt_node)
+        slot = nxt_node + 1
+        p = target_probs[slot]

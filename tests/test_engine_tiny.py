@@ -8,6 +8,7 @@ from conftest import tiny_llama
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import generate
 from specdraft.errors import ContextLengthError
@@ -49,6 +50,7 @@ T1 = SamplingParams(temperature=1.0)
 TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
 CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path; 5: chain positions
     ("draft_model", 2, T1), ("draft_model", 5, TRUNC), ("prompt_lookup", 3, TRUNC), ("plain", 2, T1),
+    ("prompt_lookup_tree", 4, TRUNC), ("static_tree", 4, T1), ("dynamic_tree", 5, TRUNC),
 ]
 
 
@@ -57,6 +59,12 @@ def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
     target, draft = pair
     if method == "draft_model":
         drafter = DraftModelDrafter(draft, SpecConfig(k=3), V)
+    elif method == "static_tree":
+        drafter = DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
+    elif method == "dynamic_tree":
+        drafter = DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+    elif method == "prompt_lookup_tree":
+        drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))
     elif method == "prompt_lookup":
         drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
     else:
@@ -161,10 +169,28 @@ def test_stop_strings_emit_nothing_past_the_stop(pair):
         assert out.text == ref.text[:first]  # the stop string itself is not returned
 
 
-def test_tree_sampling_is_refused_clearly(pair):
-    from specdraft.errors import ConfigError
+def test_draft_tree_cache_compaction_matches_direct_decoding(pair):
+    """After each tree step the draft model's cache equals one built by decoding the accepted
+    tokens directly: its next logits match a fresh forward of the whole sequence."""
+    from specdraft.drafters.draft_tree import DraftTreeDrafter
+    from specdraft.models.adapter import HFModel
 
-    target, _ = pair
-    d = PromptLookupDrafter(SpecConfig(method="prompt_lookup", branches=2))
-    with pytest.raises(ConfigError, match="supports greedy decoding only"):
-        generate(target, d, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=4), eos_ids=set())
+    target, draft = pair
+    fresh = HFModel(draft.model)
+    for cfg, sp in [(SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
+                    (SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5), SamplingParams(temperature=1.0, seed=3, max_new_tokens=30))]:
+        d = DraftTreeDrafter(draft, cfg, V)
+        seen = []
+
+        def check(new, d=d, seen=seen):
+            seen.extend(new)
+            toks = PROMPT + seen
+            nxt = torch.tensor(toks[d.model.cached_len:])
+            got = d.model.forward(nxt, keep=1)[-1]
+            d.model.crop(d.model.cached_len - nxt.shape[0])
+            fresh.reset()
+            want = fresh.forward(torch.tensor(toks), keep=1)[-1]
+            assert torch.allclose(got, want, atol=1e-4)
+
+        out = generate(target, d, PROMPT, sp, eos_ids=set(), on_emit=check)
+        assert out.stats.accepted > 0 and len(seen) == 30

@@ -50,14 +50,21 @@ def test_plain_equals_transformers_generate(smol, reference):
         assert out[0, ids.shape[1]:].tolist() == reference[p]
 
 
-@pytest.mark.parametrize("draft_kind", ["truncated-20", "bf16-copy"])
+DRAFTS = {  # id: (draft dtype, draft layers, spec)
+    "truncated-20": ("float32", 20, SpecConfig(method="draft_model", k=2)),
+    "bf16-copy": ("bfloat16", None, SpecConfig(method="draft_model", k=4, schedule="heuristic", max_k=8)),
+    "truncated-20-static-tree": ("float32", 20, SpecConfig(method="draft_model", tree="static", tree_branching=[3, 2, 1])),
+    "truncated-20-choices-tree": ("float32", 20, SpecConfig(method="draft_model", tree="static",
+                                                            tree_choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
+    "truncated-20-dynamic-tree": ("float32", 20, SpecConfig(method="draft_model", tree="dynamic", k=4, tree_topk=3, tree_budget=12)),
+    "bf16-copy-dynamic-tree": ("bfloat16", None, SpecConfig(method="draft_model", tree="dynamic", k=5, tree_topk=2, tree_budget=10)),
+}
+
+
+@pytest.mark.parametrize("draft_kind", list(DRAFTS))
 def test_draft_model_greedy_exact(smol_f32, reference, draft_kind):
-    if draft_kind == "bf16-copy":
-        draft = load_model("smollm2-135m", "bfloat16")
-        cfg = SpecConfig(method="draft_model", k=4, schedule="heuristic", max_k=8)
-    else:
-        draft = load_model("smollm2-135m", "float32", num_layers=20)
-        cfg = SpecConfig(method="draft_model", k=2)
+    dtype, layers, cfg = DRAFTS[draft_kind]
+    draft = load_model("smollm2-135m", dtype, num_layers=layers)
     dec = SpecDecoder(smol_f32, draft)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
