@@ -130,7 +130,7 @@ class SpecConfig:
       static tree from the last token with ``recycle_branching[d]`` children per node at depth d
       (top_k = max(recycle_branching)); ``k`` is not used. The table lives as long as the
       SpecDecoder (it is recycled across requests).
-    - lookahead (specdraft.drafters.lookahead; greedy only): Jacobi window ``lookahead_window`` (W)
+    - lookahead (specdraft.drafters.lookahead): Jacobi window ``lookahead_window`` (W)
       of ``lookahead_ngram`` - 1 levels (N), an n-gram pool, and a verification branch of up to
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
       one token tree scored in one forward (depth W + N - 2; ``k`` is not used).

@@ -1,4 +1,4 @@
-"""Lookahead decoding (Fu et al. 2024), greedy only: Jacobi iteration generates n-grams, a pool keeps
+"""Lookahead decoding (Fu et al. 2024): Jacobi iteration generates n-grams, a pool keeps
 them, and pooled n-grams that start with the last token are verified, all in one target forward.
 
 The 2D window has N - 1 levels of W tokens; ``level[l][c]`` sits at position (last + 1 + c + l).
@@ -15,8 +15,12 @@ level; (column's N - 1 tokens + that argmax) is an n-gram for the pool (keyed by
 most recent first, at most G per key); the oldest level is dropped. The window is not re-aligned
 when several tokens are accepted (as in the reference implementation).
 
-Greedy only: the drafts depend on the target's argmax, not on the sampled tokens; exactness under
-sampling is not proven here, so sampling raises ConfigError.
+Sampling is exact too: the tree drafted at a step is a deterministic function of the history
+(prompt, emitted tokens, and the target's logits of earlier forwards, themselves functions of the
+history), never of the step's own random draws; the engine's tree rejection sampler
+(verify.rejection_sample_tree, one-hot candidates) is exact for any such tree, as for Token
+Recycling. The Jacobi update keeps using the argmax when sampling (it only shapes the guesses).
+Checked statistically in tests/test_model_free.py.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import numpy as np
 import torch
 
 from ..config import SpecConfig
-from ..errors import ConfigError
 from ..tree import DraftTree
 from .prompt_lookup import trie
 
@@ -40,8 +43,6 @@ class LookaheadDrafter:
         self._top: list[int] = []  # node index of each column's top-level node in the last draft
 
     def begin(self, prompt_ids, sp, generator):
-        if not sp.greedy:
-            raise ConfigError("lookahead supports greedy decoding only (temperature 0)")
         rng = np.random.default_rng(0)  # deterministic initial guesses: tokens of the prompt
         p = np.asarray(prompt_ids, dtype=np.int64)
         self.levels = [p[rng.integers(0, p.shape[0], self.W)].tolist() for _ in range(self.N - 1)]
