@@ -23,6 +23,8 @@ from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .models.adapter import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
+from .models.views import layer_view, skip_to_keep
+from .tune_skip import load_skip_config
 from .policy import CostAwarePolicy
 
 
@@ -52,6 +54,7 @@ class SpecDecoder:
                 store = Datastore(path, vocab_size=self.target.vocab_size, tokenizer_hash=self._tok_hash)
             self._datastores[path] = store
         return self._datastores[path]
+        self._views: dict[tuple[int, ...], HFModel] = {}
 
     def policy_for(self, spec: SpecConfig) -> CostAwarePolicy | None:
         """The cost-aware schedule's measurements persist across requests of one decoder."""
@@ -94,13 +97,29 @@ class SpecDecoder:
             from .drafters.lookahead import LookaheadDrafter
 
             return LookaheadDrafter(spec)
-        if spec.method == "draft_model":
-            if self.draft is None:
+        if spec.method in ("draft_model", "layer_skip", "early_exit"):
+            draft = self.self_draft(spec) if spec.method != "draft_model" else self.draft
+            if draft is None:
                 raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
             if spec.tree != "chain":
-                return DraftTreeDrafter(self.draft, spec, self.target.vocab_size)
-            return DraftModelDrafter(self.draft, spec, self.target.vocab_size)
+                return DraftTreeDrafter(draft, spec, self.target.vocab_size)
+            return DraftModelDrafter(draft, spec, self.target.vocab_size)
         raise ConfigError(f"unknown method {spec.method!r}")
+
+    def self_draft(self, spec: SpecConfig) -> HFModel:
+        """The target's own layers as a draft (shared weights): early exit or layer skipping."""
+        n = self.target.num_layers
+        if spec.method == "early_exit":
+            if spec.exit_layer >= n:
+                raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
+            keep = list(range(spec.exit_layer))
+        else:
+            skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
+            keep = skip_to_keep(n, skip)
+        key = tuple(keep)
+        if key not in self._views:
+            self._views[key] = layer_view(self.target, keep)
+        return self._views[key]
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

@@ -20,10 +20,16 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 
 def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--method", default=None,
-                   help="plain | draft_model | prompt_lookup | suffix | token_recycling | lookahead")
+                   help="plain | draft_model | prompt_lookup | layer_skip | early_exit | suffix | "
+                        "token_recycling | lookahead")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
+    p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
+                   help="draft_model: a chain (default) or a token tree; shape fields via --config "
+                        "(tree_branching, tree_choices, tree_budget, tree_topk)")
+    p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
+    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
@@ -62,6 +68,12 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d.setdefault("max_k", max(16, a.k))
     if a.schedule:
         d["schedule"] = a.schedule
+    if getattr(a, "tree", None):
+        d["tree"] = a.tree
+    if getattr(a, "skip_config", None):
+        d["skip_config"] = a.skip_config
+    if getattr(a, "exit_layer", None) is not None:
+        d["exit_layer"] = a.exit_layer
     return SpecConfig.from_dict(d)
 
 
@@ -139,6 +151,12 @@ def cmd_demo(a) -> int:
     return run_demo(a)
 
 
+def cmd_tune_skip(a) -> int:
+    from .tune_skip import main_tune_skip
+
+    return main_tune_skip(a)
+
+
 def cmd_costs(a) -> int:
     from .bench.costs import main_costs
 
@@ -149,6 +167,41 @@ def cmd_bench(a) -> int:
     from .bench.harness import main_bench
 
     return main_bench(a)
+
+
+def cmd_serve(a) -> int:
+    from .api import SpecDecoder
+
+    spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
+    if spec.method == "draft_model" and not a.draft:
+        raise SpecDraftError("--method draft_model needs --draft NAME")
+    if a.max_queue < 1:
+        raise SpecDraftError(f"--max-queue must be >= 1, got {a.max_queue}")
+    if a.max_batch < 1:
+        raise SpecDraftError(f"--max-batch must be >= 1, got {a.max_batch}")
+    if a.timeout is not None and a.timeout <= 0:
+        raise SpecDraftError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
+    app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
+                     timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
+                     batch_options=batch_options)
+    print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
+          file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def cmd_loadtest(a) -> int:
+    from .server.loadtest import main_loadtest
+
+    return main_loadtest(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +245,51 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--tree", action="store_true", help="also score random token trees (4D tree mask) of each size")
+    c.add_argument("--json", default=None, help="save the measurements as JSON")
+    c.add_argument("--plot", default=None, help="save a PNG of the cost curve")
     c.set_defaults(fn=cmd_costs)
+
+    t = sub.add_parser("tune-skip", help="search the decoder layers to skip for layer_skip self-speculation")
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--dataset", default=None, help="prompts jsonl (default: Spec-Bench)")
+    t.add_argument("--prompts-per-task", type=int, default=2, help="tuning prompts from the end of each task")
+    t.add_argument("--tokens", type=int, default=48, help="target greedy tokens per tuning prompt")
+    t.add_argument("--max-k", type=int, default=6)
+    t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
+    t.add_argument("-o", "--out", default="skip.json")
+    t.set_defaults(fn=cmd_tune_skip)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
+    _add_model_args(s, default_target="smollm2-135m")
+    _add_spec_args(s)
+    s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get HTTP 429")
+    s.add_argument("--timeout", type=float, default=None, help="seconds a request may take (queue + decode)")
+    s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
+    s.add_argument("--max-batch", type=int, default=1,
+                   help="sequences decoded together (1: one request at a time; >1: continuous batching)")
+    s.add_argument("--spec-shrink-at", type=int, default=8,
+                   help="batch size from which draft length is halved (batch scheduler)")
+    s.add_argument("--spec-off-at", type=int, default=16,
+                   help="batch size from which speculation is turned off (batch scheduler)")
+    s.add_argument("--log-level", default="warning")
+    s.set_defaults(fn=cmd_serve)
+
+    lt = sub.add_parser("loadtest", help="load-test a local specdraft server (spec on vs off)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
+    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
+    lt.add_argument("--requests", type=int, default=16, help="requests per concurrency level and mode")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (and per request)")
+    lt.add_argument("--modes", default="spec,plain", help="spec (server default) and/or plain (spec off)")
+    lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
+    lt.add_argument("--out", default="loadtest.json", help="JSON results file")
+    lt.set_defaults(fn=cmd_loadtest)
 
     from .bench.harness import add_bench_args
 

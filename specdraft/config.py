@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-METHODS = ("plain", "draft_model", "prompt_lookup", "suffix", "token_recycling", "lookahead")
+METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", "suffix", "token_recycling",
+           "lookahead")
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 TREES = ("chain", "static", "dynamic")
 
@@ -152,6 +153,16 @@ class SpecConfig:
     The draft model scores each level of the tree in one forward with its own tree mask; trees
     need schedule=constant.
 
+    Self-speculation (no second model; the target's own weights, shared, not copied):
+
+    - early_exit (LayerSkip, Kangaroo): draft with the first ``exit_layer`` decoder layers, then the
+      target's final norm and LM head; ``confidence_threshold`` stops drafting when the draft's
+      top probability falls below it.
+    - layer_skip (Draft & Verify, SWIFT): draft with the layers in ``skip_layers`` skipped, or with
+      the set saved by ``specdraft tune-skip`` (``skip_config``: path of its JSON).
+
+    Both draft like draft_model (chains with any schedule, or trees via ``tree``).
+
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
@@ -172,6 +183,9 @@ class SpecConfig:
     tree_choices: list[list[int]] | None = None
     tree_budget: int = 16
     tree_topk: int = 4
+    exit_layer: int = 0
+    skip_layers: list[int] = field(default_factory=list)
+    skip_config: str | None = None
     # suffix
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
@@ -206,8 +220,9 @@ class SpecConfig:
         if self.tree not in TREES:
             raise ConfigError(f"unknown tree {self.tree!r}; choose one of: {', '.join(TREES)}")
         if self.tree != "chain":
-            if self.method != "draft_model":
-                raise ConfigError(f"tree={self.tree!r} is for method 'draft_model' (prompt_lookup makes trees with branches > 1)")
+            if self.method not in ("draft_model", "layer_skip", "early_exit"):
+                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip and early_exit "
+                                  "(prompt_lookup makes trees with branches > 1)")
             if self.schedule != "constant":
                 raise ConfigError(f"tree={self.tree!r} needs schedule 'constant', got {self.schedule!r}")
         for name in ("tree_budget", "tree_topk"):
@@ -219,6 +234,15 @@ class SpecConfig:
             raise ConfigError(f"tree_branching must be a non-empty list of integers >= 1, got {self.tree_branching!r}")
         if self.tree_choices is not None:
             check_choices(self.tree_choices)
+        if isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int) or self.exit_layer < 0:
+            raise ConfigError(f"exit_layer must be an integer >= 1 (layers the early-exit draft runs), got {self.exit_layer!r}")
+        if self.method == "early_exit" and self.exit_layer < 1:
+            raise ConfigError("method 'early_exit' needs exit_layer >= 1 (how many of the target's first layers draft)")
+        if not isinstance(self.skip_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.skip_layers):
+            raise ConfigError(f"skip_layers must be a list of layer indices, got {self.skip_layers!r}")
+        if self.method == "layer_skip" and not self.skip_layers and not self.skip_config:
+            raise ConfigError("method 'layer_skip' needs skip_layers=[...] or skip_config=FILE "
+                              "(from `specdraft tune-skip --target NAME -o FILE`)")
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
             raise ConfigError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"

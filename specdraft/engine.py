@@ -88,7 +88,8 @@ def generate(
         t1 = time.perf_counter()
         k = draft.size
         pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
-        if draft.is_chain():
+        chain = draft.is_chain()
+        if chain:
             logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
             if observe is not None:
                 observe(torch.cat([pending[-1:], draft.tokens]), logits)
@@ -115,7 +116,7 @@ def generate(
         if stopper is not None and finish is None:
             new, finish = stopper.check(tokens[n_prompt:], new)
         tokens.extend(new)
-        stats.steps.append(StepRecord(k, n_acc, len(new), t1 - t0, t2 - t1))
+        stats.steps.append(StepRecord(k, n_acc, len(new), t1 - t0, t2 - t1, None if chain else int(draft.depths().max())))
         if on_emit is not None and on_emit(new) and finish is None:
             finish = "cancelled"
     stats.wall_s = time.perf_counter() - t_start

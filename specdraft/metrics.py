@@ -3,7 +3,8 @@ these functions: the engine's per-request stats, the CLI, the benchmark report a
 
 - MAT (mean accepted tokens) = mean over verification steps of (accepted drafts + 1).
 - acceptance rate = total accepted draft tokens / total drafted tokens.
-- per-position acceptance[i] = P(draft position i accepted | position i was drafted).
+- per-position acceptance[i] = P(draft position i accepted | position i was drafted); for a token
+  tree, position i is depth i + 1 (drafted there = the tree reaches that depth).
 - tokens/s = new tokens / wall seconds.
 - speedup = (tokens / wall of the method) / (tokens / wall of the baseline), on totals.
 """
@@ -20,12 +21,25 @@ class StepRecord:
     emitted: int  # tokens appended to the output (accepted + 1, less any cut by a stop condition)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    depth: int | None = None  # longest root-to-leaf path of a token tree; None = a chain (= drafted)
+
+    @property
+    def positions(self) -> int:
+        return self.drafted if self.depth is None else self.depth
 
 
 def mean_accepted_tokens(steps: list[StepRecord]) -> float | None:
     if not steps:
         return None
     return sum(s.accepted + 1 for s in steps) / len(steps)
+
+
+def mean_accepted_tokens_from_totals(accepted: int, steps: int) -> float | None:
+    """MAT from aggregate counts (sum of accepted drafts over ``steps`` steps): the same quantity
+    as mean_accepted_tokens(steps), for callers that only have totals (server usage, loadtest)."""
+    if steps <= 0:
+        return None
+    return (accepted + steps) / steps
 
 
 def acceptance_rate(steps: list[StepRecord]) -> float | None:
@@ -38,10 +52,10 @@ def acceptance_rate(steps: list[StepRecord]) -> float | None:
 def per_position_acceptance(steps: list[StepRecord]) -> list[float]:
     if not steps:
         return []
-    kmax = max(s.drafted for s in steps)
+    kmax = max(s.positions for s in steps)
     out = []
     for i in range(kmax):
-        tried = [s for s in steps if s.drafted > i]
+        tried = [s for s in steps if s.positions > i]
         out.append(sum(1 for s in tried if s.accepted > i) / len(tried))
     return out
 
@@ -111,5 +125,5 @@ class GenerationStats:
             "finish_reason": self.finish_reason,
         }
         if per_step:
-            d["step_records"] = [[s.drafted, s.accepted, s.emitted] for s in self.steps]
+            d["step_records"] = [[s.drafted, s.accepted, s.emitted, s.positions] for s in self.steps]
         return d

@@ -117,7 +117,13 @@ def test_metric_functions_used_by_report():
     assert r["per_position"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
 
 
-def test_costs_command(tiny_dir, capsys):
-    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3", "--repeats", "1"]) == 0
+def test_costs_command(tiny_dir, capsys, tmp_path):
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3,8", "--repeats", "1",
+                 "--tree", "--json", str(js), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "| dtype | 1 tok | 3 tok |" in out and "| float32 | " in out and "(1.0x)" in out
+    assert "| dtype | 1 tok | 3 tok | 8 tok |" in out and "| float32 chain | " in out and "| float32 tree | " in out
+    assert "(1.0x)" in out and png.stat().st_size > 1000
+    import json
+
+    assert set(json.loads(js.read_text())["rows"]["float32 tree"]) == {"1", "3", "8"}

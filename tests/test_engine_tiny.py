@@ -50,7 +50,7 @@ T1 = SamplingParams(temperature=1.0)
 TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
 CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path; 5: chain positions
     ("draft_model", 2, T1), ("draft_model", 5, TRUNC), ("prompt_lookup", 3, TRUNC), ("plain", 2, T1),
-    ("prompt_lookup_tree", 4, TRUNC), ("static_tree", 4, T1), ("dynamic_tree", 5, TRUNC),
+    ("prompt_lookup_tree", 4, TRUNC), ("static_tree", 4, T1), ("dynamic_tree", 5, TRUNC), ("early_exit", 5, TRUNC),
 ]
 
 
@@ -63,6 +63,10 @@ def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
         drafter = DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
     elif method == "dynamic_tree":
         drafter = DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+    elif method == "early_exit":  # the target's first layer drafts (a view over its own weights)
+        from specdraft.models.views import layer_view
+
+        drafter = DraftModelDrafter(layer_view(target, [0]), SpecConfig(method="early_exit", exit_layer=1, k=3), V)
     elif method == "prompt_lookup_tree":
         drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))
     elif method == "prompt_lookup":

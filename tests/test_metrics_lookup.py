@@ -21,6 +21,10 @@ def test_metrics_known_answers():
     s = GenerationStats(new_tokens=9, wall_s=3.0, steps=steps)
     d = s.to_dict()
     assert d["drafted"] == 10 and d["accepted"] == 5 and d["tokens_per_s"] == 3.0 and d["steps"] == 4
+    # token trees: positions are depths (a 6-node tree of depth 3 offers 3 positions)
+    trees = [StepRecord(6, 2, 3, depth=3), StepRecord(6, 0, 1, depth=3), StepRecord(3, 1, 2, depth=1)]
+    assert per_position_acceptance(trees) == [2 / 3, 1 / 2, 0.0]
+    assert mean_accepted_tokens(trees) == 2.0 and acceptance_rate(trees) == 3 / 15
 
 
 def test_prompt_lookup_matching():

@@ -12,7 +12,7 @@ from .data import TASKS
 
 
 def _steps(recs) -> list[StepRecord]:
-    return [StepRecord(d, a, 0) for r in recs for d, a in r.get("steps", [])]
+    return [StepRecord(s[0], s[1], 0, depth=s[2] if len(s) > 2 else None) for r in recs for s in r.get("steps", [])]
 
 
 def aggregate(doc: dict) -> dict:

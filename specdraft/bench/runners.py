@@ -1,5 +1,5 @@
 """Everything the benchmark times is a Runner: ``run(prompt_ids, sp) -> dict`` with ``token_ids``,
-``wall_s`` and, where the method has them, per-step ``steps`` ([drafted, accepted] pairs).
+``wall_s`` and, where the method has them, per-step ``steps`` ([drafted, accepted, depth]).
 
 The engine's methods (plain included) run through the same ``engine.generate``; the baselines users
 run today (transformers ``generate``, assisted generation, prompt lookup; llama.cpp if installed)
@@ -28,7 +28,7 @@ class EngineRunner:
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,
-            "steps": [[s.drafted, s.accepted] for s in out.stats.steps],
+            "steps": [[s.drafted, s.accepted, s.positions] for s in out.stats.steps],
             "draft_s": out.stats.draft_s,
             "verify_s": out.stats.verify_s,
         }

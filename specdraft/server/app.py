@@ -1,0 +1,242 @@
+"""The FastAPI application: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
+/health, /metrics. Request handlers only parse, admit and relay; decoding runs on the worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import SpecConfig
+from ..errors import SpecDraftError
+from .metrics import ServerMetrics
+from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
+from .scheduler import Job, QueueFull, SingleWorker
+
+log = logging.getLogger("specdraft.server")
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _error(e: RequestError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _timeout_error(timeout_s) -> RequestError:
+    return RequestError(f"the request did not finish within the server's timeout of {timeout_s:g} s", status=408,
+                        type="timeout_error", code="request_timeout")
+
+
+def _engine_error(err: Exception) -> RequestError:
+    if isinstance(err, RequestError):
+        return err
+    if isinstance(err, SpecDraftError):
+        return RequestError(str(err))
+    return RequestError(f"internal server error ({type(err).__name__}); see the server log", status=500,
+                        type="server_error", code="internal_error")
+
+
+class _JobStream(StreamingResponse):
+    """A stream that, however it ends (finished, client gone, even before its first chunk), cancels
+    its job if still unfinished and counts the request's outcome."""
+
+    def __init__(self, content, job, worker, on_close, **kw):
+        super().__init__(content, **kw)
+        self._job, self._worker, self._on_close = job, worker, on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._job.done.is_set():
+                self._worker.cancel(self._job, "disconnect")
+            self._on_close()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
+               timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
+               batch_options: dict | None = None) -> FastAPI:
+    """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
+    more runs the continuous batch engine (BatchWorker) with up to that many rows."""
+    default_spec = SpecConfig.from_dict(default_spec)
+    metrics = ServerMetrics()
+    if max_batch > 1:
+        from .batch_worker import BatchWorker
+
+        worker = BatchWorker(decoder, metrics, max_queue, max_batch=max_batch, **(batch_options or {}))
+    else:
+        worker = SingleWorker(decoder, metrics, max_queue)
+    worker.start()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.stop()
+
+    app = FastAPI(title="specdraft", lifespan=lifespan)
+    app.state.worker = worker
+    app.state.metrics = metrics
+    tok = decoder.tokenizer
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request, exc):
+        log.exception("unhandled error")
+        return _error(_engine_error(exc))
+
+    async def next_event(job: Job, request: Request, watch_disconnect: bool):
+        while True:
+            wait = 0.25
+            if job.deadline is not None:
+                wait = min(wait, max(0.01, job.deadline - time.monotonic()))
+            try:
+                return await asyncio.wait_for(job.events.get(), wait)
+            except asyncio.TimeoutError:
+                if job.expired():
+                    worker.cancel(job, "timeout")
+                    raise _Timeout() from None
+                if watch_disconnect and await request.is_disconnected():
+                    worker.cancel(job, "disconnect")
+                    raise _Disconnected() from None
+
+    async def handle(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        count = metrics.requests.labels
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            count(endpoint, "invalid").inc()
+            return _error(RequestError("the request body is not valid JSON"))
+        try:
+            p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
+                              default_spec=default_spec, default_max_tokens=default_max_tokens)
+            if p.spec.method == "draft_model" and decoder.draft is None:
+                raise RequestError("spec.method 'draft_model' needs a draft model; this server was started "
+                                   "without --draft (use prompt_lookup or plain)", param="spec")
+            if max_batch > 1 and (p.spec.branches > 1 or p.spec.tree != "chain"):
+                raise RequestError("token trees (spec.branches > 1 or spec.tree other than 'chain') are not supported "
+                                   "by the batch scheduler; use chains, or start the server with --max-batch 1",
+                                   param="spec")
+            if max_batch > 1 and p.spec.method in ("layer_skip", "early_exit", "suffix", "token_recycling", "lookahead"):
+                raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
+                                   "start the server with --max-batch 1", param="spec")
+        except RequestError as e:
+            count(endpoint, "invalid").inc()
+            return _error(e)
+        job = Job(p.prompt_ids, p.sampling, p.spec, timeout_s, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFull as e:
+            count(endpoint, "rejected").inc()
+            return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"))
+        rb = ResponseBuilder(chat, model_name)
+        method = p.spec.method
+        if p.stream:
+            state = {"status": "cancelled"}
+            return _JobStream(stream(job, request, rb, p, state, method), job, worker,
+                              lambda: count(endpoint, state["status"]).inc(), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while True:
+                kind, payload = await next_event(job, request, watch_disconnect=True)
+                if kind == "done":
+                    break
+                if kind == "error":
+                    e = _engine_error(payload)
+                    count(endpoint, "error" if e.status >= 500 else "invalid").inc()
+                    return _error(e)
+        except _Timeout:
+            count(endpoint, "timeout").inc()
+            return _error(_timeout_error(timeout_s))
+        except _Disconnected:
+            count(endpoint, "cancelled").inc()
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            worker.cancel(job, "disconnect")
+            count(endpoint, "cancelled").inc()
+            raise
+        res = payload
+        if res.stats.finish_reason == "cancelled":
+            status = "timeout" if job.cancel_reason == "timeout" else "cancelled"
+            count(endpoint, status).inc()
+            return _error(_timeout_error(timeout_s)) if status == "timeout" else Response(status_code=499)
+        count(endpoint, "ok").inc()
+        return JSONResponse(rb.full(res.text or "", res.stats, method))
+
+    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
+        ts = TextStream(tok, p.sampling.stop)
+        if rb.chat:
+            yield _sse(rb.chunk(None, first=True))
+        while True:
+            try:
+                kind, payload = await next_event(job, request, watch_disconnect=False)
+            except _Timeout:
+                state["status"] = "timeout"
+                yield _sse(_timeout_error(timeout_s).body())
+                yield "data: [DONE]\n\n"
+                return
+            if kind == "tokens":
+                delta = ts.push(payload)
+                if delta:
+                    yield _sse(rb.chunk(delta))
+            elif kind == "error":
+                e = _engine_error(payload)
+                state["status"] = "error" if e.status >= 500 else "invalid"
+                yield _sse(e.body())
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                res = payload
+                if res.stats.finish_reason == "cancelled":
+                    state["status"] = "timeout" if job.cancel_reason == "timeout" else "cancelled"
+                    if state["status"] == "timeout":
+                        yield _sse(_timeout_error(timeout_s).body())
+                        yield "data: [DONE]\n\n"
+                    return
+                delta = ts.push([], final=True)
+                if delta:
+                    yield _sse(rb.chunk(delta))
+                yield _sse(rb.chunk(None, finish=finish_reason(res.stats)))
+                if p.include_usage:
+                    yield _sse(rb.usage_chunk(res.stats, method))
+                yield "data: [DONE]\n\n"
+                state["status"] = "ok"
+                return
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdraft",
+                                            "max_model_len": decoder.target.max_context}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "scheduler": worker.kind, **worker.stats()}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

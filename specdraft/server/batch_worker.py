@@ -1,0 +1,117 @@
+"""The continuous-batching scheduler: waiting requests join the running batch between steps (up
+to ``max_batch`` rows), every step decodes all rows together (specdraft.batch.BatchEngine), and
+finished or cancelled rows leave at once, freeing their KV slots."""
+
+from __future__ import annotations
+
+import time
+
+from ..batch import BatchedDraftModel, BatchEngine, BatchSpecPolicy, GroupDraft
+from ..errors import SpecDraftError
+from .scheduler import BaseWorker, log
+
+
+class BatchWorker(BaseWorker):
+    kind = "batch"
+
+    def __init__(self, decoder, metrics, max_queue: int, max_batch: int = 16, spec_shrink_at: int = 8,
+                 spec_off_at: int = 16):
+        super().__init__(decoder, metrics, max_queue)
+        self.max_batch = max_batch
+        self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
+                                  policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
+        self._n_rows = 0
+        self._new_group()
+
+    def _new_group(self):
+        d = self.decoder.draft
+        # draft_model rows draft together: one batched draft forward per drafting iteration
+        self.group = None if d is None else BatchedDraftModel(
+            type(d)(d.model, d.tokenizer, name=d.name), self.decoder.target.vocab_size)
+
+    def num_running(self) -> int:
+        return self._n_rows
+
+    def _cancel_running(self, reason):
+        for row in list(self.engine.rows):
+            row.tag.cancel(reason)
+
+    def make_drafter(self, spec):
+        dec = self.decoder
+        if spec.method == "draft_model" and self.group is not None:
+            return GroupDraft(self.group, spec.validate())
+        return dec.make_drafter(spec)
+
+    def _admit(self, jobs) -> None:
+        """Admit jobs together: one batched prefill."""
+        m = self.metrics
+
+        def wrap(job):
+            def on_emit(new):
+                if job.t_first is None:
+                    m.ttft.observe(time.monotonic() - job.t_arrive)
+                return job.on_emit(new)
+            return on_emit
+
+        items = []
+        for job in jobs:
+            try:
+                items.append((job.prompt_ids, job.sampling, self.make_drafter(job.spec), wrap(job), job))
+            except SpecDraftError as e:
+                job.fail(e)
+        if not items:
+            return
+        try:
+            out = self.engine.add_many(items)
+        except Exception as e:
+            log.exception("admitting %d request(s) failed", len(items))
+            for it in items:
+                it[4].fail(e)
+            return
+        for it, r in zip(items, out):
+            if isinstance(r, Exception):
+                it[4].fail(r)
+
+    def _loop(self):
+        eng = self.engine
+        while True:
+            jobs = []
+            while eng.num_rows + len(jobs) < self.max_batch:
+                job = self._take(block=eng.num_rows == 0 and not jobs)
+                if job is None:
+                    break
+                jobs.append(job)
+            if jobs:
+                self._admit(jobs)
+            with self.cv:
+                self._n_rows = eng.num_rows
+                self._update_gauges()
+                if self._stop and not eng.rows:
+                    return
+            if not eng.rows:
+                continue
+            # rows whose request was cancelled while waiting for this step leave before it
+            for row in [r for r in eng.rows if r.tag.cancelled.is_set()]:
+                eng.cancel(row)
+                self.metrics.observe_result(row.result.stats)
+                row.tag.finish(row.result)
+            if not eng.rows:
+                continue
+            try:
+                t0 = time.perf_counter()
+                finished = eng.step()
+                self.metrics.step_latency.observe(time.perf_counter() - t0)
+            except Exception as e:  # a bug: fail every running request, start over with an empty batch
+                log.exception("batch step failed")
+                for row in list(eng.rows):
+                    row.tag.fail(e if isinstance(e, SpecDraftError) else e)
+                self.engine = eng = BatchEngine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
+                                                policy=eng.policy)
+                self._new_group()
+                continue
+            for row in finished:
+                self.metrics.observe_result(row.result.stats)
+                row.tag.finish(row.result)
+            with self.cv:
+                self._n_rows = eng.num_rows
+                self._update_gauges()

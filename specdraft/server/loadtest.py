@@ -1,0 +1,194 @@
+"""``specdraft loadtest``: load a local specdraft server with concurrent streaming requests and
+report throughput, time to first token (TTFT) and time per output token (TPOT), with speculation
+on (the server's default method, or --spec) and off (per-request ``"spec": {"method": "plain"}``).
+
+Loopback only (127.0.0.1 / localhost / ::1), bounded in request count, concurrency and wall time.
+Requests are greedy with ``ignore_eos`` so every request generates exactly --max-tokens tokens and
+both modes do the same work.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import numpy as np
+
+from ..errors import SpecDraftError
+from ..metrics import mean_accepted_tokens_from_totals
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+MAX_REQUESTS = 1000
+MAX_CONCURRENCY = 64
+
+PROMPTS = [
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n",
+    "The history of the Roman Empire begins with",
+    "Here is a list of the first twenty even numbers: 2, 4, 6, 8, 10,",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "Summarize: The cat sat on the mat. The cat was happy. The mat was red. Summary: The cat",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "import json\n\ndef load_config(path):\n    with open(path) as f:\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+
+
+def check_url(url: str) -> str:
+    u = urlparse(url)
+    if u.scheme != "http" or not u.hostname:
+        raise SpecDraftError(f"--url must be an http:// URL of a local server, got {url!r}")
+    if u.hostname not in LOOPBACK:
+        raise SpecDraftError(f"loadtest only targets a server on this machine (127.0.0.1, localhost or ::1); "
+                             f"refusing {u.hostname!r}")
+    return url.rstrip("/")
+
+
+def parse_levels(s: str) -> list[int]:
+    try:
+        levels = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SpecDraftError(f"--concurrency must be a comma list of integers, got {s!r}") from None
+    if not levels or any(not 1 <= c <= MAX_CONCURRENCY for c in levels):
+        raise SpecDraftError(f"--concurrency values must be in 1..{MAX_CONCURRENCY}, got {s!r}")
+    return levels
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float) -> dict:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if spec is not None:
+        body["spec"] = spec
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    return {"ok": False, "error": d["error"]["message"]}
+                if d.get("choices") and d["choices"][0].get("text") and first is None:
+                    first = time.perf_counter()
+                if d.get("usage"):
+                    usage = d["usage"]
+    except httpx.HTTPError as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    end = time.perf_counter()
+    if usage is None:
+        return {"ok": False, "error": "the stream ended without usage"}
+    n = usage["completion_tokens"]
+    first = end if first is None else first
+    return {"ok": True, "start": t0, "end": end, "ttft": first - t0,
+            "tpot": (end - first) / (n - 1) if n > 1 else None, "tokens": n, "usage": usage}
+
+
+def _pct(xs, q):
+    xs = [x for x in xs if x is not None]
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def run_level(url, model, conc, n_requests, max_tokens, spec, deadline) -> dict:
+    results = []
+    lock = threading.Lock()
+
+    def task(i):
+        left = deadline - time.perf_counter()
+        if left <= 1:
+            r = {"ok": False, "error": "skipped: the run's time budget is spent"}
+        else:
+            r = one_request(url, model, PROMPTS[i % len(PROMPTS)], max_tokens, spec, left)
+        with lock:
+            results.append(r)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=conc) as ex:
+        list(ex.map(task, range(n_requests)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    steps = sum(r["usage"]["steps"] for r in ok)
+    acc = sum(r["usage"]["accepted"] for r in ok)
+    drafted = sum(r["usage"]["drafted"] for r in ok)
+    return {
+        "concurrency": conc, "requests": n_requests, "ok": len(ok), "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if not r["ok"]), None),
+        "wall_s": wall, "output_tokens": tokens, "throughput_tok_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": _pct([r["ttft"] for r in ok], 50), "ttft_p99_s": _pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": _pct([r["tpot"] for r in ok], 50), "tpot_p99_s": _pct([r["tpot"] for r in ok], 99),
+        "drafted": drafted, "accepted": acc, "steps": steps,
+        "mean_accepted_tokens": mean_accepted_tokens_from_totals(acc, steps),
+    }
+
+
+def _fmt(v, scale=1.0, digits=1):
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'mode':6s} {'conc':>4s} {'ok':>5s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} " \
+           f"{'TPOT p50':>9s} {'TPOT p99':>9s} {'MAT':>5s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mode']:6s} {r['concurrency']:4d} {r['ok']:>2d}/{r['requests']:<2d} "
+                     f"{_fmt(r['throughput_tok_s']):>7s} {_fmt(r['ttft_p50_s'], 1e3, 0):>7s}ms "
+                     f"{_fmt(r['ttft_p99_s'], 1e3, 0):>7s}ms {_fmt(r['tpot_p50_s'], 1e3, 0):>7s}ms "
+                     f"{_fmt(r['tpot_p99_s'], 1e3, 0):>7s}ms {_fmt(r['mean_accepted_tokens'], 1, 2):>5s}")
+    return "\n".join(lines)
+
+
+def main_loadtest(a) -> int:
+    import httpx
+
+    url = check_url(a.url)
+    levels = parse_levels(a.concurrency)
+    if not 1 <= a.requests <= MAX_REQUESTS:
+        raise SpecDraftError(f"--requests must be in 1..{MAX_REQUESTS}, got {a.requests}")
+    if a.max_tokens < 1:
+        raise SpecDraftError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    if not 0 < a.timeout <= 3600:
+        raise SpecDraftError(f"--timeout must be in (0, 3600] seconds, got {a.timeout}")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("spec", "plain") for m in modes):
+        raise SpecDraftError(f"--modes must be a comma list of spec, plain; got {a.modes!r}")
+    spec = None
+    if a.spec:
+        try:
+            spec = json.loads(a.spec)
+        except json.JSONDecodeError as e:
+            raise SpecDraftError(f"--spec is not valid JSON: {e}") from None
+    try:
+        h = httpx.get(url + "/health", timeout=10).json()
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise SpecDraftError(f"no specdraft server answers at {url}: {e}") from None
+    deadline = time.perf_counter() + a.timeout
+    rows = []
+    for conc in levels:
+        for mode in modes:
+            r = run_level(url, model, conc, a.requests, a.max_tokens,
+                          {"method": "plain"} if mode == "plain" else spec, deadline)
+            r["mode"] = mode
+            rows.append(r)
+            print(table([r]).splitlines()[-1], file=sys.stderr, flush=True)
+    out = {"url": url, "model": model, "scheduler": h.get("scheduler"), "max_tokens": a.max_tokens,
+           "spec": spec, "results": rows}
+    print(table(rows))
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"saved {a.out}", file=sys.stderr)
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"warning: {errors} request(s) failed; first: {next(r['first_error'] for r in rows if r['errors'])}",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,294 @@
+"""OpenAI request bodies -> (prompt ids, SamplingParams, SpecConfig); responses and stream chunks.
+
+Supported: ``model``, ``prompt`` (a string, a one-string list, or a list of token ids) /
+``messages``, ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature`` (OpenAI's
+default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``,
+``n`` (1 only), ``user`` (ignored); extensions ``top_k``, ``ignore_eos`` and ``spec`` (a SpecConfig
+object merged over the server's default). Parameters this server cannot honour get a 400 naming
+them rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import ConfigError, ContextLengthError, SpecDraftError
+from ..engine import check_fits
+
+
+class RequestError(SpecDraftError):
+    """An error answered to the client as OpenAI error JSON."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# accepted only at their "off" value; anything else is refused with a precise message
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+}
+SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                  "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    spec: SpecConfig
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_types(body: dict) -> None:
+    for name, kind, ok in [
+        ("max_tokens", "an integer", _is_int), ("max_completion_tokens", "an integer", _is_int),
+        ("temperature", "a number", _is_num), ("top_p", "a number", _is_num), ("top_k", "an integer", _is_int),
+        ("seed", "an integer", _is_int), ("n", "an integer", _is_int), ("stream", "a boolean", lambda v: isinstance(v, bool)),
+        ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)),
+    ]:
+        v = body.get(name)
+        if v is not None and not ok(v):
+            raise RequestError(f"{name} must be {kind}, got {v!r}", param=name, code="invalid_type")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop", code="invalid_type")
+    if isinstance(stop, list) and len(stop) > 4:
+        raise RequestError(f"stop takes at most 4 strings, got {len(stop)}", param="stop")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise RequestError(f"n must be 1 (this server returns one choice per request), got {n}", param="n")
+    for name, off in UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise RequestError("stream_options must be an object", param="stream_options", code="invalid_type")
+
+
+def _spec(body: dict, default: SpecConfig) -> SpecConfig:
+    s = body.get("spec")
+    if s is None:
+        return default
+    if not isinstance(s, dict):
+        raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
+                           code="invalid_type")
+    d = default.to_dict()
+    if "k" in s and "max_k" not in s:
+        d["max_k"] = max(d["max_k"], s["k"]) if _is_int(s["k"]) else d["max_k"]
+    d.update(s)
+    try:
+        return SpecConfig.from_dict(d)
+    except ConfigError as e:
+        raise RequestError(f"spec: {e}", param="spec") from None
+
+
+def _messages_ids(tokenizer, messages) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+    msgs = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        if m["role"] not in ("system", "developer", "user", "assistant"):
+            raise RequestError(f"messages[{i}].role {m['role']!r} is not supported; use system, user or assistant",
+                               param=f"messages[{i}].role")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
+                raise RequestError(f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages[{i}].content")
+            c = "".join(p["text"] for p in c)
+        if not isinstance(c, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
+                               param=f"messages[{i}].content")
+        msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("this model has no chat template; use /v1/completions", param="messages")
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _prompt_ids(tokenizer, prompt, vocab: int) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer; send prompt as a list of token ids", param="prompt")
+        return [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"one prompt per request is supported, got {len(prompt)}", param="prompt")
+    raise RequestError("prompt must be a string, a list with one string, or a non-empty list of token ids",
+                       param="prompt")
+
+
+def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
+                  default_max_tokens: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
+                           code="model_not_found", status=404)
+    _check_types(body)
+    if chat:
+        if "messages" not in body:
+            raise RequestError("missing required parameter: messages", param="messages", code="missing_required_parameter")
+        ids = _messages_ids(tokenizer, body["messages"])
+        prompt_param = "messages"
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        if "prompt" not in body:
+            raise RequestError("missing required parameter: prompt", param="prompt", code="missing_required_parameter")
+        ids = _prompt_ids(tokenizer, body["prompt"], target.vocab_size)
+        prompt_param = "prompt"
+        max_tokens = body.get("max_tokens")
+    if not ids:
+        raise RequestError("the prompt is empty: need at least one token", param=prompt_param)
+    ctx = target.max_context
+    if len(ids) >= ctx:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {ctx} tokens",
+                           param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, ctx - len(ids))
+    stop = body.get("stop")
+    d = {
+        "max_new_tokens": max_tokens,
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+        "top_k": body.get("top_k") or 0,
+        "seed": body.get("seed"),
+        "stop": [] if stop is None else ([stop] if isinstance(stop, str) else list(stop)),
+        "ignore_eos": bool(body.get("ignore_eos", False)),
+    }
+    try:
+        sp = SamplingParams.from_dict(d)
+    except ConfigError as e:
+        msg = str(e)
+        field = msg.split(" ", 1)[0]
+        param = SAMPLING_PARAM.get(field)
+        raise RequestError(msg.replace("max_new_tokens", "max_tokens"), param=param) from None
+    try:
+        check_fits(target, len(ids), sp)
+    except ContextLengthError as e:
+        raise RequestError(str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
+                           code="context_length_exceeded") from None
+    spec = _spec(body, default_spec)
+    so = body.get("stream_options") or {}
+    return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat)
+
+
+def usage(stats, method: str) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        # extensions: speculative decoding of this request
+        "method": method,
+        "steps": len(stats.steps),
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "mean_accepted_tokens": stats.mat,
+        "acceptance_rate": stats.acceptance_rate,
+    }
+
+
+def finish_reason(stats) -> str:
+    return "stop" if stats.finish_reason == "stop" else "length"
+
+
+class ResponseBuilder:
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, stats, method: str) -> dict:
+        fr = finish_reason(stats)
+        if self.chat:
+            d = self._base("chat.completion")
+            d["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": fr}]
+        else:
+            d = self._base("text_completion")
+            d["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": fr}]
+        d["usage"] = usage(stats, method)
+        return d
+
+    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            d = self._base("chat.completion.chunk")
+            dl = {} if delta is None else {"content": delta}
+            if first:
+                dl = {"role": "assistant", "content": ""}
+            d["choices"] = [{"index": 0, "delta": dl, "logprobs": None, "finish_reason": finish}]
+        else:
+            d = self._base("text_completion")
+            d["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        return d
+
+    def usage_chunk(self, stats, method: str) -> dict:
+        d = self._base("chat.completion.chunk" if self.chat else "text_completion")
+        d["choices"] = []
+        d["usage"] = usage(stats, method)
+        return d
+
+
+class TextStream:
+    """Incremental detokenization for streaming: emits only text that is final (no partial UTF-8
+    character, nothing that might become part of a stop string), cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def text(self) -> str:
+        t = self.tok.decode(self.ids, skip_special_tokens=True)
+        cut = min((t.find(s) for s in self.stops if s in t), default=-1)
+        return t if cut < 0 else t[:cut]
+
+    def push(self, new: list[int], final: bool = False) -> str:
+        self.ids.extend(new)
+        t = self.text()
+        if not final:
+            t = t.rstrip("\ufffd")
+            if self.hold:
+                t = t[: max(self.sent, len(t) - self.hold)]
+        delta = t[self.sent:]
+        self.sent = max(self.sent, len(t))
+        return delta

@@ -1,0 +1,210 @@
+"""Schedulers: run admitted requests on the engine, off the event loop.
+
+``SingleWorker`` decodes one request at a time through ``engine.generate`` (the batch-1 engine).
+``BatchWorker`` (see batch_worker) decodes many together through specdraft.batch. Both share:
+
+- a bounded wait list: ``submit`` raises QueueFull when ``max_queue`` requests already wait;
+- ``Job``: what a request carries to the worker and how tokens come back (``post`` puts events on
+  the request's asyncio queue from the worker thread); ``Job.cancel`` (client disconnect or
+  timeout) makes the engine's ``on_emit`` return True, so the row finishes "cancelled" at the next
+  step and its state is freed; a job still waiting is removed from the wait list at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+
+from ..errors import SpecDraftError
+
+log = logging.getLogger("specdraft.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Job:
+    def __init__(self, prompt_ids, sampling, spec, timeout_s: float | None, loop: asyncio.AbstractEventLoop | None):
+        self.id = uuid.uuid4().hex[:12]
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.spec = spec
+        self.t_arrive = time.monotonic()
+        self.deadline = None if not timeout_s else self.t_arrive + timeout_s
+        self.t_first: float | None = None
+        self.loop = loop
+        self.events: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.cancelled = threading.Event()
+        self.cancel_reason: str | None = None
+        self.done = threading.Event()
+        self.result = None
+        self._last_emit = None
+
+    def post(self, kind: str, payload=None) -> None:
+        if self.loop is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed (server shutting down)
+            pass
+
+    def cancel(self, reason: str) -> None:
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self.cancelled.set()
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def on_emit(self, new) -> bool:
+        """The engine's per-step callback: stream the tokens; True cancels the request."""
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        if new:
+            self.post("tokens", [int(t) for t in new])
+        if self.expired():
+            self.cancel("timeout")
+        return self.cancelled.is_set()
+
+    def finish(self, result) -> None:
+        self.result = result
+        self.done.set()
+        self.post("done", result)
+
+    def fail(self, err: Exception) -> None:
+        self.done.set()
+        self.post("error", err)
+
+
+class BaseWorker:
+    def __init__(self, decoder, metrics, max_queue: int):
+        self.decoder = decoder
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.waiting: deque[Job] = deque()
+        self.cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0):
+        with self.cv:
+            self._stop = True
+            for j in self.waiting:
+                j.cancel("shutdown")
+                j.fail(SpecDraftError("the server is shutting down"))
+            self.waiting.clear()
+            self.cv.notify_all()
+        self._cancel_running("shutdown")
+        self._thread.join(timeout)
+
+    def _update_gauges(self):
+        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.running.set(self.num_running())
+
+    def submit(self, job: Job) -> None:
+        with self.cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self.waiting.append(job)
+            self._update_gauges()
+            self.cv.notify_all()
+
+    def cancel(self, job: Job, reason: str) -> None:
+        job.cancel(reason)
+        with self.cv:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self._update_gauges()
+
+    def _take(self, block: bool) -> Job | None:
+        """Pop the next live waiting job (None when nothing waits and not blocking, or stopping)."""
+        with self.cv:
+            while True:
+                while self.waiting:
+                    job = self.waiting.popleft()
+                    self._update_gauges()
+                    if job.cancelled.is_set():
+                        continue
+                    if job.expired():
+                        job.cancel("timeout")
+                        continue
+                    return job
+                if self._stop or not block:
+                    return None
+                self.cv.wait(0.5)
+
+    def stats(self) -> dict:
+        with self.cv:
+            return {"waiting": len(self.waiting), "running": self.num_running()}
+
+    # subclass API
+    def num_running(self) -> int: ...
+
+    def _cancel_running(self, reason: str) -> None: ...
+
+    def _loop(self) -> None: ...
+
+
+class SingleWorker(BaseWorker):
+    """One request at a time through the batch-1 engine (``engine.generate``)."""
+
+    kind = "single"
+
+    def __init__(self, decoder, metrics, max_queue: int):
+        super().__init__(decoder, metrics, max_queue)
+        self.current: Job | None = None
+
+    def num_running(self) -> int:
+        return 0 if self.current is None else 1
+
+    def _cancel_running(self, reason):
+        if self.current is not None:
+            self.current.cancel(reason)
+
+    def _loop(self):
+        from ..engine import generate
+
+        dec = self.decoder
+        while True:
+            job = self._take(block=True)
+            if job is None:
+                return
+            with self.cv:
+                self.current = job
+                self._update_gauges()
+            last = [time.perf_counter()]
+
+            def on_emit(new, job=job):
+                now = time.perf_counter()
+                self.metrics.step_latency.observe(now - last[0])
+                last[0] = now
+                if job.t_first is None:
+                    self.metrics.ttft.observe(time.monotonic() - job.t_arrive)
+                return job.on_emit(new)
+
+            try:
+                drafter = dec.make_drafter(job.spec)
+                res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
+                               dec.policy_for(job.spec), on_emit=on_emit)
+                self.metrics.observe_result(res.stats)
+                job.finish(res)
+            except SpecDraftError as e:
+                job.fail(e)
+            except Exception as e:  # a bug: log it, answer 500 without a stack trace
+                log.exception("request %s failed", job.id)
+                job.fail(e)
+            finally:
+                with self.cv:
+                    self.current = None
+                    self._update_gauges()

@@ -1,0 +1,163 @@
+"""Fast server checks on a tiny random-weight model (token-id prompts, a stub tokenizer): the
+protocol, the SSE stream, both schedulers, cancellation, loadtest's guards. No real model."""
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from conftest import tiny_llama
+from server_util import health, running_server, wait_until
+from specdraft.api import SpecDecoder
+from specdraft.cli import main
+from specdraft.server.loadtest import check_url, parse_levels
+from specdraft.server.protocol import TextStream
+from specdraft.errors import SpecDraftError
+
+
+class StubTok:
+    """Token i decodes to chr(ord('a') + i)."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 16 for c in text]}
+
+    def get_vocab(self):
+        return {chr(97 + i): i for i in range(16)}
+
+
+@pytest.fixture(scope="module", params=["single", "batch"])
+def tiny_server(request):
+    t = tiny_llama(vocab=16)
+    t.tokenizer = StubTok()
+    d = tiny_llama(vocab=16, noise_seed=5, noise=0.25)
+    d.tokenizer = t.tokenizer
+    dec = SpecDecoder(t, d)
+    kw = {"max_batch": 8} if request.param == "batch" else {}
+    with running_server(dec, model_name="tiny", default_spec={"method": "draft_model", "k": 3}, max_queue=32,
+                        timeout_s=60, **kw) as (url, app):
+        yield url, app, dec, request.param
+
+
+def ref(dec, ids, n):
+    from specdraft.models.adapter import HFModel
+
+    s = SpecDecoder(HFModel(dec.target.model, dec.tokenizer), None)
+    return s.generate(ids, sampling={"max_new_tokens": n, "ignore_eos": True}, spec={"method": "plain"}).text
+
+
+def test_completion_and_stream(tiny_server):
+    url, app, dec, kind = tiny_server
+    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == ref(dec, [1, 2, 3, 1, 2], 9)
+    assert r["usage"]["completion_tokens"] == 9 and r["usage"]["method"] == "draft_model"
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        raw = s.read().decode()
+    ev = raw.split("\n\n")
+    assert ev[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e[6:]) for e in ev[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_errors(tiny_server):
+    url, app, dec, kind = tiny_server
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 99]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]}, timeout=60)
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1], "spec": {"method": "nope"}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "unknown method" in r.json()["error"]["message"]
+    tree = {"prompt": [1, 2, 1], "max_tokens": 3, "spec": {"method": "prompt_lookup", "branches": 2}, "temperature": 0.5}
+    r = httpx.post(url + "/v1/completions", json=tree, timeout=60)
+    if kind == "batch":  # token trees run on the single-request scheduler only
+        assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "--max-batch 1" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_concurrent_and_cancelled(tiny_server):
+    url, app, dec, kind = tiny_server
+    prompts = [[i % 16, (3 * i) % 16, 5] for i in range(8)]
+    out = [None] * 8
+
+    def run(i):
+        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompts[i], "max_tokens": 6 + i, "temperature": 0, "ignore_eos": True,
+            "spec": [{"method": "plain"}, {"method": "prompt_lookup"}, {"method": "draft_model", "k": 2}][i % 3]}
+        ).json()["choices"][0]["text"]
+
+    def hang_up(i):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": prompts[i], "max_tokens": 200, "ignore_eos": True, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    break
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    ts += [threading.Thread(target=hang_up, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert out == [ref(dec, p, 6 + i) for i, p in enumerate(prompts)]
+    wait_until(lambda: health(url)["running"] == 0 and health(url)["waiting"] == 0, timeout=60)
+    if kind == "batch":
+        assert app.state.worker.engine.num_rows == 0 and app.state.worker.engine.cache_len == 0
+
+
+def test_text_stream_holds_back_stop_prefixes():
+    ts = TextStream(StubTok(), ["cd"])
+    assert ts.push([0, 1]) == "a"  # "b" might start... no: hold len("cd") - 1 = 1 char
+    assert ts.push([2]) == "b"  # "abc": "c" held
+    assert ts.push([3], final=True) == ""  # "abcd" -> cut at "cd"
+    ts = TextStream(StubTok(), [])
+    assert ts.push([0]) == "a" and ts.push([1], final=True) == "b"
+
+
+def test_loadtest_refuses_remote_urls(capsys):
+    assert check_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert check_url("http://localhost:9") == "http://localhost:9"
+    for bad in ["http://10.0.0.2:8000", "https://127.0.0.1:8000", "http://example.com", "ftp://localhost"]:
+        with pytest.raises(SpecDraftError):
+            check_url(bad)
+    assert parse_levels("1,4,16") == [1, 4, 16]
+    with pytest.raises(SpecDraftError):
+        parse_levels("0,1000")
+    assert main(["loadtest", "--url", "http://192.168.1.5:8000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: loadtest only targets a server on this machine") and err.count("\n") == 1
+
+
+def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
+    url, app, dec, kind = tiny_server
+    if kind != "batch":
+        pytest.skip("one scheduler is enough")
+    out = tmp_path / "lt.json"
+    assert main(["loadtest", "--url", url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "5",
+                 "--timeout", "60", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(r["mode"], r["concurrency"], r["ok"]) for r in d["results"]] == [
+        ("spec", 1, 3), ("plain", 1, 3), ("spec", 3, 3), ("plain", 3, 3)]
+    assert all(r["output_tokens"] == 15 and r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0 for r in d["results"])
+    assert d["results"][1]["drafted"] == 0 and d["results"][0]["drafted"] > 0
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["serve", "--max-queue", "0"], "error: --max-queue must be >= 1, got 0"),
+    (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
+    (["serve", "--method", "medusa"], "error: unknown method 'medusa'"),
+    (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
+])
+def test_serve_argument_errors_before_loading(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(msg) and err.count("\n") == 1
