@@ -40,6 +40,7 @@ class SpecDecoder:
         self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
         self._recycle_tables: dict[int, AdjacencyTable] = {}  # top_k -> Token Recycling table
         self._tok_hash: str | None = None
+        self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
 
     def datastore(self, path: str):
         """The suffix datastore at ``path``, loaded once per decoder and checked against the target's
@@ -54,7 +55,6 @@ class SpecDecoder:
                 store = Datastore(path, vocab_size=self.target.vocab_size, tokenizer_hash=self._tok_hash)
             self._datastores[path] = store
         return self._datastores[path]
-        self._views: dict[tuple[int, ...], HFModel] = {}
 
     def policy_for(self, spec: SpecConfig) -> CostAwarePolicy | None:
         """The cost-aware schedule's measurements persist across requests of one decoder."""
