@@ -17,6 +17,8 @@ from .drafters.base import NoDrafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.draft_tree import DraftTreeDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.suffix import SuffixDrafter
+from .drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter
 from .engine import GenerationResult, generate
 from .errors import ConfigError
 from .models.adapter import HFModel
@@ -35,7 +37,24 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids()
         self._policies: dict[str, CostAwarePolicy] = {}
-        self._views: dict[tuple[int, ...], HFModel] = {}
+        self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
+        self._recycle_tables: dict[int, AdjacencyTable] = {}  # top_k -> Token Recycling table
+        self._tok_hash: str | None = None
+        self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
+
+    def datastore(self, path: str):
+        """The suffix datastore at ``path``, loaded once per decoder and checked against the target's
+        vocabulary and tokenizer."""
+        from .drafters.datastore import Datastore, tokenizer_sha256
+
+        if path not in self._datastores:
+            store = Datastore(path, vocab_size=self.target.vocab_size)
+            if store.meta.get("tokenizer_sha256") and self.tokenizer is not None:
+                if self._tok_hash is None:
+                    self._tok_hash = tokenizer_sha256(self.tokenizer)
+                store = Datastore(path, vocab_size=self.target.vocab_size, tokenizer_hash=self._tok_hash)
+            self._datastores[path] = store
+        return self._datastores[path]
 
     def policy_for(self, spec: SpecConfig) -> CostAwarePolicy | None:
         """The cost-aware schedule's measurements persist across requests of one decoder."""
@@ -67,6 +86,17 @@ class SpecDecoder:
             return NoDrafter()
         if spec.method == "prompt_lookup":
             return PromptLookupDrafter(spec)
+        if spec.method == "suffix":
+            return SuffixDrafter(spec, self.datastore(spec.datastore) if spec.datastore else None)
+        if spec.method == "token_recycling":
+            top_k = max(spec.recycle_branching)
+            if top_k not in self._recycle_tables:
+                self._recycle_tables[top_k] = AdjacencyTable(self.target.vocab_size, top_k)
+            return TokenRecyclingDrafter(spec, self.target.vocab_size, self._recycle_tables[top_k])
+        if spec.method == "lookahead":
+            from .drafters.lookahead import LookaheadDrafter
+
+            return LookaheadDrafter(spec)
         if spec.method in ("draft_model", "layer_skip", "early_exit"):
             draft = self.self_draft(spec) if spec.method != "draft_model" else self.draft
             if draft is None:

@@ -19,7 +19,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 
 
 def _add_spec_args(p: argparse.ArgumentParser):
-    p.add_argument("--method", default=None, help="plain | draft_model | prompt_lookup | layer_skip | early_exit")
+    p.add_argument("--method", default=None,
+                   help="plain | draft_model | prompt_lookup | layer_skip | early_exit | suffix | "
+                        "token_recycling | lookahead")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
@@ -28,6 +30,7 @@ def _add_spec_args(p: argparse.ArgumentParser):
                         "(tree_branching, tree_choices, tree_budget, tree_topk)")
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
+    p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -56,6 +59,9 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
             raise SpecDraftError(f"--config {a.config} must hold a JSON object")
     if a.method is not None:
         d["method"] = a.method
+    if getattr(a, "datastore", None):
+        d["datastore"] = a.datastore
+        d.setdefault("method", "suffix")
     d.setdefault("method", default_method)
     if a.k is not None:
         d["k"] = a.k
@@ -106,6 +112,10 @@ def cmd_generate(a) -> int:
     spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
     if spec.method == "draft_model" and not a.draft:
         raise SpecDraftError("--method draft_model needs --draft NAME")
+    if spec.datastore:  # fail on a missing or corrupt store before loading any model
+        from .drafters.datastore import Datastore
+
+        Datastore(spec.datastore)
     dec = SpecDecoder.load(a.target, draft=a.draft if spec.method == "draft_model" else None,
                            dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
@@ -122,6 +132,16 @@ def cmd_generate(a) -> int:
             f"steps {len(s.steps)}, MAT {s.mat:.2f}, acceptance {rate}, finish {s.finish_reason}",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_datastore(a) -> int:
+    from .drafters.datastore import build_from_jsonl
+
+    store = build_from_jsonl(a.corpus, a.target, a.output, sort_depth=a.sort_depth, max_docs=a.max_docs)
+    m = store.meta
+    print(f"datastore {store.path}: {m['n_docs']} documents, {m['n_tokens']} tokens (target {m.get('target')}, "
+          f"sort depth {m['sort_depth']})")
     return 0
 
 
@@ -201,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     g.add_argument("prompt")
     g.set_defaults(fn=cmd_generate)
+
+    ds = sub.add_parser("datastore", help="build the suffix method's global datastore from a corpus")
+    ds.add_argument("action", choices=["build"])
+    ds.add_argument("corpus", help="jsonl with a text, prompt or turns field per line")
+    ds.add_argument("--target", required=True, help="the target model whose tokenizer to use")
+    ds.add_argument("-o", "--output", required=True, help="output directory (the store)")
+    ds.add_argument("--sort-depth", type=int, default=64, help="longest match/continuation the store resolves")
+    ds.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
+    ds.set_defaults(fn=cmd_datastore)
 
     d = sub.add_parser("demo", help="the Qwen pair on a few Spec-Bench prompts, every method")
     _add_model_args(d, default_draft="qwen2.5-coder-0.5b")

@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit")
+METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", "suffix", "token_recycling",
+           "lookahead")
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 TREES = ("chain", "static", "dynamic")
 
@@ -116,6 +117,24 @@ class SpecConfig:
       longest suffix n-gram (``min_ngram`` .. ``max_ngram``) of prompt + output. With
       ``branches`` > 1 the continuations of up to that many matches form a token tree, scored in one
       forward with a tree attention mask (greedy and sampling: one-hot candidates).
+    - suffix (SuffixDecoding / SAM-Decoding / REST family; specdraft.drafters.suffix): a suffix
+      automaton over prompt + output, extended by the new tokens each step, finds the longest
+      suffix of the context that occurred before; the continuations of its occurrences (the
+      ``max_occurrences`` most recent) are merged into a count trie and the ``tree_nodes`` most
+      frequent nodes whose empirical probability (count / occurrences) is at least
+      ``min_token_prob`` form the draft tree. Depth <= min(k, ceil(max_spec_factor x match length)).
+      ``datastore`` (a directory from ``specdraft datastore build``) adds a global suffix array over
+      a tokenized corpus; of the two trees the one with the larger total probability is drafted.
+      Deterministic (draft_probs None).
+    - token_recycling (specdraft.drafters.token_recycling): an int32 adjacency table [V, top_k] of
+      each token's top-k successors, refreshed from every target forward's logits; the draft is a
+      static tree from the last token with ``recycle_branching[d]`` children per node at depth d
+      (top_k = max(recycle_branching)); ``k`` is not used. The table lives as long as the
+      SpecDecoder (it is recycled across requests).
+    - lookahead (specdraft.drafters.lookahead): Jacobi window ``lookahead_window`` (W)
+      of ``lookahead_ngram`` - 1 levels (N), an n-gram pool, and a verification branch of up to
+      ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
+      one token tree scored in one forward (depth W + N - 2; ``k`` is not used).
 
     Token trees from the draft model (``tree``; draft_model only):
 
@@ -167,11 +186,24 @@ class SpecConfig:
     exit_layer: int = 0
     skip_layers: list[int] = field(default_factory=list)
     skip_config: str | None = None
+    # suffix
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    tree_nodes: int = 24
+    max_occurrences: int = 256
+    datastore: str | None = None
+    # token_recycling
+    recycle_branching: list[int] = field(default_factory=lambda: [4, 2, 2, 1])
+    # lookahead
+    lookahead_window: int = 4
+    lookahead_ngram: int = 3
+    lookahead_max_ngrams: int = 4
 
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
-        for name in ("k", "max_k", "min_ngram", "max_ngram", "branches"):
+        for name in ("k", "max_k", "min_ngram", "max_ngram", "branches", "tree_nodes", "max_occurrences",
+                     "lookahead_window", "lookahead_ngram", "lookahead_max_ngrams"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name} must be an integer, got {v!r}")
@@ -215,6 +247,45 @@ class SpecConfig:
             raise ConfigError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
             )
+        for name in ("max_spec_factor", "min_token_prob"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+        if not self.max_spec_factor > 0:
+            raise ConfigError(f"max_spec_factor must be > 0, got {self.max_spec_factor}")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.tree_nodes < 1:
+            raise ConfigError(f"tree_nodes (draft tree node budget) must be >= 1, got {self.tree_nodes}")
+        if self.max_occurrences < 1:
+            raise ConfigError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
+        if self.datastore is not None and (not isinstance(self.datastore, str) or not self.datastore):
+            raise ConfigError(f"datastore must be a path (string) or null, got {self.datastore!r}")
+        if self.datastore is not None and self.method != "suffix":
+            raise ConfigError(f"datastore is used by method 'suffix' only, not {self.method!r}")
+        rb = self.recycle_branching
+        if isinstance(rb, tuple):
+            rb = self.recycle_branching = list(rb)
+        if (not isinstance(rb, list) or not rb
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in rb)):
+            raise ConfigError(f"recycle_branching must be a non-empty list of integers >= 1 (children per node "
+                              f"at each depth), got {rb!r}")
+        if len(rb) > 64:
+            raise ConfigError(f"recycle_branching has {len(rb)} depths; at most 64")
+        n, width = 0, 1
+        for b in rb:
+            width *= b
+            n += width
+        if n > 4096:
+            raise ConfigError(f"recycle_branching {rb} makes a tree of {n} nodes; at most 4096")
+        if self.lookahead_window < 1:
+            raise ConfigError(f"lookahead_window (W) must be >= 1, got {self.lookahead_window}")
+        if self.lookahead_ngram < 2:
+            raise ConfigError(f"lookahead_ngram (N) must be >= 2, got {self.lookahead_ngram}")
+        if self.lookahead_max_ngrams < 1:
+            raise ConfigError(f"lookahead_max_ngrams (G) must be >= 1, got {self.lookahead_max_ngrams}")
+        self.max_spec_factor = float(self.max_spec_factor)
+        self.min_token_prob = float(self.min_token_prob)
         return self
 
     @property

@@ -22,3 +22,7 @@ class ContextLengthError(SpecDraftError, ValueError):
 
 class ModelFileError(SpecDraftError):
     """A model file is missing, broken, or its SHA-256 does not match."""
+
+
+class DatastoreError(SpecDraftError):
+    """A suffix datastore is missing, corrupt, or built for another tokenizer."""

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
+from ..config import METHODS, SamplingParams, SpecConfig
 from ..errors import ConfigError, SpecDraftError
 from . import data
 from .report import render
 
-ENGINE_METHODS = ("plain", "draft_model", "prompt_lookup")
+ENGINE_METHODS = METHODS  # every engine method, the model-free drafters included
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp")
 
 

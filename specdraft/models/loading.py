@@ -71,6 +71,18 @@ def load_model(
     return HFModel(model, tok, name=label)
 
 
+def load_tokenizer(name_or_path: str):
+    """Only the tokenizer of a model (a name, a transformers directory or a .gguf file)."""
+    from transformers import AutoTokenizer
+
+    path, gguf = resolve(name_or_path)
+    kw = {"gguf_file": gguf} if gguf else {}
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **kw)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ModelFileError(f"could not load the tokenizer from {path}{'/' + gguf if gguf else ''}: {e}") from e
+
+
 def truncate_layers(model, n: int) -> None:
     layers = model.model.layers
     if not 1 <= n <= len(layers):

@@ -132,7 +132,8 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                 raise RequestError("token trees (spec.branches > 1 or spec.tree other than 'chain') are not supported "
                                    "by the batch scheduler; use chains, or start the server with --max-batch 1",
                                    param="spec")
-            if max_batch > 1 and p.spec.method in ("layer_skip", "early_exit"):
+            if max_batch > 1 and p.spec.method in ("layer_skip", "early_exit", "suffix", "token_recycling",
+                                                   "lookahead"):
                 raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
                                    "start the server with --max-batch 1", param="spec")
         except RequestError as e:

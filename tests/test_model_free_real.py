@@ -1,0 +1,58 @@
+"""Greedy exactness of the model-free drafters on SmolLM2-135M float32: token-identical to plain."""
+
+import pytest
+
+from specdraft.api import SpecDecoder
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.drafters import datastore as ds
+from test_greedy_real import PROMPTS
+
+pytestmark = pytest.mark.slow
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smol(smol_f32):
+    return SpecDecoder(smol_f32, None)
+
+
+@pytest.fixture(scope="module")
+def reference(smol):
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    return {p: smol.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def store(smol, reference, tmp_path_factory):
+    """A global store holding the plain outputs of half the prompts (and their prompts)."""
+    docs = [smol.encode(p, chat=True) + reference[p] for p in PROMPTS[::2]]
+    path = tmp_path_factory.mktemp("store") / "s"
+    meta = {"target": "smollm2-135m", "vocab_size": len(smol.tokenizer),
+            "tokenizer_sha256": ds.tokenizer_sha256(smol.tokenizer)}
+    ds.build(docs, path, meta)
+    return str(path)
+
+
+CONFIGS = {
+    "suffix": dict(method="suffix", k=8),
+    "suffix_store": dict(method="suffix", k=8, datastore="STORE"),
+    "token_recycling": dict(method="token_recycling", recycle_branching=[4, 2, 1]),
+    "lookahead": dict(method="lookahead", lookahead_window=4, lookahead_ngram=3, lookahead_max_ngrams=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_free_greedy_exact(smol, reference, store, name):
+    d = dict(CONFIGS[name])
+    if d.get("datastore") == "STORE":
+        d["datastore"] = store
+    cfg = SpecConfig.from_dict(d)
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    accepted = drafted = 0
+    for p in PROMPTS:
+        out = smol.generate(p, sampling=sp, spec=cfg, chat=True)
+        assert out.token_ids == reference[p], f"{name} diverged on {p!r}"
+        accepted += out.stats.accepted
+        drafted += out.stats.drafted
+    print(f"{name}: accepted {accepted} of {drafted} drafted")
+    assert 0 < accepted < drafted
