@@ -143,12 +143,12 @@ class SpecConfig:
       3 + 6 + 6 nodes), or an explicit list of paths of child ranks, Medusa's "choices"
       (``tree_choices`` = [[0], [1], [0, 0], ...]; prefix-closed). Greedy takes the draft's top
       ranks; sampling draws the children of a node without replacement from the processed draft
-      distribution.
+      distribution. Default [2, 1, 1] (6 nodes).
     - ``dynamic`` (EAGLE-2's idea): ``k`` levels; at each level the ``tree_topk`` deepest nodes with
       the highest cumulative draft probability get ``tree_topk`` children each; greedy then reranks
       all candidates to the ``tree_budget`` best (sampling keeps every drawn node and stops
       drawing at the budget instead, since dropping drawn nodes by their own value would bias the
-      proposal).
+      proposal). Defaults k levels, tree_topk 2, tree_budget 6.
 
     The draft model scores each level of the tree in one forward with its own tree mask; trees
     need schedule=constant.
@@ -179,10 +179,12 @@ class SpecConfig:
     max_ngram: int = 3
     branches: int = 1
     tree: str = "chain"
-    tree_branching: list[int] = field(default_factory=lambda: [2, 2, 1])
+    # tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees),
+    # where a forward costs about linear in the tokens it scores; chain stays the default there
+    tree_branching: list[int] = field(default_factory=lambda: [2, 1, 1])
     tree_choices: list[list[int]] | None = None
-    tree_budget: int = 16
-    tree_topk: int = 4
+    tree_budget: int = 6
+    tree_topk: int = 2
     exit_layer: int = 0
     skip_layers: list[int] = field(default_factory=list)
     skip_config: str | None = None
