@@ -292,36 +292,7 @@ def test_spec_config_validation():
     assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
 
 
-# --- sampling exactness (needs the engine's tree rejection sampling from main) -------------------
-def _tree_sampling_available(target) -> bool:
-    try:
-        generate(target, _FixedTree(), PROMPT, SamplingParams(temperature=1.0, max_new_tokens=2, seed=0), eos_ids=set())
-    except ConfigError as e:
-        if "not implemented" in str(e) or "greedy" in str(e):
-            return False
-        raise
-    return True
-
-
-class _FixedTree:
-    """Drafts the same two-branch tree every step (to probe the engine for tree sampling)."""
-
-    name = "fixed"
-
-    def begin(self, prompt_ids, sp, generator):
-        pass
-
-    def propose(self, tokens, max_tokens):
-        from specdraft.tree import DraftTree
-
-        if max_tokens < 1:
-            return DraftTree.empty()
-        return DraftTree(torch.tensor([1, 2]), torch.tensor([-1, -1]))
-
-    def feedback(self, num_accepted, emitted):
-        pass
-
-
+# --- sampling exactness through the engine's tree rejection sampling ------------------------
 N_SAMPLES = 1500
 
 
@@ -332,8 +303,6 @@ def test_sampling_first_two_tokens_match_target(method):
     from test_engine_tiny import exact_first_two
 
     target = tiny_llama(vocab=6)
-    if method != "token_recycling_chain" and not _tree_sampling_available(target):
-        pytest.skip("the engine does not verify sampled token trees yet (tree sampling lands on main)")
     sp = SamplingParams(temperature=0.9, top_k=5)
     if method == "suffix":
         d = SuffixDrafter(SpecConfig(method="suffix", k=3, min_token_prob=0.0))

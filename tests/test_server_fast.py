@@ -137,9 +137,7 @@ def test_loadtest_refuses_remote_urls(capsys):
 
 
 def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
-    url, app, dec, kind = tiny_server
-    if kind != "batch":
-        pytest.skip("one scheduler is enough")
+    url, app, dec, kind = tiny_server  # both schedulers
     out = tmp_path / "lt.json"
     assert main(["loadtest", "--url", url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "5",
                  "--timeout", "60", "--out", str(out)]) == 0
