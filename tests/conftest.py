@@ -56,3 +56,23 @@ def smol_f32():
 @pytest.fixture(scope="session")
 def smol_tok(smol_f32):
     return smol_f32.tokenizer
+
+
+@pytest.fixture(scope="session")
+def smol_dec(smol_f32):
+    from specdraft.api import SpecDecoder
+
+    return SpecDecoder(smol_f32, None)
+
+
+@pytest.fixture(scope="session")
+def smol_reference(smol_dec):
+    """Plain greedy outputs (64 new tokens, chat template, EOS ignored) of SmolLM2-135M float32 for
+    test_greedy_real.PROMPTS: the one reference every real-model exactness test compares with (a
+    shorter run is compared with a prefix of it)."""
+    from specdraft.config import SamplingParams, SpecConfig
+    from test_greedy_real import NEW, PROMPTS
+
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    return {p: smol_dec.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids
+            for p in PROMPTS}

@@ -32,14 +32,13 @@ SHORT = 40  # newer variants compare a 40-token greedy prefix (same reference) t
 
 
 @pytest.fixture(scope="module")
-def smol(smol_f32):
-    return SpecDecoder(smol_f32, None)
+def smol(smol_dec):
+    return smol_dec
 
 
 @pytest.fixture(scope="module")
-def reference(smol):
-    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    return {p: smol.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids for p in PROMPTS}
+def reference(smol_reference):
+    return smol_reference
 
 
 def test_plain_equals_transformers_generate(smol, reference):

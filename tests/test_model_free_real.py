@@ -12,14 +12,14 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def smol(smol_f32):
-    return SpecDecoder(smol_f32, None)
+def smol(smol_dec):
+    return smol_dec
 
 
 @pytest.fixture(scope="module")
-def reference(smol):
-    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    return {p: smol.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids for p in PROMPTS}
+def reference(smol_reference):
+    """The shared 64-token plain greedy reference, cut to this file's NEW tokens."""
+    return {p: ids[:NEW] for p, ids in smol_reference.items()}
 
 
 @pytest.fixture(scope="module")

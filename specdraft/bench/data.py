@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import SpecDraftError
+from ..jsonl import iter_jsonl
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -34,22 +34,15 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
     if not path.exists():
         raise SpecDraftError(f"dataset {path} not found (pass --dataset PATH.jsonl)")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecDraftError(f"{path}:{i + 1}: not valid JSON: {e}") from e
-            if "turns" in r and r["turns"]:
-                prompt = r["turns"][0]
-            else:
-                prompt = next((r[k] for k in ("prompt", "question", "text", "instruction") if k in r), None)
-            if not isinstance(prompt, str) or not prompt:
-                raise SpecDraftError(f"{path}:{i + 1}: no prompt (need a 'turns', 'prompt', 'question' or 'text' field)")
-            cat = str(r.get("category", "default"))
-            rows.append({"id": str(r.get("question_id", r.get("id", i))), "category": cat, "task": task_of(cat), "prompt": prompt})
+    for i, r in iter_jsonl(path, SpecDraftError, "dataset"):
+        if "turns" in r and r["turns"]:
+            prompt = r["turns"][0]
+        else:
+            prompt = next((r[k] for k in ("prompt", "question", "text", "instruction") if k in r), None)
+        if not isinstance(prompt, str) or not prompt:
+            raise SpecDraftError(f"{path}:{i}: no prompt (need a 'turns', 'prompt', 'question' or 'text' field)")
+        cat = str(r.get("category", "default"))
+        rows.append({"id": str(r.get("question_id", r.get("id", i - 1))), "category": cat, "task": task_of(cat), "prompt": prompt})
     return rows
 
 

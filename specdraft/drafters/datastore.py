@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DatastoreError
+from ..jsonl import iter_jsonl
 
 FORMAT = "specdraft-suffix-datastore"
 VERSION = 1
@@ -165,32 +166,19 @@ def read_corpus(path: str | Path, max_docs: int | None = None) -> list[str]:
     """Texts from a jsonl corpus: each line's ``text``, ``prompt`` or ``turns`` (a list of strings,
     each turn a document)."""
     p = Path(path)
-    try:
-        f = p.open()
-    except OSError as e:
-        raise DatastoreError(f"cannot read corpus {p}: {e.strerror}") from None
     texts: list[str] = []
-    with f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatastoreError(f"{p}:{i + 1}: not valid JSON: {e}") from None
-            if not isinstance(r, dict):
-                raise DatastoreError(f"{p}:{i + 1}: expected a JSON object")
-            if isinstance(r.get("text"), str):
-                texts.append(r["text"])
-            elif isinstance(r.get("prompt"), str):
-                texts.append(r["prompt"])
-            elif isinstance(r.get("turns"), list) and all(isinstance(t, str) for t in r["turns"]):
-                texts.extend(r["turns"])
-            else:
-                raise DatastoreError(f"{p}:{i + 1}: no text (need a 'text' or 'prompt' string or a 'turns' list of "
-                                     "strings)")
-            if max_docs is not None and len(texts) >= max_docs:
-                break
+    for i, r in iter_jsonl(p, DatastoreError, "corpus"):
+        if isinstance(r.get("text"), str):
+            texts.append(r["text"])
+        elif isinstance(r.get("prompt"), str):
+            texts.append(r["prompt"])
+        elif isinstance(r.get("turns"), list) and all(isinstance(t, str) for t in r["turns"]):
+            texts.extend(r["turns"])
+        else:
+            raise DatastoreError(f"{p}:{i}: no text (need a 'text' or 'prompt' string or a 'turns' list of "
+                                 "strings)")
+        if max_docs is not None and len(texts) >= max_docs:
+            break
     if not texts:
         raise DatastoreError(f"corpus {p} has no documents")
     return texts[:max_docs] if max_docs is not None else texts
