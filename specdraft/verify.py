@@ -141,7 +141,6 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
         children[par + 1].append(i)
     tokens = tree.tokens.tolist()
     u = torch.rand(n, generator=generator).tolist() if n else []
-    V = target_probs.shape[-1]
     path: list[int] = []
     p = target_probs[0]
     slot = 0
@@ -149,16 +148,18 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
         nxt_node = None
         for c in children[slot]:
             x = tokens[c]
-            if tree.draft_probs is None:
-                q = torch.zeros(V, dtype=p.dtype, device=p.device)
-                q[x] = 1.0
+            if tree.draft_probs is None:  # deterministic child: q = one-hot(x)
+                if u[c] < float(p[x]):
+                    nxt_node = c
+                    break
+                r = p.clone()  # residual of a point mass: p without x (norm(max(0, p - onehot(x))))
+                r[x] = 0
             else:
                 q = tree.draft_probs[c]
-            px, qx = float(p[x]), float(q[x])
-            if u[c] * qx < px:  # accept with probability min(1, p(x) / q(x)); q(x) > 0 for drawn x
-                nxt_node = c
-                break
-            r = residual_distribution(p, q)
+                if u[c] * float(q[x]) < float(p[x]):  # accept w.p. min(1, p(x) / q(x)); q(x) > 0 for drawn x
+                    nxt_node = c
+                    break
+                r = residual_distribution(p, q)
             s = r.sum()
             if s > 0:  # s == 0 only when p == q up to rounding: p itself is then exact
                 p = r / s
