@@ -25,7 +25,7 @@ demo: models
 	$(PY) -m specdraft.cli demo
 
 test: models
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
