@@ -113,3 +113,19 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
     import json
 
     assert set(json.loads(js.read_text())["rows"]["float32 tree"]) == {"1", "3", "8"}
+
+
+def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
+    from specdraft.bench.corpus import write_corpus
+
+    cats = ["translation", "summarization", "qa", "math_reasoning", "rag", "writing", "coding", "reasoning"]
+    rows = [{"question_id": f"{c}{i}", "category": c, "turns": [f"prompt {c} {i}"]} for c in cats for i in range(5)]
+    ds = tmp_path / "q.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "corpus.jsonl"
+    info = write_corpus(str(out), "core18", max_chars=0, dataset=str(ds))
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert len(info["excluded_prompt_ids"]) == 18 and "translation0" in info["excluded_prompt_ids"]
+    assert "prompt translation 0" not in texts and "prompt translation 3" in texts
+    assert "prompt writing 0" not in texts and "prompt writing 1" in texts
+    assert len(texts) == info["documents"] >= 40 - 18

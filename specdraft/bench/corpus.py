@@ -1,0 +1,59 @@
+"""A datastore corpus that does not contain the bench prompts.
+
+    python -m specdraft.bench.corpus OUT.jsonl [--exclude-preset core18] [--max-chars 25000000]
+
+Writes one ``{"text": ...}`` line per document: every Spec-Bench prompt except those of the
+excluded preset (so a store built from it never contains a test prompt), then the source files of
+this Python's standard library (tests excluded) as a code corpus, up to ``--max-chars`` characters.
+This is the corpus of the ``suffix_ds`` results in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sysconfig
+
+from . import data
+
+
+def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int = 25_000_000,
+                 dataset: str | None = None) -> dict:
+    rows = data.load_prompts(dataset)
+    excluded = {r["id"] for r in data.select(rows, preset=exclude_preset)} if exclude_preset else set()
+    n_docs = chars = 0
+    with open(out, "w") as f:
+        def put(text: str) -> None:
+            nonlocal n_docs, chars
+            f.write(json.dumps({"text": text}) + "\n")
+            n_docs += 1
+            chars += len(text)
+
+        for r in rows:
+            if r["id"] not in excluded:
+                put(r["prompt"])
+        std = sysconfig.get_paths()["stdlib"]
+        for path in sorted(glob.glob(std + "/**/*.py", recursive=True)):
+            if "/test" in path or "site-packages" in path or chars > max_chars:
+                continue
+            try:
+                with open(path, encoding="utf-8") as src:
+                    put(src.read())
+            except (OSError, UnicodeDecodeError):
+                continue
+    return {"documents": n_docs, "chars": chars, "excluded_prompt_ids": sorted(excluded)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--exclude-preset", default="core18")
+    ap.add_argument("--max-chars", type=int, default=25_000_000)
+    ap.add_argument("--dataset")
+    a = ap.parse_args(argv)
+    print(json.dumps(write_corpus(a.out, a.exclude_preset or None, a.max_chars, a.dataset)))
+
+
+if __name__ == "__main__":
+    main()
