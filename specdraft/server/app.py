@@ -128,6 +128,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             if p.spec.method == "draft_model" and decoder.draft is None:
                 raise RequestError("spec.method 'draft_model' needs a draft model; this server was started "
                                    "without --draft (use prompt_lookup or plain)", param="spec")
+            if p.spec.method in ("layer_skip", "early_exit"):  # the layer view must exist for this target
+                try:
+                    decoder.self_draft(p.spec)
+                except SpecDraftError as e:
+                    raise RequestError(f"spec: {e}", param="spec") from None
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)
