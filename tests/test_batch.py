@@ -298,3 +298,51 @@ def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
         counts[a, b] += 1
     assert sum(r.stats.accepted for r in out) > 0
     assert fit_pvalue(counts, _exact_first_two(HFModel(target.model), sp)) > 1e-3
+
+
+SMOL_SPECS = {
+    "plain": {"method": "plain"},
+    "prompt_lookup": {"method": "prompt_lookup", "k": 4},
+    "prompt_lookup_tree": {"method": "prompt_lookup", "k": 4, "branches": 3},
+    "draft_model": {"method": "draft_model", "k": 3},
+    "draft_static": {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
+    "draft_dynamic": {"method": "draft_model", "tree": "dynamic", "k": 3},
+    "suffix": {"method": "suffix"},
+    "token_recycling": {"method": "token_recycling"},
+    "lookahead": {"method": "lookahead"},
+    "early_exit": {"method": "early_exit", "exit_layer": 8, "k": 3},
+    "early_exit_tree": {"method": "early_exit", "exit_layer": 8, "tree": "static"},
+    "layer_skip": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "k": 3},
+    "layer_skip_tree": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "tree": "dynamic", "k": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def smol_draft4():
+    from specdraft.models.loading import load_model
+
+    return load_model("smollm2-135m", "float32", num_layers=4)
+
+
+@pytest.mark.slow
+def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4):
+    """fp32 SmolLM2-135M, every drafter in one batch: one row per method (plus a plain row), at most
+    6 rows at a time, rows joining at different steps, 24 new tokens each; every row's greedy output
+    == the single-sequence engine's for that row and method."""
+    tok = smol_f32.tokenizer
+    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+             "The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5, 6, 7,", "Once upon a time"]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    fac = BatchDrafters(SpecDecoder(smol_f32, smol_draft4))
+    names = list(SMOL_SPECS) + ["plain"]
+    jobs = [(prompts[i % 4], SamplingParams(max_new_tokens=24), fac.make(SMOL_SPECS[n])) for i, n in enumerate(names)]
+    out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=2)
+    ref = SpecDecoder(HFModel(smol_f32.model, tok, name="t"), HFModel(smol_draft4.model, tok, name="d"))
+    for n, (p, sp, _), r in zip(names, jobs, out):
+        want = generate(ref.target, ref.make_drafter(SpecConfig.from_dict(SMOL_SPECS[n])), p, sp, eos_ids=set())
+        assert r.token_ids == want.token_ids, n
+        if n != "plain":
+            assert r.stats.drafted > 0, n
+        if n in TREE_SPECS:
+            assert any(s.depth is not None for s in r.stats.steps), n
+    assert sum(r.stats.accepted for r in out) > 0
