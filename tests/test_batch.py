@@ -346,3 +346,34 @@ def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4):
         if n in TREE_SPECS:
             assert any(s.depth is not None for s in r.stats.steps), n
     assert sum(r.stats.accepted for r in out) > 0
+
+
+def test_batchbench_cli_on_a_tiny_model(tmp_path, capsys):
+    """`specdraft batchbench`: every (batch size, method) measured, speedup vs plain, MAT, greedy rows
+    equal plain's, crossover and plot written; bad arguments are one-line errors."""
+    import json
+
+    from conftest import tiny_model_dir
+    from specdraft.cli import main
+
+    d = tiny_model_dir(tmp_path / "tiny", layers=3)
+    ds = tmp_path / "q.jsonl"
+    ds.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Say {c} {i} {c} {i}."]})
+                            for i, c in enumerate(["qa", "writing", "qa"])) + "\n")
+    out, png = tmp_path / "bb.json", tmp_path / "bb.png"
+    args = ["batchbench", "--target", str(d), "--dtype", "float32", "--methods", "prompt_lookup,early_exit",
+            "--exit-layer", "1", "--batch-sizes", "1,2", "--prompts", "3", "--max-new-tokens", "6", "--dataset", str(ds),
+            "--no-chat", "--out", str(out), "--plot", str(png)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert [(r["batch_size"], r["method"]) for r in res["summary"]] == [
+        (b, m) for b in (1, 2) for m in ("plain", "prompt_lookup", "early_exit")]
+    for r in res["summary"]:
+        assert r["tokens"] == 3 * 6 and r["tokens_per_s"] > 0 and r["mat"] >= 1 and r["greedy_exact_rows"] == "3/3"
+        assert (r["speedup_vs_plain"] == 1.0) == (r["method"] == "plain")
+    assert set(res["crossover"]) == {"prompt_lookup", "early_exit"} and png.stat().st_size > 0
+    assert "speedup" in capsys.readouterr().out
+    assert main(args[:-4] + ["--batch-sizes", "0"]) == 2
+    assert "--batch-sizes must list integers >= 1" in capsys.readouterr().err
+    assert main(args[:1] + ["--target", str(d), "--methods", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
