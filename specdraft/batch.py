@@ -1,10 +1,15 @@
 """Batched speculative decoding with continuous batching.
 
-Several sequences (rows) decode together: each step every row proposes its own draft (ragged
-lengths, zero included), the target scores all rows' pending token + draft in ONE forward, each row
-accepts its own number of tokens (batched ``verify`` functions with ``num_draft``), and rows join
-(``add``) and leave (finish, cancel) between steps. The plain baseline is the same loop with
-``NoDrafter`` rows.
+Several sequences (rows) decode together: each step every row proposes its own draft, a chain or
+a token tree (ragged sizes, zero included), the target scores all rows' pending token + draft in ONE
+forward, each row accepts its own number of tokens (chains: the batched ``verify`` functions with
+``num_draft``; trees: the batch-1 tree verifiers on the row's own logits), and rows join (``add``)
+and leave (finish, cancel) between steps. The plain baseline is the same loop with ``NoDrafter``
+rows. Every drafter batches (``BatchDrafters`` makes a row's drafter from its SpecConfig).
+
+A tree row feeds [pending] + its nodes with its own tree mask (each node sees the pending token and
+its ancestors) at positions (row length + depth); after verification it keeps the slots of the
+pending token and the accepted path, and the other nodes become holes like rejected chain drafts.
 
 The batched KV cache (``BatchKV``) is one transformers ``DynamicCache`` of shape [B, H, L, D]
 shared by all rows, through the stock model classes: every cache slot has a per-row validity bit,
