@@ -8,7 +8,9 @@ reports total generated tokens / total wall seconds (prefill included), the spee
 at the same batch size, MAT and acceptance rate (all from specdraft.metrics), and, when greedy,
 how many rows equal plain's rows token for token. The batch policy is off unless --policy is given,
 so the raw crossover is what is measured; its defaults (BatchSpecPolicy: shrink at 8 rows, off at
-16) can then be set from ``crossover`` in the JSON.
+16) can then be set from ``crossover`` in the JSON: per method the batch sizes where speculation
+pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
+larger measured size.
 """
 
 from __future__ import annotations
@@ -130,11 +132,14 @@ def summarize(records: list[dict], labels: list[str], sizes: list[int]) -> tuple
         if lab == "plain":
             continue
         sp = [(r["batch_size"], r["speedup_vs_plain"]) for r in rows if r["method"] == lab]
-        loses = [b for b, x in sp if x is not None and x < 1.0]
         pays = [b for b, x in sp if x is not None and x >= 1.0]
-        crossover[lab] = {"speedup_by_batch_size": {str(b): x for b, x in sp},
-                          "largest_batch_size_that_pays": max(pays) if pays else None,
-                          "first_batch_size_that_loses": min(loses) if loses else None}
+        off_from = None  # the smallest size from which it loses at every larger measured size too
+        for b, x in reversed(sp):
+            if x is None or x >= 1.0:
+                break
+            off_from = b
+        crossover[lab] = {"speedup_by_batch_size": {str(b): x for b, x in sp}, "pays_at": pays,
+                          "loses_from": off_from}
     return rows, crossover
 
 
@@ -242,8 +247,9 @@ def main_batchbench(a) -> int:
         print(f"{r['batch_size']:>5} {r['method']:<20} {r['tokens_per_s']:>8.2f} {su:>8} {r['mat']:>5.2f} {acc:>6} "
               f"{r['greedy_exact_rows'] or '-':>7}")
     for lab, c in crossover.items():
-        print(f"{lab}: pays up to batch size {c['largest_batch_size_that_pays']}, "
-              f"first loses at {c['first_batch_size_that_loses']}")
+        tail = ("still pays at the largest batch size" if c["loses_from"] is None else
+                f"loses from batch size {c['loses_from']} on (a candidate for --spec-off-at)")
+        print(f"{lab}: pays (speedup >= 1) at batch sizes {c['pays_at'] or 'none'}; {tail}")
     if a.plot:
         plot(summary, a.plot)
         print(f"plot: {a.plot}", file=sys.stderr)
