@@ -1,10 +1,15 @@
 """Batched speculative decoding with continuous batching.
 
-Several sequences (rows) decode together: each step every row proposes its own draft (ragged
-lengths, zero included), the target scores all rows' pending token + draft in ONE forward, each row
-accepts its own number of tokens (batched ``verify`` functions with ``num_draft``), and rows join
-(``add``) and leave (finish, cancel) between steps. The plain baseline is the same loop with
-``NoDrafter`` rows.
+Several sequences (rows) decode together: each step every row proposes its own draft, a chain or
+a token tree (ragged sizes, zero included), the target scores all rows' pending token + draft in ONE
+forward, each row accepts its own number of tokens (chains: the batched ``verify`` functions with
+``num_draft``; trees: the batch-1 tree verifiers on the row's own logits), and rows join (``add``)
+and leave (finish, cancel) between steps. The plain baseline is the same loop with ``NoDrafter``
+rows. Every drafter batches (``BatchDrafters`` makes a row's drafter from its SpecConfig).
+
+A tree row feeds [pending] + its nodes with its own tree mask (each node sees the pending token and
+its ancestors) at positions (row length + depth); after verification it keeps the slots of the
+pending token and the accepted path, and the other nodes become holes like rejected chain drafts.
 
 The batched KV cache (``BatchKV``) is one transformers ``DynamicCache`` of shape [B, H, L, D]
 shared by all rows, through the stock model classes: every cache slot has a per-row validity bit,
@@ -36,7 +41,7 @@ from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .sampling import make_generator, probs_from_logits, sample
 from .tree import DraftTree
-from .verify import greedy_verify, rejection_sample
+from .verify import greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree
 
 
 # --- the batched KV cache --------------------------------------------------------------------
@@ -148,10 +153,14 @@ class BatchKV:
         self.trim()
 
     @torch.inference_mode()
-    def forward(self, seqs: list[list[int]], keep: int | None = None) -> torch.Tensor:
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None) -> torch.Tensor:
         """Feed row r the tokens ``seqs[r]`` (ragged; may be empty) at positions lens[r].. in one
         forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real);
         ``keep`` returns only the last ``keep`` positions' logits (prefill).
+
+        ``trees[r]`` (optional; None = a causal chain) is ``(allow [n, n] bool, offsets [n] long)`` for
+        row r's n fed tokens: fed token i attends to the row's valid cache slots and to the fed tokens
+        j with allow[i, j] (itself and its ancestors, for a token tree), at position lens[r] + offsets[i].
         The slots stay provisional until ``commit``."""
         B, L = self.B, self.L
         n = [len(s) for s in seqs]
@@ -160,11 +169,19 @@ class BatchKV:
         for r, s in enumerate(seqs):
             if s:
                 ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        allow = torch.cat([self.valid[:, None, :].expand(B, N, L),
-                           torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)], dim=2)
+        local = torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)
+        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
+        if trees is not None and any(t is not None for t in trees):
+            local = local.clone()
+            for r, t in enumerate(trees):
+                if t is not None:
+                    allow, off = t
+                    m = allow.shape[0]
+                    local[r, :m, :m] = allow
+                    pos[r, :m] = self.lens[r] + off
+        allow = torch.cat([self.valid[:, None, :].expand(B, N, L), local], dim=2)
         dt = self.model.dtype
         mask = torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min)
-        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
         dev = self.model.device
         kw = {self.model._cache_kw: self.cache}
         out = self.model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
@@ -174,12 +191,24 @@ class BatchKV:
         return out.logits.float()
 
     @torch.inference_mode()
-    def commit(self, keep: list[int]) -> None:
-        """Of the last forward's slots, row r keeps its first keep[r] (the rest become holes)."""
+    def commit(self, keep: list) -> None:
+        """Of the last forward's slots, row r keeps its first keep[r] (an int), or the slots listed in
+        keep[r] (ascending indices into the row's fed tokens: a tree's pending token + accepted
+        path); the rest become holes."""
         N, L = self._last_n, self.L
-        k = torch.tensor(keep, dtype=torch.long)
-        self.valid[:, L - N:] = torch.arange(N)[None, :] < k[:, None]
-        self.lens = [a + int(b) for a, b in zip(self.lens, keep)]
+        if all(isinstance(x, int) for x in keep):
+            k = torch.tensor(keep, dtype=torch.long)
+            self.valid[:, L - N:] = torch.arange(N)[None, :] < k[:, None]
+            self.lens = [a + int(b) for a, b in zip(self.lens, keep)]
+        else:
+            new = torch.zeros(self.B, N, dtype=torch.bool)
+            for r, x in enumerate(keep):
+                if isinstance(x, int):
+                    new[r, :x] = True
+                elif len(x):
+                    new[r, torch.as_tensor(x, dtype=torch.long)] = True
+            self.valid[:, L - N:] = new
+            self.lens = [a + (x if isinstance(x, int) else len(x)) for a, x in zip(self.lens, keep)]
         self.trim()
         if self.L - max(self.lens, default=0) >= self.compact_slack:
             self.compact()
@@ -476,13 +505,12 @@ class BatchEngine:
         for r, row in enumerate(rows):
             remaining = row.sp.max_new_tokens - len(row.output)
             cap = remaining - 1
-            k = getattr(row.drafter, "k", None) or getattr(getattr(row.drafter, "cfg", None), "k", 0)
             if self.policy is not None:
-                cap = min(cap, self.policy.cap(B, k))
+                cap = min(cap, self.policy.cap(B, draft_depth(row.drafter, remaining - 1)))
             caps.append(max(cap, 0))
             g = getattr(row.drafter, "group", None)
             if g is not None:
-                caps[r] = min(caps[r], k)
+                caps[r] = min(caps[r], row.drafter.k)
                 groups.setdefault(id(g), (g, []))[1].append(r)
         for g, idx in groups.values():
             ta = time.perf_counter()
@@ -494,49 +522,61 @@ class BatchEngine:
             if drafts[r] is not None:
                 continue
             ta = time.perf_counter()
-            d = row.drafter.propose(row.tokens, caps[r])
-            if not d.is_chain():
-                raise ConfigError("token trees (branches > 1) are not supported by the batch engine; use branches=1")
-            drafts[r] = d
+            drafts[r] = row.drafter.propose(row.tokens, caps[r])
             draft_s[r] = time.perf_counter() - ta
         t1 = time.perf_counter()
         ks = [d.size for d in drafts]
+        chain = [d.is_chain() for d in drafts]
         seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
-        logits = self.kv.forward(seqs)  # [B, N, V]
-        K = max(ks)
+        trees = [None if c else _tree_feed(d) for c, d in zip(chain, drafts)]
+        logits = self.kv.forward(seqs, trees=trees)  # [B, N, V]
+        for r, row in enumerate(rows):  # as the single-sequence engine: the row's [k + 1, V] logits
+            observe = getattr(row.drafter, "observe_target", None)
+            if observe is not None:
+                observe(torch.tensor(seqs[r]), logits[r, : ks[r] + 1])
+        n_acc, nxt, keep, acc_tokens = [0] * B, [0] * B, [None] * B, [None] * B
+        # chains: the batched verifiers (greedy rows together; sampling rows with their own generator)
+        K = max([ks[r] for r in range(B) if chain[r]], default=0)
         dtok = torch.zeros(B, K, dtype=torch.long)
         for r, d in enumerate(drafts):
-            if d.size:
+            if chain[r] and d.size:
                 dtok[r, : d.size] = d.tokens
-        n_acc = [0] * B
-        nxt = [0] * B
-        greedy = [r for r in range(B) if rows[r].sp.greedy]
+        greedy = [r for r in range(B) if rows[r].sp.greedy and chain[r]]
         if greedy:
             g = torch.tensor(greedy, dtype=torch.long)
             na, nx = greedy_verify(dtok[g], logits[g, : K + 1], torch.tensor([ks[r] for r in greedy]))
             for j, r in enumerate(greedy):
                 n_acc[r], nxt[r] = int(na[j]), int(nx[j])
         for r in range(B):
-            if rows[r].sp.greedy:
+            if not chain[r] or rows[r].sp.greedy:
                 continue
             k, d = ks[r], drafts[r]
             q = None if d.draft_probs is None else d.draft_probs[None]
             p = probs_from_logits(logits[r, : k + 1], rows[r].sp)[None]
             na, nx = rejection_sample(dtok[r: r + 1, :k], q, p, rows[r].gen)
             n_acc[r], nxt[r] = int(na[0]), int(nx[0])
-        for r, row in enumerate(rows):
-            observe = getattr(row.drafter, "observe_target", None)
-            if observe is not None:
-                observe(torch.tensor(seqs[r]), logits[r, : ks[r] + 1])
-        self.kv.commit([1 + a for a in n_acc])
+        for r in range(B):
+            if chain[r]:
+                keep[r] = 1 + n_acc[r]
+                acc_tokens[r] = drafts[r].tokens[: n_acc[r]].tolist()
+                continue
+            # token trees: each row's own tree verifier on its own logits; keep the accepted path
+            d, lg = drafts[r], logits[r, : ks[r] + 1]
+            if rows[r].sp.greedy:
+                path, nxt[r] = greedy_verify_tree(d, lg)
+            else:
+                path, nxt[r] = rejection_sample_tree(d, probs_from_logits(lg, rows[r].sp), rows[r].gen)
+            n_acc[r] = len(path)
+            keep[r] = [0] + [1 + i for i in path]
+            acc_tokens[r] = d.tokens[path].tolist()
+        self.kv.commit(keep)
         for g, idx in groups.values():
             g.feedback([rows[r] for r in idx], [n_acc[r] for r in idx])
         t2 = time.perf_counter()
         verify_s = (t2 - t1) / B
         done = []
         for r, row in enumerate(rows):
-            acc = drafts[r].tokens[: n_acc[r]].tolist()
-            new = acc + [nxt[r]]
+            new = acc_tokens[r] + [nxt[r]]
             if getattr(row.drafter, "group", None) is not None:
                 row.drafter.feedback(n_acc[r], new, ks[r])
             else:
@@ -547,7 +587,8 @@ class BatchEngine:
                 new, finish = row.stopper.check(row.tokens[len(row.prompt_ids):], new)
             row.tokens.extend(new)
             vs = verify_s + (row.prefill_s if not row.stats.steps else 0.0)
-            row.stats.steps.append(StepRecord(ks[r], n_acc[r], len(new), draft_s[r], vs))
+            depth = None if chain[r] else int(drafts[r].depths().max())
+            row.stats.steps.append(StepRecord(ks[r], n_acc[r], len(new), draft_s[r], vs, depth))
             if row.on_emit is not None and row.on_emit(new) and finish is None:
                 finish = "cancelled"
             if finish is not None:
@@ -557,6 +598,32 @@ class BatchEngine:
         finished = [rows[r] for r in done]
         self._drop(done)
         return finished
+
+
+def _tree_feed(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
+    itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
+    n = tree.size
+    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allow[:, 0] = True
+    allow[1:, 1:] = tree.ancestors()
+    return allow, torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+
+
+def draft_depth(drafter, default: int) -> int:
+    """The deepest draft a drafter makes per step (what ``BatchSpecPolicy`` shrinks): a model
+    tree's depth, a chain's current k, a model-free tree's depth; ``default`` when unbounded."""
+    for attr in ("max_depth", "k"):
+        v = getattr(drafter, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    branching = getattr(drafter, "branching", None)
+    if branching:
+        return len(branching)
+    if hasattr(drafter, "W") and hasattr(drafter, "N"):  # lookahead: window + verification branch
+        return drafter.W + drafter.N - 2
+    k = getattr(getattr(drafter, "cfg", None), "k", None)
+    return k if isinstance(k, int) and k > 0 else default
 
 
 def generate_batch(target: HFModel, jobs: list[tuple[list[int], SamplingParams, object]], eos_ids=None,
@@ -583,3 +650,51 @@ def generate_batch(target: HFModel, jobs: list[tuple[list[int], SamplingParams, 
             results[row.tag] = row.result
         steps += 1
     return [results[i] for i in range(len(jobs))]
+
+
+class BatchDrafters:
+    """Makes each batch row's drafter from its SpecConfig, for every method (``decoder`` is a
+    SpecDecoder):
+
+    - chains from a model (draft_model, layer_skip, early_exit) draft together: one
+      ``BatchedDraftModel`` per drafting model (the draft model, or one layer view of the target per
+      kept-layer set), each a batched KV cache over the shared weights;
+    - token trees from a model (``tree`` static / dynamic) get a per-row ``DraftTreeDrafter`` with its
+      own KV cache over the same shared weights (a new HFModel wrapper: the weights are not copied);
+    - model-free drafters (prompt_lookup, suffix, token_recycling, lookahead) and plain are made by
+      the decoder exactly as at batch size 1 (per-row state; Token Recycling's table stays shared).
+    """
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.groups: dict[int, BatchedDraftModel] = {}
+
+    def reset(self) -> None:
+        """Forget the batched draft caches (after a failed step the batch starts over)."""
+        self.groups = {}
+
+    def model_for(self, spec) -> HFModel | None:
+        dec = self.decoder
+        if spec.method == "draft_model":
+            if dec.draft is None:
+                raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
+            return dec.draft
+        if spec.method in ("layer_skip", "early_exit"):
+            return dec.self_draft(spec)
+        return None
+
+    def make(self, spec):
+        from .config import SpecConfig
+        from .drafters.draft_tree import DraftTreeDrafter
+
+        spec = SpecConfig.from_dict(spec)
+        m = self.model_for(spec)
+        if m is None:
+            return self.decoder.make_drafter(spec)
+        vocab = self.decoder.target.vocab_size
+        if spec.tree == "chain":
+            g = self.groups.get(id(m.model))
+            if g is None:
+                g = self.groups[id(m.model)] = BatchedDraftModel(HFModel(m.model, m.tokenizer, name=m.name), vocab)
+            return GroupDraft(g, spec)
+        return DraftTreeDrafter(HFModel(m.model, m.tokenizer, name=m.name), spec, vocab)

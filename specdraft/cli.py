@@ -169,6 +169,12 @@ def cmd_bench(a) -> int:
     return main_bench(a)
 
 
+def cmd_batchbench(a) -> int:
+    from .bench.batchbench import main_batchbench
+
+    return main_batchbench(a)
+
+
 def cmd_serve(a) -> int:
     from .api import SpecDecoder
 
@@ -290,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
     lt.add_argument("--out", default="loadtest.json", help="JSON results file")
     lt.set_defaults(fn=cmd_loadtest)
+
+    from .bench.batchbench import add_batchbench_args
+
+    bb = sub.add_parser("batchbench", help="batch engine: speculation vs plain across batch sizes (the crossover)")
+    add_batchbench_args(bb)
+    bb.set_defaults(fn=cmd_batchbench)
 
     from .bench.harness import add_bench_args
 

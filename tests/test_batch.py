@@ -159,3 +159,221 @@ def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
     assert [r.token_ids for r in out] == refs
     if method != "plain":
         assert sum(r.stats.accepted for r in out) > 0
+
+
+# --- every drafter batches: trees, self-speculation, model-free ----------------------------------
+from specdraft.api import SpecDecoder  # noqa: E402
+from specdraft.batch import BatchDrafters  # noqa: E402
+
+ALL_SPECS = {
+    "plain": {"method": "plain"},
+    "prompt_lookup": {"method": "prompt_lookup", "k": 3, "max_ngram": 2},
+    "prompt_lookup_tree": {"method": "prompt_lookup", "k": 3, "min_ngram": 1, "max_ngram": 2, "branches": 3},
+    "draft_model": {"method": "draft_model", "k": 3},
+    "draft_static": {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
+    "draft_dynamic": {"method": "draft_model", "tree": "dynamic", "k": 3, "tree_topk": 2, "tree_budget": 6},
+    "suffix": {"method": "suffix", "k": 4, "min_token_prob": 0.0},
+    "token_recycling": {"method": "token_recycling", "recycle_branching": [3, 2, 1]},
+    "lookahead": {"method": "lookahead", "lookahead_window": 3, "lookahead_ngram": 3, "lookahead_max_ngrams": 3},
+    "early_exit": {"method": "early_exit", "exit_layer": 1, "k": 3},
+    "early_exit_tree": {"method": "early_exit", "exit_layer": 2, "tree": "static", "tree_branching": [2, 1, 1]},
+    "layer_skip": {"method": "layer_skip", "skip_layers": [1, 2], "k": 3, "schedule": "heuristic"},
+    "layer_skip_tree": {"method": "layer_skip", "skip_layers": [2], "tree": "dynamic", "k": 3, "tree_budget": 5},
+}
+TREE_SPECS = {"prompt_lookup_tree", "draft_static", "draft_dynamic", "suffix", "token_recycling", "lookahead",
+              "early_exit_tree", "layer_skip_tree"}
+
+
+@pytest.fixture(scope="module")
+def quad():
+    """A 4-layer target (so layer views have layers to skip) and a related 2-layer draft."""
+    return tiny_llama(vocab=V, layers=4, seed=1), tiny_llama(vocab=V, layers=2, seed=1, noise_seed=5, noise=0.25)
+
+
+def reference(target, draft, spec, prompt, sp):
+    """The single-sequence engine on fresh wrappers (own caches) of the same weights."""
+    dec = SpecDecoder(HFModel(target.model, None, name="t"), HFModel(draft.model, None, name="d"))
+    return generate(dec.target, dec.make_drafter(SpecConfig.from_dict(spec)), prompt, sp, eos_ids=set())
+
+
+@pytest.mark.parametrize("name", list(ALL_SPECS))
+def test_every_drafter_greedy_rows_equal_batch1(quad, name):
+    """Rows of each method (plus a plain row) join at different steps; every row == batch size 1."""
+    target, draft = quad
+    fac = BatchDrafters(SpecDecoder(target, draft))
+    lens = [14, 20, 9, 17, 12]
+    prompts = PROMPTS[:4] + [PROMPTS[6]]
+    jobs = [(p, SamplingParams(max_new_tokens=n), fac.make(ALL_SPECS[name])) for p, n in zip(prompts, lens)]
+    jobs.append((PROMPTS[4], SamplingParams(max_new_tokens=11), fac.make({"method": "plain"})))
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
+    for (p, sp, _), r in zip(jobs[:-1], out):
+        assert r.token_ids == reference(target, draft, ALL_SPECS[name], p, sp).token_ids
+    assert out[-1].token_ids == reference(target, draft, {"method": "plain"}, PROMPTS[4], jobs[-1][1]).token_ids
+    if name != "plain":
+        assert sum(r.stats.drafted for r in out[:-1]) > 0
+    if name in TREE_SPECS:  # token trees really went through the batched tree path
+        assert any(s.depth is not None for r in out[:-1] for s in r.stats.steps)
+    for g in fac.groups.values():
+        assert g.members == [] and g.kv.B == 0  # batched draft rows left with their rows
+
+
+def test_all_methods_in_one_batch_with_sampling_rows(quad):
+    """Every method at once in one batch, greedy and seeded sampling rows mixed: every row equals its
+    batch-size-1 output (a seeded sampling row draws the same samples: its generator serves its own
+    drafting and verification in the same order as at batch size 1)."""
+    target, draft = quad
+    fac = BatchDrafters(SpecDecoder(target, draft))
+    jobs, refs = [], []
+    for i, name in enumerate(ALL_SPECS):
+        p, n = PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 13
+        sp = SamplingParams(max_new_tokens=n) if i % 3 else SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n)
+        jobs.append((p, sp, fac.make(ALL_SPECS[name])))
+        refs.append(reference(target, draft, ALL_SPECS[name], p, sp).token_ids)
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=6, join_every=1)
+    for (p, sp, _), ref, r in zip(jobs, refs, out):
+        assert len(r.token_ids) == sp.max_new_tokens and all(0 <= t < V for t in r.token_ids)
+        assert r.token_ids == ref
+        assert r.stats.accepted <= r.stats.drafted and r.stats.new_tokens == sp.max_new_tokens
+
+
+def test_batchkv_tree_feed_keeps_only_the_path(pair):
+    """A tree fed through BatchKV and committed to its accepted path leaves a cache whose next
+    logits equal a plain forward of prefix + path."""
+    from specdraft.batch import _tree_feed
+    from specdraft.tree import DraftTree
+
+    target, _ = pair
+    kv = BatchKV(target)
+    kv.add_rows([[1, 2, 3], [4, 5]])
+    tree = DraftTree(torch.tensor([6, 7, 8, 9]), torch.tensor([-1, -1, 1, 2]))  # path 7 -> 8 -> 9
+    kv.forward([[4] + tree.tokens.tolist(), [6]], trees=[_tree_feed(tree), None])
+    kv.commit([[0, 2, 3, 4], 1])
+    assert kv.lens == [7, 3]
+    got = kv.forward([[10], [11]])[:, 0]
+    ref = HFModel(target.model)
+    for r, seq in enumerate([[1, 2, 3, 4, 7, 8, 9, 10], [4, 5, 6, 11]]):
+        ref.reset()
+        assert torch.allclose(got[r], ref.forward(torch.tensor(seq), keep=1)[-1], atol=1e-4)
+
+
+# sampling: tree rows in a batch still sample the target's exact distribution (first two tokens)
+V6, P6, NS, NS_MODEL = 6, [1, 2, 3, 1, 2], 2000, 1200  # model trees draft per row: fewer samples
+T1 = SamplingParams(temperature=1.0)
+TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+SAMPLING_CASES = [("draft_static", 4, T1), ("draft_dynamic", 5, TRUNC), ("prompt_lookup_tree", 4, TRUNC),
+                  pytest.param("early_exit_tree", 4, T1, marks=pytest.mark.slow)]
+
+
+def _exact_first_two(target, sp):
+    from specdraft.sampling import probs_from_logits
+
+    import numpy as np
+
+    target.reset()
+    p1 = probs_from_logits(target.forward(torch.tensor(P6), keep=1)[-1], sp).double()
+    joint = np.zeros((V6, V6))
+    for a in range(V6):
+        target.reset()
+        p2 = probs_from_logits(target.forward(torch.tensor(P6 + [a]), keep=1)[-1], sp).double()
+        joint[a] = (p1[a] * p2).numpy()
+    return joint
+
+
+@pytest.mark.parametrize("name,max_new,sp", SAMPLING_CASES, ids=["draft_static-T1", "draft_dynamic-T0.8", "prompt_lookup_tree-T0.8", "early_exit_tree-T1"])
+def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
+    import numpy as np
+
+    from stat_util import fit_pvalue
+
+    target = tiny_llama(vocab=V6, layers=3)
+    draft = tiny_llama(vocab=V6, noise_seed=5, noise=0.25)
+    fac = BatchDrafters(SpecDecoder(target, draft))
+    spec = {**ALL_SPECS[name], "exit_layer": 1} if name == "early_exit_tree" else ALL_SPECS[name]
+    jobs = [(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), fac.make(spec))
+            for i in range(NS if name == "prompt_lookup_tree" else NS_MODEL)]
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=64)  # rows leave raggedly, others join
+    counts = np.zeros((V6, V6))
+    for r in out:
+        a, b = r.token_ids[:2]
+        counts[a, b] += 1
+    assert sum(r.stats.accepted for r in out) > 0
+    assert fit_pvalue(counts, _exact_first_two(HFModel(target.model), sp)) > 1e-3
+
+
+SMOL_SPECS = {
+    "plain": {"method": "plain"},
+    "prompt_lookup": {"method": "prompt_lookup", "k": 4},
+    "prompt_lookup_tree": {"method": "prompt_lookup", "k": 4, "branches": 3},
+    "draft_model": {"method": "draft_model", "k": 3},
+    "draft_static": {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
+    "draft_dynamic": {"method": "draft_model", "tree": "dynamic", "k": 3},
+    "suffix": {"method": "suffix"},
+    "token_recycling": {"method": "token_recycling"},
+    "lookahead": {"method": "lookahead"},
+    "early_exit": {"method": "early_exit", "exit_layer": 8, "k": 3},
+    "early_exit_tree": {"method": "early_exit", "exit_layer": 8, "tree": "static"},
+    "layer_skip": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "k": 3},
+    "layer_skip_tree": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "tree": "dynamic", "k": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def smol_draft4():
+    from specdraft.models.loading import load_model
+
+    return load_model("smollm2-135m", "float32", num_layers=4)
+
+
+@pytest.mark.slow
+def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4):
+    """fp32 SmolLM2-135M, every drafter in one batch: one row per method (plus a plain row), at most
+    6 rows at a time, rows joining at different steps, 24 new tokens each; every row's greedy output
+    == the single-sequence engine's for that row and method."""
+    tok = smol_f32.tokenizer
+    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+             "The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5, 6, 7,", "Once upon a time"]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    fac = BatchDrafters(SpecDecoder(smol_f32, smol_draft4))
+    names = list(SMOL_SPECS) + ["plain"]
+    jobs = [(prompts[i % 4], SamplingParams(max_new_tokens=24), fac.make(SMOL_SPECS[n])) for i, n in enumerate(names)]
+    out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=2)
+    ref = SpecDecoder(HFModel(smol_f32.model, tok, name="t"), HFModel(smol_draft4.model, tok, name="d"))
+    for n, (p, sp, _), r in zip(names, jobs, out):
+        want = generate(ref.target, ref.make_drafter(SpecConfig.from_dict(SMOL_SPECS[n])), p, sp, eos_ids=set())
+        assert r.token_ids == want.token_ids, n
+        if n != "plain":
+            assert r.stats.drafted > 0, n
+        if n in TREE_SPECS:
+            assert any(s.depth is not None for s in r.stats.steps), n
+    assert sum(r.stats.accepted for r in out) > 0
+
+
+def test_batchbench_cli_on_a_tiny_model(tmp_path, capsys):
+    """`specdraft batchbench`: every (batch size, method) measured, speedup vs plain, MAT, greedy rows
+    equal plain's, crossover and plot written; bad arguments are one-line errors."""
+    import json
+
+    from conftest import tiny_model_dir
+    from specdraft.cli import main
+
+    d = tiny_model_dir(tmp_path / "tiny", layers=3)
+    ds = tmp_path / "q.jsonl"
+    ds.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Say {c} {i} {c} {i}."]})
+                            for i, c in enumerate(["qa", "writing", "qa"])) + "\n")
+    out, png = tmp_path / "bb.json", tmp_path / "bb.png"
+    args = ["batchbench", "--target", str(d), "--dtype", "float32", "--methods", "prompt_lookup,early_exit",
+            "--exit-layer", "1", "--batch-sizes", "1,2", "--prompts", "3", "--max-new-tokens", "6", "--dataset", str(ds),
+            "--no-chat", "--out", str(out), "--plot", str(png)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert [(r["batch_size"], r["method"]) for r in res["summary"]] == [
+        (b, m) for b in (1, 2) for m in ("plain", "prompt_lookup", "early_exit")]
+    for r in res["summary"]:
+        assert r["tokens"] == 3 * 6 and r["tokens_per_s"] > 0 and r["mat"] >= 1 and r["greedy_exact_rows"] == "3/3"
+        assert (r["speedup_vs_plain"] == 1.0) == (r["method"] == "plain")
+    assert set(res["crossover"]) == {"prompt_lookup", "early_exit"} and png.stat().st_size > 0
+    assert "speedup" in capsys.readouterr().out
+    assert main(args[:-4] + ["--batch-sizes", "0"]) == 2
+    assert "--batch-sizes must list integers >= 1" in capsys.readouterr().err
+    assert main(args[:1] + ["--target", str(d), "--methods", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err

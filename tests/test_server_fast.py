@@ -77,10 +77,33 @@ def test_errors(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "unknown method" in r.json()["error"]["message"]
     tree = {"prompt": [1, 2, 1], "max_tokens": 3, "spec": {"method": "prompt_lookup", "branches": 2}, "temperature": 0.5}
     r = httpx.post(url + "/v1/completions", json=tree, timeout=60)
-    if kind == "batch":  # token trees run on the single-request scheduler only
-        assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "--max-batch 1" in r.json()["error"]["message"]
-    else:
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # trees batch too
+    r = httpx.post(url + "/v1/completions", json={**tree, "spec": {"method": "early_exit", "exit_layer": 5}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "exit_layer must be < the target's 2 layers" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("spec", [{"method": "prompt_lookup", "branches": 3}, {"method": "draft_model", "tree": "static"},
+                                  {"method": "draft_model", "tree": "dynamic", "k": 3}, {"method": "suffix"},
+                                  {"method": "token_recycling"}, {"method": "lookahead"},
+                                  {"method": "early_exit", "exit_layer": 1}, {"method": "layer_skip", "skip_layers": [1]},
+                                  {"method": "early_exit", "exit_layer": 1, "tree": "static"}])
+def test_every_method_served_greedy_exact(tiny_server, spec):
+    """Both schedulers accept every drafter (the batch one batches trees and self-speculation)."""
+    url, app, dec, kind = tiny_server
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7]]
+    out = [None] * 3
+
+    def run(i):
+        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompts[i], "max_tokens": 7 + i, "temperature": 0, "ignore_eos": True, "spec": spec}).json()
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert [o["choices"][0]["text"] for o in out] == [ref(dec, p, 7 + i) for i, p in enumerate(prompts)]
+    assert all(o["usage"]["method"] == spec["method"] for o in out)
 
 
 def test_concurrent_and_cancelled(tiny_server):

@@ -128,14 +128,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             if p.spec.method == "draft_model" and decoder.draft is None:
                 raise RequestError("spec.method 'draft_model' needs a draft model; this server was started "
                                    "without --draft (use prompt_lookup or plain)", param="spec")
-            if max_batch > 1 and (p.spec.branches > 1 or p.spec.tree != "chain"):
-                raise RequestError("token trees (spec.branches > 1 or spec.tree other than 'chain') are not supported "
-                                   "by the batch scheduler; use chains, or start the server with --max-batch 1",
-                                   param="spec")
-            if max_batch > 1 and p.spec.method in ("layer_skip", "early_exit", "suffix", "token_recycling",
-                                                   "lookahead"):
-                raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
-                                   "start the server with --max-batch 1", param="spec")
+            if p.spec.method in ("layer_skip", "early_exit"):  # the layer view must exist for this target
+                try:
+                    decoder.self_draft(p.spec)
+                except SpecDraftError as e:
+                    raise RequestError(f"spec: {e}", param="spec") from None
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)

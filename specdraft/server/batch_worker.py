@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ..batch import BatchedDraftModel, BatchEngine, BatchSpecPolicy, GroupDraft
+from ..batch import BatchDrafters, BatchEngine, BatchSpecPolicy
 from ..errors import SpecDraftError
 from .scheduler import BaseWorker, log
 
@@ -21,13 +21,9 @@ class BatchWorker(BaseWorker):
         self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
                                   policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
         self._n_rows = 0
-        self._new_group()
-
-    def _new_group(self):
-        d = self.decoder.draft
-        # draft_model rows draft together: one batched draft forward per drafting iteration
-        self.group = None if d is None else BatchedDraftModel(
-            type(d)(d.model, d.tokenizer, name=d.name), self.decoder.target.vocab_size)
+        # every method batches: model chains draft together (one batched draft forward per drafting
+        # iteration), model trees per row over shared weights, model-free drafters per row
+        self.drafters = BatchDrafters(decoder)
 
     def num_running(self) -> int:
         return self._n_rows
@@ -37,10 +33,7 @@ class BatchWorker(BaseWorker):
             row.tag.cancel(reason)
 
     def make_drafter(self, spec):
-        dec = self.decoder
-        if spec.method == "draft_model" and self.group is not None:
-            return GroupDraft(self.group, spec.validate())
-        return dec.make_drafter(spec)
+        return self.drafters.make(spec)
 
     def _admit(self, jobs) -> None:
         """Admit jobs together: one batched prefill."""
@@ -107,7 +100,7 @@ class BatchWorker(BaseWorker):
                     row.tag.fail(e if isinstance(e, SpecDraftError) else e)
                 self.engine = eng = BatchEngine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
                                                 policy=eng.policy)
-                self._new_group()
+                self.drafters.reset()
                 continue
             for row in finished:
                 self.metrics.observe_result(row.result.stats)
