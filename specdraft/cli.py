@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--method", default=None,
                    help="plain | draft_model | prompt_lookup | layer_skip | early_exit | suffix | "
-                        "token_recycling | lookahead")
+                        "token_recycling | lookahead | medusa | eagle")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
@@ -31,6 +31,7 @@ def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
+    p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -74,6 +75,8 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d["skip_config"] = a.skip_config
     if getattr(a, "exit_layer", None) is not None:
         d["exit_layer"] = a.exit_layer
+    if getattr(a, "head", None):
+        d["head"] = a.head
     return SpecConfig.from_dict(d)
 
 

@@ -133,7 +133,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                                    "by the batch scheduler; use chains, or start the server with --max-batch 1",
                                    param="spec")
             if max_batch > 1 and p.spec.method in ("layer_skip", "early_exit", "suffix", "token_recycling",
-                                                   "lookahead"):
+                                                   "lookahead", "medusa", "eagle"):
                 raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
                                    "start the server with --max-batch 1", param="spec")
         except RequestError as e:
