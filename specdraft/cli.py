@@ -1,5 +1,5 @@
 """Command line: ``specdraft models list|pull``, ``specdraft generate``, ``specdraft demo``,
-``specdraft bench``. Errors in user input print one line ``error: ...`` and exit 2."""
+``specdraft bench``, ``specdraft train medusa|eagle``. Errors in user input print one line ``error: ...`` and exit 2."""
 
 from __future__ import annotations
 
@@ -264,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
     t.add_argument("-o", "--out", default="skip.json")
     t.set_defaults(fn=cmd_tune_skip)
+
+    from .train import add_train_args, cmd_train
+
+    tr = sub.add_parser("train", help="train a Medusa or EAGLE head on the target's own answers (self-distillation)")
+    add_train_args(tr)
+    tr.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
     _add_model_args(s, default_target="smollm2-135m")

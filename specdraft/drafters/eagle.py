@@ -78,7 +78,9 @@ class EagleDrafter:
         if k <= 0 or self.feats.shape[0] == 0:
             return self._draft
         assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
-        self.cache.crop(self.n_true)
+        extra = self.cache.get_seq_length() - self.n_true
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
         f = self._step(self.feats[self.n_true:], torch.tensor(tokens[self.n_true + 1:], dtype=torch.long), self.n_true)
         self.n_true = n - 1
         out, probs = [], []
