@@ -1,8 +1,8 @@
 """``specdraft train medusa|eagle``: train a draft head on the target's own outputs (self-distillation).
 
 1. Data (cached in DIR/data.pt, reused by later runs and by ``--resume``): the target answers each
-   prompt greedily itself (the engine's plain decoding, chat template unless ``--no-chat``); one
-   forward over prompt + answer gives its features (final-norm outputs) at every position. Those
+   prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
+   one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
@@ -45,22 +45,43 @@ def _tqdm(it=None, **kw):
 
 
 # --- data --------------------------------------------------------------------------------------
-def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool) -> list[dict]:
-    """The target's greedy answers and its features at every position of prompt + answer."""
-    from .config import SamplingParams, SpecConfig
+def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: int = 16) -> list[dict]:
+    """The target's greedy answers and its features at every position of prompt + answer.
 
+    Answers come from transformers' ``generate`` (greedy) on batches of left-padded prompts (much
+    faster on a CPU than one prompt at a time; padding can flip a near-tie, which is harmless for
+    training data); an answer ends after the first EOS. Then one forward per sequence gives the
+    features (final-norm outputs) at every position."""
     target = dec.target
+    model = target.model
+    eos = target.eos_token_ids()
+    pad = next(iter(sorted(eos)), 0) if eos else 0
+    encoded = [dec.encode(p, chat=chat) for p in prompts]
+    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= target.max_context]
     seqs = []
-    sp = SamplingParams(max_new_tokens=max_new_tokens)
-    for p in _tqdm(prompts, desc="target answers", unit="prompt"):
-        ids = dec.encode(p, chat=chat)
-        if len(ids) + max_new_tokens > target.max_context:
-            continue
-        out = dec.generate(ids, sampling=sp, spec=SpecConfig(method="plain"))
-        toks = torch.tensor(ids + out.token_ids, dtype=torch.long)
+    bar = _tqdm(total=len(encoded), desc="target answers", unit="prompt")
+    for i in range(0, len(encoded), batch):
+        chunk = encoded[i: i + batch]
+        L = max(len(c) for c in chunk)
+        ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for j, c in enumerate(chunk):
+            ids[j, L - len(c):] = torch.tensor(c)
+            mask[j, L - len(c):] = 1
         with torch.inference_mode():
-            feats = target.model.model(input_ids=toks[None]).last_hidden_state[0]
-        seqs.append({"tokens": toks, "hidden": feats.to(torch.float16), "n_prompt": len(ids)})
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=sorted(eos) or None)
+        for j, c in enumerate(chunk):
+            ans = gen[j, L:].tolist()
+            cut = next((n + 1 for n, t in enumerate(ans) if t in eos), len(ans))
+            toks = torch.tensor(c + ans[:cut], dtype=torch.long)
+            with torch.inference_mode():
+                feats = model.model(input_ids=toks[None]).last_hidden_state[0]
+            seqs.append({"tokens": toks, "hidden": feats.to(torch.float16), "n_prompt": len(c)})
+        if hasattr(bar, "update"):
+            bar.update(len(chunk))
+    if hasattr(bar, "close"):
+        bar.close()
     return seqs
 
 

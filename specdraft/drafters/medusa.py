@@ -85,6 +85,7 @@ def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Te
 class MedusaDrafter:
     name = "medusa"
     wants_hidden = True
+    draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
 
     def __init__(self, target: HFModel, heads: MedusaHeads, cfg: SpecConfig):
         self.target = target
@@ -136,7 +137,7 @@ class MedusaDrafter:
                 tok, q = int(top[d, c[-1]]), None
             else:
                 if parent not in draws:  # one draw per parent, fresh for each parent
-                    draws[parent] = children_without_replacement(q_all[d], n_kids[parent], self.gen)
+                    draws[parent] = self.draw_children(q_all[d], n_kids[parent], self.gen)
                 xs, dists = draws[parent]
                 if c[-1] >= xs.shape[0]:
                     continue
