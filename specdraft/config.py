@@ -217,6 +217,20 @@ class SpecConfig:
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
+        if self.head is not None:
+            if not isinstance(self.head, str) or not self.head:
+                raise ConfigError(f"head must be a directory path (string) or null, got {self.head!r}")
+            if self.method not in HEAD_METHODS:
+                raise ConfigError(f"head is used by methods medusa and eagle only, not {self.method!r}")
+            from .heads import read_head_config
+
+            meta = read_head_config(self.head)
+            if meta["type"] != self.method:
+                raise ConfigError(f"head {self.head} is a {meta['type']} head; method {self.method!r} needs a "
+                                  f"{self.method} head")
+        elif self.method in HEAD_METHODS:
+            raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
+                              f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
         for name in ("k", "max_k", "min_ngram", "max_ngram", "branches", "tree_nodes", "max_occurrences",
                      "lookahead_window", "lookahead_ngram", "lookahead_max_ngrams"):
             v = getattr(self, name)
@@ -293,20 +307,6 @@ class SpecConfig:
             n += width
         if n > 4096:
             raise ConfigError(f"recycle_branching {rb} makes a tree of {n} nodes; at most 4096")
-        if self.head is not None:
-            if not isinstance(self.head, str) or not self.head:
-                raise ConfigError(f"head must be a directory path (string) or null, got {self.head!r}")
-            if self.method not in HEAD_METHODS:
-                raise ConfigError(f"head is used by methods medusa and eagle only, not {self.method!r}")
-            from .heads import read_head_config
-
-            meta = read_head_config(self.head)
-            if meta["type"] != self.method:
-                raise ConfigError(f"head {self.head} is a {meta['type']} head; method {self.method!r} needs a "
-                                  f"{self.method} head")
-        elif self.method in HEAD_METHODS:
-            raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
-                              f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
         if self.lookahead_window < 1:
             raise ConfigError(f"lookahead_window (W) must be >= 1, got {self.lookahead_window}")
         if self.lookahead_ngram < 2:

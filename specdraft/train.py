@@ -276,7 +276,7 @@ def train_main(a) -> int:
         step += 1
         losses.append(float(loss.detach()))
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
             bar.update(1)
         if step % a.checkpoint_every == 0 or step == a.steps:
             train_s += time.perf_counter() - t0
