@@ -100,6 +100,7 @@ class MedusaHeads(nn.Module):
 def one_layer_config(target_config):
     cfg = copy.deepcopy(target_config)
     cfg.num_hidden_layers = 1
+    cfg.pad_token_id = None
     cfg.vocab_size = 1  # the decoder's own embedding is never used (inputs_embeds); keep it tiny
     lt = getattr(cfg, "layer_types", None)
     if isinstance(lt, (list, tuple)) and lt:
