@@ -230,8 +230,7 @@ def smol_heads(tmp_path_factory):
 
 
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
-                  "List three benefits of exercise:", "The quick brown fox", "import numpy as np\n",
-                  "Water boils at", "Translate to German: good morning"]
+                  "List three benefits of exercise:", "The quick brown fox", "Translate to German: good morning"]
 
 
 @pytest.mark.slow
@@ -240,7 +239,7 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
 
     medusa, eagle = smol_heads
     dec = SpecDecoder(smol_f32)
-    sp = SamplingParams(max_new_tokens=36, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = {"medusa_chain": SpecConfig(method="medusa", head=str(medusa), k=3),
              "medusa_tree": SpecConfig(method="medusa", head=str(medusa), tree="static",
                                        tree_choices=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]),
