@@ -41,6 +41,15 @@ class SpecDecoder:
         self._recycle_tables: dict[int, AdjacencyTable] = {}  # top_k -> Token Recycling table
         self._tok_hash: str | None = None
         self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
+        self._heads: dict[str, object] = {}  # head dir -> loaded Medusa / EAGLE head
+
+    def head(self, spec: SpecConfig):
+        """The trained head in ``spec.head``, loaded once per decoder and checked against the target."""
+        from .heads import load_head
+
+        if spec.head not in self._heads:
+            self._heads[spec.head] = load_head(spec.head, self.target, expect_type=spec.method)[0]
+        return self._heads[spec.head]
 
     def datastore(self, path: str):
         """The suffix datastore at ``path``, loaded once per decoder and checked against the target's
@@ -97,6 +106,14 @@ class SpecDecoder:
             from .drafters.lookahead import LookaheadDrafter
 
             return LookaheadDrafter(spec)
+        if spec.method == "medusa":
+            from .drafters.medusa import MedusaDrafter
+
+            return MedusaDrafter(self.target, self.head(spec), spec)
+        if spec.method == "eagle":
+            from .drafters.eagle import EagleDrafter
+
+            return EagleDrafter(self.target, self.head(spec), spec)
         if spec.method in ("draft_model", "layer_skip", "early_exit"):
             draft = self.self_draft(spec) if spec.method != "draft_model" else self.draft
             if draft is None:

@@ -456,6 +456,9 @@ class BatchEngine:
         check_fits(self.target, len(prompt_ids), sp)
         if sp.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer")
+        if getattr(drafter, "wants_hidden", False):
+            raise ConfigError(f"method {drafter.name!r} (a head on the target's features) is not supported by the "
+                              "batch engine; decode one request at a time (max batch 1)")
         row = BatchRow(prompt_ids, sp, drafter, on_emit, tag, tokens=list(prompt_ids),
                        stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter())
         row.gen = make_generator(sp.seed)

@@ -1,5 +1,5 @@
 """Command line: ``specdraft models list|pull``, ``specdraft generate``, ``specdraft demo``,
-``specdraft bench``. Errors in user input print one line ``error: ...`` and exit 2."""
+``specdraft bench``, ``specdraft train medusa|eagle``. Errors in user input print one line ``error: ...`` and exit 2."""
 
 from __future__ import annotations
 
@@ -21,16 +21,17 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
 def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--method", default=None,
                    help="plain | draft_model | prompt_lookup | layer_skip | early_exit | suffix | "
-                        "token_recycling | lookahead")
+                        "token_recycling | lookahead | medusa | eagle")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
     p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
-                   help="draft_model: a chain (default) or a token tree; shape fields via --config "
+                   help="draft_model / layer_skip / early_exit / medusa: a chain (default) or a token tree; shape fields via --config "
                         "(tree_branching, tree_choices, tree_budget, tree_topk)")
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
+    p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -74,6 +75,8 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d["skip_config"] = a.skip_config
     if getattr(a, "exit_layer", None) is not None:
         d["exit_layer"] = a.exit_layer
+    if getattr(a, "head", None):
+        d["head"] = a.head
     return SpecConfig.from_dict(d)
 
 
@@ -267,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
     t.add_argument("-o", "--out", default="skip.json")
     t.set_defaults(fn=cmd_tune_skip)
+
+    from .train import add_train_args, cmd_train
+
+    tr = sub.add_parser("train", help="train a Medusa or EAGLE head on the target's own answers (self-distillation)")
+    add_train_args(tr)
+    tr.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
     _add_model_args(s, default_target="smollm2-135m")

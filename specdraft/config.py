@@ -14,7 +14,8 @@ from typing import Any
 from .errors import ConfigError
 
 METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", "suffix", "token_recycling",
-           "lookahead")
+           "lookahead", "medusa", "eagle")
+HEAD_METHODS = ("medusa", "eagle")
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 TREES = ("chain", "static", "dynamic")
 
@@ -163,6 +164,16 @@ class SpecConfig:
 
     Both draft like draft_model (chains with any schedule, or trees via ``tree``).
 
+    Trained heads on the target's own features (``head``: a directory from ``specdraft train``;
+    checked against the target on load):
+
+    - medusa (specdraft.drafters.medusa): K residual heads + the target's LM head; head i predicts
+      the token i + 2 ahead. ``tree="chain"`` drafts min(k, K) tokens (each head's top-1 / a draw);
+      ``tree="static"`` drafts the Medusa tree given by ``tree_choices`` (or ``tree_branching``),
+      at most K deep.
+    - eagle (specdraft.drafters.eagle): one decoder layer autoregressive on the target's features;
+      drafts a chain of ``k`` tokens.
+
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
@@ -200,10 +211,26 @@ class SpecConfig:
     lookahead_window: int = 4
     lookahead_ngram: int = 3
     lookahead_max_ngrams: int = 4
+    # medusa / eagle: the trained head's directory (specdraft train)
+    head: str | None = None
 
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
+        if self.head is not None:
+            if not isinstance(self.head, str) or not self.head:
+                raise ConfigError(f"head must be a directory path (string) or null, got {self.head!r}")
+            if self.method not in HEAD_METHODS:
+                raise ConfigError(f"head is used by methods medusa and eagle only, not {self.method!r}")
+            from .heads import read_head_config
+
+            meta = read_head_config(self.head)
+            if meta["type"] != self.method:
+                raise ConfigError(f"head {self.head} is a {meta['type']} head; method {self.method!r} needs a "
+                                  f"{self.method} head")
+        elif self.method in HEAD_METHODS:
+            raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
+                              f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
         for name in ("k", "max_k", "min_ngram", "max_ngram", "branches", "tree_nodes", "max_occurrences",
                      "lookahead_window", "lookahead_ngram", "lookahead_max_ngrams"):
             v = getattr(self, name)
@@ -222,8 +249,8 @@ class SpecConfig:
         if self.tree not in TREES:
             raise ConfigError(f"unknown tree {self.tree!r}; choose one of: {', '.join(TREES)}")
         if self.tree != "chain":
-            if self.method not in ("draft_model", "layer_skip", "early_exit"):
-                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip and early_exit "
+            if self.method not in ("draft_model", "layer_skip", "early_exit", "medusa"):
+                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip, early_exit and medusa "
                                   "(prompt_lookup makes trees with branches > 1)")
             if self.schedule != "constant":
                 raise ConfigError(f"tree={self.tree!r} needs schedule 'constant', got {self.schedule!r}")

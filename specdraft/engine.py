@@ -61,6 +61,8 @@ def generate(
     streaming); returning True cancels the request (finish_reason "cancelled"). A drafter may define
     ``observe_target(row_tokens, logits)``: after each target forward it receives the rows' logits
     [n + 1, V] and, per row, the token whose successor the row predicts (Token Recycling uses it).
+    A drafter with ``wants_hidden = True`` (Medusa, EAGLE) gets a third argument: the target's
+    final-norm features [n_fed, H] of every position that forward fed (pending tokens, then drafts).
     """
     sp.validate()
     prompt_ids = [int(t) for t in prompt_ids]
@@ -79,6 +81,10 @@ def generate(
     tokens = list(prompt_ids)
     policy_cap = getattr(policy, "max_k", 0)
     observe = getattr(drafter, "observe_target", None)
+    target.capture_hidden = bool(getattr(drafter, "wants_hidden", False))
+    if target.capture_hidden:
+        target.enable_hidden_capture()
+        observe = _with_hidden(drafter.observe_target, target)
     finish = None
     while finish is None:
         remaining = sp.max_new_tokens - (len(tokens) - n_prompt)
@@ -129,6 +135,10 @@ def generate(
         if stopper is not None:
             text = stopper.trim(text)
     return GenerationResult(out, text, stats)
+
+
+def _with_hidden(observe, target: HFModel):
+    return lambda rows, logits: observe(rows, logits, target.last_hidden)
 
 
 def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams, gen=None,

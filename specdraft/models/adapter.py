@@ -32,6 +32,9 @@ class HFModel:
         # transformers 5.x renamed past_key_values to cache; accept models of either style
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.capture_hidden = False  # set by drafters that read the target's features (Medusa, EAGLE)
+        self.last_hidden: torch.Tensor | None = None
+        self._hidden_hook = None
 
     # --- facts -------------------------------------------------------------------------------
     @property
@@ -61,6 +64,25 @@ class HFModel:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
+
+    def enable_hidden_capture(self) -> None:
+        """From now on each ``forward`` also leaves ``last_hidden`` [n, H]: the final norm's output
+        (the LM head's input) for every position fed, not only the kept ones. One forward hook on
+        the final norm; no other layer's hidden states are materialized."""
+        self.capture_hidden = True
+        if self._hidden_hook is not None:
+            return
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{type(self.model).__name__} has no model.norm; Medusa/EAGLE heads need the final norm")
+
+        def hook(module, inputs, output, owner=self):
+            if owner.capture_hidden:
+                owner.last_hidden = output[0] if output.dim() == 3 else output
+
+        self._hidden_hook = norm.register_forward_hook(hook)
 
     # --- cache -------------------------------------------------------------------------------
     def reset(self) -> None:

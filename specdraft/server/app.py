@@ -133,6 +133,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                     decoder.self_draft(p.spec)
                 except SpecDraftError as e:
                     raise RequestError(f"spec: {e}", param="spec") from None
+            if max_batch > 1 and p.spec.method in ("medusa", "eagle"):
+                raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
+                                   "start the server with --max-batch 1", param="spec")
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)

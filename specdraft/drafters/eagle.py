@@ -1,0 +1,107 @@
+"""EAGLE (Li et al. 2024, EAGLE-1): autoregression on the target's features with one decoder layer.
+
+At position t the head reads the pair (f_t, embed(x_{t+1})): f_t is the target's feature (final
+norm output) at t, x_{t+1} the token after it; ``fc`` of their concatenation goes through one
+decoder layer of the target's own class (with its own KV cache) and predicts f_{t+1}; the target's
+LM head on the predicted feature gives the draft distribution of x_{t+2}. Drafting a chain of k
+tokens: feed the verified pairs not yet in the head's cache (the last one is (f_{n-2}, x_{n-1}), the
+pending token), sample or take the argmax, then feed (predicted feature, drafted token) k - 1 times.
+
+Feature state, kept simple: ``feats`` holds the target's features of every verified position
+(appended in ``feedback`` from the rows the engine passes to ``observe_target``); the head's cache
+is cropped back, every step, to the positions it was fed with true features (``n_true``), so
+predicted features never stay in it.
+
+Reduced draft vocabulary (``draft_ids`` in the head, from training): the draft logits are the LM
+head's rows for those ids only; every other token gets -inf, so q = probs_from_logits(...) is a
+proper distribution over the full vocabulary that is 0 outside the ids. Verification uses the
+target's full distribution, so sampling stays exact (a token q cannot draw is simply never
+drafted; the residual max(0, p - q) still covers it) and greedy stays token-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import ConfigError
+from ..heads import EagleHead, embed_of, lm_head_of
+from ..models.adapter import HFModel
+from ..sampling import probs_from_logits, sample
+from ..tree import DraftTree
+from .medusa import accepted_rows
+
+
+class EagleDrafter:
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, target: HFModel, head: EagleHead, cfg: SpecConfig):
+        if cfg.tree != "chain":
+            raise ConfigError("method 'eagle' drafts a chain here (tree='chain'); EAGLE trees are not implemented")
+        self.target, self.head, self.cfg = target, head, cfg
+        self.lm_head = lm_head_of(target)
+        self.embed = embed_of(target)
+        self.V = target.vocab_size
+        ids = head.draft_ids
+        self.ids = ids if ids.numel() else None
+        if self.ids is not None:
+            w = self.lm_head.weight.detach()
+            self.w_sub = w.index_select(0, self.ids)
+            b = getattr(self.lm_head, "bias", None)
+            self.b_sub = None if b is None else b.detach().index_select(0, self.ids)
+
+    def begin(self, prompt_ids, sp: SamplingParams, generator):
+        self.sp, self.gen = sp, generator
+        self.feats = torch.empty(0, self.head.hidden, dtype=self.target.dtype)
+        self.cache = self.head.new_cache()
+        self.n_true = 0
+        self._draft = DraftTree.empty()
+        self._hidden = None
+
+    def logits(self, f: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the full vocabulary [V] (float32) for a predicted feature [H]."""
+        if self.ids is None:
+            return self.lm_head(f).float()
+        sub = torch.nn.functional.linear(f, self.w_sub, self.b_sub).float()
+        return torch.full((self.V,), float("-inf")).index_copy(0, self.ids, sub)
+
+    def _step(self, feats: torch.Tensor, toks: torch.Tensor, start: int) -> torch.Tensor:
+        pos = torch.arange(start, start + feats.shape[0])[None]
+        return self.head(feats[None], self.embed(toks[None]), cache=self.cache, position_ids=pos)[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
+        self._draft = DraftTree.empty()
+        n = len(tokens)
+        k = min(self.cfg.k, max_tokens)
+        if k <= 0 or self.feats.shape[0] == 0:
+            return self._draft
+        assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
+        extra = self.cache.get_seq_length() - self.n_true
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
+        f = self._step(self.feats[self.n_true:], torch.tensor(tokens[self.n_true + 1:], dtype=torch.long), self.n_true)
+        self.n_true = n - 1
+        out, probs = [], []
+        for i in range(k):
+            logits = self.logits(f)
+            if self.sp.greedy:
+                t = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, self.sp)
+                t = sample(q, self.gen)
+                probs.append(q)
+            out.append(t)
+            if i + 1 < k:
+                f = self._step(f[None], t.reshape(1), n - 1 + i)
+        self._draft = DraftTree.chain(torch.stack(out), torch.stack(probs) if probs else None)
+        return self._draft
+
+    def observe_target(self, row_tokens, logits, hidden) -> None:
+        self._hidden = hidden
+
+    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
+        rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
+        self.feats = torch.cat([self.feats, self._hidden[rows].to(self.feats.dtype)])
+        self._hidden = None

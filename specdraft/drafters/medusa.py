@@ -1,0 +1,159 @@
+"""Medusa (Cai et al. 2024, Medusa-1): K heads on the target's last feature draft a token tree.
+
+The target's feature f_t at the last verified position t (the final norm's output that produced the
+pending token x_{t+1}) goes through head i (residual blocks) and the target's own LM head; head i
+predicts x_{t+i+2}, so head d-1 drafts depth d of the tree. The tree's shape is a Medusa "choices"
+list (``tree_choices``, or ``tree_branching`` per depth, or a chain with ``tree="chain"``): path
+(r_1, ..., r_d) is the rank-r_d candidate of head d-1 under the node (r_1, ..., r_{d-1}).
+
+Verification stays lossless with the engine's verifiers:
+- greedy: the children of a node are head d-1's top-m tokens, deterministic (``draft_probs`` None,
+  i.e. one-hot); the engine keeps the deepest path the target's argmax agrees with;
+- sampling: each node's children are drawn *without replacement* from q = ``probs_from_logits`` of
+  its head's logits under the request's SamplingParams, a fresh draw per parent, and each node
+  records the distribution it was drawn from (q with its earlier siblings removed, renormalized), as
+  ``drafters/draft_tree.py`` does; ``verify.rejection_sample_tree`` is exact for such trees
+  (docs/design.md, token trees). The tree shape never depends on the drawn values.
+
+The feature comes from the engine: the drafter sets ``wants_hidden`` and its ``observe_target``
+receives the target's features of every fed position; ``feedback`` keeps the one of the last
+accepted position. The first step (prefill) has no feature yet and drafts nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import ConfigError
+from ..heads import MedusaHeads, lm_head_of
+from ..models.adapter import HFModel
+from ..sampling import probs_from_logits
+from ..tree import DraftTree
+from .draft_tree import choices_from_branching
+
+
+def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
+    """Rows of the target's fed positions (pending tokens, then draft nodes) that are now verified
+    context: every pending row, then the accepted path's nodes. Siblings carry distinct tokens, so
+    the accepted tokens identify the path."""
+    n_pend = n_fed - draft.size
+    rows = list(range(n_pend))
+    if n_acc == 0:
+        return rows
+    if draft.is_chain():
+        return rows + [n_pend + i for i in range(n_acc)]
+    parents, toks = draft.parents.tolist(), draft.tokens.tolist()
+    parent = -1
+    for t in emitted[:n_acc]:
+        parent = next(i for i in range(draft.size) if parents[i] == parent and toks[i] == t)
+        rows.append(n_pend + parent)
+    return rows
+
+
+def tree_plan(cfg: SpecConfig, n_heads: int, method: str) -> list[tuple[int, ...]]:
+    """The tree shape as Medusa choices, level order."""
+    if cfg.tree == "dynamic":
+        raise ConfigError(f"method {method!r} drafts a chain or a static tree (tree_choices / tree_branching), "
+                          "not tree='dynamic'")
+    if cfg.tree == "chain":
+        ch = [(0,) * d for d in range(1, min(cfg.k, n_heads) + 1)]
+    elif cfg.tree_choices:
+        ch = [tuple(c) for c in cfg.tree_choices]
+    else:
+        ch = choices_from_branching(cfg.tree_branching)
+    deep = max(len(c) for c in ch)
+    if deep > n_heads:
+        raise ConfigError(f"the tree is {deep} deep but the Medusa head has {n_heads} heads (one per depth); "
+                          f"use a tree at most {n_heads} deep")
+    return sorted(set(ch), key=lambda c: (len(c), c))
+
+
+def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw m distinct tokens from q [V] in order (successive sampling without replacement) and the
+    distribution each was drawn from: [m] tokens, [m, V] (q without the earlier draws, renormalized)."""
+    m = min(m, int((q > 0).sum()))
+    if m <= 0:
+        return torch.empty(0, dtype=torch.long), q.new_zeros(0, q.shape[-1])
+    x = torch.multinomial(q, m, replacement=False, generator=gen)
+    qs = q.expand(m, -1).clone()
+    r, c = torch.tril_indices(m, m, -1)
+    qs[r, x[c]] = 0.0
+    return x, qs / qs.sum(-1, keepdim=True)
+
+
+class MedusaDrafter:
+    name = "medusa"
+    wants_hidden = True
+    draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
+
+    def __init__(self, target: HFModel, heads: MedusaHeads, cfg: SpecConfig):
+        self.target = target
+        self.heads = heads
+        self.cfg = cfg
+        self.lm_head = lm_head_of(target)
+        self.plan = tree_plan(cfg, heads.n_heads, "medusa")
+        self.k = cfg.k
+
+    def begin(self, prompt_ids, sp: SamplingParams, generator):
+        self.sp, self.gen = sp, generator
+        self.feat: torch.Tensor | None = None
+        self._draft = DraftTree.empty()
+        self._hidden = None
+
+    @torch.inference_mode()
+    def head_logits(self, feat: torch.Tensor, depth: int) -> torch.Tensor:
+        """[depth, V] float32: head d's logits for the token d + 2 after the feature's position."""
+        h = torch.stack([self.heads.heads[d](feat) for d in range(depth)])
+        return self.lm_head(h).float()
+
+    def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
+        self._draft = DraftTree.empty()
+        if self.feat is None or max_tokens <= 0:
+            return self._draft
+        plan = [c for c in self.plan if len(c) <= max_tokens]
+        depth = max(len(c) for c in plan)
+        logits = self.head_logits(self.feat, depth)
+        greedy = self.sp.greedy
+        n_kids: dict[tuple[int, ...], int] = {}
+        for c in plan:
+            n_kids[c[:-1]] = max(n_kids.get(c[:-1], 0), c[-1] + 1)
+        node: dict[tuple[int, ...], int] = {}
+        draws: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        toks, pars, qs = [], [], []
+        if greedy:
+            width = max(n_kids.values())
+            top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices  # [depth, width]
+        else:
+            q_all = probs_from_logits(logits, self.sp)
+        for c in plan:  # level order: a node's parent is placed before it
+            parent = c[:-1]
+            if parent and parent not in node:
+                continue  # its parent was not drawn (fewer candidates than planned)
+            d = len(c) - 1
+            if greedy:
+                if c[-1] >= top.shape[1]:
+                    continue
+                tok, q = int(top[d, c[-1]]), None
+            else:
+                if parent not in draws:  # one draw per parent, fresh for each parent
+                    draws[parent] = self.draw_children(q_all[d], n_kids[parent], self.gen)
+                xs, dists = draws[parent]
+                if c[-1] >= xs.shape[0]:
+                    continue
+                tok, q = int(xs[c[-1]]), dists[c[-1]]
+            node[c] = len(toks)
+            toks.append(tok)
+            pars.append(node[parent] if parent else -1)
+            qs.append(q)
+        probs = None if greedy or not toks else torch.stack(qs)
+        self._draft = DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long), probs)
+        return self._draft
+
+    def observe_target(self, row_tokens, logits, hidden) -> None:
+        self._hidden = hidden
+
+    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
+        rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
+        self.feat = self._hidden[rows[-1]].clone()
+        self._hidden = None

@@ -1,0 +1,254 @@
+"""Medusa and EAGLE heads: training (loss, checkpoints, --resume), loading checks, greedy exactness on
+SmolLM2, sampling exactness through the engine on a tiny model (with a broken variant that must fail)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama, tiny_model_dir
+from specdraft.cli import main
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.drafters.eagle import EagleDrafter
+from specdraft.drafters.medusa import MedusaDrafter
+from specdraft.engine import generate
+from specdraft.errors import ConfigError
+from specdraft.heads import EagleHead, MedusaHeads, load_head
+from stat_util import fit_pvalue
+
+PROMPTS = ["Tell me about cats.", "Write a haiku about rain.", "What is 2 + 3?", "Name three colors.",
+           "Explain gravity briefly.", "Translate 'hello' to French."]
+
+
+def write_prompts(path, prompts=PROMPTS):
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def train(kind, target, data, out, steps, *extra):
+    args = ["train", kind, "--target", str(target), "--data", str(data), "-o", str(out), "--steps", str(steps),
+            "--threads", "1", *map(str, extra)]
+    assert main(args) == 0
+    return json.loads((out / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_target"))
+
+
+# --- training, checkpoints, resume, reload ---------------------------------------------------------
+@pytest.mark.parametrize("kind,extra", [("medusa", ["--batch-size", 16, "--heads", 2, "--lr", 1e-2]),
+                                        ("eagle", ["--batch-size", 1, "--lr", 3e-3, "--draft-vocab", 300])])
+def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
+    data = write_prompts(tmp_path / "p.jsonl")
+    common = ["--max-new-tokens", 12, "--checkpoint-every", 3, *extra]
+    straight = tmp_path / "straight"
+    cfg = train(kind, tiny_dir, data, straight, 12, *common)
+    state = torch.load(straight / "train_state.pt", weights_only=False)
+    losses = state["losses"]
+    assert cfg["step"] == 12 and len(losses) == 12
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+    assert cfg["type"] == kind and cfg["target"] == str(tiny_dir) and "command" in cfg and cfg["data"] == str(data)
+
+    # interrupted at step 6, then --resume to 12: the same weights as the uninterrupted run, which
+    # needs both the step count (batches are seeded by step) and the optimizer state
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(straight / "data.pt", resumed / "data.pt")  # cached data: not regenerated
+    assert train(kind, tiny_dir, data, resumed, 6, *common)["step"] == 6
+    assert train(kind, tiny_dir, data, resumed, 12, *common, "--resume")["step"] == 12
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(straight / "head.safetensors")), load_file(str(resumed / "head.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    # resuming without the optimizer state would not reproduce it
+    st = torch.load(resumed / "train_state.pt", weights_only=False)
+    assert st["step"] == 12 and len(st["optimizer"]["state"]) > 0
+
+    # the checkpoint reloads and drafts; greedy output equals plain
+    from specdraft.api import SpecDecoder
+    from specdraft.models.loading import load_model
+
+    dec = SpecDecoder(load_model(str(tiny_dir), "float32"))
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = dec.generate("Tell me about cats.", sampling=sp, spec=SpecConfig(method="plain"))
+    out = dec.generate("Tell me about cats.", sampling=sp, spec=SpecConfig(method=kind, head=str(straight), k=2))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0
+
+
+# --- bad input -------------------------------------------------------------------------------------
+def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
+    with pytest.raises(ConfigError, match="not found"):
+        SpecConfig(method="medusa", head=str(tmp_path / "nope")).validate()
+    with pytest.raises(ConfigError, match="needs head=DIR"):
+        SpecConfig(method="eagle").validate()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="not a head directory"):
+        SpecConfig(method="medusa", head=str(tmp_path / "empty")).validate()
+
+    data = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
+    hd = tmp_path / "head"
+    train("medusa", tiny_dir, data, hd, 1, "--max-new-tokens", 4, "--batch-size", 8, "--heads", 2)
+    with pytest.raises(ConfigError, match="medusa and eagle only, not 'prompt_lookup'"):
+        SpecConfig(method="prompt_lookup", head=str(hd)).validate()
+    with pytest.raises(ConfigError, match="is a medusa head; method 'eagle' needs an? eagle head"):
+        SpecConfig(method="eagle", head=str(hd)).validate()
+    assert main(["generate", "--target", str(tiny_dir), "--dtype", "float32", "--method", "layer_skip",
+                 "--head", str(hd), "hi"]) == 2
+    assert "medusa and eagle only" in capsys.readouterr().err
+
+    from specdraft.models.loading import load_model
+
+    other = load_model(str(tiny_model_dir(tmp_path / "three_layers", layers=3)), "float32")
+    with pytest.raises(ConfigError, match="num_hidden_layers=2 .*this target has num_hidden_layers=3"):
+        load_head(hd, other, "medusa")
+    same_shape = load_model(str(tiny_dir), "float32")
+    with torch.no_grad():
+        same_shape.model.get_output_embeddings().weight.mul_(1.5)
+    with pytest.raises(ConfigError, match="LM head weights differ"):
+        load_head(hd, same_shape, "medusa")
+    with pytest.raises(ConfigError, match="tree is 3 deep but the Medusa head has 2 heads"):
+        MedusaDrafter(same_shape, MedusaHeads(32, 2), SpecConfig(method="medusa", tree="static", tree_branching=[1, 1, 1]))
+
+
+# --- sampling exactness through the engine (tiny model, first two tokens vs the exact joint) -------
+V = 6
+PROMPT = [1, 2, 3, 1, 2]
+N = 1200
+T1 = SamplingParams(temperature=1.0)
+TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_llama(vocab=V, hidden=32)
+
+
+def random_medusa(n_heads=3):
+    torch.manual_seed(3)
+    h = MedusaHeads(32, n_heads)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.normal_(0, 0.3)
+    return h.eval()
+
+
+def random_eagle(target, ids=None):
+    torch.manual_seed(4)
+    h = EagleHead(target.config, ids)
+    with torch.no_grad():
+        for p in h.parameters():
+            if p.dtype.is_floating_point:
+                p.add_(torch.randn_like(p) * 0.05)
+    return h.eval()
+
+
+def exact_first_three(target, sp):
+    """The target's exact joint distribution of its first three tokens after PROMPT [V, V, V]."""
+    from specdraft.sampling import probs_from_logits
+
+    def p_next(ctx):
+        target.reset()
+        return probs_from_logits(target.forward(torch.tensor(ctx), keep=1)[-1], sp).double()
+
+    joint = np.zeros((V, V, V))
+    p1 = p_next(PROMPT)
+    for a in range(V):
+        p2 = p_next(PROMPT + [a])
+        for b in range(V):
+            joint[a, b] = (p1[a] * p2[b] * p_next(PROMPT + [a, b])).numpy()
+    return joint
+
+
+def sample_first_three(target, drafter, sp, max_new):
+    """The engine's first step is a plain prefill step (no feature yet); the next step is the first
+    drafted one, so tokens 2 and 3 come from the heads' draft and its verification."""
+    counts = np.zeros((V, V, V))
+    drafted = 0
+    for i in range(N):
+        s = SamplingParams(**{**sp.to_dict(), "seed": 20_000 + i, "max_new_tokens": max_new})
+        out = generate(target, drafter, PROMPT, s, eos_ids=set())
+        a, b, c = out.token_ids[:3]
+        counts[a, b, c] += 1
+        drafted += out.stats.drafted
+    return counts, drafted
+
+
+def broken_topk_as_sampled(q, m, gen):
+    """Broken on purpose: deterministic top-m candidates passed to the verifier as if drawn from q."""
+    m = min(m, int((q > 0).sum()))
+    return torch.topk(q, m).indices, q.expand(m, -1).clone()
+
+
+CHOICES = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+CASES = [("medusa_tree", 4, TRUNC), ("medusa_chain", 3, T1), ("eagle", 4, T1), ("eagle_reduced_vocab", 4, TRUNC)]
+
+
+def make(target, method):
+    if method.startswith("medusa"):
+        tree = dict(tree="static", tree_choices=CHOICES) if method == "medusa_tree" else dict(k=3)
+        return MedusaDrafter(target, random_medusa(), SpecConfig(method="medusa", **tree))
+    ids = torch.tensor([0, 2, 3, 5]) if method == "eagle_reduced_vocab" else None
+    return EagleDrafter(target, random_eagle(target, ids), SpecConfig(method="eagle", k=3))
+
+
+@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
+def test_sampling_first_three_tokens_match_target(tiny_target, method, max_new, sp):
+    counts, drafted = sample_first_three(tiny_target, make(tiny_target, method), sp, max_new)
+    assert drafted > 0
+    assert fit_pvalue(counts, exact_first_three(tiny_target, sp)) > 1e-3
+
+
+def test_broken_medusa_variant_is_detected(tiny_target):
+    drafter = make(tiny_target, "medusa_tree")
+    drafter.draw_children = broken_topk_as_sampled
+    counts, drafted = sample_first_three(tiny_target, drafter, TRUNC, 4)
+    assert drafted > 0
+    assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
+
+
+# --- greedy exactness on SmolLM2-135M float32 ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_heads(tmp_path_factory):
+    d = tmp_path_factory.mktemp("smol_heads")
+    data = write_prompts(d / "p.jsonl")
+    medusa, eagle = d / "medusa", d / "eagle"
+    train("medusa", "smollm2-135m", data, medusa, 30, "--max-new-tokens", 32, "--batch-size", 64, "--heads", 3,
+          "--lr", 3e-3, "--checkpoint-every", 30)
+    medusa.joinpath("data.pt").rename(d / "data.pt")
+    eagle.mkdir()
+    shutil.copy(d / "data.pt", eagle / "data.pt")
+    train("eagle", "smollm2-135m", data, eagle, 30, "--max-new-tokens", 32, "--batch-size", 2, "--lr", 1e-3,
+          "--checkpoint-every", 30, "--draft-vocab", 4096)
+    return medusa, eagle
+
+
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+                  "List three benefits of exercise:", "The quick brown fox", "Translate to German: good morning"]
+
+
+@pytest.mark.slow
+def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
+    from specdraft.api import SpecDecoder
+
+    medusa, eagle = smol_heads
+    dec = SpecDecoder(smol_f32)
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    specs = {"medusa_chain": SpecConfig(method="medusa", head=str(medusa), k=3),
+             "medusa_tree": SpecConfig(method="medusa", head=str(medusa), tree="static",
+                                       tree_choices=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]),
+             "eagle": SpecConfig(method="eagle", head=str(eagle), k=3)}
+    accepted = {m: 0 for m in specs}
+    for p in GREEDY_PROMPTS:
+        ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids
+        for m, spec in specs.items():
+            out = dec.generate(p, sampling=sp, spec=spec)
+            assert out.token_ids == ref, (m, p)
+            accepted[m] += out.stats.accepted
+    assert all(v > 0 for v in accepted.values()), accepted
