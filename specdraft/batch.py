@@ -5,7 +5,9 @@ a token tree (ragged sizes, zero included), the target scores all rows' pending 
 forward, each row accepts its own number of tokens (chains: the batched ``verify`` functions with
 ``num_draft``; trees: the batch-1 tree verifiers on the row's own logits), and rows join (``add``)
 and leave (finish, cancel) between steps. The plain baseline is the same loop with ``NoDrafter``
-rows. Every drafter batches (``BatchDrafters`` makes a row's drafter from its SpecConfig).
+rows. Every drafter batches (``BatchDrafters`` makes a row's drafter from its SpecConfig). Drafters
+that read the target's final-norm features (``wants_hidden``: Medusa, EAGLE) get, when any row
+wants them, the hook's output of the batched forward: each row only its own fed positions.
 
 A tree row feeds [pending] + its nodes with its own tree mask (each node sees the pending token and
 its ancestors) at positions (row length + depth); after verification it keeps the slots of the
@@ -71,6 +73,8 @@ class BatchKV:
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
         self.lens: list[int] = []
         self._last_n = 0
+        self.last_hidden: torch.Tensor | None = None  # [B, N, H] of the last forward(hidden=True)
+        self.prefill_hidden: list = []  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
 
     @property
     def B(self) -> int:
@@ -95,14 +99,21 @@ class BatchKV:
         return self.add_rows([prefix])[0]
 
     @torch.inference_mode()
-    def add_rows(self, prefixes: list[list[int]]) -> list[int]:
+    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
         """Prefill several prefixes (ragged, may be empty) together in one forward of their own,
-        then append them as new last rows (left-padded to the batch); returns their indices."""
+        then append them as new last rows (left-padded to the batch); returns their indices.
+        ``hidden``: also leave each prefix's final-norm features in ``prefill_hidden`` (a row
+        [len(prefix), H], None for an empty prefix)."""
         new = BatchKV(self.model, self.compact_slack)
         new.lens = [0] * len(prefixes)
         new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool)
+        self.prefill_hidden = [None] * len(prefixes)
         if any(prefixes):
-            new.forward(prefixes, keep=1)
+            new.forward(prefixes, keep=1, hidden=hidden)
+            if hidden:
+                self.prefill_hidden = [new.last_hidden[i, : len(p)].clone() if p else None
+                                       for i, p in enumerate(prefixes)]
+                new.last_hidden = None
             new.commit([len(p) for p in prefixes])
         first = self.B
         self._append(new)
@@ -153,7 +164,8 @@ class BatchKV:
         self.trim()
 
     @torch.inference_mode()
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None) -> torch.Tensor:
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
+                hidden: bool = False) -> torch.Tensor:
         """Feed row r the tokens ``seqs[r]`` (ragged; may be empty) at positions lens[r].. in one
         forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real);
         ``keep`` returns only the last ``keep`` positions' logits (prefill).
@@ -161,7 +173,9 @@ class BatchKV:
         ``trees[r]`` (optional; None = a causal chain) is ``(allow [n, n] bool, offsets [n] long)`` for
         row r's n fed tokens: fed token i attends to the row's valid cache slots and to the fed tokens
         j with allow[i, j] (itself and its ancestors, for a token tree), at position lens[r] + offsets[i].
-        The slots stay provisional until ``commit``."""
+        The slots stay provisional until ``commit``. ``hidden``: also leave the final norm's output of
+        every fed position in ``last_hidden`` [B, N, H] (row r's first len(seqs[r]) are real; the
+        model's ``enable_hidden_capture`` hook, switched on for this forward only)."""
         B, L = self.B, self.L
         n = [len(s) for s in seqs]
         N = max(max(n), 1)
@@ -184,8 +198,20 @@ class BatchKV:
         mask = torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min)
         dev = self.model.device
         kw = {self.model._cache_kw: self.cache}
-        out = self.model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                               use_cache=True, logits_to_keep=keep or N, **kw)
+        m = self.model
+        self.last_hidden = None
+        if hidden:
+            prev = m.capture_hidden
+            m.enable_hidden_capture()
+            m.last_hidden_batch = None
+        try:
+            out = m.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                          use_cache=True, logits_to_keep=keep or N, **kw)
+        finally:
+            if hidden:
+                m.capture_hidden = prev
+        if hidden:
+            self.last_hidden, m.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None, None
         self._last_n = N
         self.valid = torch.cat([self.valid, torch.zeros(B, N, dtype=torch.bool)], dim=1)
         return out.logits.float()
@@ -439,7 +465,11 @@ class BatchEngine:
                 out.append(e)
         if rows:
             t0 = time.perf_counter()
-            self.kv.add_rows([r.prompt_ids[:-1] for r in rows])
+            want = [_wants_hidden(r.drafter) for r in rows]
+            self.kv.add_rows([r.prompt_ids[:-1] for r in rows], hidden=any(want))
+            for r, w, h in zip(rows, want, self.kv.prefill_hidden):
+                r.hidden_prefix = h if w else None  # the prompt's features: the row's first observe gets them
+            self.kv.prefill_hidden = []
             for g in {id(r.drafter.group): r.drafter.group for r in rows if getattr(r.drafter, "group", None)}.values():
                 g.join([r for r in rows if getattr(r.drafter, "group", None) is g])
             dt = (time.perf_counter() - t0) / len(rows)
@@ -456,9 +486,10 @@ class BatchEngine:
         check_fits(self.target, len(prompt_ids), sp)
         if sp.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer")
-        if getattr(drafter, "wants_hidden", False):
-            raise ConfigError(f"method {drafter.name!r} (a head on the target's features) is not supported by the "
-                              "batch engine; decode one request at a time (max batch 1)")
+        if _wants_hidden(drafter):  # a head on the target's features: the target must expose its final norm
+            prev = self.target.capture_hidden
+            self.target.enable_hidden_capture()
+            self.target.capture_hidden = prev
         row = BatchRow(prompt_ids, sp, drafter, on_emit, tag, tokens=list(prompt_ids),
                        stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter())
         row.gen = make_generator(sp.seed)
@@ -532,11 +563,25 @@ class BatchEngine:
         chain = [d.is_chain() for d in drafts]
         seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
         trees = [None if c else _tree_feed(d) for c, d in zip(chain, drafts)]
-        logits = self.kv.forward(seqs, trees=trees)  # [B, N, V]
+        want = [_wants_hidden(row.drafter) for row in rows]
+        logits = self.kv.forward(seqs, trees=trees, hidden=any(want))  # [B, N, V]
+        hidden, self.kv.last_hidden = self.kv.last_hidden, None
         for r, row in enumerate(rows):  # as the single-sequence engine: the row's [k + 1, V] logits
             observe = getattr(row.drafter, "observe_target", None)
-            if observe is not None:
+            if observe is None:
+                continue
+            if not want[r]:
                 observe(torch.tensor(seqs[r]), logits[r, : ks[r] + 1])
+                continue
+            # features of every position the row fed (pending token, then its drafts / tree nodes in
+            # node order), not the padding; a row's first step also gets its prompt's prefill features,
+            # as the single-sequence engine's first forward feeds the whole prompt
+            h = hidden[r, : len(seqs[r])]
+            pre = getattr(row, "hidden_prefix", None)
+            if pre is not None:
+                h = torch.cat([pre.to(h.dtype), h])
+                row.hidden_prefix = None
+            observe(torch.tensor(seqs[r]), logits[r, : ks[r] + 1], h)
         n_acc, nxt, keep, acc_tokens = [0] * B, [0] * B, [None] * B, [None] * B
         # chains: the batched verifiers (greedy rows together; sampling rows with their own generator)
         K = max([ks[r] for r in range(B) if chain[r]], default=0)
@@ -603,6 +648,11 @@ class BatchEngine:
         return finished
 
 
+def _wants_hidden(drafter) -> bool:
+    """A drafter that reads the target's final-norm features (Medusa, EAGLE)."""
+    return bool(getattr(drafter, "wants_hidden", False))
+
+
 def _tree_feed(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
     itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
@@ -665,7 +715,9 @@ class BatchDrafters:
     - token trees from a model (``tree`` static / dynamic) get a per-row ``DraftTreeDrafter`` with its
       own KV cache over the same shared weights (a new HFModel wrapper: the weights are not copied);
     - model-free drafters (prompt_lookup, suffix, token_recycling, lookahead) and plain are made by
-      the decoder exactly as at batch size 1 (per-row state; Token Recycling's table stays shared).
+      the decoder exactly as at batch size 1 (per-row state; Token Recycling's table stays shared);
+    - trained heads (medusa, eagle) likewise: a per-row drafter (its own feature state, EAGLE its own
+      head KV cache) over the decoder's loaded head, fed its own rows of the target's features.
     """
 
     def __init__(self, decoder):

@@ -377,3 +377,70 @@ def test_batchbench_cli_on_a_tiny_model(tmp_path, capsys):
     assert "--batch-sizes must list integers >= 1" in capsys.readouterr().err
     assert main(args[:1] + ["--target", str(d), "--methods", "nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+# --- trained heads (Medusa, EAGLE): per-row drafters fed their own rows of the target's features ----
+HEAD_SPECS = {
+    "medusa_chain": {"method": "medusa", "k": 3},
+    "medusa_tree": {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]},
+    "eagle": {"method": "eagle", "k": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def head_dirs(quad, tmp_path_factory):
+    """Medusa (3 heads) and EAGLE heads trained a few steps on the target's own greedy continuations."""
+    from head_util import train_tiny_heads
+
+    return train_tiny_heads(quad[0], tmp_path_factory.mktemp("tiny_heads"), PROMPTS)
+
+
+def _head_spec(name, head_dirs):
+    spec = HEAD_SPECS.get(name) or ALL_SPECS[name]
+    if spec["method"] in ("medusa", "eagle"):
+        spec = {**spec, "head": str(head_dirs[spec["method"]])}
+    return spec
+
+
+@pytest.mark.parametrize("name", list(HEAD_SPECS))
+def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
+    """Medusa chain / tree and EAGLE rows, with plain and prompt-lookup rows, joining at different
+    steps (ragged prompts, the first a 1-token prompt): every greedy row == its batch-size-1 output."""
+    target, draft = quad
+    fac = BatchDrafters(SpecDecoder(target, draft))
+    names = [name, "plain", name, "prompt_lookup", name, name, "prompt_lookup", name]
+    prompts = [PROMPTS[1]] + PROMPTS[:1] + PROMPTS[2:]
+    lens = [14, 9, 20, 12, 17, 11, 15, 19]
+    jobs = [(p, SamplingParams(max_new_tokens=n), fac.make(_head_spec(m, head_dirs)))
+            for m, p, n in zip(names, prompts, lens)]
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
+    for m, (p, sp, _), r in zip(names, jobs, out):
+        assert r.token_ids == reference(target, draft, _head_spec(m, head_dirs), p, sp).token_ids, m
+        assert r.stats.new_tokens == sp.max_new_tokens
+    heads = [r for m, r in zip(names, out) if m == name]
+    assert sum(r.stats.drafted for r in heads) > 0 and sum(r.stats.accepted for r in heads) > 0
+    if name == "medusa_tree":  # token trees really went through the batched tree path
+        assert any(s.depth is not None for r in heads for s in r.stats.steps)
+    assert target.capture_hidden is False and target.last_hidden_batch is None  # switched on per forward only
+
+
+def test_head_rows_mixed_with_sampling_rows(quad, head_dirs):
+    """Medusa chain / tree, EAGLE, plain and prompt-lookup rows in one batch, greedy and seeded sampling
+    rows mixed, at most 3 rows at a time joining one per step: every row equals its batch-size-1
+    output (a seeded sampling row draws the same drafts and samples as at batch size 1)."""
+    target, draft = quad
+    fac = BatchDrafters(SpecDecoder(target, draft))
+    names = list(HEAD_SPECS) + ["plain", "prompt_lookup"] + list(HEAD_SPECS) + ["prompt_lookup_tree"]
+    jobs, refs = [], []
+    for i, name in enumerate(names):
+        p, n = PROMPTS[(3 * i) % len(PROMPTS)], 8 + (5 * i) % 11
+        sp = (SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n) if i % 2
+              else SamplingParams(max_new_tokens=n))
+        spec = _head_spec(name, head_dirs)
+        jobs.append((p, sp, fac.make(spec)))
+        refs.append(reference(target, draft, spec, p, sp).token_ids)
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=3, join_every=1)
+    for name, (p, sp, _), ref, r in zip(names, jobs, refs, out):
+        assert r.token_ids == ref, name
+        assert len(r.token_ids) == sp.max_new_tokens and r.stats.accepted <= r.stats.drafted
+    assert all(r.stats.drafted > 0 for n, r in zip(names, out) if n in HEAD_SPECS)

@@ -124,7 +124,7 @@ def test_streaming_wire_format_and_text(server, ref_dec):
     ({"prompt": "x", "top_p": "high"}, "top_p", "top_p must be a number"),
     ({"prompt": "x", "n": 2}, "n", "n must be 1"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
-    ({"prompt": "x", "spec": {"method": "medusa"}}, "spec", "unknown method 'medusa'"),
+    ({"prompt": "x", "spec": {"method": "medusa"}}, "spec", "method 'medusa' needs head=DIR"),
     ({"prompt": "x", "spec": {"k": 0}}, "spec", "k (draft tokens per step) must be >= 1"),
     ({"prompt": "x", "spec": {"kk": 1}}, "spec", "unknown SpecConfig field(s) ['kk']"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),

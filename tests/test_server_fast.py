@@ -106,6 +106,54 @@ def test_every_method_served_greedy_exact(tiny_server, spec):
     assert all(o["usage"]["method"] == spec["method"] for o in out)
 
 
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_server, tmp_path_factory):
+    from head_util import train_tiny_heads
+
+    url, app, dec, kind = tiny_server
+    out = tmp_path_factory.mktemp(f"heads_{kind}")
+    dirs = train_tiny_heads(dec.target, out, [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7], [2, 9, 4, 2]], n_heads=2)
+    other = tiny_llama(vocab=16, seed=7)  # same shapes, other weights: its head must not fit this target
+    dirs["other"] = train_tiny_heads(other, out / "other", [[1, 2, 3]], steps=1, n_heads=2)["medusa"]
+    return dirs
+
+
+@pytest.mark.parametrize("spec", [{"method": "medusa", "k": 2},
+                                  {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0]]},
+                                  {"method": "eagle", "k": 3}])
+def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
+    """Both schedulers serve Medusa and EAGLE (the batch one batches them: per-row drafters on their
+    rows' features); concurrent greedy requests equal plain decoding."""
+    url, app, dec, kind = tiny_server
+    spec = {**spec, "head": str(tiny_heads[spec["method"]])}
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7]]
+    out = [None] * 3
+
+    def run(i):
+        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompts[i], "max_tokens": 8 + i, "temperature": 0, "ignore_eos": True, "spec": spec}).json()
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert [o["choices"][0]["text"] for o in out] == [ref(dec, p, 8 + i) for i, p in enumerate(prompts)]
+    assert all(o["usage"]["method"] == spec["method"] for o in out)
+
+
+def test_bad_head_is_a_400_on_spec(tiny_server, tiny_heads):
+    url, app, dec, kind = tiny_server
+    body = {"prompt": [1, 2, 3], "max_tokens": 3}
+    cases = [({"method": "medusa", "head": str(tiny_heads["other"])}, "LM head weights differ"),
+             ({"method": "eagle", "head": str(tiny_heads["medusa"])}, "is a medusa head"),
+             ({"method": "medusa", "head": str(tiny_heads["medusa"]) + "_nope"}, "not found")]
+    for spec, fragment in cases:
+        r = httpx.post(url + "/v1/completions", json={**body, "spec": spec}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "spec" and fragment in err["message"], err
+
+
 def test_concurrent_and_cancelled(tiny_server):
     url, app, dec, kind = tiny_server
     prompts = [[i % 16, (3 * i) % 16, 5] for i in range(8)]
@@ -175,7 +223,7 @@ def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
 @pytest.mark.parametrize("argv,msg", [
     (["serve", "--max-queue", "0"], "error: --max-queue must be >= 1, got 0"),
     (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
-    (["serve", "--method", "medusa"], "error: unknown method 'medusa'"),
+    (["serve", "--method", "medusa"], "error: method 'medusa' needs head=DIR (--head DIR)"),
     (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
 ])
 def test_serve_argument_errors_before_loading(argv, msg, capsys):

@@ -34,6 +34,7 @@ class HFModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.capture_hidden = False  # set by drafters that read the target's features (Medusa, EAGLE)
         self.last_hidden: torch.Tensor | None = None
+        self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: the batch engine's rows
         self._hidden_hook = None
 
     # --- facts -------------------------------------------------------------------------------
@@ -67,8 +68,9 @@ class HFModel:
 
     def enable_hidden_capture(self) -> None:
         """From now on each ``forward`` also leaves ``last_hidden`` [n, H]: the final norm's output
-        (the LM head's input) for every position fed, not only the kept ones. One forward hook on
-        the final norm; no other layer's hidden states are materialized."""
+        (the LM head's input) for every position fed, not only the kept ones (row 0 of a batched
+        forward; ``last_hidden_batch`` [B, n, H] keeps every row). One forward hook on the final
+        norm; no other layer's hidden states are materialized."""
         self.capture_hidden = True
         if self._hidden_hook is not None:
             return
@@ -81,6 +83,7 @@ class HFModel:
         def hook(module, inputs, output, owner=self):
             if owner.capture_hidden:
                 owner.last_hidden = output[0] if output.dim() == 3 else output
+                owner.last_hidden_batch = output if output.dim() == 3 else output[None]
 
         self._hidden_hook = norm.register_forward_hook(hook)
 

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import SpecConfig
+from ..config import HEAD_METHODS, SpecConfig
 from ..errors import SpecDraftError
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
@@ -133,9 +133,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                     decoder.self_draft(p.spec)
                 except SpecDraftError as e:
                     raise RequestError(f"spec: {e}", param="spec") from None
-            if max_batch > 1 and p.spec.method in ("medusa", "eagle"):
-                raise RequestError(f"spec.method {p.spec.method!r} is not supported by the batch scheduler yet; "
-                                   "start the server with --max-batch 1", param="spec")
+            if p.spec.method in HEAD_METHODS:  # the head must load and match this target (either scheduler)
+                try:
+                    decoder.head(p.spec)
+                except SpecDraftError as e:
+                    raise RequestError(f"spec: {e}", param="spec") from None
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)

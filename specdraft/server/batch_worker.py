@@ -22,7 +22,8 @@ class BatchWorker(BaseWorker):
                                   policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
         self._n_rows = 0
         # every method batches: model chains draft together (one batched draft forward per drafting
-        # iteration), model trees per row over shared weights, model-free drafters per row
+        # iteration), model trees and trained heads (medusa, eagle) per row over shared weights,
+        # model-free drafters per row
         self.drafters = BatchDrafters(decoder)
 
     def num_running(self) -> int:

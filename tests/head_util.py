@@ -1,0 +1,51 @@
+"""Tiny Medusa / EAGLE heads for tests: trained a few steps on a tiny target's own greedy
+continuations (self-distillation, as `specdraft train` does) and saved as head directories."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_continuations(target, prompts, n=20):
+    seqs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor(p)[None]
+            for _ in range(n):
+                ids = torch.cat([ids, target.model(ids).logits[:, -1:].argmax(-1)], dim=1)
+            seqs.append(ids[0])
+    return seqs
+
+
+def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
+    """{"medusa": DIR, "eagle": DIR}: a Medusa head (``n_heads`` heads) and an EAGLE head for
+    ``target`` (an HFModel), usable as SpecConfig.head."""
+    from torch.nn.functional import cross_entropy, linear, smooth_l1_loss
+
+    from specdraft.heads import EagleHead, MedusaHeads, save_head, target_signature
+
+    torch.manual_seed(0)
+    seqs = greedy_continuations(target, prompts)
+    W = target.model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        feats = [target.model.model(s[None]).last_hidden_state[0] for s in seqs]
+        embs = [target.model.get_input_embeddings()(s) for s in seqs]
+    extra = {"target": target.name, "target_signature": target_signature(target)}
+    dirs = {}
+    medusa, eagle = MedusaHeads(int(target.config.hidden_size), n_heads), EagleHead(target.config)
+    for name, head, lr in (("medusa", medusa, 1e-2), ("eagle", eagle, 3e-3)):
+        opt = torch.optim.AdamW(head.parameters(), lr=lr)
+        for step in range(steps):
+            i = step % len(seqs)
+            s, f, e = seqs[i], feats[i], embs[i]
+            if name == "medusa":  # head d at position t predicts x_{t+d+2}
+                loss = sum(cross_entropy(linear(head.heads[d](f[: -d - 2]), W), s[d + 2:]) for d in range(n_heads))
+            else:  # pred[t] ~ f_{t+1}; the LM head on it ~ x_{t+2}
+                pred = head(f[None, :-1], e[None, 1:])[0]
+                loss = smooth_l1_loss(pred[:-1], f[1:-1]) + 0.1 * cross_entropy(linear(pred[:-1], W), s[2:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        dirs[name] = out / name
+        save_head(head, dirs[name], extra)
+    return dirs
