@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .config import SamplingParams
+from .config import SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams
 from .drafters.draft_model import fit_vocab
 from .engine import GenerationResult, _cut_at_stop, _StopChecker, check_fits
 from .errors import ConfigError, SpecDraftError
@@ -400,7 +400,7 @@ class BatchSpecPolicy:
     so drafted-then-rejected tokens cost more. From ``shrink_at`` rows the draft length is halved,
     from ``off_at`` rows nothing is drafted (plain steps). Output is unchanged; only drafting is."""
 
-    def __init__(self, shrink_at: int = 8, off_at: int = 16):
+    def __init__(self, shrink_at: int = SPEC_SHRINK_AT, off_at: int = SPEC_OFF_AT):
         if shrink_at < 1 or off_at < 1:
             raise ConfigError(f"batch policy thresholds must be >= 1, got shrink_at={shrink_at}, off_at={off_at}")
         self.shrink_at, self.off_at = shrink_at, off_at

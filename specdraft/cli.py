@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from .config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from .errors import SpecDraftError
 
 
@@ -288,10 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
     s.add_argument("--max-batch", type=int, default=1,
                    help="sequences decoded together (1: one request at a time; >1: continuous batching)")
-    s.add_argument("--spec-shrink-at", type=int, default=8,
-                   help="batch size from which draft length is halved (batch scheduler)")
-    s.add_argument("--spec-off-at", type=int, default=16,
-                   help="batch size from which speculation is turned off (batch scheduler)")
+    s.add_argument("--spec-shrink-at", type=int, default=SPEC_SHRINK_AT,
+                   help=f"batch size from which draft length is halved (batch scheduler; default {SPEC_SHRINK_AT}, "
+                        "measured with specdraft batchbench)")
+    s.add_argument("--spec-off-at", type=int, default=SPEC_OFF_AT,
+                   help=f"batch size from which speculation is turned off (batch scheduler; default {SPEC_OFF_AT})")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
 

@@ -13,6 +13,12 @@ from typing import Any
 
 from .errors import ConfigError
 
+# Defaults measured for the Qwen2.5-Coder 1.5B + 0.5B pair in float32 on this project's 2-core CPU
+# (`specdraft batchbench`, docs/server.md#measured-crossover-qwen-pair): relative to plain decoding at the
+# same batch size, speculation does best at 2 rows and loses more from 4 rows on, most at 8.
+SPEC_SHRINK_AT = 4
+SPEC_OFF_AT = 8
+
 METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", "suffix", "token_recycling",
            "lookahead", "medusa", "eagle")
 HEAD_METHODS = ("medusa", "eagle")

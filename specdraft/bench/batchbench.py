@@ -7,9 +7,8 @@ For each batch size b the batch engine (specdraft.batch) decodes the same sequen
 reports total generated tokens / total wall seconds (prefill included), the speedup against plain
 at the same batch size, MAT and acceptance rate (all from specdraft.metrics), and, when greedy,
 how many rows equal plain's rows token for token. The batch policy is off unless --policy is given,
-so the raw crossover is what is measured; its defaults (BatchSpecPolicy: shrink at 8 rows, off at
-16) can then be set from ``crossover`` in the JSON: per method the batch sizes where speculation
-pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
+so the raw crossover is what is measured; its defaults (config.SPEC_SHRINK_AT, config.SPEC_OFF_AT) are set from
+``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
 larger measured size.
 """
 

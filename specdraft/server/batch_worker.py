@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from ..batch import BatchDrafters, BatchEngine, BatchSpecPolicy
+from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..errors import SpecDraftError
 from .scheduler import BaseWorker, log
 
@@ -14,8 +15,8 @@ from .scheduler import BaseWorker, log
 class BatchWorker(BaseWorker):
     kind = "batch"
 
-    def __init__(self, decoder, metrics, max_queue: int, max_batch: int = 16, spec_shrink_at: int = 8,
-                 spec_off_at: int = 16):
+    def __init__(self, decoder, metrics, max_queue: int, max_batch: int = 16, spec_shrink_at: int = SPEC_SHRINK_AT,
+                 spec_off_at: int = SPEC_OFF_AT):
         super().__init__(decoder, metrics, max_queue)
         self.max_batch = max_batch
         self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
