@@ -30,9 +30,15 @@ test: models
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
 
+# The core18 table of docs/benchmarks.md (Qwen 1.5B fp32, all 6 tasks, draft model and model-free
+# drafters; about 1.5 hours on a 2-core CPU). Rerunning resumes results/qwen_fp32_core18.json.
 bench: models
-	$(PY) -m specdraft.cli bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --preset core18 \
-	  --methods plain,draft_model,prompt_lookup,hf_generate,hf_assisted,hf_prompt_lookup --out results/core18.json
+	$(PY) -m specdraft.bench.corpus results/corpus.jsonl
+	test -f results/store/specbench_stdlib/meta.json || $(PY) -m specdraft.cli datastore build results/corpus.jsonl \
+	  --target qwen2.5-coder-1.5b -o results/store/specbench_stdlib
+	$(PY) -m specdraft.cli bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype float32 --preset core18 \
+	  --max-new-tokens 48 --config docs/configs/qwen_fp32_model_free.json \
+	  --methods plain,draft_model,prompt_lookup,suffix,suffix_ds,lookahead,token_recycling --out results/qwen_fp32_core18.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache
