@@ -82,6 +82,25 @@ def test_errors(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "exit_layer must be < the target's 2 layers" in r.json()["error"]["message"]
 
 
+def _three_concurrent_greedy(url, dec, spec, base_tokens):
+    """Three concurrent greedy completions (max_tokens base_tokens + i) with ``spec``; returns the
+    responses and the plain references."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7]]
+    out = [None] * 3
+
+    def run(i):
+        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompts[i], "max_tokens": base_tokens + i, "temperature": 0, "ignore_eos": True,
+            "spec": spec}).json()
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    return out, [ref(dec, p, base_tokens + i) for i, p in enumerate(prompts)]
+
+
 @pytest.mark.parametrize("spec", [{"method": "prompt_lookup", "branches": 3}, {"method": "draft_model", "tree": "static"},
                                   {"method": "draft_model", "tree": "dynamic", "k": 3}, {"method": "suffix"},
                                   {"method": "token_recycling"}, {"method": "lookahead"},
@@ -90,19 +109,8 @@ def test_errors(tiny_server):
 def test_every_method_served_greedy_exact(tiny_server, spec):
     """Both schedulers accept every drafter (the batch one batches trees and self-speculation)."""
     url, app, dec, kind = tiny_server
-    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7]]
-    out = [None] * 3
-
-    def run(i):
-        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": prompts[i], "max_tokens": 7 + i, "temperature": 0, "ignore_eos": True, "spec": spec}).json()
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert [o["choices"][0]["text"] for o in out] == [ref(dec, p, 7 + i) for i, p in enumerate(prompts)]
+    out, refs = _three_concurrent_greedy(url, dec, spec, 7)
+    assert [o["choices"][0]["text"] for o in out] == refs
     assert all(o["usage"]["method"] == spec["method"] for o in out)
 
 
@@ -126,19 +134,8 @@ def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
     rows' features); concurrent greedy requests equal plain decoding."""
     url, app, dec, kind = tiny_server
     spec = {**spec, "head": str(tiny_heads[spec["method"]])}
-    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7]]
-    out = [None] * 3
-
-    def run(i):
-        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": prompts[i], "max_tokens": 8 + i, "temperature": 0, "ignore_eos": True, "spec": spec}).json()
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    assert [o["choices"][0]["text"] for o in out] == [ref(dec, p, 8 + i) for i, p in enumerate(prompts)]
+    out, refs = _three_concurrent_greedy(url, dec, spec, 8)
+    assert [o["choices"][0]["text"] for o in out] == refs
     assert all(o["usage"]["method"] == spec["method"] for o in out)
 
 

@@ -60,24 +60,23 @@ def _ints(s: str, what: str) -> list[int]:
     return v
 
 
+def _read_json(path: str, flag: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecDraftError(f"cannot read {flag} {path}: {e}") from e
+
+
 def _specs(a) -> dict[str, dict]:
     from ..config import SpecConfig
 
-    base = {}
-    if a.config:
-        try:
-            base = json.loads(Path(a.config).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecDraftError(f"cannot read --config {a.config}: {e}") from e
+    base = _read_json(a.config, "--config") if a.config else {}
     for flag, key in (("k", "k"), ("tree", "tree"), ("exit_layer", "exit_layer"), ("skip_config", "skip_config")):
         if getattr(a, flag) is not None:
             base[key] = getattr(a, flag)
     variants = {}
     if a.specs:
-        try:
-            variants = json.loads(Path(a.specs).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecDraftError(f"cannot read --specs {a.specs}: {e}") from e
+        variants = _read_json(a.specs, "--specs")
         if not isinstance(variants, dict):
             raise SpecDraftError("--specs must hold a JSON object {label: SpecConfig}")
     labels = [m.strip() for m in a.methods.split(",") if m.strip()]
