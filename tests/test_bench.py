@@ -129,3 +129,20 @@ def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
     assert "prompt translation 0" not in texts and "prompt translation 3" in texts
     assert "prompt writing 0" not in texts and "prompt writing 1" in texts
     assert len(texts) == info["documents"] >= 40 - 18
+
+
+def test_training_prompts_exclude_the_bench_prompts(tmp_path):
+    from specdraft.bench.corpus import write_prompts
+    from specdraft.bench.data import load_prompts
+
+    cats = ["translation", "summarization", "qa", "math_reasoning", "rag", "writing", "coding", "reasoning"]
+    rows = [{"question_id": f"{c}{i}", "category": c, "turns": [f"prompt {c} {i}"]} for c in cats for i in range(5)]
+    ds = tmp_path / "q.jsonl"
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "train.jsonl"
+    info = write_prompts(str(out), "core18", dataset=str(ds))
+    got = load_prompts(out)  # the training command reads it with the bench's own reader
+    assert info["prompts"] == len(got) == 40 - 18
+    assert {r["prompt"] for r in got}.isdisjoint({"prompt translation 0", "prompt writing 0"})
+    assert "prompt translation 3" in {r["prompt"] for r in got}
+    assert write_prompts(str(out), "core18", every=2, dataset=str(ds))["prompts"] == 11
