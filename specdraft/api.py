@@ -90,7 +90,14 @@ class SpecDecoder:
         return cls(t, d)
 
     def make_drafter(self, spec: SpecConfig):
+        """The drafter for ``spec``; it carries the spec's opt-in lossy rule (``drafter.lossy``, None
+        unless ``spec.lossy`` is set), which both engines' verification reads."""
         spec.validate()
+        drafter = self._new_drafter(spec)
+        drafter.lossy = spec.lossy_rule()
+        return drafter
+
+    def _new_drafter(self, spec: SpecConfig):
         if spec.method == "plain":
             return NoDrafter()
         if spec.method == "prompt_lookup":

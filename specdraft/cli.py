@@ -33,6 +33,10 @@ def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
     p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
+    p.add_argument("--lossy", default=None, choices=["typical"],
+                   help="opt into a LOSSY verification rule when sampling: typical = Medusa's typical acceptance "
+                        "(typical_epsilon / typical_delta via --config); the output is no longer the target's "
+                        "distribution")
     p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
 
 
@@ -78,6 +82,8 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d["exit_layer"] = a.exit_layer
     if getattr(a, "head", None):
         d["head"] = a.head
+    if getattr(a, "lossy", None):
+        d["lossy"] = a.lossy
     return SpecConfig.from_dict(d)
 
 

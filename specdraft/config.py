@@ -24,6 +24,7 @@ METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", 
 HEAD_METHODS = ("medusa", "eagle")
 SCHEDULES = ("constant", "heuristic", "cost_aware")
 TREES = ("chain", "static", "dynamic")
+LOSSY_RULES = ("typical",)
 
 
 def _from_dict(cls, d: dict[str, Any] | None):
@@ -180,6 +181,12 @@ class SpecConfig:
     - eagle (specdraft.drafters.eagle): one decoder layer autoregressive on the target's features;
       drafts a chain of ``k`` tokens.
 
+    ``lossy`` (default None: every method is lossless) opts into a verification rule that does not
+    preserve the target's distribution. The only one is ``"typical"``, Medusa's typical acceptance
+    (``verify.TypicalAcceptance``): when sampling, a draft token is kept if the target's probability
+    of it exceeds min(``typical_epsilon``, ``typical_delta`` x exp(-entropy)). At temperature 0 it has no
+    effect (greedy verification). Results made with it carry ``"lossy": "typical"`` in their stats.
+
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
@@ -219,6 +226,10 @@ class SpecConfig:
     lookahead_max_ngrams: int = 4
     # medusa / eagle: the trained head's directory (specdraft train)
     head: str | None = None
+    # opt-in LOSSY verification (any method, sampling only): "typical" = Medusa's typical acceptance
+    lossy: str | None = None
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
 
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
@@ -319,9 +330,28 @@ class SpecConfig:
             raise ConfigError(f"lookahead_ngram (N) must be >= 2, got {self.lookahead_ngram}")
         if self.lookahead_max_ngrams < 1:
             raise ConfigError(f"lookahead_max_ngrams (G) must be >= 1, got {self.lookahead_max_ngrams}")
+        if self.lossy is not None and self.lossy not in LOSSY_RULES:
+            raise ConfigError(f"unknown lossy rule {self.lossy!r}; choose one of: {', '.join(LOSSY_RULES)} "
+                              "(or null, the default: lossless verification)")
+        for name in ("typical_epsilon", "typical_delta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+        if not 0 < self.typical_epsilon <= 1:
+            raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon}")
+        if not 0 <= self.typical_delta < float("inf"):
+            raise ConfigError(f"typical_delta must be a finite number >= 0, got {self.typical_delta}")
         self.max_spec_factor = float(self.max_spec_factor)
         self.min_token_prob = float(self.min_token_prob)
         return self
+
+    def lossy_rule(self):
+        """The opt-in lossy verification rule, or None (lossless, the default)."""
+        if self.lossy == "typical":
+            from .verify import TypicalAcceptance
+
+            return TypicalAcceptance(float(self.typical_epsilon), float(self.typical_delta))
+        return None
 
     @property
     def needs_draft_model(self) -> bool:

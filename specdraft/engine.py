@@ -19,7 +19,8 @@ from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .policy import CostAwarePolicy
 from .sampling import make_generator, probs_from_logits
-from .verify import greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree
+from .verify import (greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree, typical_verify,
+                     typical_verify_tree)
 
 
 @dataclass
@@ -63,6 +64,8 @@ def generate(
     [n + 1, V] and, per row, the token whose successor the row predicts (Token Recycling uses it).
     A drafter with ``wants_hidden = True`` (Medusa, EAGLE) gets a third argument: the target's
     final-norm features [n_fed, H] of every position that forward fed (pending tokens, then drafts).
+    A drafter whose ``lossy`` is set (``SpecConfig.lossy``; SpecDecoder.make_drafter sets it) is
+    verified by that opt-in lossy rule when sampling, and its stats say so.
     """
     sp.validate()
     prompt_ids = [int(t) for t in prompt_ids]
@@ -73,7 +76,8 @@ def generate(
     eos = set() if sp.ignore_eos else set(eos_ids if eos_ids is not None else target.eos_token_ids())
     stopper = _StopChecker(sp.stop, tokenizer) if sp.stop else None
     gen = make_generator(sp.seed)
-    stats = GenerationStats(prompt_tokens=n_prompt)
+    lossy = getattr(drafter, "lossy", None)
+    stats = GenerationStats(prompt_tokens=n_prompt, lossy=None if lossy is None or sp.greedy else lossy.name)
 
     t_start = time.perf_counter()
     target.reset()
@@ -102,6 +106,8 @@ def generate(
             d = draft.tokens[None]
             if sp.greedy:
                 n_acc, nxt = greedy_verify(d, logits[None])
+            elif lossy is not None:
+                n_acc, nxt = typical_verify(d, probs_from_logits(logits, sp)[None], lossy, gen)
             else:
                 q = None if draft.draft_probs is None else draft.draft_probs[None]
                 n_acc, nxt = rejection_sample(d, q, probs_from_logits(logits, sp)[None], gen)
@@ -109,7 +115,7 @@ def generate(
             target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
             accepted = draft.tokens[:n_acc].tolist()
         else:
-            accepted, nxt = _verify_tree(target, draft, pending, sp, gen, observe)
+            accepted, nxt = _verify_tree(target, draft, pending, sp, gen, observe, lossy)
             n_acc = len(accepted)
         new = accepted + [nxt]
         drafter.feedback(n_acc, new)
@@ -142,7 +148,7 @@ def _with_hidden(observe, target: HFModel):
 
 
 def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams, gen=None,
-                 observe=None) -> tuple[list[int], int]:
+                 observe=None, lossy=None) -> tuple[list[int], int]:
     """Score a whole token tree in one forward (tree attention mask + depth positions), keep the
     accepted path in the cache, return (accepted tokens, next token)."""
     past, n_pend = target.cached_len, pending.shape[0]
@@ -152,6 +158,8 @@ def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParam
         observe(torch.cat([pending[-1:], tree.tokens]), logits)
     if sp.greedy:
         path, nxt = greedy_verify_tree(tree, logits)
+    elif lossy is not None:
+        path, nxt = typical_verify_tree(tree, probs_from_logits(logits, sp), lossy, gen)
     else:
         path, nxt = rejection_sample_tree(tree, probs_from_logits(logits, sp), gen)
     keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])

@@ -79,6 +79,7 @@ class GenerationStats:
     wall_s: float = 0.0
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = "length"
+    lossy: str | None = None  # the opt-in lossy verification rule that made this output (SpecConfig.lossy)
 
     @property
     def drafted(self) -> int:
@@ -124,6 +125,8 @@ class GenerationStats:
             "verify_s": self.verify_s,
             "finish_reason": self.finish_reason,
         }
+        if self.lossy is not None:
+            d["lossy"] = self.lossy
         if per_step:
             d["step_records"] = [[s.drafted, s.accepted, s.emitted, s.positions] for s in self.steps]
         return d

@@ -19,6 +19,8 @@ No Python loop over rows, positions or the vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .sampling import sample
@@ -104,13 +106,17 @@ def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], in
     argmax = target_logits.argmax(dim=-1)
     if tree.size == 0:
         return [], int(argmax[0])
-    correct = tree.tokens == argmax[tree.parents + 1]
+    path = _deepest_path(tree, tree.tokens == argmax[tree.parents + 1])
+    return path, int(argmax[path[-1] + 1 if path else 0])
+
+
+def _deepest_path(tree, correct: torch.Tensor) -> list[int]:
+    """The deepest node whose whole path is ``correct`` (bool [n], per node; the first such node on
+    ties), as node indices root to leaf; [] when no child of the root is correct."""
     ok = ~(tree.ancestors() & ~correct[None, :]).any(dim=1)
     score = torch.where(ok, tree.depths(), torch.zeros_like(tree.tokens))
     best = int(score.argmax())
-    if int(score[best]) == 0:
-        return [], int(argmax[0])
-    return tree.path_to(best), int(argmax[best + 1])
+    return tree.path_to(best) if int(score[best]) > 0 else []
 
 
 def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
@@ -168,3 +174,58 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
         path.append(nxt_node)
         slot = nxt_node + 1
         p = target_probs[slot]
+
+
+# --- opt-in lossy rules (SpecConfig.lossy); never used unless a request asks for them ----------------
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance (Cai et al. 2024, Medusa-2 section): LOSSY.
+
+    A draft token x is accepted when the target's processed probability of it exceeds
+    ``min(epsilon, delta * exp(-H(p)))``, H the entropy of that distribution: confident target
+    positions demand a likely token, flat ones accept almost anything the target could say. The
+    longest accepted prefix (the deepest accepted path of a tree) is kept, then the next token is
+    sampled from the target's distribution after it. The output is *not* distributed as the
+    target's (a plausible draft token is kept with probability 1 instead of p(x)); it only applies
+    when sampling (at temperature 0 the rule is greedy verification). Defaults are Medusa's
+    (posterior_threshold 0.09, posterior_alpha 0.3)."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+    name = "typical"
+
+    def threshold(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., V] -> [...]: min(epsilon, delta * exp(-entropy))."""
+        ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+        return torch.clamp(self.delta * torch.exp(-ent), max=self.epsilon)
+
+    def accepts(self, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """probs [..., V], tokens [...] -> bool [...]: is each token accepted under its distribution."""
+        return probs.gather(-1, tokens[..., None]).squeeze(-1) > self.threshold(probs)
+
+
+def typical_verify(
+    draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    rule: TypicalAcceptance,
+    generator: torch.Generator | None,
+    num_draft: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chains, batched: the longest prefix the rule accepts, then a token sampled from the target's
+    distribution after it. Same shapes and return as ``rejection_sample`` (draft probabilities are
+    not needed: the rule looks at the target only)."""
+    B, k = draft_tokens.shape
+    ok = rule.accepts(target_probs[:, :k], draft_tokens) & _valid(draft_tokens, num_draft)
+    n = _prefix_len(ok)
+    rows = torch.arange(B, device=target_probs.device)
+    return n, sample(target_probs[rows, n], generator)
+
+
+def typical_verify_tree(tree, target_probs: torch.Tensor, rule: TypicalAcceptance,
+                        generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Trees: the deepest path whose every node the rule accepts under its parent's target
+    distribution, then a token sampled from the target after it. Returns (path, next token)."""
+    if tree.size == 0:
+        return [], int(sample(target_probs[0], generator))
+    path = _deepest_path(tree, rule.accepts(target_probs[tree.parents + 1], tree.tokens))
+    return path, int(sample(target_probs[path[-1] + 1 if path else 0], generator))

@@ -74,6 +74,14 @@ def _f(x, fmt="{:.2f}", none="-"):
     return none if x is None else fmt.format(x)
 
 
+def label(doc: dict, method: str) -> str:
+    """The method's name, marked when an opt-in lossy rule made its outputs (sampling only)."""
+    spec = doc["settings"].get("methods", {}).get(method) or {}
+    if spec.get("lossy") and doc["settings"]["sampling"]["temperature"] > 0:
+        return f"{method} (LOSSY: {spec['lossy']})"
+    return method
+
+
 def markdown(doc: dict, agg: dict) -> str:
     s = doc["settings"]
     env = doc["environment"]
@@ -93,12 +101,12 @@ def markdown(doc: dict, agg: dict) -> str:
     for m, r in agg["rows"].items():
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
+        lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
     lines += ["", "| method | tok/s | vs transformers generate | acceptance | draft s | verify s | greedy exact |",
               "|---|---|---|---|---|---|---|"]
     for m, r in agg["rows"].items():
         ex = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]}"
-        lines.append(f"| {m} | {_f(r['tokens_per_s'])} | {_f(r.get('speedup_vs_hf'), '{:.2f}x')} | "
+        lines.append(f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {_f(r.get('speedup_vs_hf'), '{:.2f}x')} | "
                      f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |")
     mism = [(m, x) for m, r in agg["rows"].items() for x in r["mismatches"]]
     if mism:

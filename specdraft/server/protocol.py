@@ -207,7 +207,7 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
 
 
 def usage(stats, method: str) -> dict:
-    return {
+    u = {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
@@ -219,6 +219,9 @@ def usage(stats, method: str) -> dict:
         "mean_accepted_tokens": stats.mat,
         "acceptance_rate": stats.acceptance_rate,
     }
+    if getattr(stats, "lossy", None):  # an opt-in lossy verification rule made this output
+        u["lossy"] = stats.lossy
+    return u
 
 
 def finish_reason(stats) -> str:
