@@ -304,6 +304,8 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
     for p in GREEDY_PROMPTS:
         ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids
         for m, spec in specs.items():
+            if m == "eagle_tree" and p not in GREEDY_PROMPTS[:3]:
+                continue  # half the prompts: the tree path is the same for all
             out = dec.generate(p, sampling=sp, spec=spec)
             assert out.token_ids == ref, (m, p)
             accepted[m] += out.stats.accepted
