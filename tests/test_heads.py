@@ -80,6 +80,10 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
     out = dec.generate("Tell me about cats.", sampling=sp, spec=SpecConfig(method=kind, head=str(straight), k=2))
     assert out.token_ids == plain.token_ids
     assert out.stats.drafted > 0
+    if kind == "eagle":  # an EAGLE-2 dynamic tree through the config and the decoder
+        spec = SpecConfig.from_dict({"method": "eagle", "head": str(straight), "tree": "dynamic", "k": 3})
+        out = dec.generate("Tell me about cats.", sampling=sp, spec=spec)
+        assert out.token_ids == plain.token_ids and any(s.depth for s in out.stats.steps)
 
 
 # --- bad input -------------------------------------------------------------------------------------
