@@ -726,8 +726,9 @@ class BatchDrafters:
       own KV cache over the same shared weights (a new HFModel wrapper: the weights are not copied);
     - model-free drafters (prompt_lookup, suffix, token_recycling, lookahead) and plain are made by
       the decoder exactly as at batch size 1 (per-row state; Token Recycling's table stays shared);
-    - trained heads (medusa, eagle) likewise: a per-row drafter (its own feature state, EAGLE its own
-      head KV cache) over the decoder's loaded head, fed its own rows of the target's features.
+    - trained heads (medusa, eagle; chains and trees) likewise: a per-row drafter (its own feature
+      state, EAGLE its own head KV cache) over the decoder's loaded head, fed its own rows of the
+      target's features.
     """
 
     def __init__(self, decoder):

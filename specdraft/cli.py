@@ -27,8 +27,8 @@ def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
     p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
-                   help="draft_model / layer_skip / early_exit / medusa: a chain (default) or a token tree; shape fields via --config "
-                        "(tree_branching, tree_choices, tree_budget, tree_topk)")
+                   help="draft_model / layer_skip / early_exit / eagle: a chain (default) or a token tree (medusa: "
+                        "static); shape fields via --config (tree_branching, tree_choices, tree_budget, tree_topk)")
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")

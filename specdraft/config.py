@@ -144,7 +144,7 @@ class SpecConfig:
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
       one token tree scored in one forward (depth W + N - 2; ``k`` is not used).
 
-    Token trees from the draft model (``tree``; draft_model only):
+    Token trees from the draft model (``tree``; also layer_skip / early_exit, and the eagle head below):
 
     - ``chain`` (default): one candidate per position, ``k`` deep.
     - ``static``: a fixed shape, ``tree_branching[d]`` children per node at depth d (e.g. [3, 2, 1]:
@@ -179,7 +179,9 @@ class SpecConfig:
       ``tree="static"`` drafts the Medusa tree given by ``tree_choices`` (or ``tree_branching``),
       at most K deep.
     - eagle (specdraft.drafters.eagle): one decoder layer autoregressive on the target's features;
-      drafts a chain of ``k`` tokens.
+      ``tree="chain"`` drafts a chain of ``k`` tokens; ``tree="dynamic"`` drafts EAGLE-2's dynamic
+      tree and ``tree="static"`` a fixed shape (the same ``tree_*`` fields as the draft model's
+      trees), the head scoring one tree level per forward with its own tree mask.
 
     ``lossy`` (default None: every method is lossless) opts into a verification rule that does not
     preserve the target's distribution. The only one is ``"typical"``, Medusa's typical acceptance
@@ -266,9 +268,9 @@ class SpecConfig:
         if self.tree not in TREES:
             raise ConfigError(f"unknown tree {self.tree!r}; choose one of: {', '.join(TREES)}")
         if self.tree != "chain":
-            if self.method not in ("draft_model", "layer_skip", "early_exit", "medusa"):
-                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip, early_exit and medusa "
-                                  "(prompt_lookup makes trees with branches > 1)")
+            if self.method not in ("draft_model", "layer_skip", "early_exit", "medusa", "eagle"):
+                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip, early_exit, medusa and "
+                                  "eagle (prompt_lookup makes trees with branches > 1)")
             if self.schedule != "constant":
                 raise ConfigError(f"tree={self.tree!r} needs schedule 'constant', got {self.schedule!r}")
         for name in ("tree_budget", "tree_topk"):

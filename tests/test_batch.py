@@ -384,6 +384,7 @@ HEAD_SPECS = {
     "medusa_chain": {"method": "medusa", "k": 3},
     "medusa_tree": {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]},
     "eagle": {"method": "eagle", "k": 3},
+    "eagle_tree": {"method": "eagle", "tree": "dynamic", "k": 3, "tree_topk": 2, "tree_budget": 6},
 }
 
 
@@ -404,7 +405,7 @@ def _head_spec(name, head_dirs):
 
 @pytest.mark.parametrize("name", list(HEAD_SPECS))
 def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
-    """Medusa chain / tree and EAGLE rows, with plain and prompt-lookup rows, joining at different
+    """Medusa chain / tree and EAGLE chain / tree rows, with plain and prompt-lookup rows, joining at different
     steps (ragged prompts, the first a 1-token prompt): every greedy row == its batch-size-1 output."""
     target, draft = quad
     fac = BatchDrafters(SpecDecoder(target, draft))
@@ -419,13 +420,13 @@ def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
         assert r.stats.new_tokens == sp.max_new_tokens
     heads = [r for m, r in zip(names, out) if m == name]
     assert sum(r.stats.drafted for r in heads) > 0 and sum(r.stats.accepted for r in heads) > 0
-    if name == "medusa_tree":  # token trees really went through the batched tree path
+    if name in ("medusa_tree", "eagle_tree"):  # token trees really went through the batched tree path
         assert any(s.depth is not None for r in heads for s in r.stats.steps)
     assert target.capture_hidden is False and target.last_hidden_batch is None  # switched on per forward only
 
 
 def test_head_rows_mixed_with_sampling_rows(quad, head_dirs):
-    """Medusa chain / tree, EAGLE, plain and prompt-lookup rows in one batch, greedy and seeded sampling
+    """Medusa chain / tree, EAGLE chain / tree, plain and prompt-lookup rows in one batch, greedy and seeded sampling
     rows mixed, at most 3 rows at a time joining one per step: every row equals its batch-size-1
     output (a seeded sampling row draws the same drafts and samples as at batch size 1)."""
     target, draft = quad

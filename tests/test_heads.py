@@ -80,6 +80,10 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
     out = dec.generate("Tell me about cats.", sampling=sp, spec=SpecConfig(method=kind, head=str(straight), k=2))
     assert out.token_ids == plain.token_ids
     assert out.stats.drafted > 0
+    if kind == "eagle":  # an EAGLE-2 dynamic tree through the config and the decoder
+        spec = SpecConfig.from_dict({"method": "eagle", "head": str(straight), "tree": "dynamic", "k": 3})
+        out = dec.generate("Tell me about cats.", sampling=sp, spec=spec)
+        assert out.token_ids == plain.token_ids and any(s.depth for s in out.stats.steps)
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -187,15 +191,18 @@ def broken_topk_as_sampled(q, m, gen):
 
 
 CHOICES = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-CASES = [("medusa_tree", 4, TRUNC), ("medusa_chain", 3, T1), ("eagle", 4, T1), ("eagle_reduced_vocab", 4, TRUNC)]
+CASES = [("medusa_tree", 4, TRUNC), ("medusa_chain", 3, T1), ("eagle", 4, T1), ("eagle_reduced_vocab", 4, TRUNC),
+         ("eagle_tree", 4, T1), ("eagle_tree", 4, TRUNC), ("eagle_tree_reduced_vocab", 4, TRUNC)]
+EAGLE_TREE = dict(tree="dynamic", tree_topk=2, tree_budget=5)
 
 
 def make(target, method):
     if method.startswith("medusa"):
         tree = dict(tree="static", tree_choices=CHOICES) if method == "medusa_tree" else dict(k=3)
         return MedusaDrafter(target, random_medusa(), SpecConfig(method="medusa", **tree))
-    ids = torch.tensor([0, 2, 3, 5]) if method == "eagle_reduced_vocab" else None
-    return EagleDrafter(target, random_eagle(target, ids), SpecConfig(method="eagle", k=3))
+    ids = torch.tensor([0, 2, 3, 5]) if method.endswith("reduced_vocab") else None
+    tree = EAGLE_TREE if method.startswith("eagle_tree") else {}
+    return EagleDrafter(target, random_eagle(target, ids), SpecConfig(method="eagle", k=3, **tree))
 
 
 @pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
@@ -203,6 +210,58 @@ def test_sampling_first_three_tokens_match_target(tiny_target, method, max_new, 
     counts, drafted = sample_first_three(tiny_target, make(tiny_target, method), sp, max_new)
     assert drafted > 0
     assert fit_pvalue(counts, exact_first_three(tiny_target, sp)) > 1e-3
+
+
+# --- EAGLE token trees on the tiny model: the tree mask and positions, greedy exactness ---------------
+@pytest.mark.parametrize("shape", [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=40),
+                                  dict(tree="static", tree_branching=[3, 2, 2, 1])], ids=["dynamic", "static"])
+def test_eagle_tree_level_equals_feeding_the_path(tiny_target, shape):
+    """Every tree node's predicted feature (one head forward per tree level, 4D tree mask over the head's
+    cache) equals feeding the true pairs and then the node's path one pair at a time with a causal
+    cache: catches a wrong position id or a missing / extra visible slot, even with random weights.
+    Two proposes: the second starts from the head's cache cropped back to its true positions."""
+    head = random_eagle(tiny_target)
+    d = EagleDrafter(tiny_target, head, SpecConfig(method="eagle", **shape))
+    d.begin(PROMPT, SamplingParams(), None)
+    embed = tiny_target.model.get_input_embeddings()
+    g = torch.Generator().manual_seed(1)
+    tokens, feats = [1, 2, 3, 1, 2, 0, 4], torch.randn(6, 32, generator=g)
+    for _ in range(2):
+        d.feats = feats
+        tree = d.propose(tokens, 10)
+        n = len(tokens)
+        fed = [i for i in d._pf if i >= 0]
+        assert int(tree.depths().max()) == 4 and max(len(d._anc[i]) for i in fed) == 3
+        if shape["tree"] == "static":  # a level of nodes under different parents
+            assert len({d._par[i] for i in fed if len(d._anc[i]) == 3}) == 6
+        with torch.no_grad():
+            for i in fed:
+                cache = head.new_cache()
+                f = head(feats[None], embed(torch.tensor(tokens[1:]))[None], cache=cache,
+                         position_ids=torch.arange(n - 1)[None])[0, -1]
+                for depth, a in enumerate(d._anc[i], 1):  # the chain's positions: n - 2 + depth
+                    f = head(f[None, None], embed(torch.tensor([[d._tok[a]]])), cache=cache,
+                             position_ids=torch.tensor([[n - 2 + depth]]))[0, -1]
+                torch.testing.assert_close(d._pf[i], f, rtol=1e-4, atol=1e-5)
+        tokens, feats = tokens + [5, 1], torch.cat([feats, torch.randn(2, 32, generator=g)])
+
+
+@pytest.mark.parametrize("tree", [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=8),
+                                  dict(tree="static", tree_branching=[3, 2, 1])], ids=["dynamic", "static"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+def test_eagle_tree_greedy_equals_plain(tiny_target, tree, reduced):
+    from specdraft.drafters.base import NoDrafter
+
+    ids = torch.tensor([0, 2, 3, 5]) if reduced else None
+    d = EagleDrafter(tiny_target, random_eagle(tiny_target, ids), SpecConfig(method="eagle", **tree))
+    sp = SamplingParams(max_new_tokens=30)
+    accepted = 0
+    for prompt in (PROMPT, [3, 3, 1, 0, 4, 2, 1]):
+        out = generate(tiny_target, d, prompt, sp, eos_ids=set())
+        assert out.token_ids == generate(tiny_target, NoDrafter(), prompt, sp, eos_ids=set()).token_ids
+        assert sum(s.depth is not None for s in out.stats.steps) >= len(out.stats.steps) // 2  # token trees
+        accepted += out.stats.accepted
+    assert accepted > 0
 
 
 def test_broken_medusa_variant_is_detected(tiny_target):
@@ -243,11 +302,14 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
     specs = {"medusa_chain": SpecConfig(method="medusa", head=str(medusa), k=3),
              "medusa_tree": SpecConfig(method="medusa", head=str(medusa), tree="static",
                                        tree_choices=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]),
-             "eagle": SpecConfig(method="eagle", head=str(eagle), k=3)}
+             "eagle": SpecConfig(method="eagle", head=str(eagle), k=3),
+             "eagle_tree": SpecConfig(method="eagle", head=str(eagle), tree="dynamic", k=3, tree_topk=2, tree_budget=6)}
     accepted = {m: 0 for m in specs}
     for p in GREEDY_PROMPTS:
         ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids
         for m, spec in specs.items():
+            if m == "eagle_tree" and p not in GREEDY_PROMPTS[:3]:
+                continue  # half the prompts: the tree path is the same for all
             out = dec.generate(p, sampling=sp, spec=spec)
             assert out.token_ids == ref, (m, p)
             accepted[m] += out.stats.accepted

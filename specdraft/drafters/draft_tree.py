@@ -11,6 +11,9 @@ Sampling: the children of a node are drawn without replacement from the processe
 distribution q (the same ``probs_from_logits`` as the target), and each node records the
 distribution it was actually drawn from (q with its earlier siblings removed, renormalized), which
 is what ``verify.rejection_sample_tree`` needs to stay exact. Greedy takes the top ranks.
+
+The tree building (``TreeGrower``: children, static / dynamic expansion, budget, rerank) is shared
+with ``drafters/eagle.py``, whose EAGLE head scores the levels instead of a draft model.
 """
 
 from __future__ import annotations
@@ -35,27 +38,41 @@ def choices_from_branching(branching: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
-class DraftTreeDrafter(DraftModelDrafter):
-    name = "draft_model"
+class TreeGrower:
+    """The tree-building half of a tree drafter, written once for every drafter that scores one tree
+    level per forward: DraftTreeDrafter (a draft model) and EagleDrafter (the EAGLE head).
 
-    def __init__(self, model: HFModel, cfg: SpecConfig, target_vocab: int):
-        super().__init__(model, cfg, target_vocab)
+    The drafter has ``cfg``, ``sp`` and ``gen``; it calls ``_tree_shape(cfg)`` once, ``_start_tree(ctx)``
+    at the start of every ``propose`` (ctx: the cached context positions the nodes attend to), then
+    ``_grow(root_logits, depth, score_level)``, where ``score_level(nodes)`` feeds ``nodes`` (all at one
+    depth; ``_level_mask`` gives their mask and positions) and returns the logits [len(nodes), V] of
+    their children. Node i's token is ``_tok[i]``, its parent ``_par[i]`` (-1: the root), its path
+    from the root ``_anc[i]``; ``_fed[i]`` is the cache slot it was fed at; ``_final`` the nodes kept
+    in the returned DraftTree (their order is the tree's node order).
+    """
+
+    def _tree_shape(self, cfg: SpecConfig) -> None:
+        self.n_children: dict[tuple[int, ...], int] = {}
         if cfg.tree == "static":
             ch = [tuple(c) for c in cfg.tree_choices] if cfg.tree_choices else choices_from_branching(cfg.tree_branching)
-            self.n_children: dict[tuple[int, ...], int] = {}
             for c in ch:
                 self.n_children[c[:-1]] = max(self.n_children.get(c[:-1], 0), c[-1] + 1)
             self.max_depth = max(len(c) for c in ch)
         else:
             self.max_depth = cfg.k
 
+    def _start_tree(self, ctx: int) -> None:
+        self._tok, self._par, self._q, self._score, self._anc, self._rank = [], [], [], [], [], []
+        self._fed: dict[int, int] = {}
+        self._ctx = ctx
+        self._final: list[int] = []
+
     # --- children of one node ----------------------------------------------------------------
     def _children(self, logits: torch.Tensor, m: int) -> list[tuple[int, torch.Tensor | None, float]]:
         """Up to m (token, proposal distribution or None, log draft prob) for one node's children."""
-        logits = self._fit(logits)
         if self.sp.greedy:
             lp = torch.log_softmax(logits, -1)
-            top = torch.topk(lp, min(m, lp.shape[-1]))
+            top = torch.topk(lp, min(m, int(torch.isfinite(lp).sum())))  # never a token the draft cannot make
             return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
         q = probs_from_logits(logits, self.sp)
         out, cur = [], q
@@ -69,23 +86,6 @@ class DraftTreeDrafter(DraftModelDrafter):
             cur = cur.clone()
             cur[t] = 0.0
         return out
-
-    # --- one level of the tree through the draft model ---------------------------------------
-    def _score_level(self, nodes: list[int]) -> torch.Tensor:
-        """Feed ``nodes`` (all at one depth) in one forward; logits [len(nodes), V]."""
-        past, m = self.model.cached_len, len(nodes)
-        allow = torch.zeros(m, past + m, dtype=torch.bool)
-        allow[:, : self._ctx] = True
-        for j, i in enumerate(nodes):
-            for a in self._anc[i][:-1]:
-                allow[j, self._fed[a]] = True
-            allow[j, past + j] = True
-            self._fed[i] = past + j
-        dt = self.model.dtype
-        mask = torch.zeros(m, past + m, dtype=dt).masked_fill(~allow, torch.finfo(dt).min)[None, None]
-        pos = torch.tensor([[self._ctx - 1 + len(self._anc[i]) for i in nodes]])
-        ids = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long)
-        return self.model.forward(ids, keep=m, attention_mask=mask, position_ids=pos)
 
     def _add(self, parent: int, kids, rank0: int = 0) -> list[int]:
         new = []
@@ -101,16 +101,28 @@ class DraftTreeDrafter(DraftModelDrafter):
             new.append(i)
         return new
 
-    def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        depth = min(self.max_depth, max_tokens)
-        self._tok, self._par, self._q, self._score, self._anc, self._rank = [], [], [], [], [], []
-        self._fed: dict[int, int] = {}
-        self._ctx = len(tokens)
-        self._final: list[int] = []
-        if depth <= 0:
-            return DraftTree.empty()
-        feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)
-        root = self.model.forward(feed, keep=1)[-1]
+    def _level_mask(self, nodes: list[int], past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Additive 4D mask [1, 1, m, past + m] and positions [1, m] for feeding ``nodes`` (one depth)
+        into a cache of ``past`` slots: node i sees the context (the first ``_ctx`` slots), its fed
+        ancestors and itself, at position ``_ctx - 1 + depth``. Records the slot each node goes to."""
+        m = len(nodes)
+        allow = torch.zeros(m, past + m, dtype=torch.bool)
+        allow[:, : self._ctx] = True
+        for j, i in enumerate(nodes):
+            for a in self._anc[i][:-1]:
+                allow[j, self._fed[a]] = True
+            allow[j, past + j] = True
+            self._fed[i] = past + j
+        mask = torch.zeros(m, past + m, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
+        pos = torch.tensor([[self._ctx - 1 + len(self._anc[i]) for i in nodes]])
+        return mask, pos
+
+    # --- the tree, level by level ------------------------------------------------------------
+    def _grow(self, root: torch.Tensor, depth: int, score_level) -> DraftTree:
+        """Static: the shape's children per node. Dynamic (EAGLE-2): expand the ``tree_topk`` frontier
+        nodes with the highest cumulative draft log-probability, ``tree_topk`` children each; greedy
+        reranks every candidate to the ``tree_budget`` best (ancestor-closed), sampling stops drawing
+        at the budget."""
         static = self.cfg.tree == "static"
         budget = self.cfg.tree_budget
         greedy = self.sp.greedy
@@ -128,7 +140,7 @@ class DraftTreeDrafter(DraftModelDrafter):
                     expand = expand[: max(budget - len(self._tok), 0)]
             if not expand:
                 break
-            logits = self._score_level(expand)
+            logits = score_level(expand)
             level = []
             for j, i in enumerate(expand):
                 m = self.n_children[tuple(self._rank[i])] if static else topk
@@ -148,9 +160,33 @@ class DraftTreeDrafter(DraftModelDrafter):
         new = {old: j for j, old in enumerate(keep)}
         parents = [new[self._par[i]] if self._par[i] >= 0 else -1 for i in keep]
         probs = None if greedy else torch.stack([self._q[i] for i in keep])
-        self._drafted = len(keep)
         return DraftTree(torch.tensor([self._tok[i] for i in keep], dtype=torch.long),
                          torch.tensor(parents, dtype=torch.long), probs)
+
+
+class DraftTreeDrafter(TreeGrower, DraftModelDrafter):
+    name = "draft_model"
+
+    def __init__(self, model: HFModel, cfg: SpecConfig, target_vocab: int):
+        super().__init__(model, cfg, target_vocab)
+        self._tree_shape(cfg)
+
+    def _score_level(self, nodes: list[int]) -> torch.Tensor:
+        """Feed ``nodes`` (all at one depth) to the draft model in one forward; logits [len(nodes), V]."""
+        mask, pos = self._level_mask(nodes, self.model.cached_len, self.model.dtype)
+        ids = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long)
+        return self._fit(self.model.forward(ids, keep=len(nodes), attention_mask=mask, position_ids=pos))
+
+    def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
+        depth = min(self.max_depth, max_tokens)
+        self._start_tree(len(tokens))
+        if depth <= 0:
+            return DraftTree.empty()
+        feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)
+        root = self._fit(self.model.forward(feed, keep=1)[-1])
+        tree = self._grow(root, depth, self._score_level)
+        self._drafted = tree.size
+        return tree
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         # Walk the accepted tokens down the tree (siblings carry distinct tokens), then keep the

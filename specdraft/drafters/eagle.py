@@ -12,6 +12,14 @@ Feature state, kept simple: ``feats`` holds the target's features of every verif
 is cropped back, every step, to the positions it was fed with true features (``n_true``), so
 predicted features never stay in it.
 
+Token trees (``tree="dynamic"``, EAGLE-2's dynamic tree, or a ``"static"`` shape): the tree
+building is ``draft_tree.TreeGrower``, shared with the draft-model trees; the head scores one tree
+level per forward. Node i's input pair is (predicted feature of its parent, embed(token of node i));
+a depth-1 node's parent feature is the one predicted at the last true position. A depth-d node sits
+at position (n_true - 1 + d), where the chain's d-th draft is fed, and a 4D additive mask lets it see
+the true positions of the head's cache, its fed ancestors and itself. The cache crop at the start
+of every ``propose`` drops the nodes again.
+
 Reduced draft vocabulary (``draft_ids`` in the head, from training): the draft logits are the LM
 head's rows for those ids only; every other token gets -inf, so q = probs_from_logits(...) is a
 proper distribution over the full vocabulary that is 0 outside the ids. Verification uses the
@@ -24,22 +32,24 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingParams, SpecConfig
-from ..errors import ConfigError
 from ..heads import EagleHead, embed_of, lm_head_of
 from ..models.adapter import HFModel
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
+from .draft_tree import TreeGrower
 from .medusa import accepted_rows
 
 
-class EagleDrafter:
+class EagleDrafter(TreeGrower):
     name = "eagle"
     wants_hidden = True
 
     def __init__(self, target: HFModel, head: EagleHead, cfg: SpecConfig):
-        if cfg.tree != "chain":
-            raise ConfigError("method 'eagle' drafts a chain here (tree='chain'); EAGLE trees are not implemented")
         self.target, self.head, self.cfg = target, head, cfg
+        if cfg.tree == "chain":
+            self.max_depth = cfg.k
+        else:
+            self._tree_shape(cfg)
         self.lm_head = lm_head_of(target)
         self.embed = embed_of(target)
         self.V = target.vocab_size
@@ -60,11 +70,13 @@ class EagleDrafter:
         self._hidden = None
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the full vocabulary [V] (float32) for a predicted feature [H]."""
+        """Draft logits over the full vocabulary [..., V] (float32) for predicted features [..., H]."""
         if self.ids is None:
             return self.lm_head(f).float()
         sub = torch.nn.functional.linear(f, self.w_sub, self.b_sub).float()
-        return torch.full((self.V,), float("-inf")).index_copy(0, self.ids, sub)
+        out = sub.new_full((*sub.shape[:-1], self.V), float("-inf"))
+        out[..., self.ids] = sub
+        return out
 
     def _step(self, feats: torch.Tensor, toks: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + feats.shape[0])[None]
@@ -74,7 +86,7 @@ class EagleDrafter:
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._draft = DraftTree.empty()
         n = len(tokens)
-        k = min(self.cfg.k, max_tokens)
+        k = min(self.max_depth, max_tokens)
         if k <= 0 or self.feats.shape[0] == 0:
             return self._draft
         assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
@@ -83,6 +95,11 @@ class EagleDrafter:
             self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
         f = self._step(self.feats[self.n_true:], torch.tensor(tokens[self.n_true + 1:], dtype=torch.long), self.n_true)
         self.n_true = n - 1
+        if self.cfg.tree != "chain":
+            self._start_tree(self.n_true)
+            self._pf = {-1: f}  # predicted feature of each fed node (-1: the last true position)
+            self._draft = self._grow(self.logits(f), k, self._score_level)
+            return self._draft
         out, probs = [], []
         for i in range(k):
             logits = self.logits(f)
@@ -97,6 +114,17 @@ class EagleDrafter:
                 f = self._step(f[None], t.reshape(1), n - 1 + i)
         self._draft = DraftTree.chain(torch.stack(out), torch.stack(probs) if probs else None)
         return self._draft
+
+    def _score_level(self, nodes: list[int]) -> torch.Tensor:
+        """One head forward for a tree level: node i reads (its parent's predicted feature, embed of its
+        token) under the tree mask; logits [len(nodes), V] of its children."""
+        mask, pos = self._level_mask(nodes, self.cache.get_seq_length(), self.feats.dtype)
+        feats = torch.stack([self._pf[self._par[i]] for i in nodes])
+        toks = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long)
+        out = self.head(feats[None], self.embed(toks[None]), cache=self.cache, position_ids=pos, attention_mask=mask)[0]
+        for j, i in enumerate(nodes):
+            self._pf[i] = out[j]
+        return self.logits(out)
 
     def observe_target(self, row_tokens, logits, hidden) -> None:
         self._hidden = hidden
