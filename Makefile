@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup models demo test test-fast bench clean
+.PHONY: setup models demo test test-fast bench heads clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,22 @@ bench: models
 	$(PY) -m specdraft.cli bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype float32 --preset core18 \
 	  --max-new-tokens 48 --config docs/configs/qwen_fp32_model_free.json \
 	  --methods plain,draft_model,prompt_lookup,suffix,suffix_ds,lookahead,token_recycling --out results/qwen_fp32_core18.json
+
+# The SmolLM2-135M Medusa and EAGLE heads of docs/benchmarks.md and their bench (self-distillation on
+# the 462 Spec-Bench prompts that are not bench prompts; about 1.5 hours on one core of a 2-core CPU).
+HEADS := results/heads
+heads: models
+	$(PY) -m specdraft.bench.corpus $(HEADS)/train_prompts.jsonl --prompts-only
+	test -f $(HEADS)/smollm2-medusa/head.safetensors || $(PY) -m specdraft.cli train medusa --target smollm2-135m \
+	  --data $(HEADS)/train_prompts.jsonl -o $(HEADS)/smollm2-medusa --steps 600 --batch-size 64 --heads 3 \
+	  --max-new-tokens 96 --checkpoint-every 100
+	mkdir -p $(HEADS)/smollm2-eagle && cp -n $(HEADS)/smollm2-medusa/data.pt $(HEADS)/smollm2-eagle/
+	test -f $(HEADS)/smollm2-eagle/head.safetensors || $(PY) -m specdraft.cli train eagle --target smollm2-135m \
+	  --data $(HEADS)/train_prompts.jsonl -o $(HEADS)/smollm2-eagle --steps 400 --batch-size 4 --max-new-tokens 96 \
+	  --draft-vocab 8192 --checkpoint-every 50
+	$(PY) -m specdraft.cli bench --target smollm2-135m --dtype float32 --preset core18 --max-new-tokens 64 \
+	  --config docs/configs/smollm2_heads_v2.json --methods plain,medusa_tree,eagle_k3,eagle_tree \
+	  --out $(HEADS)/smollm2_heads_greedy.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -272,6 +272,21 @@ def test_broken_medusa_variant_is_detected(tiny_target):
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
 
 
+def test_broken_eagle_tree_variant_is_detected(tiny_target):
+    """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
+    drafter = make(tiny_target, "eagle_tree")
+    real = drafter._children
+
+    def broken(logits, m):
+        kids = real(logits, m)
+        return [(t, kids[0][1], lp) for t, _, lp in kids]
+
+    drafter._children = broken
+    counts, drafted = sample_first_three(tiny_target, drafter, TRUNC, 4)
+    assert drafted > 0
+    assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
+
+
 # --- greedy exactness on SmolLM2-135M float32 ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_heads(tmp_path_factory):
