@@ -1,6 +1,7 @@
 """Goodness of fit of sampled sequences against an exact distribution."""
 
 import numpy as np
+import torch
 from scipy import stats
 
 
@@ -20,3 +21,26 @@ def fit_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0)
     obs_c, exp_c = obs_c[keep], exp_c[keep]
     exp_c *= obs_c.sum() / exp_c.sum()
     return float(stats.chisquare(obs_c, exp_c).pvalue)
+
+
+def emitted_counts(d: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, P: torch.Tensor, g) -> np.ndarray:
+    """Rows of a chain verification emit ``d[:n]`` then ``nxt``; complete each row to k + 1 tokens with
+    plain samples from the target's table ``P`` [V, V] (next-token distribution given the previous
+    token) and count the sequences: -> counts over V^(k + 1), the first token most significant."""
+    N, k = d.shape
+    V = P.shape[0]
+    seq = torch.zeros(N, k + 1, dtype=torch.long)
+    pos = torch.arange(k + 1)[None]
+    seq[:, :k] = torch.where(pos[:, :k] < n[:, None], d, 0)
+    seq.scatter_(1, n[:, None], nxt[:, None])
+    last = nxt
+    for j in range(1, k + 1):
+        fill = n + j
+        m = fill <= k
+        if not m.any():
+            break
+        t = torch.multinomial(P[last], 1, generator=g).squeeze(1)
+        seq[m, fill[m]] = t[m]
+        last = torch.where(m, t, last)
+    codes = (seq * (V ** torch.arange(k, -1, -1))[None]).sum(1)
+    return np.bincount(codes.numpy(), minlength=V ** (k + 1))

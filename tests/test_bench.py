@@ -115,13 +115,19 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
     assert set(json.loads(js.read_text())["rows"]["float32 tree"]) == {"1", "3", "8"}
 
 
-def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
-    from specdraft.bench.corpus import write_corpus
-
+def spec_bench_like(tmp_path):
+    """40 prompts, 5 in each of 8 categories (covering the core18 preset), as a question.jsonl."""
     cats = ["translation", "summarization", "qa", "math_reasoning", "rag", "writing", "coding", "reasoning"]
     rows = [{"question_id": f"{c}{i}", "category": c, "turns": [f"prompt {c} {i}"]} for c in cats for i in range(5)]
     ds = tmp_path / "q.jsonl"
     ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ds
+
+
+def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
+    from specdraft.bench.corpus import write_corpus
+
+    ds = spec_bench_like(tmp_path)
     out = tmp_path / "corpus.jsonl"
     info = write_corpus(str(out), "core18", max_chars=0, dataset=str(ds))
     texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
@@ -135,10 +141,7 @@ def test_training_prompts_exclude_the_bench_prompts(tmp_path):
     from specdraft.bench.corpus import write_prompts
     from specdraft.bench.data import load_prompts
 
-    cats = ["translation", "summarization", "qa", "math_reasoning", "rag", "writing", "coding", "reasoning"]
-    rows = [{"question_id": f"{c}{i}", "category": c, "turns": [f"prompt {c} {i}"]} for c in cats for i in range(5)]
-    ds = tmp_path / "q.jsonl"
-    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = spec_bench_like(tmp_path)
     out = tmp_path / "train.jsonl"
     info = write_prompts(str(out), "core18", dataset=str(ds))
     got = load_prompts(out)  # the training command reads it with the bench's own reader

@@ -21,7 +21,7 @@ from specdraft.models.adapter import HFModel
 from specdraft.sampling import probs_from_logits
 from specdraft.tree import DraftTree
 from specdraft.verify import TypicalAcceptance, typical_verify, typical_verify_tree
-from stat_util import fit_pvalue
+from stat_util import emitted_counts, fit_pvalue
 
 V = 6
 N = 200_000
@@ -113,19 +113,7 @@ def simulate(sp, k, seed=0):
     d = torch.stack(drafts, 1)
     ctx = torch.cat([torch.full((N, 1), S0), d], 1)
     n, nxt = typical_verify(d, Pp[ctx], RULE, g)
-    seq = torch.zeros(N, k + 1, dtype=torch.long)
-    pos = torch.arange(k + 1)[None]
-    seq[:, :k] = torch.where(pos[:, :k] < n[:, None], d, 0)
-    seq.scatter_(1, n[:, None], nxt[:, None])
-    last = nxt
-    for j in range(1, k + 1):
-        fill = n + j
-        m = fill <= k
-        t = torch.multinomial(Pp[last], 1, generator=g).squeeze(1)
-        seq[m, fill[m]] = t[m]
-        last = torch.where(m, t, last)
-    codes = (seq * (V ** torch.arange(k, -1, -1))[None]).sum(1)
-    counts = np.bincount(codes.numpy(), minlength=V ** (k + 1))
+    counts = emitted_counts(d, n, nxt, Pp, g)
     Pn, Qn = Pp.double().numpy(), Qp.double().numpy()
     ent = -(Pn * np.log(np.where(Pn > 0, Pn, 1.0))).sum(-1)  # the rule, written out independently
     acc = (Pn > np.minimum(RULE.epsilon, RULE.delta * np.exp(-ent))[:, None]).astype(np.float64)

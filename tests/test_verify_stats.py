@@ -17,7 +17,7 @@ from specdraft import verify
 from specdraft.config import SamplingParams
 from specdraft.sampling import probs_from_logits
 from specdraft.verify import greedy_verify, rejection_sample
-from stat_util import fit_pvalue
+from stat_util import emitted_counts, fit_pvalue
 
 V = 6
 N = 300_000
@@ -68,22 +68,7 @@ def simulate(sp, k, seed=0, bug=None):
         tp = torch.cat([tp[:, :k], tp[:, k - 1 : k]], 1)
     q = None if bug == "onehot" else torch.stack(qrows, 1)
     n, nxt = rejection_sample(d, q, tp, g)
-    # emitted = d[:n] + [nxt]; complete with plain target samples to k + 1 tokens
-    seq = torch.zeros(N, k + 1, dtype=torch.long)
-    pos = torch.arange(k + 1)[None]
-    seq[:, :k] = torch.where(pos[:, :k] < n[:, None], d, 0)
-    seq.scatter_(1, n[:, None], nxt[:, None])
-    last = nxt
-    for j in range(1, k + 1):
-        fill = n + j
-        m = fill <= k
-        if not m.any():
-            break
-        t = sample_rows(Pp[last], g)
-        seq[m, fill[m]] = t[m]
-        last = torch.where(m, t, last)
-    codes = (seq * (V ** torch.arange(k, -1, -1))[None]).sum(1)
-    counts = np.bincount(codes.numpy(), minlength=V ** (k + 1))
+    counts = emitted_counts(d, n, nxt, Pp, g)  # emitted = d[:n] + [nxt], completed with target samples
     exact = np.zeros(V ** (k + 1))
     Pn = Pp.double().numpy()
     for c, tup in enumerate(itertools.product(range(V), repeat=k + 1)):
