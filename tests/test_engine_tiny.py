@@ -51,6 +51,7 @@ TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
 CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path; 5: chain positions
     ("draft_model", 2, T1), ("draft_model", 5, TRUNC), ("prompt_lookup", 3, TRUNC), ("plain", 2, T1),
     ("prompt_lookup_tree", 4, TRUNC), ("static_tree", 4, T1), ("dynamic_tree", 5, TRUNC), ("early_exit", 5, TRUNC),
+    ("layer_skip", 5, TRUNC), ("layer_skip_tree", 4, T1),
 ]
 
 
@@ -67,6 +68,11 @@ def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
         from specdraft.models.views import layer_view
 
         drafter = DraftModelDrafter(layer_view(target, [0]), SpecConfig(method="early_exit", exit_layer=1, k=3), V)
+    elif method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
+        from specdraft.api import SpecDecoder
+
+        tree = dict(tree="dynamic", tree_topk=2, tree_budget=5) if method.endswith("tree") else {}
+        drafter = SpecDecoder(target, None).make_drafter(SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree))
     elif method == "prompt_lookup_tree":
         drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))
     elif method == "prompt_lookup":
