@@ -67,6 +67,22 @@ def test_completion_and_stream(tiny_server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_lossy_rule_is_per_request_and_marked(tiny_server):
+    """Both schedulers: a sampling request with spec lossy=typical says so in its usage; the same
+    request without it, and a greedy one with it (the rule does not act), do not."""
+    url, app, dec, kind = tiny_server
+    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 6, "temperature": 0.8, "seed": 1, "ignore_eos": True}
+    lossy = httpx.post(url + "/v1/completions", json={**body, "spec": {"lossy": "typical"}}, timeout=60).json()
+    exact = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0, "spec": {"lossy": "typical"}},
+                        timeout=60).json()
+    assert lossy["usage"]["lossy"] == "typical" and lossy["usage"]["completion_tokens"] == 6
+    assert "lossy" not in exact["usage"] and "lossy" not in greedy["usage"]
+    assert greedy["choices"][0]["text"] == ref(dec, [1, 2, 3, 1, 2], 6)
+    bad = httpx.post(url + "/v1/completions", json={**body, "spec": {"lossy": "nucleus"}}, timeout=60)
+    assert bad.status_code == 400 and "unknown lossy rule 'nucleus'" in bad.json()["error"]["message"]
+
+
 def test_errors(tiny_server):
     url, app, dec, kind = tiny_server
     r = httpx.post(url + "/v1/completions", json={"prompt": [1, 99]}, timeout=60)
