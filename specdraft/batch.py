@@ -43,8 +43,7 @@ from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .sampling import make_generator, probs_from_logits, sample
 from .tree import DraftTree
-from .verify import (greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree, typical_verify,
-                     typical_verify_tree)
+from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
 
 
 # --- the batched KV cache --------------------------------------------------------------------
@@ -493,8 +492,7 @@ class BatchEngine:
             self.target.capture_hidden = prev
         row = BatchRow(prompt_ids, sp, drafter, on_emit, tag, tokens=list(prompt_ids),
                        stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter())
-        lossy = getattr(drafter, "lossy", None)
-        row.stats.lossy = None if lossy is None or sp.greedy else lossy.name
+        row.stats.lossy = lossy_label(getattr(drafter, "lossy", None), sp)
         row.gen = make_generator(sp.seed)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
@@ -603,12 +601,8 @@ class BatchEngine:
                 continue
             k, d = ks[r], drafts[r]
             q = None if d.draft_probs is None else d.draft_probs[None]
-            p = probs_from_logits(logits[r, : k + 1], rows[r].sp)[None]
-            lossy = getattr(rows[r].drafter, "lossy", None)
-            if lossy is not None:  # opt-in lossy rule (SpecConfig.lossy)
-                na, nx = typical_verify(dtok[r: r + 1, :k], p, lossy, rows[r].gen)
-            else:
-                na, nx = rejection_sample(dtok[r: r + 1, :k], q, p, rows[r].gen)
+            na, nx = sample_verify(dtok[r: r + 1, :k], q, logits[r: r + 1, : k + 1], rows[r].sp, rows[r].gen,
+                                   getattr(rows[r].drafter, "lossy", None))
             n_acc[r], nxt[r] = int(na[0]), int(nx[0])
         for r in range(B):
             if chain[r]:
@@ -616,14 +610,9 @@ class BatchEngine:
                 acc_tokens[r] = drafts[r].tokens[: n_acc[r]].tolist()
                 continue
             # token trees: each row's own tree verifier on its own logits; keep the accepted path
-            d, lg = drafts[r], logits[r, : ks[r] + 1]
-            lossy = getattr(rows[r].drafter, "lossy", None)
-            if rows[r].sp.greedy:
-                path, nxt[r] = greedy_verify_tree(d, lg)
-            elif lossy is not None:
-                path, nxt[r] = typical_verify_tree(d, probs_from_logits(lg, rows[r].sp), lossy, rows[r].gen)
-            else:
-                path, nxt[r] = rejection_sample_tree(d, probs_from_logits(lg, rows[r].sp), rows[r].gen)
+            d = drafts[r]
+            path, nxt[r] = verify_tree(d, logits[r, : ks[r] + 1], rows[r].sp, rows[r].gen,
+                                       getattr(rows[r].drafter, "lossy", None))
             n_acc[r] = len(path)
             keep[r] = [0] + [1 + i for i in path]
             acc_tokens[r] = d.tokens[path].tolist()

@@ -18,9 +18,8 @@ from .errors import ContextLengthError, ConfigError
 from .metrics import GenerationStats, StepRecord
 from .models.adapter import HFModel
 from .policy import CostAwarePolicy
-from .sampling import make_generator, probs_from_logits
-from .verify import (greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree, typical_verify,
-                     typical_verify_tree)
+from .sampling import make_generator
+from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
 
 
 @dataclass
@@ -77,7 +76,7 @@ def generate(
     stopper = _StopChecker(sp.stop, tokenizer) if sp.stop else None
     gen = make_generator(sp.seed)
     lossy = getattr(drafter, "lossy", None)
-    stats = GenerationStats(prompt_tokens=n_prompt, lossy=None if lossy is None or sp.greedy else lossy.name)
+    stats = GenerationStats(prompt_tokens=n_prompt, lossy=lossy_label(lossy, sp))
 
     t_start = time.perf_counter()
     target.reset()
@@ -106,11 +105,9 @@ def generate(
             d = draft.tokens[None]
             if sp.greedy:
                 n_acc, nxt = greedy_verify(d, logits[None])
-            elif lossy is not None:
-                n_acc, nxt = typical_verify(d, probs_from_logits(logits, sp)[None], lossy, gen)
             else:
                 q = None if draft.draft_probs is None else draft.draft_probs[None]
-                n_acc, nxt = rejection_sample(d, q, probs_from_logits(logits, sp)[None], gen)
+                n_acc, nxt = sample_verify(d, q, logits[None], sp, gen, lossy)
             n_acc, nxt = int(n_acc[0]), int(nxt[0])
             target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
             accepted = draft.tokens[:n_acc].tolist()
@@ -156,12 +153,7 @@ def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParam
                             attention_mask=tree.attention_mask(past, n_pend), position_ids=tree.position_ids(past, n_pend))
     if observe is not None:
         observe(torch.cat([pending[-1:], tree.tokens]), logits)
-    if sp.greedy:
-        path, nxt = greedy_verify_tree(tree, logits)
-    elif lossy is not None:
-        path, nxt = typical_verify_tree(tree, probs_from_logits(logits, sp), lossy, gen)
-    else:
-        path, nxt = rejection_sample_tree(tree, probs_from_logits(logits, sp), gen)
+    path, nxt = verify_tree(tree, logits, sp, gen, lossy)
     keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])
     target.keep_positions(keep)
     return tree.tokens[path].tolist(), nxt

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import probs_from_logits, sample
 
 
 def _valid(draft_tokens: torch.Tensor, num_draft: torch.Tensor | None) -> torch.Tensor:
@@ -229,3 +229,33 @@ def typical_verify_tree(tree, target_probs: torch.Tensor, rule: TypicalAcceptanc
         return [], int(sample(target_probs[0], generator))
     path = _deepest_path(tree, rule.accepts(target_probs[tree.parents + 1], tree.tokens))
     return path, int(sample(target_probs[path[-1] + 1 if path else 0], generator))
+
+
+# --- the one dispatch both engines use ---------------------------------------------------------------
+def lossy_label(rule: TypicalAcceptance | None, sp) -> str | None:
+    """What a result's stats say about its verification: the lossy rule's name when it acted
+    (sampling with a rule set), else None (lossless)."""
+    return None if rule is None or sp.greedy else rule.name
+
+
+def sample_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, sp,
+                  generator: torch.Generator | None, lossy: TypicalAcceptance | None = None,
+                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling verification of chains from the target's raw logits [B, k + 1, V] (processed here with
+    the request's SamplingParams ``sp``): lossless rejection sampling, or the opt-in lossy rule."""
+    p = probs_from_logits(target_logits, sp)
+    if lossy is not None:
+        return typical_verify(draft_tokens, p, lossy, generator, num_draft)
+    return rejection_sample(draft_tokens, draft_probs, p, generator, num_draft)
+
+
+def verify_tree(tree, target_logits: torch.Tensor, sp, generator: torch.Generator | None,
+                lossy: TypicalAcceptance | None = None) -> tuple[list[int], int]:
+    """A token tree scored in one forward (raw logits [n + 1, V]): greedy, lossless rejection
+    sampling, or the opt-in lossy rule. Returns (accepted path, next token)."""
+    if sp.greedy:
+        return greedy_verify_tree(tree, target_logits)
+    p = probs_from_logits(target_logits, sp)
+    if lossy is not None:
+        return typical_verify_tree(tree, p, lossy, generator)
+    return rejection_sample_tree(tree, p, generator)
