@@ -13,19 +13,13 @@ from __future__ import annotations
 import json
 
 from .config import SamplingParams, SpecConfig
-from .drafters.base import NoDrafter
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.draft_tree import DraftTreeDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
-from .drafters.suffix import SuffixDrafter
-from .drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter
 from .engine import GenerationResult, generate
 from .errors import ConfigError
-from .models.adapter import HFModel
+from .methods import method
+from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
 from .models.views import layer_view, skip_to_keep
-from .tune_skip import load_skip_config
-from .policy import CostAwarePolicy
+from .policy import CostAwarePolicy, DraftLength, draft_length
 
 
 class SpecDecoder:
@@ -38,7 +32,7 @@ class SpecDecoder:
         self.eos_ids = target.eos_token_ids()
         self._policies: dict[str, CostAwarePolicy] = {}
         self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
-        self._recycle_tables: dict[int, AdjacencyTable] = {}  # top_k -> Token Recycling table
+        self._recycle_tables: dict = {}  # top_k -> Token Recycling's AdjacencyTable
         self._tok_hash: str | None = None
         self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
         self._heads: dict[str, object] = {}  # head dir -> loaded Medusa / EAGLE head
@@ -90,45 +84,30 @@ class SpecDecoder:
         return cls(t, d)
 
     def make_drafter(self, spec: SpecConfig):
-        """The drafter for ``spec``; it carries the spec's opt-in lossy rule (``drafter.lossy``, None
-        unless ``spec.lossy`` is set), which both engines' verification reads."""
+        """The drafter for ``spec`` (the method registry's factory); it carries the spec's opt-in lossy
+        rule (``drafter.lossy``, None unless ``spec.lossy`` is set), which verification reads."""
         spec.validate()
-        drafter = self._new_drafter(spec)
+        drafter = method(spec.method).make(self, spec)
         drafter.lossy = spec.lossy_rule()
         return drafter
 
-    def _new_drafter(self, spec: SpecConfig):
-        if spec.method == "plain":
-            return NoDrafter()
-        if spec.method == "prompt_lookup":
-            return PromptLookupDrafter(spec)
-        if spec.method == "suffix":
-            return SuffixDrafter(spec, self.datastore(spec.datastore) if spec.datastore else None)
-        if spec.method == "token_recycling":
-            top_k = max(spec.recycle_branching)
-            if top_k not in self._recycle_tables:
-                self._recycle_tables[top_k] = AdjacencyTable(self.target.vocab_size, top_k)
-            return TokenRecyclingDrafter(spec, self.target.vocab_size, self._recycle_tables[top_k])
-        if spec.method == "lookahead":
-            from .drafters.lookahead import LookaheadDrafter
+    def draft_length(self, spec: SpecConfig) -> DraftLength:
+        """A request's draft-length policy for ``spec.schedule`` (cost-aware measurements are shared by
+        the requests of this decoder with the same spec)."""
+        return draft_length(spec, self.policy_for(spec))
 
-            return LookaheadDrafter(spec)
-        if spec.method == "medusa":
-            from .drafters.medusa import MedusaDrafter
+    def draft_model(self) -> HFModel:
+        if self.draft is None:
+            raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
+        return self.draft
 
-            return MedusaDrafter(self.target, self.head(spec), spec)
-        if spec.method == "eagle":
-            from .drafters.eagle import EagleDrafter
+    def recycle_table(self, top_k: int):
+        """Token Recycling's adjacency table: one per decoder and top_k, recycled across requests."""
+        from .drafters.token_recycling import AdjacencyTable
 
-            return EagleDrafter(self.target, self.head(spec), spec)
-        if spec.method in ("draft_model", "layer_skip", "early_exit"):
-            draft = self.self_draft(spec) if spec.method != "draft_model" else self.draft
-            if draft is None:
-                raise ConfigError("method 'draft_model' needs a draft model (pass draft=NAME / --draft NAME)")
-            if spec.tree != "chain":
-                return DraftTreeDrafter(draft, spec, self.target.vocab_size)
-            return DraftModelDrafter(draft, spec, self.target.vocab_size)
-        raise ConfigError(f"unknown method {spec.method!r}")
+        if top_k not in self._recycle_tables:
+            self._recycle_tables[top_k] = AdjacencyTable(self.target.vocab_size, top_k)
+        return self._recycle_tables[top_k]
 
     def self_draft(self, spec: SpecConfig) -> HFModel:
         """The target's own layers as a draft (shared weights): early exit or layer skipping."""
@@ -138,6 +117,8 @@ class SpecDecoder:
                 raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
             keep = list(range(spec.exit_layer))
         else:
+            from .tune_skip import load_skip_config
+
             skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
             keep = skip_to_keep(n, skip)
         key = tuple(keep)
@@ -171,5 +152,5 @@ class SpecDecoder:
         if spec is None and self.draft is None:
             sc = SpecConfig(method="prompt_lookup")
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer, self.policy_for(sc),
-                        on_emit=on_emit)
+        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer,
+                        self.draft_length(sc), on_emit=on_emit)

@@ -1,24 +1,34 @@
-"""The decode loop. One loop for every method: the plain baseline is the drafter that drafts nothing.
+"""The decode loop: one loop for every batch size and every method (a single request is a batch of
+one; the plain baseline is the drafter that drafts nothing).
 
-Invariant: the target's KV cache holds every token of ``tokens`` except the last one(s), which are
-"pending"; each step feeds pending + draft in one forward and keeps logits for the last k + 1
-positions (row i predicts the token after pending + the first i drafts).
+Several requests (rows) decode together: each step every row proposes its own draft, a chain or a
+token tree (ragged sizes, zero included), the target scores all rows' pending token + draft in ONE
+forward (``SequenceRows.forward``, models/base.py), each row accepts its own number of tokens
+(``verify``: greedy, lossless sampling or an opt-in lossy rule), and rows join (``add``) and leave
+(finish, cancel) between steps. Drafters that batch across rows (a draft model) draft through one
+``DraftGroup`` per engine; the others draft per row.
+
+Invariant: a row's cache holds every token of ``Request.tokens`` but the last one (the "pending"
+token); each step feeds pending + draft and keeps the pending token + the accepted drafts (a
+chain's prefix, or a tree's accepted path).
+
+Greedy rows emit exactly what batch-size-1 decoding emits (same dtype): masks and positions make
+each row's attention identical; only floating-point summation order can differ.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import SamplingParams
-from .drafters.base import Drafter
-from .errors import ContextLengthError, ConfigError
+from .errors import ConfigError, ContextLengthError, SpecDraftError
 from .metrics import GenerationStats, StepRecord
-from .models.adapter import HFModel
-from .policy import CostAwarePolicy
+from .policy import BatchRule, DraftLength
 from .sampling import make_generator
+from .tree import DraftTree
 from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
 
 
@@ -32,7 +42,7 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
 
 
-def check_fits(target: HFModel, n_prompt: int, sp: SamplingParams) -> None:
+def check_fits(target, n_prompt: int, sp: SamplingParams) -> None:
     if n_prompt == 0:
         raise ConfigError("the prompt is empty: need at least one token")
     ctx = target.max_context
@@ -45,118 +55,294 @@ def check_fits(target: HFModel, n_prompt: int, sp: SamplingParams) -> None:
         )
 
 
-def generate(
-    target: HFModel,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    sp: SamplingParams,
-    eos_ids: set[int] | None = None,
-    tokenizer=None,
-    policy: CostAwarePolicy | None = None,
-    on_emit=None,
-) -> GenerationResult:
-    """Decode ``prompt_ids`` with ``drafter`` proposing and ``target`` verifying.
+@dataclass(eq=False)  # requests are compared by identity
+class Request:
+    """One sequence's state in the loop."""
 
-    ``on_emit(new_tokens)`` (optional) is called after every step with the tokens appended (for
-    streaming); returning True cancels the request (finish_reason "cancelled"). A drafter may define
-    ``observe_target(row_tokens, logits)``: after each target forward it receives the rows' logits
-    [n + 1, V] and, per row, the token whose successor the row predicts (Token Recycling uses it).
-    A drafter with ``wants_hidden = True`` (Medusa, EAGLE) gets a third argument: the target's
-    final-norm features [n_fed, H] of every position that forward fed (pending tokens, then drafts).
-    A drafter whose ``lossy`` is set (``SpecConfig.lossy``; SpecDecoder.make_drafter sets it) is
-    verified by that opt-in lossy rule when sampling, and its stats say so.
-    """
-    sp.validate()
-    prompt_ids = [int(t) for t in prompt_ids]
-    n_prompt = len(prompt_ids)
-    check_fits(target, n_prompt, sp)
-    if sp.stop and tokenizer is None:
-        raise ConfigError("stop strings need a tokenizer")
-    eos = set() if sp.ignore_eos else set(eos_ids if eos_ids is not None else target.eos_token_ids())
-    stopper = _StopChecker(sp.stop, tokenizer) if sp.stop else None
-    gen = make_generator(sp.seed)
-    lossy = getattr(drafter, "lossy", None)
-    stats = GenerationStats(prompt_tokens=n_prompt, lossy=lossy_label(lossy, sp))
+    prompt_ids: list[int]
+    sp: SamplingParams
+    drafter: object
+    on_emit: object = None  # on_emit(new_tokens) after every step; returning True cancels
+    tag: object = None
+    length: DraftLength = field(default_factory=DraftLength)
+    tokens: list[int] = field(default_factory=list)
+    stats: GenerationStats = None
+    gen: torch.Generator | None = None
+    eos: set = field(default_factory=set)
+    stopper: "_StopChecker | None" = None
+    finish: str | None = None
+    result: GenerationResult | None = None
+    t_start: float = 0.0
+    prefill_s: float = 0.0
+    hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe_target
 
-    t_start = time.perf_counter()
-    target.reset()
-    drafter.begin(prompt_ids, sp, gen)
-    tokens = list(prompt_ids)
-    policy_cap = getattr(policy, "max_k", 0)
-    observe = getattr(drafter, "observe_target", None)
-    target.capture_hidden = bool(getattr(drafter, "wants_hidden", False))
-    if target.capture_hidden:
-        target.enable_hidden_capture()
-        observe = _with_hidden(drafter.observe_target, target)
-    finish = None
-    while finish is None:
-        remaining = sp.max_new_tokens - (len(tokens) - n_prompt)
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def seeded_sampling(self) -> bool:
+        return self.sp.seed is not None and not self.sp.greedy
+
+
+BatchRow = Request  # the name the server and older callers use
+
+
+class Engine:
+    """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
+    ``policy.BatchRule``, optional) shrinks drafting as the batch grows."""
+
+    def __init__(self, target, eos_ids: set[int] | None = None, tokenizer=None, rule: BatchRule | None = None,
+                 compact_slack: int = 32):
+        self.target = target
+        self.eos_ids = set(eos_ids if eos_ids is not None else target.eos_token_ids())
+        self.tokenizer = tokenizer
+        self.rule = rule
+        self.kv = target.new_rows(compact_slack)
+        self.rows: list[Request] = []
+        self.groups: dict = {}  # group_key -> DraftGroup
+        self.last_step_s = 0.0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def cache_len(self) -> int:
+        return self.kv.L
+
+    # --- rows join and leave ----------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], sp, drafter, on_emit=None, tag=None, length: DraftLength | None = None) -> Request:
+        """Admit a request: validate, prefill its prompt (all but the last token, which is pending)."""
+        return self.add_many([(prompt_ids, sp, drafter, on_emit, tag, length)])[0]
+
+    def add_many(self, items: list[tuple]) -> list:
+        """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length]) at once, prefilled
+        together in one forward. Returns, per item, its Request or the SpecDraftError that refused it."""
+        rows, out = [], []
+        for item in items:
+            try:
+                rows.append(self._new_request(*item))
+                out.append(rows[-1])
+            except SpecDraftError as e:
+                out.append(e)
+        if rows:
+            self._prefill(rows)
+        if len(items) == 1 and isinstance(out[0], SpecDraftError):
+            raise out[0]
+        return out
+
+    def _new_request(self, prompt_ids, sp, drafter, on_emit=None, tag=None, length=None) -> Request:
+        sp = SamplingParams.from_dict(sp)
+        prompt_ids = [int(t) for t in prompt_ids]
+        check_fits(self.target, len(prompt_ids), sp)
+        if sp.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer")
+        if drafter.wants_hidden:  # a head on the target's features: the target must expose its final norm
+            prev = self.target.capture_hidden
+            self.target.enable_hidden_capture()
+            self.target.capture_hidden = prev
+        row = Request(prompt_ids, sp, drafter, on_emit, tag, length or DraftLength(), tokens=list(prompt_ids),
+                      stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter())
+        row.stats.lossy = lossy_label(drafter.lossy, sp)
+        if row.seeded_sampling:
+            row.stats.reproducible = drafter.reproducible and row.length.reproducible and drafter.lossy is None
+        row.gen = make_generator(sp.seed)
+        row.eos = set() if sp.ignore_eos else self.eos_ids
+        row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
+        drafter.begin(prompt_ids, sp, row.gen)
+        return row
+
+    def _prefill(self, rows: list[Request]) -> None:
         t0 = time.perf_counter()
-        cap = remaining - 1 if policy is None else policy.choose(min(remaining - 1, policy_cap))
-        draft = drafter.propose(tokens, cap)
+        want = [r.drafter.wants_hidden for r in rows]
+        self.kv.add_rows([r.prompt_ids[:-1] for r in rows], hidden=any(want))
+        for r, w, h in zip(rows, want, self.kv.prefill_hidden):
+            r.hidden_prefix = h if w else None
+        self.kv.prefill_hidden = []
+        for key, members in _by_group(rows).items():
+            if key not in self.groups:
+                self.groups[key] = members[0].drafter.new_group()
+            self.groups[key].join(members)
+        dt = (time.perf_counter() - t0) / len(rows)
+        for r in rows:
+            r.prefill_s = dt
+        self.rows.extend(rows)
+
+    def cancel(self, row: Request) -> None:
+        """Remove a row now (its KV slots are freed); it finishes "cancelled"."""
+        if row in self.rows:
+            self._finish(row, "cancelled")
+            self._drop([self.rows.index(row)])
+
+    def _finish(self, row: Request, reason: str) -> None:
+        row.finish = reason
+        st = row.stats
+        st.wall_s = time.perf_counter() - row.t_start
+        out = row.output
+        st.new_tokens = len(out)
+        st.finish_reason = reason
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if row.stopper is not None:
+                text = row.stopper.trim(text)
+        row.result = GenerationResult(out, text, st)
+
+    def _drop(self, idx: list[int]) -> None:
+        self.kv.remove_rows(idx)
+        gone = [self.rows[i] for i in idx]
+        for key, members in _by_group(gone).items():
+            self.groups[key].leave(members)
+        drop = set(idx)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in drop]
+
+    # --- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One decoding step for every row; returns the rows that finished (already removed)."""
+        rows = self.rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        drafts, draft_s = self._draft(rows)
         t1 = time.perf_counter()
-        k = draft.size
-        pending = torch.tensor(tokens[target.cached_len :], dtype=torch.long)
-        chain = draft.is_chain()
-        if chain:
-            logits = target.forward(torch.cat([pending, draft.tokens]), keep=k + 1)
-            if observe is not None:
-                observe(torch.cat([pending[-1:], draft.tokens]), logits)
-            d = draft.tokens[None]
-            if sp.greedy:
-                n_acc, nxt = greedy_verify(d, logits[None])
+        logits = self._score(rows, drafts)
+        n_acc, new, keep = self._verify(rows, drafts, logits)
+        self.kv.commit(keep)
+        for key, members in _by_group(rows).items():
+            self.groups[key].feedback(members, [n_acc[rows.index(m)] for m in members])
+        verify_s = time.perf_counter() - t1
+        done = [r for r, row in enumerate(rows)
+                if self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s)]
+        self.last_step_s = time.perf_counter() - t0
+        finished = [rows[r] for r in done]
+        self._drop(done)
+        return finished
+
+    def _caps(self, rows: list[Request]) -> list[int]:
+        """Each row's draft depth this step: its DraftLength, then the batch rule (seeded sampling rows
+        are exempt, so their samples do not depend on what else runs)."""
+        caps = []
+        for row in rows:
+            limit = row.sp.max_new_tokens - len(row.output) - 1
+            k = row.length.choose(row.drafter.max_draft_depth(), limit)
+            if self.rule is not None and not row.seeded_sampling:
+                k = self.rule.cap(len(rows), k)
+            caps.append(max(0, min(k, limit)))
+        return caps
+
+    def _draft(self, rows: list[Request]) -> tuple[list[DraftTree], list[float]]:
+        caps = self._caps(rows)
+        drafts: list = [None] * len(rows)
+        draft_s = [0.0] * len(rows)
+        for key, members in _by_group(rows).items():
+            ta = time.perf_counter()
+            idx = [rows.index(m) for m in members]
+            for r, d in zip(idx, self.groups[key].propose(members, [caps[r] for r in idx])):
+                drafts[r] = d
+            for r in idx:
+                draft_s[r] = (time.perf_counter() - ta) / len(idx)
+        for r, row in enumerate(rows):
+            if drafts[r] is None:
+                ta = time.perf_counter()
+                drafts[r] = row.drafter.propose(row.tokens, caps[r])
+                draft_s[r] = time.perf_counter() - ta
+        return drafts, draft_s
+
+    def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
+        """The target's forward over every row's pending token + draft; each drafter observes its own
+        row's logits [k + 1, V] (and features, when it wants them)."""
+        seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
+        trees = [None if d.is_chain() else _tree_feed(d) for d in drafts]
+        want = [row.drafter.wants_hidden for row in rows]
+        logits = self.kv.forward(seqs, trees=trees, hidden=any(want))  # [B, N, V]
+        hidden, self.kv.last_hidden = self.kv.last_hidden, None
+        for r, row in enumerate(rows):
+            h = None
+            if want[r]:  # the positions the row fed; a row's first step also gets its prompt's features
+                h = hidden[r, : len(seqs[r])]
+                if row.hidden_prefix is not None:
+                    h = torch.cat([row.hidden_prefix.to(h.dtype), h])
+                    row.hidden_prefix = None
+            row.drafter.observe_target(torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
+        return logits
+
+    def _verify(self, rows, drafts, logits) -> tuple[list[int], list[list[int]], list]:
+        """Per row: the number of accepted drafts, the tokens to append (accepted drafts + the next
+        token), and the fed slots the cache keeps. Greedy chains are verified together; sampled chains
+        with the row's own generator; trees per row."""
+        B = len(rows)
+        n_acc, nxt, keep = [0] * B, [0] * B, [None] * B
+        chain = [d.is_chain() for d in drafts]
+        K = max([d.size for d, c in zip(drafts, chain) if c], default=0)
+        dtok = torch.zeros(B, K, dtype=torch.long)
+        for r, d in enumerate(drafts):
+            if chain[r] and d.size:
+                dtok[r, : d.size] = d.tokens
+        greedy = [r for r in range(B) if chain[r] and rows[r].sp.greedy]
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.long)
+            na, nx = greedy_verify(dtok[g], logits[g, : K + 1], torch.tensor([drafts[r].size for r in greedy]))
+            for j, r in enumerate(greedy):
+                n_acc[r], nxt[r] = int(na[j]), int(nx[j])
+        for r, (row, d) in enumerate(zip(rows, drafts)):
+            if chain[r]:
+                if not row.sp.greedy:
+                    q = None if d.draft_probs is None else d.draft_probs[None]
+                    na, nx = sample_verify(dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1], row.sp,
+                                           row.gen, row.drafter.lossy)
+                    n_acc[r], nxt[r] = int(na[0]), int(nx[0])
+                keep[r] = 1 + n_acc[r]
+                nxt[r] = d.tokens[: n_acc[r]].tolist() + [nxt[r]]
             else:
-                q = None if draft.draft_probs is None else draft.draft_probs[None]
-                n_acc, nxt = sample_verify(d, q, logits[None], sp, gen, lossy)
-            n_acc, nxt = int(n_acc[0]), int(nxt[0])
-            target.crop(len(tokens) + n_acc)  # keep accepted drafts; nxt becomes the pending token
-            accepted = draft.tokens[:n_acc].tolist()
-        else:
-            accepted, nxt = _verify_tree(target, draft, pending, sp, gen, observe, lossy)
-            n_acc = len(accepted)
-        new = accepted + [nxt]
-        drafter.feedback(n_acc, new)
-        t2 = time.perf_counter()
+                path, t = verify_tree(d, logits[r, : d.size + 1], row.sp, row.gen, row.drafter.lossy)
+                n_acc[r] = len(path)
+                keep[r] = [0] + [1 + i for i in path]
+                nxt[r] = d.tokens[path].tolist() + [t]
+        return n_acc, nxt, keep
 
-        if policy is not None:
-            n_pending = pending.shape[0]
-            policy.observe(k, n_acc, t1 - t0, t2 - t1, scored=n_pending + k if n_pending == 1 else None)
-        new, finish = _cut_at_stop(new, eos, remaining)
-        if stopper is not None and finish is None:
-            new, finish = stopper.check(tokens[n_prompt:], new)
-        tokens.extend(new)
-        stats.steps.append(StepRecord(k, n_acc, len(new), t1 - t0, t2 - t1, None if chain else int(draft.depths().max())))
-        if on_emit is not None and on_emit(new) and finish is None:
+    def _advance(self, row: Request, draft: DraftTree, n_acc: int, new: list[int], draft_s: float,
+                 step_s: float) -> bool:
+        """The end of a row's step (``step_s``: the batch's target-side seconds): feedback, stop
+        conditions, the step record, streaming. True when the row finished."""
+        row.drafter.feedback(n_acc, new)
+        row.length.observe(draft.size, n_acc, draft_s, step_s, 1 + draft.size)
+        new, finish = _cut_at_stop(new, row.eos, row.sp.max_new_tokens - len(row.output))
+        if row.stopper is not None:  # a stop string wins over EOS / the length limit it completes before
+            cut, hit = row.stopper.check(row.tokens[len(row.prompt_ids):], new)
+            if hit:
+                new, finish = cut, "stop"
+        row.tokens.extend(new)
+        vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
+        depth = None if draft.is_chain() else int(draft.depths().max())
+        row.stats.steps.append(StepRecord(draft.size, n_acc, len(new), draft_s, vs, depth))
+        if row.on_emit is not None and row.on_emit(new) and finish is None:
             finish = "cancelled"
-    stats.wall_s = time.perf_counter() - t_start
-    out = tokens[n_prompt:]
-    stats.new_tokens = len(out)
-    stats.finish_reason = finish
-    text = None
-    if tokenizer is not None:
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        if stopper is not None:
-            text = stopper.trim(text)
-    return GenerationResult(out, text, stats)
+        if finish is not None:
+            self._finish(row, finish)
+        return finish is not None
 
 
-def _with_hidden(observe, target: HFModel):
-    return lambda rows, logits: observe(rows, logits, target.last_hidden)
+BatchEngine = Engine  # the name the server and older callers use
 
 
-def _verify_tree(target: HFModel, tree, pending: torch.Tensor, sp: SamplingParams, gen=None,
-                 observe=None, lossy=None) -> tuple[list[int], int]:
-    """Score a whole token tree in one forward (tree attention mask + depth positions), keep the
-    accepted path in the cache, return (accepted tokens, next token)."""
-    past, n_pend = target.cached_len, pending.shape[0]
-    logits = target.forward(torch.cat([pending, tree.tokens]), keep=tree.size + 1,
-                            attention_mask=tree.attention_mask(past, n_pend), position_ids=tree.position_ids(past, n_pend))
-    if observe is not None:
-        observe(torch.cat([pending[-1:], tree.tokens]), logits)
-    path, nxt = verify_tree(tree, logits, sp, gen, lossy)
-    keep = torch.cat([torch.arange(past + n_pend), past + n_pend + torch.tensor(path, dtype=torch.long)])
-    target.keep_positions(keep)
-    return tree.tokens[path].tolist(), nxt
+def _by_group(rows: list[Request]) -> dict:
+    """group_key -> the rows (in order) whose drafter drafts through that group."""
+    out: dict = {}
+    for r in rows:
+        if r.drafter.group_key is not None:
+            out.setdefault(r.drafter.group_key, []).append(r)
+    return out
+
+
+def _tree_feed(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
+    itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
+    n = tree.size
+    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allow[:, 0] = True
+    allow[1:, 1:] = tree.ancestors()
+    return allow, torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
 
 
 def _cut_at_stop(new: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:
@@ -180,15 +366,55 @@ class _StopChecker:
         text = self.tok.decode(ids, skip_special_tokens=True)
         return any(s in text for s in self.stops)
 
-    def check(self, before: list[int], new: list[int]) -> tuple[list[int], str | None]:
+    def check(self, before: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """(``new`` cut after the token completing a stop string, whether one completed)."""
         ctx = before[-self.window :]  # a stop string spans at most `window` earlier tokens
-        if not self._hit(ctx + new):
-            return new, None
+        if not new or not self._hit(ctx + new):
+            return new, False
         for i in range(1, len(new) + 1):
             if self._hit(ctx + new[:i]):
-                return new[:i], "stop"
-        return new, "stop"
+                return new[:i], True
+        return new, True
 
     def trim(self, text: str) -> str:
         cut = min((text.find(s) for s in self.stops if s in text), default=-1)
         return text if cut < 0 else text[:cut]
+
+
+# --- entry points -----------------------------------------------------------------------------------
+def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
+             tokenizer=None, length: DraftLength | None = None, on_emit=None) -> GenerationResult:
+    """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
+    after every step with the tokens appended (for streaming); returning True cancels the request
+    (finish_reason "cancelled")."""
+    eng = Engine(target, eos_ids, tokenizer)
+    row = eng.add(prompt_ids, sp, drafter, on_emit, length=length)
+    while eng.rows:
+        eng.step()
+    return row.result
+
+
+def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
+                   max_batch: int | None = None, join_every: int = 0) -> list[GenerationResult]:
+    """Decode several (prompt_ids, sampling, drafter[, length]) jobs together; results in job order.
+
+    ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
+    ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins)."""
+    eng = Engine(target, eos_ids, tokenizer, rule)
+    waiting = list(enumerate(jobs))
+    results: dict[int, GenerationResult] = {}
+    steps = 0
+    while waiting or eng.rows:
+        room = len(waiting) if max_batch is None else max_batch - eng.num_rows
+        if join_every and eng.rows:
+            room = min(room, 0 if steps % join_every else 1)
+        if room > 0 and waiting:
+            admit, waiting = waiting[:room], waiting[room:]
+            items = [(job[0], job[1], job[2], None, i, job[3] if len(job) > 3 else None) for i, job in admit]
+            for r in eng.add_many(items):
+                if isinstance(r, SpecDraftError):
+                    raise r
+        for row in eng.step():
+            results[row.tag] = row.result
+        steps += 1
+    return [results[i] for i in range(len(jobs))]

@@ -80,6 +80,8 @@ class GenerationStats:
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = "length"
     lossy: str | None = None  # the opt-in lossy verification rule that made this output (SpecConfig.lossy)
+    # seeded sampling only: whether the same request gives the same tokens whatever else the server runs
+    reproducible: bool | None = None
 
     @property
     def drafted(self) -> int:
@@ -127,6 +129,8 @@ class GenerationStats:
         }
         if self.lossy is not None:
             d["lossy"] = self.lossy
+        if self.reproducible is not None:
+            d["reproducible"] = self.reproducible
         if per_step:
             d["step_records"] = [[s.drafted, s.accepted, s.emitted, s.positions] for s in self.steps]
         return d

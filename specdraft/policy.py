@@ -84,3 +84,81 @@ class CostAwarePolicy:
                 self.acc[i] = self._avg(self.acc[i], 1.0 if i < accepted else 0.0)
         else:
             self.since_spec += 1
+
+
+# --- the one draft-length policy, used at every batch size ----------------------------------------
+class DraftLength:
+    """How deep a request drafts each step. ``choose(depth, limit)``: ``depth`` is the drafter's own
+    deepest draft (``Drafter.max_draft_depth()``, None = unbounded), ``limit`` the tokens the request
+    may still emit minus one; ``observe`` sees every step's outcome. Base: constant (the drafter's
+    depth)."""
+
+    reproducible = True  # False: the choice reacts to timing, so a seeded sample depends on load
+
+    def choose(self, depth: int | None, limit: int) -> int:
+        return limit if depth is None else min(depth, limit)
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, step_s: float, scored: int | None) -> None:
+        pass
+
+
+class HeuristicLength(DraftLength):
+    """transformers' assisted-generation rule: k + 2 after a fully accepted step, k - 1 otherwise,
+    within 1..max_k."""
+
+    def __init__(self, k: int, max_k: int):
+        self.k, self.max_k = k, max_k
+
+    def choose(self, depth, limit):
+        return min(self.k, limit)
+
+    def observe(self, drafted, accepted, draft_s, step_s, scored):
+        if drafted:
+            self.k = min(self.k + 2, self.max_k) if accepted == drafted else max(self.k - 1, 1)
+
+
+class CostAwareLength(DraftLength):
+    """``CostAwarePolicy`` (shared by the requests of one decoder and spec, so its measurements
+    persist) choosing k in 0..k each step."""
+
+    reproducible = False
+
+    def __init__(self, policy: CostAwarePolicy):
+        self.policy = policy
+
+    def choose(self, depth, limit):
+        return self.policy.choose(min(limit, self.policy.max_k))
+
+    def observe(self, drafted, accepted, draft_s, step_s, scored):
+        self.policy.observe(drafted, accepted, draft_s, step_s, scored)
+
+
+def draft_length(spec, shared: CostAwarePolicy | None = None) -> DraftLength:
+    """The DraftLength of a SpecConfig's ``schedule`` (``shared``: the cost-aware measurements)."""
+    if spec.schedule == "heuristic":
+        return HeuristicLength(spec.k, spec.max_k)
+    if spec.schedule == "cost_aware" and shared is not None:
+        return CostAwareLength(shared)
+    return DraftLength()
+
+
+class BatchRule:
+    """Shrink speculation as the batch grows: a batched forward already uses the hardware better,
+    so drafted-then-rejected tokens cost more. From ``shrink_at`` rows the draft depth is halved,
+    from ``off_at`` rows nothing is drafted (plain steps). Output is unchanged; only drafting is.
+    Seeded sampling rows are exempt: their draft (and so their sample) must not depend on what else
+    runs."""
+
+    def __init__(self, shrink_at: int, off_at: int):
+        if shrink_at < 1 or off_at < 1:
+            from .errors import ConfigError
+
+            raise ConfigError(f"batch policy thresholds must be >= 1, got shrink_at={shrink_at}, off_at={off_at}")
+        self.shrink_at, self.off_at = shrink_at, off_at
+
+    def cap(self, batch_size: int, k: int) -> int:
+        if batch_size >= self.off_at:
+            return 0
+        if batch_size >= self.shrink_at:
+            return max(1, k // 2) if k > 0 else 0
+        return k

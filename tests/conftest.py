@@ -11,7 +11,7 @@ def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, no
     """A random-weight Llama: for the mechanics only (real models are used for exactness)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.models.adapter import HFModel
+    from specdraft.models.hf import HFModel
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

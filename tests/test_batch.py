@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.batch import BatchedDraftModel, BatchEngine, BatchKV, BatchSpecPolicy, GroupDraft, generate_batch
+from specdraft.engine import Engine, _tree_feed, generate, generate_batch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import generate
-from specdraft.models.adapter import HFModel
+from specdraft.models.hf import HFModel
+from specdraft.policy import BatchRule
 
 V = 16
 PROMPTS = [[1, 2, 3, 1, 2], [5], [7, 7, 7, 7, 7, 7, 7, 3, 4], [2, 9, 4, 2, 9], [11, 12, 13, 14, 15, 11, 12, 13],
@@ -23,13 +23,7 @@ def pair():
     return tiny_llama(vocab=V, layers=2), tiny_llama(vocab=V, noise_seed=5, noise=0.25)
 
 
-_GROUPS = {}
-
-
 def make(method, draft, k=3):
-    if method == "draft_batched":  # one BatchedDraftModel per draft model and test
-        g = _GROUPS.setdefault(id(draft), BatchedDraftModel(HFModel(draft.model, None, name="d"), V))
-        return GroupDraft(g, SpecConfig(k=k))
     if method == "plain":
         return NoDrafter()
     if method == "prompt_lookup":
@@ -38,7 +32,6 @@ def make(method, draft, k=3):
 
 
 def single(target, draft, method, prompt, n):
-    method = "draft_model" if method == "draft_batched" else method
     t = HFModel(target.model, None, name="t")
     return generate(t, make(method, draft), prompt, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
 
@@ -46,7 +39,7 @@ def single(target, draft, method, prompt, n):
 METHODS = ["plain", "prompt_lookup", "draft_model"]
 
 
-@pytest.mark.parametrize("method", METHODS + ["draft_batched"])
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_rows_equal_batch1(pair, method):
     target, draft = pair
     lens = [12, 20, 7, 16, 25, 3, 18, 10]
@@ -61,13 +54,11 @@ def test_mixed_methods_join_leave_and_compaction(pair):
     target, draft = pair
     jobs, refs = [], []
     for i in range(16):
-        m, p, n = (METHODS + ["draft_batched"])[i % 4], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
+        m, p, n = METHODS[i % 3], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
         jobs.append((p, SamplingParams(max_new_tokens=n), make(m, draft, k=1 + i % 4)))
         refs.append(single(target, draft, m, p, n))
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=5, join_every=2)
     assert [r.token_ids for r in out] == refs
-    g = _GROUPS[id(draft)]
-    assert g.members == [] and g.kv.B == 0 and g.kv.L == 0  # draft rows left with their rows
     # ragged acceptance: within one step rows accepted different numbers of drafts
     accs = {tuple(s.accepted for s in r.stats.steps[:1]) for r in out if r.stats.drafted}
     assert len({a for t in accs for a in t}) > 1 or any(r.stats.accepted for r in out)
@@ -75,7 +66,7 @@ def test_mixed_methods_join_leave_and_compaction(pair):
 
 def test_engine_step_ragged_and_cancel(pair):
     target, draft = pair
-    eng = BatchEngine(target, eos_ids=set(), compact_slack=1)
+    eng = Engine(target, eos_ids=set(), compact_slack=1)
     rows = [eng.add(p, SamplingParams(max_new_tokens=30), make(m, draft, k=4))
             for p, m in zip(PROMPTS[:6], METHODS * 2)]
     per_step = []
@@ -89,6 +80,8 @@ def test_engine_step_ragged_and_cancel(pair):
     while eng.rows:
         eng.step()
     assert eng.cache_len == 0 and eng.kv.B == 0
+    g = eng.groups[("draft_model", id(draft.model))]
+    assert g.members == [] and g.kv.B == 0 and g.kv.L == 0  # draft rows left with their rows
     for r, p, m in zip(rows, PROMPTS[:6], METHODS * 2):
         if r is not rows[1]:
             assert r.result.token_ids == single(target, draft, m, p, 30)
@@ -96,19 +89,18 @@ def test_engine_step_ragged_and_cancel(pair):
 
 def test_policy_shrinks_speculation_with_batch_size(pair):
     target, draft = pair
-    pol = BatchSpecPolicy(shrink_at=3, off_at=5)
+    pol = BatchRule(shrink_at=3, off_at=5)
     assert [pol.cap(b, 4) for b in (1, 2, 3, 4, 5, 9)] == [4, 4, 2, 2, 0, 0]
     jobs = [(p, SamplingParams(max_new_tokens=8), make("prompt_lookup", draft, k=4)) for p in PROMPTS[:6]]
-    out = generate_batch(target, jobs, eos_ids=set(), policy=pol)
+    out = generate_batch(target, jobs, eos_ids=set(), rule=pol)
     assert all(r.stats.drafted == 0 for r in out)  # 6 rows >= off_at: plain steps
     assert [r.token_ids for r in out] == [single(target, draft, "plain", p, 8) for p in PROMPTS[:6]]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "draft_batched"])
-def test_sampling_rows_reproducible_by_seed(pair, method):
+def test_sampling_rows_reproducible_by_seed(pair):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, seed=3, max_new_tokens=12)
-    a = generate_batch(target, [(PROMPTS[0], sp, make(method, draft)),
+    a = generate_batch(target, [(PROMPTS[0], sp, make("draft_model", draft)),
                                 (PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter())], eos_ids=set())
     b = generate(HFModel(target.model, None), make("draft_model", draft), PROMPTS[0], sp, eos_ids=set())
     assert a[0].token_ids == b.token_ids and len(a[0].token_ids) == 12  # the seed's batch-1 sample
@@ -116,7 +108,7 @@ def test_sampling_rows_reproducible_by_seed(pair, method):
 
 def test_batchkv_empty_prefix_rows(pair):
     target, _ = pair
-    kv = BatchKV(target)
+    kv = target.new_rows()
     kv.add_row([])
     kv.add_row([1, 2, 3])
     kv.add_row([])
@@ -130,24 +122,20 @@ def test_batchkv_empty_prefix_rows(pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS + ["draft_batched"])
+@pytest.mark.parametrize("method", METHODS)
 def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
     """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == batch-size-1."""
     from specdraft.models.loading import load_model
 
     tok = smol_f32.tokenizer
-    draft = load_model("smollm2-135m", "float32", num_layers=4) if method.startswith("draft") else None
+    draft = load_model("smollm2-135m", "float32", num_layers=4) if method == "draft_model" else None
     texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
              "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
              "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     lens = [24, 16, 30, 12, 20, 28, 8, 18]
 
-    group = BatchedDraftModel(HFModel(draft.model, tok), smol_f32.vocab_size) if draft else None
-
-    def mk(batched=method == "draft_batched"):
-        if batched:
-            return GroupDraft(group, SpecConfig(k=4))
+    def mk(batched=True):
         if draft is not None:
             return DraftModelDrafter(HFModel(draft.model, tok, name="d"), SpecConfig(k=4), smol_f32.vocab_size)
         return make(method, None, k=4)
@@ -163,7 +151,17 @@ def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
 
 # --- every drafter batches: trees, self-speculation, model-free ----------------------------------
 from specdraft.api import SpecDecoder  # noqa: E402
-from specdraft.batch import BatchDrafters  # noqa: E402
+
+
+class BatchDrafters:
+    """A decoder's drafters and draft lengths for batch jobs."""
+
+    def __init__(self, dec):
+        self.dec = dec
+
+    def job(self, prompt, sp, spec):
+        spec = SpecConfig.from_dict(spec)
+        return (prompt, sp, self.dec.make_drafter(spec), self.dec.draft_length(spec))
 
 ALL_SPECS = {
     "plain": {"method": "plain"},
@@ -193,7 +191,8 @@ def quad():
 def reference(target, draft, spec, prompt, sp):
     """The single-sequence engine on fresh wrappers (own caches) of the same weights."""
     dec = SpecDecoder(HFModel(target.model, None, name="t"), HFModel(draft.model, None, name="d"))
-    return generate(dec.target, dec.make_drafter(SpecConfig.from_dict(spec)), prompt, sp, eos_ids=set())
+    spec = SpecConfig.from_dict(spec)
+    return generate(dec.target, dec.make_drafter(spec), prompt, sp, eos_ids=set(), length=dec.draft_length(spec))
 
 
 @pytest.mark.parametrize("name", list(ALL_SPECS))
@@ -203,18 +202,16 @@ def test_every_drafter_greedy_rows_equal_batch1(quad, name):
     fac = BatchDrafters(SpecDecoder(target, draft))
     lens = [14, 20, 9, 17, 12]
     prompts = PROMPTS[:4] + [PROMPTS[6]]
-    jobs = [(p, SamplingParams(max_new_tokens=n), fac.make(ALL_SPECS[name])) for p, n in zip(prompts, lens)]
-    jobs.append((PROMPTS[4], SamplingParams(max_new_tokens=11), fac.make({"method": "plain"})))
+    jobs = [fac.job(p, SamplingParams(max_new_tokens=n), ALL_SPECS[name]) for p, n in zip(prompts, lens)]
+    jobs.append(fac.job(PROMPTS[4], SamplingParams(max_new_tokens=11), {"method": "plain"}))
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
-    for (p, sp, _), r in zip(jobs[:-1], out):
+    for (p, sp, *_), r in zip(jobs[:-1], out):
         assert r.token_ids == reference(target, draft, ALL_SPECS[name], p, sp).token_ids
     assert out[-1].token_ids == reference(target, draft, {"method": "plain"}, PROMPTS[4], jobs[-1][1]).token_ids
     if name != "plain":
         assert sum(r.stats.drafted for r in out[:-1]) > 0
     if name in TREE_SPECS:  # token trees really went through the batched tree path
         assert any(s.depth is not None for r in out[:-1] for s in r.stats.steps)
-    for g in fac.groups.values():
-        assert g.members == [] and g.kv.B == 0  # batched draft rows left with their rows
 
 
 def test_all_methods_in_one_batch_with_sampling_rows(quad):
@@ -227,23 +224,22 @@ def test_all_methods_in_one_batch_with_sampling_rows(quad):
     for i, name in enumerate(ALL_SPECS):
         p, n = PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 13
         sp = SamplingParams(max_new_tokens=n) if i % 3 else SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n)
-        jobs.append((p, sp, fac.make(ALL_SPECS[name])))
+        jobs.append(fac.job(p, sp, ALL_SPECS[name]))
         refs.append(reference(target, draft, ALL_SPECS[name], p, sp).token_ids)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=6, join_every=1)
-    for (p, sp, _), ref, r in zip(jobs, refs, out):
+    for (p, sp, *_), ref, r in zip(jobs, refs, out):
         assert len(r.token_ids) == sp.max_new_tokens and all(0 <= t < V for t in r.token_ids)
         assert r.token_ids == ref
         assert r.stats.accepted <= r.stats.drafted and r.stats.new_tokens == sp.max_new_tokens
 
 
 def test_batchkv_tree_feed_keeps_only_the_path(pair):
-    """A tree fed through BatchKV and committed to its accepted path leaves a cache whose next
+    """A tree fed through the rows and committed to its accepted path leaves a cache whose next
     logits equal a plain forward of prefix + path."""
-    from specdraft.batch import _tree_feed
     from specdraft.tree import DraftTree
 
     target, _ = pair
-    kv = BatchKV(target)
+    kv = target.new_rows()
     kv.add_rows([[1, 2, 3], [4, 5]])
     tree = DraftTree(torch.tensor([6, 7, 8, 9]), torch.tensor([-1, -1, 1, 2]))  # path 7 -> 8 -> 9
     kv.forward([[4] + tree.tokens.tolist(), [6]], trees=[_tree_feed(tree), None])
@@ -289,7 +285,7 @@ def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
     draft = tiny_llama(vocab=V6, noise_seed=5, noise=0.25)
     fac = BatchDrafters(SpecDecoder(target, draft))
     spec = {**ALL_SPECS[name], "exit_layer": 1} if name == "early_exit_tree" else ALL_SPECS[name]
-    jobs = [(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), fac.make(spec))
+    jobs = [fac.job(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), spec)
             for i in range(NS if name == "prompt_lookup_tree" else NS_MODEL)]
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=64)  # rows leave raggedly, others join
     counts = np.zeros((V6, V6))
@@ -335,11 +331,12 @@ def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4):
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     fac = BatchDrafters(SpecDecoder(smol_f32, smol_draft4))
     names = list(SMOL_SPECS) + ["plain"]
-    jobs = [(prompts[i % 4], SamplingParams(max_new_tokens=24), fac.make(SMOL_SPECS[n])) for i, n in enumerate(names)]
+    jobs = [fac.job(prompts[i % 4], SamplingParams(max_new_tokens=24), SMOL_SPECS[n]) for i, n in enumerate(names)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=2)
     ref = SpecDecoder(HFModel(smol_f32.model, tok, name="t"), HFModel(smol_draft4.model, tok, name="d"))
-    for n, (p, sp, _), r in zip(names, jobs, out):
-        want = generate(ref.target, ref.make_drafter(SpecConfig.from_dict(SMOL_SPECS[n])), p, sp, eos_ids=set())
+    for n, (p, sp, *_), r in zip(names, jobs, out):
+        spec = SpecConfig.from_dict(SMOL_SPECS[n])
+        want = generate(ref.target, ref.make_drafter(spec), p, sp, eos_ids=set(), length=ref.draft_length(spec))
         assert r.token_ids == want.token_ids, n
         if n != "plain":
             assert r.stats.drafted > 0, n
@@ -412,10 +409,10 @@ def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
     names = [name, "plain", name, "prompt_lookup", name, name, "prompt_lookup", name]
     prompts = [PROMPTS[1]] + PROMPTS[:1] + PROMPTS[2:]
     lens = [14, 9, 20, 12, 17, 11, 15, 19]
-    jobs = [(p, SamplingParams(max_new_tokens=n), fac.make(_head_spec(m, head_dirs)))
+    jobs = [fac.job(p, SamplingParams(max_new_tokens=n), _head_spec(m, head_dirs))
             for m, p, n in zip(names, prompts, lens)]
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
-    for m, (p, sp, _), r in zip(names, jobs, out):
+    for m, (p, sp, *_), r in zip(names, jobs, out):
         assert r.token_ids == reference(target, draft, _head_spec(m, head_dirs), p, sp).token_ids, m
         assert r.stats.new_tokens == sp.max_new_tokens
     heads = [r for m, r in zip(names, out) if m == name]
@@ -438,10 +435,10 @@ def test_head_rows_mixed_with_sampling_rows(quad, head_dirs):
         sp = (SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n) if i % 2
               else SamplingParams(max_new_tokens=n))
         spec = _head_spec(name, head_dirs)
-        jobs.append((p, sp, fac.make(spec)))
+        jobs.append(fac.job(p, sp, spec))
         refs.append(reference(target, draft, spec, p, sp).token_ids)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=3, join_every=1)
-    for name, (p, sp, _), ref, r in zip(names, jobs, refs, out):
+    for name, (p, sp, *_), ref, r in zip(names, jobs, refs, out):
         assert r.token_ids == ref, name
         assert len(r.token_ids) == sp.max_new_tokens and r.stats.accepted <= r.stats.drafted
     assert all(r.stats.drafted > 0 for n, r in zip(names, out) if n in HEAD_SPECS)

@@ -119,7 +119,7 @@ def test_context_length_errors():
 
 
 def test_cost_aware_schedule_is_exact_and_learns(pair):
-    from specdraft.policy import CostAwarePolicy
+    from specdraft.policy import CostAwareLength, CostAwarePolicy
 
     target, draft = pair
     sp = SamplingParams(max_new_tokens=40)
@@ -127,7 +127,7 @@ def test_cost_aware_schedule_is_exact_and_learns(pair):
     pol = CostAwarePolicy(4)
     for _ in range(2):
         out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V), PROMPT, sp,
-                       eos_ids=set(), policy=pol)
+                       eos_ids=set(), length=CostAwareLength(pol))
         assert out.token_ids == ref
         drafted = [s.drafted for s in out.stats.steps]
         assert all(0 <= d <= 4 for d in drafted) and max(drafted) > 0
@@ -183,7 +183,7 @@ def test_draft_tree_cache_compaction_matches_direct_decoding(pair):
     """After each tree step the draft model's cache equals one built by decoding the accepted
     tokens directly: its next logits match a fresh forward of the whole sequence."""
     from specdraft.drafters.draft_tree import DraftTreeDrafter
-    from specdraft.models.adapter import HFModel
+    from specdraft.models.hf import HFModel
 
     target, draft = pair
     fresh = HFModel(draft.model)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.batch import generate_batch
+from specdraft.engine import generate_batch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.engine import generate
 from specdraft.errors import ConfigError
-from specdraft.models.adapter import HFModel
+from specdraft.models.hf import HFModel
 from specdraft.sampling import probs_from_logits
 from specdraft.tree import DraftTree
 from specdraft.verify import TypicalAcceptance, typical_verify, typical_verify_tree

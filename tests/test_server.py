@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_util import health, running_server, wait_until
 from specdraft.api import SpecDecoder
-from specdraft.models.adapter import HFModel
+from specdraft.models.hf import HFModel
 
 pytestmark = pytest.mark.slow
 

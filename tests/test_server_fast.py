@@ -46,7 +46,7 @@ def tiny_server(request):
 
 
 def ref(dec, ids, n):
-    from specdraft.models.adapter import HFModel
+    from specdraft.models.hf import HFModel
 
     s = SpecDecoder(HFModel(dec.target.model, dec.tokenizer), None)
     return s.generate(ids, sampling={"max_new_tokens": n, "ignore_eos": True}, spec={"method": "plain"}).text

@@ -1,6 +1,6 @@
 """``specdraft batchbench``: where does speculation stop paying as the batch grows?
 
-For each batch size b the batch engine (specdraft.batch) decodes the same sequences once per method
+For each batch size b the decode loop (specdraft.engine) decodes the same sequences once per method
 (plain included, through the same loop), interleaved and after a warm-up, in one process: max(b,
 --prompts) sequences (the prompts cycled), at most b rows at a time, every row generating exactly
 --max-new-tokens tokens (``ignore_eos``), greedy unless --temperature. Per (batch size, method) it
@@ -43,7 +43,7 @@ def add_batchbench_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1, help="measured runs per (batch size, method)")
-    p.add_argument("--policy", default=None, help="SHRINK,OFF: apply BatchSpecPolicy (default: no policy)")
+    p.add_argument("--policy", default=None, help="SHRINK,OFF: apply policy.BatchRule (default: no policy)")
     p.add_argument("--dataset", default=None, help="prompts jsonl (default: Spec-Bench)")
     p.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     p.add_argument("--out", default="batchbench.json", help="JSON results file (rewritten after every run)")
@@ -164,8 +164,8 @@ def plot(summary: list[dict], path: str) -> None:
 
 def main_batchbench(a) -> int:
     from ..api import SpecDecoder
-    from ..batch import BatchDrafters, generate_batch
-    from ..config import SamplingParams
+    from ..engine import generate_batch
+    from ..config import SamplingParams, SpecConfig
     from .data import load_prompts
 
     sizes = _ints(a.batch_sizes, "batch-sizes")
@@ -177,26 +177,26 @@ def main_batchbench(a) -> int:
         raise SpecDraftError("method draft_model needs --draft NAME")
     policy = None
     if a.policy:
-        from ..batch import BatchSpecPolicy
+        from ..policy import BatchRule
 
         v = _ints(a.policy, "policy")
         if len(v) != 2:
             raise SpecDraftError(f"--policy must be SHRINK,OFF (two batch sizes), got {a.policy!r}")
         shrink, off = v
-        policy = BatchSpecPolicy(shrink, off)
+        policy = BatchRule(shrink, off)
     sp = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=0).validate()
     rows = _interleave(load_prompts(a.dataset), a.prompts)
     if len(rows) < a.prompts:
         raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {a.prompts}")
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
     prompts = [dec.encode(r["prompt"], chat=not a.no_chat) for r in rows]
-    fac = BatchDrafters(dec)
 
     def run(label: str, b: int, n_tokens: int, seqs: list[list[int]]):
         s = SamplingParams(**{**sp.to_dict(), "max_new_tokens": n_tokens})
-        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), fac.make(specs[label])) for i, p in enumerate(seqs)]
+        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(SpecConfig.from_dict(specs[label])),
+                 dec.draft_length(SpecConfig.from_dict(specs[label]))) for i, p in enumerate(seqs)]
         t0 = time.perf_counter()
-        out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, policy=policy, max_batch=b)
+        out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=policy, max_batch=b)
         return out, time.perf_counter() - t0
 
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)

@@ -1,10 +1,15 @@
-"""The drafter protocol, in the spirit of transformers' CandidateGenerator.
+"""The drafter protocol, in the spirit of transformers' CandidateGenerator, used at every batch size.
 
-A drafter is told a request begins (``begin``), is asked for a draft given the tokens so far
-(``propose``), and is told what the verifier kept (``feedback``). It returns a DraftTree; a chain
-is a tree. When sampling, a drafter that samples must sample from ``probs_from_logits`` of its own
-logits with the request's SamplingParams and return those distributions as ``draft_probs``; a
+A drafter serves one request. It is told the request begins (``begin``), asked for a draft given
+the tokens so far (``propose``), shown the target's logits of every fed position
+(``observe_target``), and told what the verifier kept (``feedback``). It returns a DraftTree; a
+chain is a tree. When sampling, a drafter that samples must sample from ``probs_from_logits`` of its
+own logits with the request's SamplingParams and return those distributions as ``draft_probs``; a
 deterministic drafter returns ``draft_probs=None`` (one-hot).
+
+Drafters whose work batches across requests (a draft model: one batched draft forward per drafting
+iteration) set ``group_key``: the loop keeps one group per key (``new_group()`` makes it) and the
+group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not called.
 """
 
 from __future__ import annotations
@@ -13,34 +18,57 @@ from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams
 from ..tree import DraftTree
 
 
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """Base class with the protocol's declared defaults; every drafter derives from it."""
 
-    def begin(self, prompt_ids: list[int], sp: SamplingParams, generator: torch.Generator) -> None: ...
+    name = "drafter"
+    wants_hidden = False  # observe_target also gets the target's final-norm features (Medusa, EAGLE)
+    lossy = None  # the opt-in lossy verification rule (SpecConfig.lossy); set by SpecDecoder.make_drafter
+    group_key = None  # drafters with the same key draft together through one DraftGroup
+    reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
+
+    def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
+        """A request starts: ``generator`` is the request's own (seeded) random stream."""
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        """Draft at most ``max_tokens`` tokens continuing ``tokens`` (prompt + output so far)."""
-        ...
+        """Draft continuing ``tokens`` (prompt + output so far), at most ``max_tokens`` deep."""
+        return DraftTree.empty()
+
+    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """After the target's forward: ``logits`` [n + 1, V] of the fed pending token and draft nodes,
+        ``row_tokens`` [n + 1] the token each row predicts the successor of; ``hidden`` (only when
+        ``wants_hidden``) the final-norm features [n_fed, H] of every position fed (a request's first
+        step: its prompt's too)."""
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         """The verifier kept ``num_accepted`` draft tokens; ``emitted`` is what was appended."""
-        ...
+
+    def max_draft_depth(self) -> int | None:
+        """The deepest draft this drafter makes per step (what the batch rule shrinks); None = as
+        deep as allowed."""
+        return None
+
+    def new_group(self) -> "DraftGroup":
+        raise NotImplementedError(f"{type(self).__name__} sets group_key but makes no group")
 
 
-class NoDrafter:
+class DraftGroup(Protocol):
+    """Drafts for every row of one engine whose drafter has the same ``group_key``. A row is the
+    engine's ``Request`` (``tokens``, ``sp``, ``gen``, ``drafter``)."""
+
+    def join(self, rows: list) -> None: ...
+
+    def leave(self, rows: list) -> None: ...
+
+    def propose(self, rows: list, caps: list[int]) -> list[DraftTree]: ...
+
+    def feedback(self, rows: list, num_accepted: list[int]) -> None: ...
+
+
+class NoDrafter(Drafter):
     """The plain autoregressive baseline: drafts nothing, so each step is one target forward."""
 
     name = "plain"
-
-    def begin(self, prompt_ids, sp, generator):
-        pass
-
-    def propose(self, tokens, max_tokens):
-        return DraftTree.empty()
-
-    def feedback(self, num_accepted, emitted):
-        pass

@@ -23,10 +23,11 @@ import math
 import torch
 
 from ..config import SamplingParams, SpecConfig
-from ..models.adapter import HFModel
+from ..models.hf import HFModel
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
-from .draft_model import DraftModelDrafter
+from .base import Drafter
+from .draft_model import fit_vocab
 
 
 def choices_from_branching(branching: list[int]) -> list[tuple[int, ...]]:
@@ -164,12 +165,28 @@ class TreeGrower:
                          torch.tensor(parents, dtype=torch.long), probs)
 
 
-class DraftTreeDrafter(TreeGrower, DraftModelDrafter):
+class DraftTreeDrafter(TreeGrower, Drafter):
+    """A draft model's token tree, one per request over its own single-sequence cache (``model`` is
+    an HFModel wrapper of its own over shared weights: ``HFModel.view()``)."""
+
     name = "draft_model"
 
     def __init__(self, model: HFModel, cfg: SpecConfig, target_vocab: int):
-        super().__init__(model, cfg, target_vocab)
+        self.model = model
+        self.cfg = cfg
+        self.target_vocab = target_vocab
         self._tree_shape(cfg)
+
+    def begin(self, prompt_ids, sp: SamplingParams, generator):
+        self.model.reset()
+        self.sp = sp
+        self.gen = generator
+
+    def max_draft_depth(self) -> int:
+        return self.max_depth
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        return fit_vocab(logits, self.target_vocab)
 
     def _score_level(self, nodes: list[int]) -> torch.Tensor:
         """Feed ``nodes`` (all at one depth) to the draft model in one forward; logits [len(nodes), V]."""
@@ -184,9 +201,7 @@ class DraftTreeDrafter(TreeGrower, DraftModelDrafter):
             return DraftTree.empty()
         feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)
         root = self._fit(self.model.forward(feed, keep=1)[-1])
-        tree = self._grow(root, depth, self._score_level)
-        self._drafted = tree.size
-        return tree
+        return self._grow(root, depth, self._score_level)
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         # Walk the accepted tokens down the tree (siblings carry distinct tokens), then keep the

@@ -33,14 +33,15 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..heads import EagleHead, embed_of, lm_head_of
-from ..models.adapter import HFModel
+from ..models.hf import HFModel
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
+from .base import Drafter
 from .draft_tree import TreeGrower
 from .medusa import accepted_rows
 
 
-class EagleDrafter(TreeGrower):
+class EagleDrafter(TreeGrower, Drafter):
     name = "eagle"
     wants_hidden = True
 
@@ -68,6 +69,9 @@ class EagleDrafter(TreeGrower):
         self.n_true = 0
         self._draft = DraftTree.empty()
         self._hidden = None
+
+    def max_draft_depth(self) -> int:
+        return self.max_depth
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """Draft logits over the full vocabulary [..., V] (float32) for predicted features [..., H]."""

@@ -30,10 +30,11 @@ import torch
 
 from ..config import SpecConfig
 from ..tree import DraftTree
+from .base import Drafter
 from .prompt_lookup import trie
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     name = "lookahead"
 
     def __init__(self, cfg: SpecConfig):
@@ -83,7 +84,10 @@ class LookaheadDrafter:
             self._top = [idx[(top, c)] for c in range(W)]
         return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))
 
-    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def max_draft_depth(self) -> int:
+        return self.W + self.N - 2  # Jacobi window + verification branch
+
+    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden=None) -> None:
         if not self._top:
             return  # the window did not fit this step: keep it as it is
         new = logits[[1 + i for i in self._top]].argmax(dim=-1).tolist()  # W rows, not the vocabulary

@@ -27,9 +27,10 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError
 from ..heads import MedusaHeads, lm_head_of
-from ..models.adapter import HFModel
+from ..models.hf import HFModel
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
+from .base import Drafter
 from .draft_tree import choices_from_branching
 
 
@@ -82,7 +83,7 @@ def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Te
     return x, qs / qs.sum(-1, keepdim=True)
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     name = "medusa"
     wants_hidden = True
     draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
@@ -93,7 +94,9 @@ class MedusaDrafter:
         self.cfg = cfg
         self.lm_head = lm_head_of(target)
         self.plan = tree_plan(cfg, heads.n_heads, "medusa")
-        self.k = cfg.k
+
+    def max_draft_depth(self) -> int:
+        return max(len(c) for c in self.plan)
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.sp, self.gen = sp, generator

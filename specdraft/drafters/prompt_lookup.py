@@ -8,6 +8,7 @@ import torch
 
 from ..config import SpecConfig
 from ..tree import DraftTree
+from .base import Drafter
 
 
 def find_candidates(tokens: np.ndarray, min_n: int, max_n: int, k: int, branches: int) -> list[np.ndarray]:
@@ -53,11 +54,14 @@ def trie(paths: list[np.ndarray]) -> DraftTree:
     return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
+
+    def max_draft_depth(self) -> int:
+        return self.cfg.k
 
     def begin(self, prompt_ids, sp, generator):
         pass

@@ -26,6 +26,7 @@ import torch
 
 from ..config import SpecConfig
 from ..tree import DraftTree
+from .base import Drafter
 
 
 class SuffixAutomaton:
@@ -199,7 +200,7 @@ def continuation_paths(tokens: np.ndarray, ends: np.ndarray, depth: int) -> np.n
     return np.where(np.cumsum(P < 0, axis=1) > 0, -1, P)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, cfg: SpecConfig, datastore=None):
@@ -209,6 +210,9 @@ class SuffixDrafter:
         self._buf = np.empty(0, dtype=np.int64)
         self._g_m, self._g_at = 0, None
         self.last_source = None  # "local" | "global" | None: which tree the last proposal used
+
+    def max_draft_depth(self) -> int:
+        return self.cfg.k
 
     def begin(self, prompt_ids, sp, generator):
         self.sam = SuffixAutomaton()

@@ -17,6 +17,7 @@ import torch
 
 from ..config import SpecConfig
 from ..tree import DraftTree
+from .base import Drafter
 
 
 class AdjacencyTable:
@@ -76,8 +77,9 @@ def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
     return DraftTree(tokens[keep], par)
 
 
-class TokenRecyclingDrafter:
+class TokenRecyclingDrafter(Drafter):
     name = "token_recycling"
+    reproducible = False  # its table learns from every request the decoder serves
 
     def __init__(self, cfg: SpecConfig, vocab_size: int, table: AdjacencyTable | None = None):
         self.cfg = cfg
@@ -90,7 +92,10 @@ class TokenRecyclingDrafter:
     def begin(self, prompt_ids, sp, generator):
         pass  # the table is recycled across requests (it is the target's own statistics)
 
-    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def max_draft_depth(self) -> int:
+        return len(self.branching)
+
+    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden=None) -> None:
         self.adj.update(row_tokens, logits)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
@@ -99,5 +104,3 @@ class TokenRecyclingDrafter:
             return DraftTree.empty()
         return expand(self.adj.table, int(tokens[-1]), self.branching[:depth])
 
-    def feedback(self, num_accepted, emitted):
-        pass

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError, ModelFileError, TokenizerMismatchError
 from . import registry
-from .adapter import HFModel
+from .hf import HFModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,7 +17,7 @@ import copy
 import torch
 
 from ..errors import ConfigError
-from .adapter import HFModel
+from .hf import HFModel
 
 
 def _decoder(model):

@@ -1,14 +1,15 @@
 """The continuous-batching scheduler: waiting requests join the running batch between steps (up
-to ``max_batch`` rows), every step decodes all rows together (specdraft.batch.BatchEngine), and
+to ``max_batch`` rows), every step decodes all rows together (specdraft.engine.Engine), and
 finished or cancelled rows leave at once, freeing their KV slots."""
 
 from __future__ import annotations
 
 import time
 
-from ..batch import BatchDrafters, BatchEngine, BatchSpecPolicy
 from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT
+from ..engine import Engine
 from ..errors import SpecDraftError
+from ..policy import BatchRule
 from .scheduler import BaseWorker, log
 
 
@@ -19,13 +20,9 @@ class BatchWorker(BaseWorker):
                  spec_off_at: int = SPEC_OFF_AT):
         super().__init__(decoder, metrics, max_queue)
         self.max_batch = max_batch
-        self.engine = BatchEngine(decoder.target, decoder.eos_ids, decoder.tokenizer,
-                                  policy=BatchSpecPolicy(spec_shrink_at, spec_off_at))
+        self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer,
+                             rule=BatchRule(spec_shrink_at, spec_off_at))
         self._n_rows = 0
-        # every method batches: model chains draft together (one batched draft forward per drafting
-        # iteration), model trees and trained heads (medusa, eagle) per row over shared weights,
-        # model-free drafters per row
-        self.drafters = BatchDrafters(decoder)
 
     def num_running(self) -> int:
         return self._n_rows
@@ -33,9 +30,6 @@ class BatchWorker(BaseWorker):
     def _cancel_running(self, reason):
         for row in list(self.engine.rows):
             row.tag.cancel(reason)
-
-    def make_drafter(self, spec):
-        return self.drafters.make(spec)
 
     def _admit(self, jobs) -> None:
         """Admit jobs together: one batched prefill."""
@@ -51,7 +45,8 @@ class BatchWorker(BaseWorker):
         items = []
         for job in jobs:
             try:
-                items.append((job.prompt_ids, job.sampling, self.make_drafter(job.spec), wrap(job), job))
+                items.append((job.prompt_ids, job.sampling, self.decoder.make_drafter(job.spec), wrap(job), job,
+                              self.decoder.draft_length(job.spec)))
             except SpecDraftError as e:
                 job.fail(e)
         if not items:
@@ -100,9 +95,8 @@ class BatchWorker(BaseWorker):
                 log.exception("batch step failed")
                 for row in list(eng.rows):
                     row.tag.fail(e if isinstance(e, SpecDraftError) else e)
-                self.engine = eng = BatchEngine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
-                                                policy=eng.policy)
-                self.drafters.reset()
+                self.engine = eng = Engine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
+                                           rule=eng.rule)
                 continue
             for row in finished:
                 self.metrics.observe_result(row.result.stats)

@@ -1,7 +1,7 @@
 """Schedulers: run admitted requests on the engine, off the event loop.
 
 ``SingleWorker`` decodes one request at a time through ``engine.generate`` (the batch-1 engine).
-``BatchWorker`` (see batch_worker) decodes many together through specdraft.batch. Both share:
+``BatchWorker`` (see batch_worker) decodes many together through the same loop (specdraft.engine). Both share:
 
 - a bounded wait list: ``submit`` raises QueueFull when ``max_queue`` requests already wait;
 - ``Job``: what a request carries to the worker and how tokens come back (``post`` puts events on
@@ -157,7 +157,7 @@ class BaseWorker:
 
 
 class SingleWorker(BaseWorker):
-    """One request at a time through the batch-1 engine (``engine.generate``)."""
+    """One request at a time (``engine.generate``: the loop with a batch of one)."""
 
     kind = "single"
 
@@ -196,7 +196,7 @@ class SingleWorker(BaseWorker):
             try:
                 drafter = dec.make_drafter(job.spec)
                 res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
-                               dec.policy_for(job.spec), on_emit=on_emit)
+                               dec.draft_length(job.spec), on_emit=on_emit)
                 self.metrics.observe_result(res.stats)
                 job.finish(res)
             except SpecDraftError as e:

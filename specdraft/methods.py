@@ -1,0 +1,131 @@
+"""The method registry: one entry per drafting method says what it needs, what it supports and how
+its drafter is made. Config validation, the CLI's choices and help, the server's checks and the
+benchmark read it; adding a drafter is one drafter file plus one entry here (docs/design.md).
+
+``needs``: None (model-free), "draft_model" (a second model with the target's tokenizer),
+"layer_view" (the target's own layers), "head" (a head trained by ``specdraft train``).
+``trees``: the ``SpecConfig.tree`` values it accepts (model-free drafters that make trees on their
+own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
+Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+ALL_TREES = ("chain", "static", "dynamic")
+MODEL_SCHEDULES = ("constant", "heuristic", "cost_aware")
+FREE_SCHEDULES = ("constant", "cost_aware")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    make: Callable  # (decoder: SpecDecoder, spec: SpecConfig) -> Drafter
+    needs: str | None = None
+    trees: tuple[str, ...] = ("chain",)
+    schedules: tuple[str, ...] = FREE_SCHEDULES
+    batches: bool = True
+    backends: tuple[str, ...] = ("hf",)
+
+
+def _plain(dec, spec):
+    from .drafters.base import NoDrafter
+
+    return NoDrafter()
+
+
+def _model_drafter(draft, dec, spec):
+    """A chain or token tree drafted by a model (a draft model or a view of the target's layers)."""
+    if spec.tree == "chain":
+        from .drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(draft, spec, dec.target.vocab_size)
+    from .drafters.draft_tree import DraftTreeDrafter
+
+    return DraftTreeDrafter(draft.view(), spec, dec.target.vocab_size)  # its own cache, shared weights
+
+
+def _draft_model(dec, spec):
+    return _model_drafter(dec.draft_model(), dec, spec)
+
+
+def _self_draft(dec, spec):
+    return _model_drafter(dec.self_draft(spec), dec, spec)
+
+
+def _prompt_lookup(dec, spec):
+    from .drafters.prompt_lookup import PromptLookupDrafter
+
+    return PromptLookupDrafter(spec)
+
+
+def _suffix(dec, spec):
+    from .drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(spec, dec.datastore(spec.datastore) if spec.datastore else None)
+
+
+def _token_recycling(dec, spec):
+    from .drafters.token_recycling import TokenRecyclingDrafter
+
+    return TokenRecyclingDrafter(spec, dec.target.vocab_size, dec.recycle_table(max(spec.recycle_branching)))
+
+
+def _lookahead(dec, spec):
+    from .drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(spec)
+
+
+def _medusa(dec, spec):
+    from .drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter(dec.target, dec.head(spec), spec)
+
+
+def _eagle(dec, spec):
+    from .drafters.eagle import EagleDrafter
+
+    return EagleDrafter(dec.target, dec.head(spec), spec)
+
+
+REGISTRY: dict[str, Method] = {m.name: m for m in [
+    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=("constant",)),
+    Method("draft_model", "a smaller model with the target's tokenizer drafts k tokens (or a tree)", _draft_model,
+           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
+    Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _self_draft,
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+    Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _self_draft,
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix),
+    Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling),
+    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead),
+    Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
+           needs="head", trees=("chain", "static")),
+    Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
+           needs="head", trees=ALL_TREES),
+]}
+
+METHODS = tuple(REGISTRY)
+
+
+def method(name: str) -> Method:
+    from .errors import ConfigError
+
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
+    return REGISTRY[name]
+
+
+def methods_needing(need: str) -> tuple[str, ...]:
+    return tuple(m.name for m in REGISTRY.values() if m.needs == need)
+
+
+def help_text() -> str:
+    """One line per method for the CLI's --method help."""
+    return "; ".join(f"{m.name}: {m.summary}" + (f" [needs a {m.needs.replace('_', ' ')}]" if m.needs else "")
+                     for m in REGISTRY.values())

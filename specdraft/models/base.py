@@ -1,0 +1,76 @@
+"""The model interface: what the decode loop needs from a target (or a batched draft) model.
+
+A backend is one file implementing two protocols:
+
+- ``TargetModel``: facts about the model (vocabulary, context, EOS ids, tokenizer) and
+  ``new_rows()``, a fresh ``SequenceRows``;
+- ``SequenceRows``: the KV state of B independent sequences ("rows") over the model's weights. The
+  loop feeds each row its pending token + draft (a chain, or a token tree given as an ancestor mask
+  and depth offsets) in ONE forward, reads logits of the fed positions, then ``commit``s what each
+  row keeps (a prefix, or the slots of the accepted tree path). Rows join (``add_rows``, a prefill)
+  and leave (``remove_rows``) between steps.
+
+transformers models implement it in ``models/hf.py``; a second backend (llama.cpp) implements the
+same two protocols and registers itself in ``models/backends.py``: the loop, the verifiers and the
+drafters that only need these calls do not change.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class SequenceRows(Protocol):
+    lens: list[int]  # tokens each row holds in the cache
+    last_hidden: torch.Tensor | None  # [B, N, H] final-norm features of the last forward(hidden=True)
+    prefill_hidden: list  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
+
+    @property
+    def B(self) -> int: ...
+
+    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+        """Prefill ``prefixes`` (ragged, may be empty) as new last rows; returns their indices."""
+        ...
+
+    def remove_rows(self, idx: list[int]) -> None: ...
+
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        """Feed row r ``seqs[r]`` at positions lens[r]..; float32 logits [B, N, V] (N = the longest
+        feed; ``keep``: only the last ``keep`` positions). ``trees[r]`` = (allow [n, n] bool,
+        offsets [n] long) makes row r's n fed tokens a token tree: token i attends to the row's cache
+        and to the fed tokens j with allow[i, j], at position lens[r] + offsets[i]. The fed slots stay
+        provisional until ``commit``."""
+        ...
+
+    def commit(self, keep: list) -> None:
+        """Row r keeps the first keep[r] fed tokens (an int) or the fed tokens listed in keep[r]
+        (ascending indices); the rest are dropped."""
+        ...
+
+    def truncate(self, r: int, n: int) -> None:
+        """Keep only row r's first n cached tokens (rollback; call ``trim`` after a round of them)."""
+        ...
+
+    def trim(self) -> None:
+        """Release cache space no row uses any more."""
+        ...
+
+
+class TargetModel(Protocol):
+    name: str
+    tokenizer: object
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (may exceed the tokenizer's size)."""
+        ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def eos_token_ids(self) -> set[int]: ...
+
+    def new_rows(self, compact_slack: int = 32) -> SequenceRows: ...

@@ -1,0 +1,398 @@
+"""The transformers backend: any causal LM behind the model interface (models/base.py).
+
+- ``HFModel``: the model's facts, and a single-sequence KV cache that drafters with their own
+  forward (draft-model trees, self-speculation views) use: ``forward(ids, keep, attention_mask,
+  position_ids)``, ``crop(n)``, ``keep_positions(idx)``, ``reset()``.
+- ``HFRows`` (``HFModel.new_rows()``): the decode loop's batched KV state. One transformers
+  ``DynamicCache`` of shape [B, H, L, D] shared by all rows, through the stock model classes: every
+  cache slot has a per-row validity bit, turned into a 4D additive attention mask, and every fed
+  token gets an explicit per-row position id (its row's own length), so a row never sees another
+  row's padding or its own rejected drafts. Each forward appends N = max(tokens fed) slots to every
+  row; after verification a row keeps its pending token + accepted drafts (or tree path), the rest
+  become holes (masked). Columns no row uses are trimmed; when the holes grow past
+  ``compact_slack`` slots the cache is compacted (each row's valid slots gathered to the right,
+  left-padded). A joining row is prefilled on its own and left-padded into the batch.
+
+This file is the only place that touches transformers' model and cache internals. A model whose
+cache is not one plain full-attention layer per decoder layer (sliding-window or hybrid caches, where
+``get_seq_length`` does not follow direct writes to ``layer.keys``) is refused at load.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def check_cache_layout(model) -> None:
+    """Refuse a model whose cache is not one plain full-attention layer per decoder layer: the rows'
+    holes, trims and tree-path gathers write ``layer.keys`` directly, which sliding-window and hybrid
+    cache layers do not follow (they would decode at wrong positions after a tree step)."""
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+    if kinds - {"DynamicLayer"}:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{type(model).__name__} uses cache layers {sorted(kinds)} (sliding-window or hybrid "
+                          "attention); specdraft supports full-attention caches only (DynamicLayer)")
+
+
+class HFModel:
+    def __init__(self, model, tokenizer=None, name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.cache: DynamicCache | None = None
+        self.cached_len = 0
+        self.device = next(model.parameters()).device
+        # transformers 5.x renamed past_key_values to cache; accept models of either style
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.capture_hidden = False  # set by drafters that read the target's features (Medusa, EAGLE)
+        self.last_hidden: torch.Tensor | None = None
+        self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: the batch engine's rows
+        self._hidden_hook = None
+        check_cache_layout(model)
+
+    # --- facts -------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (may exceed the tokenizer's size: Qwen pads its vocabulary)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if e is None:
+                continue
+            ids.update([e] if isinstance(e, int) else list(e))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def enable_hidden_capture(self) -> None:
+        """From now on each ``forward`` also leaves ``last_hidden`` [n, H]: the final norm's output
+        (the LM head's input) for every position fed, not only the kept ones (row 0 of a batched
+        forward; ``last_hidden_batch`` [B, n, H] keeps every row). One forward hook on the final
+        norm; no other layer's hidden states are materialized."""
+        self.capture_hidden = True
+        if self._hidden_hook is not None:
+            return
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{type(self.model).__name__} has no model.norm; Medusa/EAGLE heads need the final norm")
+
+        def hook(module, inputs, output, owner=self):
+            if owner.capture_hidden:
+                owner.last_hidden = output[0] if output.dim() == 3 else output
+                owner.last_hidden_batch = output if output.dim() == 3 else output[None]
+
+        self._hidden_hook = norm.register_forward_hook(hook)
+
+    # --- cache -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+        self.cached_len = 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first n cached positions."""
+        if n < self.cached_len:
+            self.cache.crop(n - self.cached_len)  # transformers 5.x: a negative count drops positions
+            self.cached_len = n
+
+    # --- compute -----------------------------------------------------------------------------
+    def keep_positions(self, idx: torch.Tensor) -> None:
+        """Keep only the cached positions ``idx`` (ascending), e.g. the prefix plus the accepted
+        path of a token tree: a gather along the sequence axis of every layer's keys and values."""
+        idx = idx.to(self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+        self.cached_len = int(idx.shape[0])
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        keep: int = 1,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append ``ids`` (LongTensor [n]) to the cache; return float32 logits [keep, V].
+
+        For a token tree pass the 4D additive ``attention_mask`` and ``position_ids`` from
+        ``DraftTree.attention_mask`` / ``position_ids``; the stock model classes accept them."""
+        if self.cache is None:
+            self.reset()
+        ids = ids.reshape(1, -1).to(self.device)
+        kw = {self._cache_kw: self.cache}
+        if attention_mask is not None:
+            kw["attention_mask"] = attention_mask.to(self.device, self.dtype)
+        if position_ids is not None:
+            kw["position_ids"] = position_ids.to(self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kw)
+        self.cached_len += ids.shape[1]
+        return out.logits[0].float()
+
+    def new_rows(self, compact_slack: int = 32) -> "HFRows":
+        return HFRows(self, compact_slack)
+
+    def view(self) -> "HFModel":
+        """Another wrapper over the same weights with its own cache (weights are not copied)."""
+        return HFModel(self.model, self.tokenizer, name=self.name)
+
+
+# --- the batched rows (the decode loop's KV state) -------------------------------------------
+
+
+def _kv(layer):
+    k = getattr(layer, "keys", None)
+    if not getattr(layer, "is_initialized", k is not None) or k is None or k.dim() != 4:
+        return None
+    return layer.keys, layer.values
+
+
+def _set(layer, k, v):
+    layer.keys, layer.values = k, v
+    if not getattr(layer, "is_initialized", True):
+        layer.device = k.device
+        layer.is_initialized = True
+
+
+class HFRows:
+    """A KV cache of B rows with per-row lengths (``lens``) and holes, over one HFModel's weights."""
+
+    def __init__(self, model: "HFModel", compact_slack: int = 32):
+        self.model = model
+        self.compact_slack = compact_slack
+        self.cache = DynamicCache(config=model.config)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
+        self.lens: list[int] = []
+        self._last_n = 0
+        self.last_hidden: torch.Tensor | None = None  # [B, N, H] of the last forward(hidden=True)
+        self.prefill_hidden: list = []  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
+
+    @property
+    def B(self) -> int:
+        return len(self.lens)
+
+    @property
+    def L(self) -> int:
+        return int(self.valid.shape[1])
+
+    def _layers(self):
+        return self.cache.layers
+
+    def _map(self, fn):
+        """Apply fn(tensor [B, H, L, D]) -> tensor to every layer's keys and values."""
+        for layer in self._layers():
+            kv = _kv(layer)
+            if kv is not None:
+                _set(layer, fn(kv[0]), fn(kv[1]))
+
+    def add_row(self, prefix: list[int]) -> int:
+        """Prefill ``prefix`` (may be empty) as a new last row; returns its index."""
+        return self.add_rows([prefix])[0]
+
+    @torch.inference_mode()
+    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+        """Prefill several prefixes (ragged, may be empty) together in one forward of their own,
+        then append them as new last rows (left-padded to the batch); returns their indices.
+        ``hidden``: also leave each prefix's final-norm features in ``prefill_hidden`` (a row
+        [len(prefix), H], None for an empty prefix)."""
+        new = HFRows(self.model, self.compact_slack)
+        new.lens = [0] * len(prefixes)
+        new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool)
+        self.prefill_hidden = [None] * len(prefixes)
+        if any(prefixes):
+            new.forward(prefixes, keep=1, hidden=hidden)
+            if hidden:
+                self.prefill_hidden = [new.last_hidden[i, : len(p)].clone() if p else None
+                                       for i, p in enumerate(prefixes)]
+                new.last_hidden = None
+            new.commit([len(p) for p in prefixes])
+        first = self.B
+        self._append(new)
+        return list(range(first, self.B))
+
+    def _append(self, other: "HFRows") -> None:
+        """Concatenate another HFRows' rows below ours, left-padding the shorter one."""
+        L, P, B2 = self.L, other.L, other.B
+        newL = max(L, P)
+        for layer, olayer in zip(self._layers(), other._layers()):
+            a, r = _kv(layer), _kv(olayer)
+            if a is None and r is None:
+                continue
+            ref = (a or r)[0]
+            H, D = ref.shape[1], ref.shape[3]
+
+            def pad(t, rows, have):
+                if t is None:
+                    return ref.new_zeros(rows, H, newL, D)
+                if newL > have:
+                    return torch.cat([t.new_zeros(rows, H, newL - have, D), t], dim=2)
+                return t
+
+            k = torch.cat([pad(a and a[0], self.B, L), pad(r and r[0], B2, P)], dim=0)
+            v = torch.cat([pad(a and a[1], self.B, L), pad(r and r[1], B2, P)], dim=0)
+            _set(layer, k, v)
+        valid = torch.zeros(self.B + B2, newL, dtype=torch.bool)
+        valid[: self.B, newL - L:] = self.valid
+        valid[self.B:, newL - P:] = other.valid
+        self.valid = valid
+        self.lens = self.lens + other.lens
+
+    @torch.inference_mode()
+    def remove_rows(self, idx: list[int]) -> None:
+        if not idx:
+            return
+        drop = set(idx)
+        keep = [i for i in range(self.B) if i not in drop]
+        if not keep:
+            self.cache = DynamicCache(config=self.model.config)
+            self.valid = torch.zeros(0, 0, dtype=torch.bool)
+            self.lens = []
+            return
+        sel = torch.tensor(keep, dtype=torch.long)
+        self._map(lambda t: t.index_select(0, sel.to(t.device)))
+        self.valid = self.valid[sel]
+        self.lens = [self.lens[i] for i in keep]
+        self.trim()
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        """Feed row r the tokens ``seqs[r]`` (ragged; may be empty) at positions lens[r].. in one
+        forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real);
+        ``keep`` returns only the last ``keep`` positions' logits (prefill).
+
+        ``trees[r]`` (optional; None = a causal chain) is ``(allow [n, n] bool, offsets [n] long)`` for
+        row r's n fed tokens: fed token i attends to the row's valid cache slots and to the fed tokens
+        j with allow[i, j] (itself and its ancestors, for a token tree), at position lens[r] + offsets[i].
+        The slots stay provisional until ``commit``. ``hidden``: also leave the final norm's output of
+        every fed position in ``last_hidden`` [B, N, H] (row r's first len(seqs[r]) are real; the
+        model's ``enable_hidden_capture`` hook, switched on for this forward only)."""
+        B, L = self.B, self.L
+        n = [len(s) for s in seqs]
+        N = max(max(n), 1)
+        ids = torch.zeros(B, N, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            if s:
+                ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        local = torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)
+        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
+        if trees is not None and any(t is not None for t in trees):
+            local = local.clone()
+            for r, t in enumerate(trees):
+                if t is not None:
+                    allow, off = t
+                    m = allow.shape[0]
+                    local[r, :m, :m] = allow
+                    pos[r, :m] = self.lens[r] + off
+        allow = torch.cat([self.valid[:, None, :].expand(B, N, L), local], dim=2)
+        dt = self.model.dtype
+        mask = torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min)
+        dev = self.model.device
+        kw = {self.model._cache_kw: self.cache}
+        m = self.model
+        self.last_hidden = None
+        if hidden:
+            prev = m.capture_hidden
+            m.enable_hidden_capture()
+            m.last_hidden_batch = None
+        try:
+            out = m.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                          use_cache=True, logits_to_keep=keep or N, **kw)
+        finally:
+            if hidden:
+                m.capture_hidden = prev
+        if hidden:
+            self.last_hidden, m.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None, None
+        self._last_n = N
+        self.valid = torch.cat([self.valid, torch.zeros(B, N, dtype=torch.bool)], dim=1)
+        return out.logits.float()
+
+    @torch.inference_mode()
+    def commit(self, keep: list) -> None:
+        """Of the last forward's slots, row r keeps its first keep[r] (an int), or the slots listed in
+        keep[r] (ascending indices into the row's fed tokens: a tree's pending token + accepted
+        path); the rest become holes."""
+        N, L = self._last_n, self.L
+        if all(isinstance(x, int) for x in keep):
+            k = torch.tensor(keep, dtype=torch.long)
+            self.valid[:, L - N:] = torch.arange(N)[None, :] < k[:, None]
+            self.lens = [a + int(b) for a, b in zip(self.lens, keep)]
+        else:
+            new = torch.zeros(self.B, N, dtype=torch.bool)
+            for r, x in enumerate(keep):
+                if isinstance(x, int):
+                    new[r, :x] = True
+                elif len(x):
+                    new[r, torch.as_tensor(x, dtype=torch.long)] = True
+            self.valid[:, L - N:] = new
+            self.lens = [a + (x if isinstance(x, int) else len(x)) for a, x in zip(self.lens, keep)]
+        self.trim()
+        if self.L - max(self.lens, default=0) >= self.compact_slack:
+            self.compact()
+
+    @torch.inference_mode()
+    def truncate(self, r: int, n: int) -> None:
+        """Keep only row r's first n cached tokens (rollback of one row; call trim() after)."""
+        if n < self.lens[r]:
+            slots = self.valid[r].nonzero().flatten()
+            self.valid[r, slots[n:]] = False
+            self.lens[r] = n
+
+    @torch.inference_mode()
+    def trim(self) -> None:
+        """Drop leading and trailing columns that no row uses."""
+        used = self.valid.any(dim=0).nonzero().flatten()
+        if used.numel() == 0:
+            lo, hi = 0, 0
+        else:
+            lo, hi = int(used[0]), int(used[-1]) + 1
+        if lo == 0 and hi == self.L:
+            return
+        self._map(lambda t: t[:, :, lo:hi])
+        self.valid = self.valid[:, lo:hi]
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Gather each row's valid slots to the right end (left padding); removes every hole."""
+        B, L2 = self.B, max(self.lens, default=0)
+        idx = torch.zeros(B, L2, dtype=torch.long)
+        valid = torch.zeros(B, L2, dtype=torch.bool)
+        for r in range(B):
+            slots = self.valid[r].nonzero().flatten()
+            idx[r, L2 - slots.numel():] = slots
+            valid[r, L2 - slots.numel():] = True
+
+        def gather(t):
+            i = idx.to(t.device)[:, None, :, None].expand(B, t.shape[1], L2, t.shape[3])
+            return t.gather(2, i)
+
+        self._map(gather)
+        self.valid = valid
+
+    def holes(self) -> int:
+        return int(self.B * self.L - int(self.valid.sum()))
+
+
