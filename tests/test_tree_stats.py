@@ -94,8 +94,8 @@ def draw_trees(parents, Qp, Q, kind, g):
         else:
             prop = base.clone()
             if kind in ("wor", "wor_claims_iid"):
-                for s in sib:
-                    prop[rows, tok[:, s].clamp(min=0)] = torch.where(tok[:, s] >= 0, 0.0, prop[rows, tok[:, s].clamp(min=0)])
+                for s in sib:  # a dead sibling means a dead node: its token 0 stands in harmlessly
+                    prop[rows, tok[:, s].clamp(min=0)] = 0.0
                 mass = prop.sum(1, keepdim=True)
                 live &= mass[:, 0] > 0
                 prop = torch.where(mass > 0, prop / mass.clamp(min=1e-30), torch.full_like(prop, 1.0 / V))
@@ -178,7 +178,8 @@ def pvalues(seqs, Pp, joint=JOINT):
     L = seqs.shape[1]
     d = min(L, joint)
     codes = (seqs[:, :d] * V ** np.arange(d - 1, -1, -1)).sum(1)
-    out = {f"joint{d}": chi2_pvalue(*conditional_fit(np.bincount(codes, minlength=V**d)[None], exact_joint(Pp, d)[None]))}
+    joint = np.bincount(codes, minlength=V**d)[None]
+    out = {f"joint{d}": chi2_pvalue(*conditional_fit(joint, exact_joint(Pp, d)[None]))}
     for j in range(L):
         a, b = context_tokens(seqs, j)
         counts = np.zeros((V * V, V))
