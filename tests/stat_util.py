@@ -44,3 +44,41 @@ def emitted_counts(d: torch.Tensor, n: torch.Tensor, nxt: torch.Tensor, P: torch
         last = torch.where(m, t, last)
     codes = (seq * (V ** torch.arange(k, -1, -1))[None]).sum(1)
     return np.bincount(codes.numpy(), minlength=V ** (k + 1))
+
+
+def _pooled(obs: np.ndarray, exp: np.ndarray, min_expected: float) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the cells of smallest expectation into one until that merged cell expects >= min_expected
+    (when the whole row expects less, it becomes a single cell)."""
+    order = np.argsort(exp, kind="stable")
+    cum = np.cumsum(exp[order])
+    m = int(np.searchsorted(cum, min_expected)) + 1  # the m smallest cells are merged
+    if m <= 1:
+        return obs, exp
+    small, big = order[:m], order[m:]
+    return np.append(obs[big], obs[small].sum()), np.append(exp[big], exp[small].sum())
+
+
+def conditional_fit(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
+    """Goodness of fit of a token's distribution within each of C contexts, all contexts together.
+
+    ``counts`` [C, V]: how often each token followed each context; ``probs`` [C, V]: its exact
+    distribution there. -> (chi-square statistic, degrees of freedom), summed over the contexts, each
+    context's cells of smallest expectation merged until they expect >= min_expected. A sample in a
+    cell of probability 0 gives an infinite statistic."""
+    counts = np.asarray(counts, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    stat, df = 0.0, 0
+    for obs, p in zip(counts, probs):
+        n = obs.sum()
+        if n == 0:
+            continue
+        if (obs[p <= 0] > 0).any():
+            return float("inf"), 1
+        obs_c, exp_c = _pooled(obs, p / p.sum() * n, min_expected)
+        stat += float(((obs_c - exp_c) ** 2 / exp_c).sum())
+        df += len(obs_c) - 1
+    return stat, df
+
+
+def chi2_pvalue(stat: float, df: int) -> float:
+    return 1.0 if df <= 0 else float(stats.chi2.sf(stat, df))

@@ -37,13 +37,20 @@ def exact_first_two(target, sp):
 
 
 def sample_first_two(target, drafter, sp, max_new):
+    """-> (counts of the first two tokens, draft tokens drafted / accepted in the steps that made them)."""
     counts = np.zeros((V, V))
+    drafted = accepted = 0
     for i in range(N):
         s = SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new})
         out = generate(target, drafter, PROMPT, s, eos_ids=set())
         a, b = out.token_ids[:2]
         counts[a, b] += 1
-    return counts
+        made = 0
+        for st in out.stats.steps:  # the steps that started before the second token
+            if made >= 2:
+                break
+            drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
+    return counts, drafted, accepted
 
 
 T1 = SamplingParams(temperature=1.0)
@@ -79,7 +86,11 @@ def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
         drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
     else:
         drafter = NoDrafter()
-    counts = sample_first_two(target, drafter, sp, max_new)
+    counts, drafted, accepted = sample_first_two(target, drafter, sp, max_new)
+    if method == "plain":
+        assert drafted == 0
+    else:  # not vacuous: the tested tokens went through drafting and verification, with acceptances and rejections
+        assert 0 < accepted < drafted, (accepted, drafted)
     assert fit_pvalue(counts, exact_first_two(target, sp)) > 1e-3
 
 

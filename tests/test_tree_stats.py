@@ -1,15 +1,23 @@
 """Statistical exactness of tree sampling verification (multi-draft recursive rejection sampling).
 
-The same Markov stand-in as test_verify_stats.py: target next-token logits P[prev], draft Q[prev]
-over a small vocabulary, processed by temperature/top-k/top-p. Per sample we draw a whole draft
-tree of a fixed shape (branching 1-4 per depth, depth 1-5), with siblings drawn without
-replacement (each node stores its conditional proposal), i.i.d. (with replacement), or
-deterministically (the draft's top ranks, one-hot), verify it with ``rejection_sample_tree``,
-complete the output with plain target samples to L tokens and compare the joint distribution of
-those L tokens with the exact one. Deliberately broken variants must be rejected.
-"""
+The stand-in "language model" is second order and position dependent: the target's next-token
+logits are P[j, a, b] for the j-th emitted token after the two tokens a, b (the prompt's for j < 2),
+the draft's Q[j, a, b], over a small vocabulary, processed by temperature/top-k/top-p. So the row
+the verifier must use after a node depends on the node's depth and its parent's token, not only on
+its own token: a verifier that fetches rows by token (or by depth, or from a stale ancestor) is wrong
+here, while a first-order Markov stand-in could not tell.
 
-import itertools
+Per sample we draw a whole draft tree of a fixed shape (branching 1-4 per depth, depth 1-5), with
+siblings drawn without replacement (each node stores its conditional proposal), i.i.d. (with
+replacement), or deterministically (the draft's top ranks, one-hot), verify it with
+``rejection_sample_tree``, complete the output with plain target samples to L = depth + 1 tokens
+(the most one tree step emits) and compare with the exact distribution: the joint of the first
+min(L, 4) tokens as a whole, and for every position j < L (every drafted depth and the bonus token)
+the distribution of token j given the two tokens before it, which for the exact output is the
+target's row P[j, a, b]. Deliberately broken verifiers must be rejected, among them one that fetches
+rows by token and ones that mishandle only depths >= 3 (one of them invisible in the first three
+tokens, which is all an earlier version of this test compared).
+"""
 
 import numpy as np
 import pytest
@@ -20,12 +28,13 @@ from specdraft.config import SamplingParams
 from specdraft.sampling import probs_from_logits
 from specdraft.tree import DraftTree
 from specdraft.verify import rejection_sample_tree
-from stat_util import fit_pvalue
+from stat_util import chi2_pvalue, conditional_fit
 
 V = 5
-S0 = 0
-L = 3
-N = 12_000
+PROMPT = (3, 1)  # the two context tokens before the first emitted one
+POS = 6  # the tables cover 6 emitted positions: trees up to depth 5
+JOINT = 4  # the joint of the first JOINT tokens is tested as a whole (V^4 cells)
+N = 16_000
 
 T1 = SamplingParams(temperature=1.0)
 TK = SamplingParams(temperature=0.7, top_k=3)
@@ -34,9 +43,10 @@ TKP = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
 
 
 def tables(seed):
+    """Raw logits [POS, V (a), V (b), V]: P[j, a, b] for the j-th emitted token after tokens a, b."""
     g = torch.Generator().manual_seed(seed)
-    P = torch.randn(V, V, generator=g) * 1.5
-    Q = P + torch.randn(V, V, generator=g) * 1.5
+    P = torch.randn(POS, V, V, V, generator=g) * 1.5
+    Q = P + torch.randn(POS, V, V, V, generator=g) * 1.0
     return P, Q
 
 
@@ -53,76 +63,134 @@ def shape(branching):
     return parents
 
 
-def draw_tree(parents, Qp, Qraw, kind, g):
-    """One draft tree: tokens (-1 = could not be drawn: no mass left), per-node proposals."""
+def draw_trees(parents, Qp, Q, kind, g):
+    """N draft trees of one shape, drawn together node by node. -> tokens [N, n] (-1: not drawn, no
+    mass left), proposals [N, n, V] (what the node was drawn from), the parent's draft distribution
+    [N, n, V], and the context id (j * V * V + a * V + b) of the target row after each node [N, n]."""
     n = len(parents)
-    tok = [-1] * n
-    q = [None] * n
-    drawn_children: dict[int, list[int]] = {}
+    tok = torch.full((N, n), -1, dtype=torch.long)
+    q = torch.zeros(N, n, V)
+    base_q = torch.zeros(N, n, V)
+    after = torch.zeros(N, n, dtype=torch.long)
+    depth = [0] * n
+    sibs: dict[int, list[int]] = {}
+    rows = torch.arange(N)
     for i, par in enumerate(parents):
-        if par >= 0 and tok[par] < 0:
-            continue
-        ctx = S0 if par < 0 else tok[par]
-        sib = drawn_children.setdefault(par, [])
-        if kind == "det":
-            order = torch.argsort(Qraw[ctx], descending=True).tolist()
-            tok[i] = order[len(sib)]
+        if par < 0:
+            depth[i] = 1
+            a, b = torch.full((N,), PROMPT[0]), torch.full((N,), PROMPT[1])
+            live = torch.ones(N, dtype=torch.bool)
         else:
-            base = Qp[ctx].clone()
+            depth[i] = depth[par] + 1
+            live = tok[:, par] >= 0
+            b = tok[:, par].clamp(min=0)
+            a = after[:, par] // V % V  # the parent's own context token b is the token before it
+        j = depth[i] - 1
+        base = Qp[j, a, b]  # [N, V]
+        sib = sibs.setdefault(par, [])
+        if kind == "det":
+            t = torch.argsort(Q[j, a, b], dim=1, descending=True)[:, len(sib)]
+            prop = base
+        else:
+            prop = base.clone()
             if kind in ("wor", "wor_claims_iid"):
-                for s in sib:
-                    base[tok[s]] = 0.0
-                if base.sum() <= 0:
-                    continue
-                base = base / base.sum()
-            tok[i] = int(torch.multinomial(base, 1, generator=g))
-            q[i] = Qp[ctx] if kind == "wor_claims_iid" else base
+                for s in sib:  # a dead sibling means a dead node: its token 0 stands in harmlessly
+                    prop[rows, tok[:, s].clamp(min=0)] = 0.0
+                mass = prop.sum(1, keepdim=True)
+                live &= mass[:, 0] > 0
+                prop = torch.where(mass > 0, prop / mass.clamp(min=1e-30), torch.full_like(prop, 1.0 / V))
+            t = torch.multinomial(prop, 1, generator=g).squeeze(1)
+            if kind == "wor_claims_iid":
+                prop = base
+        tok[:, i] = torch.where(live, t, -1)
+        q[:, i], base_q[:, i] = prop, base
+        after[:, i] = depth[i] * V * V + b * V + t
         sib.append(i)
-    return tok, q
+    return tok, q, base_q, after
 
 
-def subtree(parents, tok, q, with_probs):
-    keep = [i for i in range(len(parents)) if tok[i] >= 0]
-    new = {old: j for j, old in enumerate(keep)}
-    par = [new[parents[i]] if parents[i] >= 0 else -1 for i in keep]
-    probs = torch.stack([q[i] for i in keep]) if with_probs and keep else None
-    return DraftTree(torch.tensor([tok[i] for i in keep], dtype=torch.long), torch.tensor(par, dtype=torch.long), probs)
-
-
-def simulate(sp, branching, kind, seed=0, bug=None):
+def simulate(sp, branching, kind, seed=0, verifier=rejection_sample_tree, bug=None):
+    """-> (emitted sequences completed to L tokens [N, L], processed target table [POS, V, V, V],
+    the depth each sample's accepted path reached [N])."""
     P, Q = tables(seed)
     Pp, Qp = probs_from_logits(P, sp), probs_from_logits(Q, sp)
     g = torch.Generator().manual_seed(seed + 1)
     parents = shape(branching)
-    codes = np.zeros(N, dtype=np.int64)
+    L = len(branching) + 1
+    tok, q, base_q, after = draw_trees(parents, Qp, Q, kind, g)
+    Pflat = Pp.reshape(-1, V)
+    root = torch.tensor([PROMPT[0] * V + PROMPT[1]])
+    seqs = torch.full((N, L), -1, dtype=torch.long)
+    reached = torch.zeros(N, dtype=torch.long)
+    full_par = torch.tensor(parents, dtype=torch.long)
+    tok_l = tok.tolist()
     for s in range(N):
-        tok, q = draw_tree(parents, Qp, Q, kind, g)
-        tree = subtree(parents, tok, q, with_probs=kind != "det")
+        ts = tok_l[s]
+        if -1 in ts:  # some nodes could not be drawn: the subtree of the drawn ones
+            keep = [i for i, t in enumerate(ts) if t >= 0]
+            new = {old: j for j, old in enumerate(keep)}
+            par = torch.tensor([new[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.long)
+            keep = torch.tensor(keep, dtype=torch.long)
+        else:
+            keep, par = slice(None), full_par
+        tree = DraftTree(tok[s, keep], par, None if kind == "det" else q[s, keep])
         if bug == "det_claims_sampled":
-            ctx_tok = [S0] + tree.tokens.tolist()
-            tree.draft_probs = torch.stack([Qp[ctx_tok[p + 1]] for p in tree.parents.tolist()])
-        ctx = torch.cat([torch.tensor([S0]), tree.tokens])
-        tp = Pp[ctx]
+            tree.draft_probs = base_q[s, keep]
+        tp = Pflat[torch.cat([root, after[s, keep]])]
         if bug == "rows_off_by_one":  # each node's successor judged by its parent's row
             tp = torch.cat([tp[:1], tp[tree.parents + 1]])
-        path, nxt = rejection_sample_tree(tree, tp, g)
-        seq = tree.tokens[path].tolist() + [nxt]
-        while len(seq) < L:
-            seq.append(int(torch.multinomial(Pp[seq[-1]], 1, generator=g)))
-        c = 0
-        for t in seq[:L]:
-            c = c * V + t
-        codes[s] = c
-    counts = np.bincount(codes, minlength=V**L)
-    Pn = Pp.double().numpy()
-    exact = np.zeros(V**L)
-    for c, tup in enumerate(itertools.product(range(V), repeat=L)):
-        pr, prev = 1.0, S0
-        for t in tup:
-            pr *= Pn[prev, t]
-            prev = t
-        exact[c] = pr
-    return counts, exact
+        path, nxt = verifier(tree, tp, g)
+        emitted = tree.tokens[path].tolist() + [nxt]
+        seqs[s, : len(emitted)] = torch.tensor(emitted)
+        reached[s] = len(path)
+    for j in range(L):  # complete with plain target samples
+        todo = seqs[:, j] < 0
+        if todo.any():
+            a = seqs[:, j - 2] if j >= 2 else torch.full((N,), PROMPT[j])
+            b = seqs[:, j - 1] if j >= 1 else torch.full((N,), PROMPT[1])
+            t = torch.multinomial(Pp[j, a.clamp(min=0), b.clamp(min=0)], 1, generator=g).squeeze(1)
+            seqs[:, j] = torch.where(todo, t, seqs[:, j])
+    return seqs.numpy(), Pp.double().numpy(), reached.numpy()
+
+
+def context_tokens(seqs, j):
+    """The two tokens before position j of each sequence (the prompt's where j < 2)."""
+    n = len(seqs)
+    a = seqs[:, j - 2] if j >= 2 else np.full(n, PROMPT[j])
+    b = seqs[:, j - 1] if j >= 1 else np.full(n, PROMPT[1])
+    return a, b
+
+
+def exact_joint(Pp, d):
+    """The target's exact joint distribution of its first d emitted tokens, flattened (first token most
+    significant)."""
+    joint = Pp[0, PROMPT[0], PROMPT[1]]  # [V]
+    for j in range(1, d):
+        prev2 = np.arange(V ** j) // V % V if j >= 2 else np.full(V, PROMPT[1])
+        prev1 = np.arange(V ** j) % V
+        joint = (joint[:, None] * Pp[j, prev2, prev1]).ravel()
+    return joint
+
+
+def pvalues(seqs, Pp, joint=JOINT):
+    """{test name: p-value}: the joint of the first min(L, joint) tokens, and for every position j the
+    distribution of token j given the two tokens before it."""
+    L = seqs.shape[1]
+    d = min(L, joint)
+    codes = (seqs[:, :d] * V ** np.arange(d - 1, -1, -1)).sum(1)
+    joint = np.bincount(codes, minlength=V**d)[None]
+    out = {f"joint{d}": chi2_pvalue(*conditional_fit(joint, exact_joint(Pp, d)[None]))}
+    for j in range(L):
+        a, b = context_tokens(seqs, j)
+        counts = np.zeros((V * V, V))
+        np.add.at(counts, (a * V + b, seqs[:, j]), 1)
+        out[f"token{j + 1}"] = chi2_pvalue(*conditional_fit(counts, Pp[j].reshape(V * V, V)))
+    return out
+
+
+def combined(ps):
+    """Bonferroni: the smallest p-value times the number of tests."""
+    return min(1.0, min(ps.values()) * len(ps))
 
 
 CASES = [  # (sampling, branching per depth, sibling proposal kind)
@@ -142,24 +210,75 @@ CASES = [  # (sampling, branching per depth, sibling proposal kind)
 @pytest.mark.parametrize("sp,branching,kind", CASES,
                          ids=[f"T{c[0].temperature}-k{c[0].top_k}-p{c[0].top_p}-b{''.join(map(str, c[1]))}-{c[2]}" for c in CASES])
 def test_tree_rejection_sampling_is_exact(sp, branching, kind):
-    counts, exact = simulate(sp, branching, kind)
-    assert fit_pvalue(counts, exact) > 1e-3
+    seqs, Pp, reached = simulate(sp, branching, kind)
+    D = len(branching)
+    # not vacuous: whole paths to the deepest level are accepted often, and rejections happen
+    assert (reached == D).mean() > 0.05 and (reached < D).mean() > 0.01, np.bincount(reached)
+    ps = pvalues(seqs, Pp)
+    assert combined(ps) > 1e-3, ps
 
 
-BROKEN = [  # each with a table seed where the bug's effect on the first token is large (TV >= 0.1)
-    ("residual_is_p", T1, [3, 2], "wor"),  # after a rejection, the next sibling is judged against p
-    ("wor_claims_iid", T1, [4, 1], "wor_claims_iid"),  # siblings without replacement, q not renormalized
-    ("rows_off_by_one", T1, [2, 2], "wor"),  # bonus / children judged by the parent's row
-    ("det_claims_sampled", T1, [3, 1], "det"),  # deterministic top-k children passed with a sampled q
+# --- deliberately broken verifiers: the same harness must reject each ----------------------------
+def by_token(tree, tp, g):
+    """Broken: the target row after a node fetched by the node's token (the first node carrying that
+    token) instead of by the node, as a cache keyed by token would. Right for a first-order Markov
+    target, where rows depend on the token alone."""
+    first: dict[int, int] = {}
+    rows = [0] + [1 + first.setdefault(t, i) for i, t in enumerate(tree.tokens.tolist())]
+    return rejection_sample_tree(tree, tp[rows], g)
+
+
+def unchecked_from(d):
+    """Broken: nodes at depth >= d accepted without the p/q test (q(x) = 0 passes whenever p(x) > 0)."""
+
+    def verifier(tree, tp, g):
+        q = tree.draft_probs.clone()
+        q[tree.depths() >= d] = 0.0
+        return rejection_sample_tree(DraftTree(tree.tokens, tree.parents, q), tp, g)
+
+    return verifier
+
+
+def stale_rows_from(d):
+    """Broken: a node at depth >= d gets the target row of its ancestor at depth d - 1 (the verifier
+    looked at the first d - 1 levels only): its children and the bonus after it are judged wrongly, so
+    only tokens d + 1 and later are affected."""
+
+    def verifier(tree, tp, g):
+        depths, rows = tree.depths().tolist(), [0]
+        for i in range(tree.size):
+            anc = i
+            while depths[anc] > d - 1:
+                anc = int(tree.parents[anc])
+            rows.append(1 + anc if anc >= 0 else 0)
+        return rejection_sample_tree(tree, tp[rows], g)
+
+    return verifier
+
+
+BROKEN = [  # (name, sampling, branching, kind, table seed)
+    ("residual_is_p", T1, [3, 2], "wor", 0),  # after a rejection, the next sibling is judged against p
+    ("wor_claims_iid", T1, [4, 1], "wor_claims_iid", 1),  # siblings without replacement, q not renormalized
+    ("rows_off_by_one", T1, [2, 2], "wor", 0),  # bonus / children judged by the parent's row
+    ("det_claims_sampled", T1, [3, 1], "det", 0),  # deterministic top-k children passed with a sampled q
+    ("rows_by_token", T1, [3, 2, 1], "wor", 0),  # target rows fetched by token instead of by node
+    ("unchecked_from_depth3", T1, [4, 2, 1, 1, 1], "wor", 0),  # depths >= 3 accepted without the test
+    ("stale_rows_from_depth3", TKP, [4, 2, 1, 1, 1], "wor", 0),  # depths >= 3 judged by the depth-2 row
 ]
+VERIFIERS = {"rows_by_token": by_token, "unchecked_from_depth3": unchecked_from(3),
+             "stale_rows_from_depth3": stale_rows_from(3)}
 
 
-@pytest.mark.parametrize("bug,sp,branching,kind", BROKEN, ids=[b[0] for b in BROKEN])
-def test_broken_tree_rules_are_caught(bug, sp, branching, kind, monkeypatch):
+@pytest.mark.parametrize("bug,sp,branching,kind,seed", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_tree_rules_are_caught(bug, sp, branching, kind, seed, monkeypatch):
     if bug == "residual_is_p":
         monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
-    counts, exact = simulate(sp, branching, kind, seed=1 if bug == "wor_claims_iid" else 0, bug=bug)
-    assert fit_pvalue(counts, exact) < 1e-6
+    seqs, Pp, _ = simulate(sp, branching, kind, seed=seed, verifier=VERIFIERS.get(bug, rejection_sample_tree), bug=bug)
+    ps = pvalues(seqs, Pp)
+    assert combined(ps) < 1e-6, ps
+    if bug == "stale_rows_from_depth3":  # the first three tokens are exact: only the deeper checks see it
+        first3 = pvalues(seqs[:, :3], Pp, joint=3)
+        assert combined(first3) > 1e-3, first3
 
 
 def test_tree_sampling_known_answers():
