@@ -78,12 +78,12 @@ def assert_ragged(log):
 
 def test_mixed_methods_join_leave_and_compaction(pair, monkeypatch):
     target, draft = pair
-    log = record_steps(monkeypatch)
     jobs, refs = [], []
     for i in range(16):
         m, p, n = METHODS[i % 3], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
         jobs.append((p, SamplingParams(max_new_tokens=n), make(m, draft, k=1 + i % 4)))
         refs.append(single(target, draft, m, p, n))
+    log = record_steps(monkeypatch)  # the batch's steps only (the references above run the loop too)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=5, join_every=2)
     assert [r.token_ids for r in out] == refs
     # every row's steps were logged, and rows were ragged within a step (draft sizes and acceptances)

@@ -136,14 +136,17 @@ def test_cost_aware_schedule_is_exact_and_learns(pair):
     sp = SamplingParams(max_new_tokens=40)
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set()).token_ids
     pol = CostAwarePolicy(4)
+    accepted = 0
     for _ in range(2):
         out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V), PROMPT, sp,
                        eos_ids=set(), length=CostAwareLength(pol))
         assert out.token_ids == ref
         drafted = [s.drafted for s in out.stats.steps]
         assert all(0 <= d <= 4 for d in drafted) and max(drafted) > 0
-    # it drafted, some drafts were accepted, and the acceptance it learned matches what happened
-    assert out.stats.accepted > 0
+        accepted += out.stats.accepted
+    # it drafted, some drafts were accepted (whether the second request still drafts depends on the
+    # machine's measured costs), and the acceptance it learned matches what happened
+    assert accepted > 0
     assert pol.acc and all(0.0 < a < 1.0 for a in pol.acc[:1])
     assert pol.draft_cost > 0 and all(c > 0 for c in pol.cost.values())
 

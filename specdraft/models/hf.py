@@ -290,26 +290,12 @@ class HFRows:
         The slots stay provisional until ``commit``. ``hidden``: also leave the final norm's output of
         every fed position in ``last_hidden`` [B, N, H] (row r's first len(seqs[r]) are real; the
         model's ``enable_hidden_capture`` hook, switched on for this forward only)."""
-        B, L = self.B, self.L
-        n = [len(s) for s in seqs]
-        N = max(max(n), 1)
-        ids = torch.zeros(B, N, dtype=torch.long)
+        N = max(max(len(s) for s in seqs), 1)
+        ids = torch.zeros(self.B, N, dtype=torch.long)
         for r, s in enumerate(seqs):
             if s:
                 ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        local = torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)
-        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
-        if trees is not None and any(t is not None for t in trees):
-            local = local.clone()
-            for r, t in enumerate(trees):
-                if t is not None:
-                    allow, off = t
-                    m = allow.shape[0]
-                    local[r, :m, :m] = allow
-                    pos[r, :m] = self.lens[r] + off
-        allow = torch.cat([self.valid[:, None, :].expand(B, N, L), local], dim=2)
-        dt = self.model.dtype
-        mask = torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min)
+        mask, pos = self._mask_and_positions(seqs, N, trees)
         dev = self.model.device
         kw = {self.model._cache_kw: self.cache}
         m = self.model
@@ -319,7 +305,7 @@ class HFRows:
             m.enable_hidden_capture()
             m.last_hidden_batch = None
         try:
-            out = m.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+            out = m.model(input_ids=ids.to(dev), attention_mask=None if mask is None else mask.to(dev), position_ids=pos.to(dev),
                           use_cache=True, logits_to_keep=keep or N, **kw)
         finally:
             if hidden:
@@ -327,8 +313,30 @@ class HFRows:
         if hidden:
             self.last_hidden, m.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None, None
         self._last_n = N
-        self.valid = torch.cat([self.valid, torch.zeros(B, N, dtype=torch.bool)], dim=1)
+        self.valid = torch.cat([self.valid, torch.zeros(self.B, N, dtype=torch.bool)], dim=1)
         return out.logits.float()
+
+    def _mask_and_positions(self, seqs, N: int, trees) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The 4D additive mask [B, 1, N, L + N] (None when plain causal attention is exact: every cache
+        slot valid, every row feeding a chain of N tokens; a single request's usual step) and the
+        position ids [B, N]."""
+        B, L = self.B, self.L
+        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
+        has_tree = trees is not None and any(t is not None for t in trees)
+        if not has_tree and all(len(s) == N for s in seqs) and bool(self.valid.all()):
+            return None, pos
+        local = torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)
+        if has_tree:
+            local = local.clone()
+            for r, t in enumerate(trees):
+                if t is not None:
+                    allow, off = t
+                    m = allow.shape[0]
+                    local[r, :m, :m] = allow
+                    pos[r, :m] = self.lens[r] + off
+        allow = torch.cat([self.valid[:, None, :].expand(B, N, L), local], dim=2)
+        dt = self.model.dtype
+        return torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min), pos
 
     @torch.inference_mode()
     def commit(self, keep: list) -> None:
