@@ -243,3 +243,27 @@ def test_serve_argument_errors_before_loading(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(msg) and err.count("\n") == 1
+
+
+def test_seeded_request_same_alone_and_under_load(tiny_server):
+    """A seeded sampling request gives the same tokens alone and sent together with 3 other requests
+    (in the batch scheduler they share its batch, where the batch rule would shrink their drafts);
+    its usage says the seed pins the sample."""
+    url, app, dec, kind = tiny_server
+    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 16, "temperature": 0.9, "seed": 5,
+            "ignore_eos": True}
+    alone = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    others = [{"model": "tiny", "prompt": [4, 5, 4, 5, i], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+              for i in range(3)]
+    out = {}
+
+    def send(i, b):
+        out[i] = httpx.post(url + "/v1/completions", json=b, timeout=60).json()
+
+    threads = [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(others + [body])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[3]["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert alone["usage"]["reproducible"] is True and out[3]["usage"]["reproducible"] is True

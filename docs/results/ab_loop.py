@@ -56,7 +56,7 @@ def main() -> None:
 
     old = importlib.import_module("specdraft_before")
     old_api = importlib.import_module("specdraft_before.api")
-    old_adapter = importlib.import_module("specdraft_before.models.hf")
+    old_adapter = importlib.import_module("specdraft_before.models.adapter")
     threads = set_threads(None)
     t, d = load_model(a.target, a.dtype), load_model(a.draft, a.dtype)
     new_dec = specdraft.SpecDecoder(t, d)
