@@ -362,7 +362,7 @@ class SpecConfig:
     registry's (``specdraft.methods.REGISTRY``); ``validate`` reads it.
 
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
-    rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
+    rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; the model drafters only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
     0 meaning a plain step, so speculation never runs where it does not pay). A schedule changes only
     what is drafted, never what is emitted.
