@@ -35,15 +35,16 @@ class SpecDecoder:
         self._recycle_tables: dict = {}  # top_k -> Token Recycling's AdjacencyTable
         self._tok_hash: str | None = None
         self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
-        self._heads: dict[str, object] = {}  # head dir -> loaded Medusa / EAGLE head
+        self._heads: dict[tuple[str, str], object] = {}  # (head dir, method) -> loaded Medusa / EAGLE head
 
     def head(self, spec: SpecConfig):
         """The trained head in ``spec.head``, loaded once per decoder and checked against the target."""
         from .heads import load_head
 
-        if spec.head not in self._heads:
-            self._heads[spec.head] = load_head(spec.head, self.target, expect_type=spec.method)[0]
-        return self._heads[spec.head]
+        key = (spec.head, spec.method)  # the type check is load_head's: a medusa head is no eagle head
+        if key not in self._heads:
+            self._heads[key] = load_head(spec.head, self.target, expect_type=spec.method)[0]
+        return self._heads[key]
 
     def datastore(self, path: str):
         """The suffix datastore at ``path``, loaded once per decoder and checked against the target's

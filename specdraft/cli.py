@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from .config import SPEC_OFF_AT, SPEC_SHRINK_AT
+from . import methods
+from .config import LOSSY_RULES, SPEC_OFF_AT, SPEC_SHRINK_AT
 from .errors import SpecDraftError
 
 
@@ -19,21 +20,30 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+def _method_name(name: str) -> str:
+    """--method is checked by the registry: an unknown name is the one-line ``error: unknown method ...``
+    (a SpecDraftError, which is no ValueError, so argparse lets it through to main)."""
+    try:
+        return methods.method(name).name
+    except SpecDraftError as e:
+        raise SpecDraftError(str(e)) from None
+
+
 def _add_spec_args(p: argparse.ArgumentParser):
-    p.add_argument("--method", default=None,
-                   help="plain | draft_model | prompt_lookup | layer_skip | early_exit | suffix | "
-                        "token_recycling | lookahead | medusa | eagle")
+    p.add_argument("--method", default=None, type=_method_name, choices=tuple(methods.REGISTRY), metavar="METHOD",
+                   help=f"one of: {methods.help_text()}")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
-    p.add_argument("--schedule", default=None, choices=["constant", "heuristic", "cost_aware"],
+    p.add_argument("--schedule", default=None, choices=methods.SCHEDULES,
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
-    p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"],
-                   help="draft_model / layer_skip / early_exit / eagle: a chain (default) or a token tree (medusa: "
-                        "static); shape fields via --config (tree_branching, tree_choices, tree_budget, tree_topk)")
+    trees = [m.name for m in methods.REGISTRY.values() if len(m.trees) > 1]
+    p.add_argument("--tree", default=None, choices=methods.ALL_TREES,
+                   help=f"{' / '.join(trees)}: a chain (default) or a token tree (static, dynamic; see each method); "
+                        "shape fields via --config (tree_branching, tree_choices, tree_budget, tree_topk)")
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
     p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
-    p.add_argument("--lossy", default=None, choices=["typical"],
+    p.add_argument("--lossy", default=None, choices=LOSSY_RULES,
                    help="opt into a LOSSY verification rule when sampling: typical = Medusa's typical acceptance "
                         "(typical_epsilon / typical_delta via --config); the output is no longer the target's "
                         "distribution")
@@ -100,6 +110,19 @@ def sampling_from_args(a) -> "SamplingParams":
     ).validate()
 
 
+def _check_before_loading(spec, a) -> str | None:
+    """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
+    model, or a head of the method's type. Returns the need."""
+    needs = methods.method(spec.method).needs
+    if needs == "draft_model" and not a.draft:
+        raise SpecDraftError(f"--method {spec.method} needs --draft NAME")
+    if needs == "head":
+        from .heads import read_head_config
+
+        read_head_config(spec.head, expect_type=spec.method)
+    return needs
+
+
 def cmd_models(a) -> int:
     from .models import registry
 
@@ -120,13 +143,12 @@ def cmd_generate(a) -> int:
 
     sp = sampling_from_args(a)
     spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
-    if spec.method == "draft_model" and not a.draft:
-        raise SpecDraftError("--method draft_model needs --draft NAME")
+    needs = _check_before_loading(spec, a)
     if spec.datastore:  # fail on a missing or corrupt store before loading any model
         from .drafters.datastore import Datastore
 
         Datastore(spec.datastore)
-    dec = SpecDecoder.load(a.target, draft=a.draft if spec.method == "draft_model" else None,
+    dec = SpecDecoder.load(a.target, draft=a.draft if needs == "draft_model" else None,
                            dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
     if a.json:
@@ -189,8 +211,7 @@ def cmd_serve(a) -> int:
     from .api import SpecDecoder
 
     spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
-    if spec.method == "draft_model" and not a.draft:
-        raise SpecDraftError("--method draft_model needs --draft NAME")
+    _check_before_loading(spec, a)
     if a.max_queue < 1:
         raise SpecDraftError(f"--max-queue must be >= 1, got {a.max_queue}")
     if a.max_batch < 1:
@@ -329,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.fn(args)
     except SpecDraftError as e:
         print(f"error: {e}", file=sys.stderr)

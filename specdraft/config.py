@@ -2,16 +2,24 @@
 
 Both round-trip through plain dicts / JSON with validation, so the CLI (``--config FILE.json``), the
 benchmark and the server all take the same object.
+
+Validation is declarative: each field carries its constraint (``field(metadata={"check": ...})``,
+small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, ...), one generic loop
+(``_check_fields``) applies them, then a short list of cross-field rules, then the method's own rules,
+read from the method registry (``specdraft.methods``). Validation reads no files: a head's type and
+target, a datastore's vocabulary or a skip config are checked when they are loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError
+from .methods import ALL_TREES, REGISTRY, SCHEDULES, methods_needing
 
 # Defaults measured for the Qwen2.5-Coder 1.5B + 0.5B pair in float32 on this project's 2-core CPU
 # (`specdraft batchbench`, docs/server.md#measured-crossover-qwen-pair): relative to plain decoding at the
@@ -19,12 +27,213 @@ from .errors import ConfigError
 SPEC_SHRINK_AT = 4
 SPEC_OFF_AT = 8
 
-METHODS = ("plain", "draft_model", "prompt_lookup", "layer_skip", "early_exit", "suffix", "token_recycling",
-           "lookahead", "medusa", "eagle")
-HEAD_METHODS = ("medusa", "eagle")
-SCHEDULES = ("constant", "heuristic", "cost_aware")
-TREES = ("chain", "static", "dynamic")
+# Temperatures below this sample greedily (argmax): dividing logits by a tiny temperature overflows
+# to inf / NaN probabilities, and the distribution is one-hot at such temperatures anyway.
+GREEDY_BELOW = 1e-5
+
 LOSSY_RULES = ("typical",)
+
+
+# --- constraints: each is called as check(name, value) and returns the (normalized) value or raises --
+def _and(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer >= ``min`` (no bound when None); ``what`` explains the field in messages, ``note``
+    follows the bound (e.g. "0 = disabled")."""
+
+    min: int | None = None
+    what: str = ""
+    note: str = ""
+    optional: bool = False
+
+    def __call__(self, name, v):
+        if v is None and self.optional:
+            return v
+        label = f"{name} ({self.what})" if self.what else name
+        if not _is_int(v):
+            raise ConfigError(f"{label} must be an integer, got {v!r}")
+        if self.min is not None and v < self.min:
+            raise ConfigError(f"{label} must be >= {self.min}{f' ({self.note})' if self.note else ''}, got {v}")
+        return v
+
+
+@dataclass(frozen=True)
+class Number:
+    """A real number (returned as float) in the interval from ``min`` to ``max``, each end closed
+    unless ``*_open``; ``finite`` also rules out infinity (NaN never passes)."""
+
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    max_open: bool = False
+    finite: bool = False
+    note: str = ""
+
+    def __call__(self, name, v):
+        if not _is_num(v):
+            raise ConfigError(f"{name} must be a number, got {v!r}")
+        ok = not math.isnan(v) and not (self.finite and math.isinf(v))
+        if self.min is not None:
+            ok = ok and (v > self.min if self.min_open else v >= self.min)
+        if self.max is not None:
+            ok = ok and (v < self.max if self.max_open else v <= self.max)
+        if not ok:
+            if self.min is not None and self.max is not None:
+                rng = f"in {'(' if self.min_open else '['}{self.min:g}, {self.max:g}{')' if self.max_open else ']'}"
+            else:
+                bound = self.min if self.max is None else self.max
+                op = (">" if self.min_open else ">=") if self.max is None else ("<" if self.max_open else "<=")
+                rng = f"{'a finite number ' if self.finite else ''}{op} {bound:g}"
+            raise ConfigError(f"{name} must be {rng}{f' ({self.note})' if self.note else ''}, got {v}")
+        return float(v)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``choices`` (a tuple, or a dict whose keys are read when checking, e.g. the live
+    method registry); ``optional``: None allowed, ``note`` ends the message."""
+
+    choices: Any
+    what: str = ""
+    optional: bool = False
+    note: str = ""
+
+    def __call__(self, name, v):
+        if v is None and self.optional:
+            return v
+        if not (isinstance(v, str) and v in self.choices):
+            raise ConfigError(f"unknown {self.what or name} {v!r}; choose one of: {', '.join(self.choices)}"
+                              + (f" {self.note}" if self.note else ""))
+        return v
+
+
+@dataclass(frozen=True)
+class IntList:
+    """A list (a tuple is accepted and made a list) of integers >= ``min`` (any integer when None),
+    non-empty unless ``nonempty`` is False."""
+
+    min: int | None = 1
+    nonempty: bool = True
+    what: str = ""
+
+    def __call__(self, name, v):
+        if isinstance(v, tuple):
+            v = list(v)
+        if (not isinstance(v, list) or (self.nonempty and not v)
+                or not all(_is_int(b) and (self.min is None or b >= self.min) for b in v)):
+            kind = "integers" + (f" >= {self.min}" if self.min is not None else "")
+            raise ConfigError(f"{name} must be a {'non-empty ' if self.nonempty else ''}list of {kind}"
+                              f"{f' ({self.what})' if self.what else ''}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class StrList:
+    """A list of non-empty strings (a single string becomes a list of one)."""
+
+    def __call__(self, name, v):
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+            raise ConfigError(f"{name} must be a list of non-empty strings, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class OptStr:
+    """None, or a non-empty string (``what``: what the string is, e.g. a path)."""
+
+    what: str = "a string"
+
+    def __call__(self, name, v):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ConfigError(f"{name} must be {self.what} (string) or null, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class TreeSize:
+    """A branching list (children per node at each depth) making at most ``max_nodes`` nodes in at
+    most ``max_depth`` depths."""
+
+    max_depth: int
+    max_nodes: int
+
+    def __call__(self, name, v):
+        if len(v) > self.max_depth:
+            raise ConfigError(f"{name} has {len(v)} depths; at most {self.max_depth}")
+        n, width = 0, 1
+        for b in v:
+            width *= b
+            n += width
+        if n > self.max_nodes:
+            raise ConfigError(f"{name} {v} makes a tree of {n} nodes; at most {self.max_nodes}")
+        return v
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Medusa-style tree choices: None, or a list of paths of child ranks, prefix-closed, ranks contiguous."""
+
+    def __call__(self, name, v):
+        if v is not None:
+            check_choices(v)
+        return v
+
+
+def check_choices(choices) -> None:
+    """Medusa-style choices: a list of paths of child ranks, prefix-closed, ranks contiguous."""
+    if not isinstance(choices, list) or not choices:
+        raise ConfigError(f"tree_choices must be a non-empty list of paths like [[0], [1], [0, 0]], got {choices!r}")
+    paths = set()
+    for c in choices:
+        if not isinstance(c, list) or not c or not all(_is_int(r) and r >= 0 for r in c):
+            raise ConfigError(f"each tree_choices entry must be a non-empty list of ranks >= 0, got {c!r}")
+        paths.add(tuple(c))
+    for c in paths:
+        if len(c) > 1 and c[:-1] not in paths:
+            raise ConfigError(f"tree_choices is not prefix-closed: {list(c)} needs {list(c[:-1])}")
+        if c[-1] > 0 and c[:-1] + (c[-1] - 1,) not in paths:
+            raise ConfigError(f"tree_choices skips a rank: {list(c)} needs {list(c[:-1] + (c[-1] - 1,))}")
+
+
+def _f(default, *checks, used_by: Callable[[], tuple[str, ...]] | None = None):
+    """A dataclass field with its constraints (``checks``, applied in order) and, for a field that only
+    some methods read, ``used_by`` (-> those methods' names): setting it for another method is an error.
+    A list default is copied per instance."""
+    md = {"checks": checks, "used_by": used_by}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=md)
+    return field(default=default, metadata=md)
+
+
+def _check_fields(obj) -> None:
+    """The one generic loop: every field's constraints, in declaration order (values may be normalized,
+    e.g. ints to floats, a tuple to a list)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        for check in f.metadata.get("checks", ()):
+            v = check(f.name, v)
+        setattr(obj, f.name, v)
+
+
+def _check_rules(obj, rules) -> None:
+    """Cross-field rules: (ok(obj) -> bool, message(obj) -> str) pairs."""
+    for ok, message in rules:
+        if not ok(obj):
+            raise ConfigError(message(obj))
 
 
 def _from_dict(cls, d: dict[str, Any] | None):
@@ -45,47 +254,24 @@ def _from_dict(cls, d: dict[str, Any] | None):
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+    """temperature 0 means greedy, and so does any temperature below ``GREEDY_BELOW`` (1e-5): such a
+    distribution is one-hot in practice, and dividing logits by it would overflow. top_k 0 and
+    top_p 1.0 mean no truncation."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 128
-    stop: list[str] = field(default_factory=list)
+    temperature: float = _f(0.0, Number(min=0, finite=True, note="0 = greedy"))
+    top_k: int = _f(0, Int(min=0, note="0 = disabled"))
+    top_p: float = _f(1.0, Number(min=0, max=1, min_open=True))
+    seed: int | None = _f(None, Int(optional=True))
+    max_new_tokens: int = _f(128, Int(min=1))
+    stop: list[str] = _f([], StrList())
     ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> "SamplingParams":
-        def num(name, v, kind):
-            if isinstance(v, bool) or not isinstance(v, kind):
-                raise ConfigError(f"{name} must be a number, got {v!r}")
-
-        num("temperature", self.temperature, (int, float))
-        num("top_p", self.top_p, (int, float))
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0 or self.temperature != self.temperature or self.temperature == float("inf"):
-            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        self.temperature = float(self.temperature)
-        self.top_p = float(self.top_p)
+        _check_fields(self)
         return self
 
     @classmethod
@@ -94,23 +280,6 @@ class SamplingParams:
 
     def to_dict(self):
         return dataclasses.asdict(self)
-
-
-def check_choices(choices) -> None:
-    """Medusa-style choices: a list of paths of child ranks, prefix-closed, ranks contiguous."""
-    if not isinstance(choices, list) or not choices:
-        raise ConfigError(f"tree_choices must be a non-empty list of paths like [[0], [1], [0, 0]], got {choices!r}")
-    paths = set()
-    for c in choices:
-        if (not isinstance(c, list) or not c
-                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)):
-            raise ConfigError(f"each tree_choices entry must be a non-empty list of ranks >= 0, got {c!r}")
-        paths.add(tuple(c))
-    for c in paths:
-        if len(c) > 1 and c[:-1] not in paths:
-            raise ConfigError(f"tree_choices is not prefix-closed: {list(c)} needs {list(c[:-1])}")
-        if c[-1] > 0 and c[:-1] + (c[-1] - 1,) not in paths:
-            raise ConfigError(f"tree_choices skips a rank: {list(c)} needs {list(c[:-1] + (c[-1] - 1,))}")
 
 
 @dataclass
@@ -189,163 +358,93 @@ class SpecConfig:
     of it exceeds min(``typical_epsilon``, ``typical_delta`` x exp(-entropy)). At temperature 0 it has no
     effect (greedy verification). Results made with it carry ``"lossy": "typical"`` in their stats.
 
+    Which methods take which ``tree`` and ``schedule`` values, and what each needs, is the method
+    registry's (``specdraft.methods.REGISTRY``); ``validate`` reads it.
+
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
-    rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; draft_model only) or
+    rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; the model drafters only) or
     ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
     0 meaning a plain step, so speculation never runs where it does not pay). A schedule changes only
     what is drafted, never what is emitted.
     """
 
-    method: str = "draft_model"
-    k: int = 4
-    schedule: str = "constant"
-    max_k: int = 16
-    confidence_threshold: float = 0.0
-    min_ngram: int = 1
-    max_ngram: int = 3
-    branches: int = 1
-    tree: str = "chain"
+    method: str = _f("draft_model", Choice(REGISTRY, what="method"))
+    k: int = _f(4, Int(min=1, what="draft tokens per step"))
+    schedule: str = _f("constant", Choice(SCHEDULES, what="schedule"))
+    max_k: int = _f(16, Int())
+    confidence_threshold: float = _f(0.0, Number(min=0, max=1, max_open=True))
+    min_ngram: int = _f(1, Int())
+    max_ngram: int = _f(3, Int())
+    branches: int = _f(1, Int(min=1, note="1 = a chain"))
+    tree: str = _f("chain", Choice(ALL_TREES, what="tree"))
     # tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees),
     # where a forward costs about linear in the tokens it scores; chain stays the default there
-    tree_branching: list[int] = field(default_factory=lambda: [2, 1, 1])
-    tree_choices: list[list[int]] | None = None
-    tree_budget: int = 6
-    tree_topk: int = 2
-    exit_layer: int = 0
-    skip_layers: list[int] = field(default_factory=list)
-    skip_config: str | None = None
+    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1))
+    tree_choices: list[list[int]] | None = _f(None, Choices())
+    tree_budget: int = _f(6, Int(min=1))
+    tree_topk: int = _f(2, Int(min=1))
+    exit_layer: int = _f(0, Int(min=0, note="layers the early-exit draft runs; 0 = unset"))
+    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices"))
+    skip_config: str | None = _f(None, OptStr("a path"))
     # suffix
-    max_spec_factor: float = 1.0
-    min_token_prob: float = 0.1
-    tree_nodes: int = 24
-    max_occurrences: int = 256
-    datastore: str | None = None
+    max_spec_factor: float = _f(1.0, Number(min=0, min_open=True))
+    min_token_prob: float = _f(0.1, Number(min=0, max=1))
+    tree_nodes: int = _f(24, Int(min=1, what="draft tree node budget"))
+    max_occurrences: int = _f(256, Int(min=1))
+    datastore: str | None = _f(None, OptStr("a path"), used_by=lambda: ("suffix",))
     # token_recycling
-    recycle_branching: list[int] = field(default_factory=lambda: [4, 2, 2, 1])
+    recycle_branching: list[int] = _f([4, 2, 2, 1], IntList(min=1, what="children per node at each depth"),
+                                      TreeSize(max_depth=64, max_nodes=4096))
     # lookahead
-    lookahead_window: int = 4
-    lookahead_ngram: int = 3
-    lookahead_max_ngrams: int = 4
-    # medusa / eagle: the trained head's directory (specdraft train)
-    head: str | None = None
+    lookahead_window: int = _f(4, Int(min=1, what="W"))
+    lookahead_ngram: int = _f(3, Int(min=2, what="N"))
+    lookahead_max_ngrams: int = _f(4, Int(min=1, what="G"))
+    # medusa / eagle: the trained head's directory (specdraft train); its type and target are checked
+    # when it is loaded (heads.load_head), not here
+    head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head"))
     # opt-in LOSSY verification (any method, sampling only): "typical" = Medusa's typical acceptance
-    lossy: str | None = None
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
+    lossy: str | None = _f(None, Choice(LOSSY_RULES, what="lossy rule", optional=True,
+                                        note="(or null, the default: lossless verification)"))
+    typical_epsilon: float = _f(0.09, Number(min=0, max=1, min_open=True))
+    typical_delta: float = _f(0.3, Number(min=0, finite=True))
+
+    # rules across fields, after each field's own constraints: (ok, message)
+    RULES = (
+        (lambda s: s.max_k >= s.k, lambda s: f"max_k must be >= k, got max_k={s.max_k} < k={s.k}"),
+        (lambda s: 1 <= s.min_ngram <= s.max_ngram,
+         lambda s: f"need 1 <= min_ngram <= max_ngram, got min_ngram={s.min_ngram}, max_ngram={s.max_ngram}"),
+        (lambda s: s.tree == "chain" or s.schedule == "constant",
+         lambda s: f"tree={s.tree!r} needs schedule 'constant', got {s.schedule!r}"),
+    )
 
     def validate(self) -> "SpecConfig":
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
-        if self.head is not None:
-            if not isinstance(self.head, str) or not self.head:
-                raise ConfigError(f"head must be a directory path (string) or null, got {self.head!r}")
-            if self.method not in HEAD_METHODS:
-                raise ConfigError(f"head is used by methods medusa and eagle only, not {self.method!r}")
-            from .heads import read_head_config
+        """Each field's constraints, the cross-field RULES, then the method's rules from the registry.
+        Reads no files (heads, datastores and skip configs are checked when loaded)."""
+        _check_fields(self)
+        _check_rules(self, self.RULES)
+        self._check_method()
+        return self
 
-            meta = read_head_config(self.head)
-            if meta["type"] != self.method:
-                raise ConfigError(f"head {self.head} is a {meta['type']} head; method {self.method!r} needs a "
-                                  f"{self.method} head")
-        elif self.method in HEAD_METHODS:
+    def _check_method(self) -> None:
+        m = REGISTRY[self.method]
+        for f in dataclasses.fields(self):  # fields only some methods read, set for another method
+            users = f.metadata["used_by"]() if f.metadata.get("used_by") else None
+            if users is not None and getattr(self, f.name) != f.default and self.method not in users:
+                who = f"method {users[0]!r}" if len(users) == 1 else f"methods {_and(users)}"
+                raise ConfigError(f"{f.name} is used by {who} only, not {self.method!r}")
+        if m.needs == "head" and self.head is None:
             raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
                               f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
-        for name in ("k", "max_k", "min_ngram", "max_ngram", "branches", "tree_nodes", "max_occurrences",
-                     "lookahead_window", "lookahead_ngram", "lookahead_max_ngrams"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{name} must be an integer, got {v!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-        if self.k < 1:
-            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {self.k}")
-        if self.max_k < self.k:
-            raise ConfigError(f"max_k must be >= k, got max_k={self.max_k} < k={self.k}")
-        if not 0 <= self.confidence_threshold < 1:
-            raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
-        if self.branches < 1:
-            raise ConfigError(f"branches must be >= 1 (1 = a chain), got {self.branches}")
-        if self.tree not in TREES:
-            raise ConfigError(f"unknown tree {self.tree!r}; choose one of: {', '.join(TREES)}")
-        if self.tree != "chain":
-            if self.method not in ("draft_model", "layer_skip", "early_exit", "medusa", "eagle"):
-                raise ConfigError(f"tree={self.tree!r} is for methods draft_model, layer_skip, early_exit, medusa and "
-                                  "eagle (prompt_lookup makes trees with branches > 1)")
-            if self.schedule != "constant":
-                raise ConfigError(f"tree={self.tree!r} needs schedule 'constant', got {self.schedule!r}")
-        for name in ("tree_budget", "tree_topk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-        if (not isinstance(self.tree_branching, list) or not self.tree_branching
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.tree_branching)):
-            raise ConfigError(f"tree_branching must be a non-empty list of integers >= 1, got {self.tree_branching!r}")
-        if self.tree_choices is not None:
-            check_choices(self.tree_choices)
-        if isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int) or self.exit_layer < 0:
-            raise ConfigError(f"exit_layer must be an integer >= 1 (layers the early-exit draft runs), got {self.exit_layer!r}")
-        if self.method == "early_exit" and self.exit_layer < 1:
-            raise ConfigError("method 'early_exit' needs exit_layer >= 1 (how many of the target's first layers draft)")
-        if not isinstance(self.skip_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.skip_layers):
-            raise ConfigError(f"skip_layers must be a list of layer indices, got {self.skip_layers!r}")
-        if self.method == "layer_skip" and not self.skip_layers and not self.skip_config:
-            raise ConfigError("method 'layer_skip' needs skip_layers=[...] or skip_config=FILE "
-                              "(from `specdraft tune-skip --target NAME -o FILE`)")
-        if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
-            raise ConfigError(
-                f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
-            )
-        for name in ("max_spec_factor", "min_token_prob"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise ConfigError(f"{name} must be a number, got {v!r}")
-        if not self.max_spec_factor > 0:
-            raise ConfigError(f"max_spec_factor must be > 0, got {self.max_spec_factor}")
-        if not 0 <= self.min_token_prob <= 1:
-            raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
-        if self.tree_nodes < 1:
-            raise ConfigError(f"tree_nodes (draft tree node budget) must be >= 1, got {self.tree_nodes}")
-        if self.max_occurrences < 1:
-            raise ConfigError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
-        if self.datastore is not None and (not isinstance(self.datastore, str) or not self.datastore):
-            raise ConfigError(f"datastore must be a path (string) or null, got {self.datastore!r}")
-        if self.datastore is not None and self.method != "suffix":
-            raise ConfigError(f"datastore is used by method 'suffix' only, not {self.method!r}")
-        rb = self.recycle_branching
-        if isinstance(rb, tuple):
-            rb = self.recycle_branching = list(rb)
-        if (not isinstance(rb, list) or not rb
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in rb)):
-            raise ConfigError(f"recycle_branching must be a non-empty list of integers >= 1 (children per node "
-                              f"at each depth), got {rb!r}")
-        if len(rb) > 64:
-            raise ConfigError(f"recycle_branching has {len(rb)} depths; at most 64")
-        n, width = 0, 1
-        for b in rb:
-            width *= b
-            n += width
-        if n > 4096:
-            raise ConfigError(f"recycle_branching {rb} makes a tree of {n} nodes; at most 4096")
-        if self.lookahead_window < 1:
-            raise ConfigError(f"lookahead_window (W) must be >= 1, got {self.lookahead_window}")
-        if self.lookahead_ngram < 2:
-            raise ConfigError(f"lookahead_ngram (N) must be >= 2, got {self.lookahead_ngram}")
-        if self.lookahead_max_ngrams < 1:
-            raise ConfigError(f"lookahead_max_ngrams (G) must be >= 1, got {self.lookahead_max_ngrams}")
-        if self.lossy is not None and self.lossy not in LOSSY_RULES:
-            raise ConfigError(f"unknown lossy rule {self.lossy!r}; choose one of: {', '.join(LOSSY_RULES)} "
-                              "(or null, the default: lossless verification)")
-        for name in ("typical_epsilon", "typical_delta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise ConfigError(f"{name} must be a number, got {v!r}")
-        if not 0 < self.typical_epsilon <= 1:
-            raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon}")
-        if not 0 <= self.typical_delta < float("inf"):
-            raise ConfigError(f"typical_delta must be a finite number >= 0, got {self.typical_delta}")
-        self.max_spec_factor = float(self.max_spec_factor)
-        self.min_token_prob = float(self.min_token_prob)
-        return self
+        if self.tree not in m.trees:
+            takes = [n for n, x in REGISTRY.items() if self.tree in x.trees]
+            raise ConfigError(f"tree={self.tree!r} is for methods {_and(takes)} (prompt_lookup makes trees with "
+                              "branches > 1)")
+        if self.schedule not in m.schedules:
+            raise ConfigError(f"schedule {self.schedule!r} is not available for method {self.method!r}; it takes: "
+                              f"{', '.join(m.schedules)}")
+        problem = m.check(self) if m.check is not None else None
+        if problem:
+            raise ConfigError(problem)
 
     def lossy_rule(self):
         """The opt-in lossy verification rule, or None (lossless, the default)."""
@@ -354,10 +453,6 @@ class SpecConfig:
 
             return TypicalAcceptance(float(self.typical_epsilon), float(self.typical_delta))
         return None
-
-    @property
-    def needs_draft_model(self) -> bool:
-        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, d):

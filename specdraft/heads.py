@@ -158,7 +158,10 @@ def save_head(head: nn.Module, out: Path, extra: dict) -> None:
     (out / "config.tmp").replace(out / "config.json")
 
 
-def read_head_config(path: str | Path) -> dict:
+def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
+    """The head directory's config.json, checked; ``expect_type``: the method that will use it (a
+    medusa head for method medusa, ...). Called on load (``load_head``) and by the CLI before it loads
+    any model; ``SpecConfig.validate`` reads no files."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"head directory {str(p)!r} not found (train one with `specdraft train medusa|eagle "
@@ -173,6 +176,8 @@ def read_head_config(path: str | Path) -> dict:
         raise ConfigError(f"{cf} is not valid JSON: {e}") from e
     if not isinstance(meta, dict) or meta.get("type") not in HEAD_TYPES:
         raise ConfigError(f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_TYPES)})")
+    if expect_type is not None and meta["type"] != expect_type:
+        raise ConfigError(f"head {path} is a {meta['type']} head; method {expect_type!r} needs a {expect_type} head")
     return meta
 
 
@@ -188,9 +193,7 @@ def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple
     """Load the head in ``path`` for ``target`` (checked to be the model it was trained on)."""
     from safetensors.torch import load_file
 
-    meta = read_head_config(path)
-    if expect_type is not None and meta["type"] != expect_type:
-        raise ConfigError(f"head {path} is a {meta['type']} head; method {expect_type!r} needs a {expect_type} head")
+    meta = read_head_config(path, expect_type)
     check_signature(meta.get("target_signature", {}), target, str(path))
     head = build_head(meta, target)
     state = load_file(str(Path(path) / "head.safetensors"))

@@ -6,6 +6,7 @@ benchmark read it; adding a drafter is one drafter file plus one entry here (doc
 "layer_view" (the target's own layers), "head" (a head trained by ``specdraft train``).
 ``trees``: the ``SpecConfig.tree`` values it accepts (model-free drafters that make trees on their
 own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
+``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
 """
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 ALL_TREES = ("chain", "static", "dynamic")
-MODEL_SCHEDULES = ("constant", "heuristic", "cost_aware")
+SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
+MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
 
 
@@ -29,6 +31,20 @@ class Method:
     schedules: tuple[str, ...] = FREE_SCHEDULES
     batches: bool = True
     backends: tuple[str, ...] = ("hf",)
+    check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
+
+
+def _needs_exit_layer(spec):
+    if spec.exit_layer < 1:
+        return "method 'early_exit' needs exit_layer >= 1 (how many of the target's first layers draft)"
+    return None
+
+
+def _needs_skip_set(spec):
+    if not spec.skip_layers and not spec.skip_config:
+        return ("method 'layer_skip' needs skip_layers=[...] or skip_config=FILE "
+                "(from `specdraft tune-skip --target NAME -o FILE`)")
+    return None
 
 
 def _plain(dec, spec):
@@ -93,14 +109,16 @@ def _eagle(dec, spec):
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in [
-    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=("constant",)),
+    # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
+    # any default spec (the server's, loadtest's plain mode, the bench's reference)
+    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES),
     Method("draft_model", "a smaller model with the target's tokenizer drafts k tokens (or a tree)", _draft_model,
            needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
     Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _self_draft,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _self_draft,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer),
     Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling),
     Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead),
@@ -110,14 +128,14 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
            needs="head", trees=ALL_TREES),
 ]}
 
-METHODS = tuple(REGISTRY)
+METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY
 
 
 def method(name: str) -> Method:
     from .errors import ConfigError
 
     if name not in REGISTRY:
-        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 

@@ -6,16 +6,19 @@ distribution a token is sampled from. The verifier's exactness rests on both sid
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .config import SamplingParams
+if TYPE_CHECKING:  # type hints only: config -> verify -> sampling must not import config back
+    from .config import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Rows of logits [..., V] -> rows of probabilities (float32), vectorized, no Python loops.
 
     Order as in transformers: temperature, then top-k, then top-p (on the temperature-scaled
-    distribution). Requires sp.temperature > 0.
+    distribution). Sampling rows only: ``sp.greedy`` is False (temperature >= config.GREEDY_BELOW).
     """
     x = logits.float() / sp.temperature
     if sp.top_k > 0 and sp.top_k < x.shape[-1]:

@@ -218,3 +218,19 @@ def test_draft_tree_cache_compaction_matches_direct_decoding(pair):
 
         out = generate(target, d, PROMPT, sp, eos_ids=set(), on_emit=check)
         assert out.stats.accepted > 0 and len(seen) == 30
+
+
+def test_tiny_temperature_is_greedy(pair):
+    """A temperature below config.GREEDY_BELOW is greedy: 1e-39 used to pass validation, overflow
+    logits / temperature to NaN probabilities and fail in torch.multinomial."""
+    from specdraft.api import SpecDecoder
+    from specdraft.config import GREEDY_BELOW
+
+    target, draft = pair
+    dec = SpecDecoder(target, draft)
+    base = {"max_new_tokens": 12, "ignore_eos": True}
+    greedy = dec.generate(PROMPT, sampling=base, spec={"method": "plain"}).token_ids
+    for spec in [{"method": "plain"}, {"method": "draft_model", "k": 3}, {"method": "prompt_lookup"}]:
+        out = dec.generate(PROMPT, sampling={**base, "temperature": 1e-39, "seed": 0}, spec=spec)
+        assert out.token_ids == greedy, spec
+    assert SamplingParams(temperature=1e-39).validate().greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy

@@ -88,13 +88,20 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
 
 # --- bad input -------------------------------------------------------------------------------------
 def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
+    from specdraft.api import SpecDecoder
+    from specdraft.models.loading import load_model
+
+    # validation reads no files: a missing or wrong head is found when it is loaded (generate, the
+    # server's admission, the CLI before it loads a model), with the same message
+    SpecConfig(method="medusa", head=str(tmp_path / "nope")).validate()
+    dec = SpecDecoder(load_model(str(tiny_dir), "float32"))
     with pytest.raises(ConfigError, match="not found"):
-        SpecConfig(method="medusa", head=str(tmp_path / "nope")).validate()
+        dec.generate([1, 2, 3], spec=SpecConfig(method="medusa", head=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="needs head=DIR"):
         SpecConfig(method="eagle").validate()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="not a head directory"):
-        SpecConfig(method="medusa", head=str(tmp_path / "empty")).validate()
+        dec.generate([1, 2, 3], spec=SpecConfig(method="medusa", head=str(tmp_path / "empty")))
 
     data = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
     hd = tmp_path / "head"
@@ -102,12 +109,12 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     with pytest.raises(ConfigError, match="medusa and eagle only, not 'prompt_lookup'"):
         SpecConfig(method="prompt_lookup", head=str(hd)).validate()
     with pytest.raises(ConfigError, match="is a medusa head; method 'eagle' needs an? eagle head"):
-        SpecConfig(method="eagle", head=str(hd)).validate()
+        dec.generate([1, 2, 3], spec=SpecConfig(method="eagle", head=str(hd)))
     assert main(["generate", "--target", str(tiny_dir), "--dtype", "float32", "--method", "layer_skip",
                  "--head", str(hd), "hi"]) == 2
     assert "medusa and eagle only" in capsys.readouterr().err
-
-    from specdraft.models.loading import load_model
+    assert main(["generate", "--target", "no-such-model", "--method", "eagle", "--head", str(hd), "hi"]) == 2
+    assert "is a medusa head; method 'eagle' needs a" in capsys.readouterr().err  # before loading the model
 
     other = load_model(str(tiny_model_dir(tmp_path / "three_layers", layers=3)), "float32")
     with pytest.raises(ConfigError, match="num_hidden_layers=2 .*this target has num_hidden_layers=3"):

@@ -67,6 +67,14 @@ def test_completion_and_stream(tiny_server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_tiny_temperature_is_greedy(tiny_server):
+    """temperature 1e-39 (below config.GREEDY_BELOW) is served greedily, not a 500 from NaN probabilities."""
+    url, app, dec, kind = tiny_server
+    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 9, "temperature": 1e-39, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref(dec, [1, 2, 3, 1, 2], 9), r.text
+
+
 def test_lossy_rule_is_per_request_and_marked(tiny_server):
     """Both schedulers: a sampling request with spec lossy=typical says so in its usage; the same
     request without it, and a greedy one with it (the rule does not act), do not."""

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import METHODS, SamplingParams, SpecConfig
+from .. import methods
+from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, SpecDraftError
 from . import data
 from .report import render
 
-ENGINE_METHODS = METHODS  # every engine method, the model-free drafters included
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp")
 
 
@@ -42,7 +42,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
-                   help=f"comma list of {ENGINE_METHODS + BASELINES}; name=JSON-file for a named SpecConfig")
+                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}; name=JSON-file for a named SpecConfig")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
                    "and 'variants' {name: SpecConfig}")
     b.add_argument("--dataset", default=None)
@@ -112,7 +112,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
             out.append((m, named[m].method, named[m]))
         elif m in BASELINES:
             out.append((m, m, None))
-        elif m in ENGINE_METHODS:
+        elif m in methods.REGISTRY:
             if m == "plain" or not sweeps:
                 out.append((m, m, SpecConfig.from_dict({**base, "method": m})))
             else:
@@ -126,7 +126,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
                     label = m + "[" + ",".join(f"{f}={v}" for f, v in c.items()) + "]"
                     out.append((label, m, SpecConfig.from_dict(d)))
         else:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(ENGINE_METHODS + BASELINES)} "
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(tuple(methods.REGISTRY) + BASELINES)} "
                               f"or a variant named in --config")
     if not any(k == "plain" for _, k, _ in out):
         out.insert(0, ("plain", "plain", SpecConfig(method="plain")))  # the reference for speedup and exactness
@@ -211,9 +211,10 @@ def run_bench(a) -> dict:
     sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                         max_new_tokens=a.max_new_tokens).validate()
     variants = build_variants(a, cfg)
-    needs_draft = any(k in ("draft_model", "hf_assisted") for _, k, _ in variants)
+    needs_draft = any(k == "hf_assisted" or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
+                      for _, k, _ in variants)
     if needs_draft and not a.draft:
-        raise ConfigError("draft_model / hf_assisted need --draft NAME")
+        raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted need --draft NAME")
     rows = data.select(data.load_prompts(a.dataset), a.tasks.split(",") if a.tasks else None, a.n_per_task, a.preset)
     if not rows:
         raise SpecDraftError("no prompts selected")
@@ -224,7 +225,7 @@ def run_bench(a) -> dict:
 
     runners, skipped = [], {}
     for name, kind, spec in variants:
-        if kind in ENGINE_METHODS:
+        if kind in methods.REGISTRY:
             runners.append(EngineRunner(name, dec, spec))
         elif kind == "hf_generate":
             runners.append(HFRunner(name, dec, "plain"))

@@ -13,8 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import HEAD_METHODS, SpecConfig
+from ..config import SpecConfig
 from ..errors import SpecDraftError
+from ..methods import method as registered
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
 from .scheduler import Job, QueueFull, SingleWorker
@@ -125,19 +126,17 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         try:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
                               default_spec=default_spec, default_max_tokens=default_max_tokens)
-            if p.spec.method == "draft_model" and decoder.draft is None:
-                raise RequestError("spec.method 'draft_model' needs a draft model; this server was started "
+            needs = registered(p.spec.method).needs  # what the method needs must exist before admission
+            if needs == "draft_model" and decoder.draft is None:
+                raise RequestError(f"spec.method {p.spec.method!r} needs a draft model; this server was started "
                                    "without --draft (use prompt_lookup or plain)", param="spec")
-            if p.spec.method in ("layer_skip", "early_exit"):  # the layer view must exist for this target
-                try:
+            try:
+                if needs == "layer_view":  # the layer view must exist for this target
                     decoder.self_draft(p.spec)
-                except SpecDraftError as e:
-                    raise RequestError(f"spec: {e}", param="spec") from None
-            if p.spec.method in HEAD_METHODS:  # the head must load and match this target (either scheduler)
-                try:
+                elif needs == "head":  # the head must load, be of the method's type and match this target
                     decoder.head(p.spec)
-                except SpecDraftError as e:
-                    raise RequestError(f"spec: {e}", param="spec") from None
+            except SpecDraftError as e:
+                raise RequestError(f"spec: {e}", param="spec") from None
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)
