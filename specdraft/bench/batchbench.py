@@ -166,6 +166,7 @@ def main_batchbench(a) -> int:
     from ..api import SpecDecoder
     from ..engine import generate_batch
     from ..config import SamplingParams, SpecConfig
+    from ..methods import method
     from .data import load_prompts
 
     sizes = _ints(a.batch_sizes, "batch-sizes")
@@ -173,7 +174,7 @@ def main_batchbench(a) -> int:
         raise SpecDraftError("--prompts, --max-new-tokens and --repeats must be >= 1")
     specs = _specs(a)
     labels = list(specs)
-    if any(s["method"] == "draft_model" for s in specs.values()) and not a.draft:
+    if any(method(s["method"]).needs == "draft_model" for s in specs.values()) and not a.draft:
         raise SpecDraftError("method draft_model needs --draft NAME")
     policy = None
     if a.policy:
