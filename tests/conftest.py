@@ -4,7 +4,26 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(int(os.environ.get("SPECDRAFT_THREADS", "0")) or os.cpu_count() or 1)
+THREADS = int(os.environ.get("SPECDRAFT_THREADS", "0")) or os.cpu_count() or 1
+torch.set_num_threads(THREADS)
+
+# Fixtures that load a real model (SmolLM2, the Qwen pair); a test using none of them runs on tiny
+# random models, whose ops are too small to gain from intra-op threads: there, a second thread only
+# adds synchronisation (measured on the 2-core machine: 6 ms instead of 100+ ms per tiny generate
+# call under load), so such tests run on one thread (set SPECDRAFT_TINY_THREADS to change it).
+REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen"}
+TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request, monkeypatch):
+    real = not REAL_MODEL_FIXTURES.isdisjoint(request.fixturenames)
+    n = THREADS if real else TINY_THREADS
+    if not real:  # the CLI's set_threads() (in-process commands, subprocesses) reads it too
+        monkeypatch.setenv("SPECDRAFT_THREADS", str(n))
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(THREADS)
 
 
 def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, noise_seed=None, noise=0.0):
