@@ -73,6 +73,28 @@ def smol_f32():
 
 
 @pytest.fixture(scope="session")
+def smol_variant():
+    """load(dtype, num_layers) -> a SmolLM2-135M copy (e.g. a layer-truncated draft, a bf16 copy),
+    loaded once per session and shared by every module (drafters reset its cache in begin())."""
+    from specdraft.models.loading import load_model
+
+    cache = {}
+
+    def load(dtype="float32", num_layers=None):
+        if (dtype, num_layers) not in cache:
+            cache[dtype, num_layers] = load_model("smollm2-135m", dtype, num_layers=num_layers)
+        return cache[dtype, num_layers]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def smol_draft4(smol_variant):
+    """SmolLM2-135M float32 truncated to its first 4 layers: the cheap draft of the batch and server tests."""
+    return smol_variant("float32", 4)
+
+
+@pytest.fixture(scope="session")
 def smol_tok(smol_f32):
     return smol_f32.tokenizer
 

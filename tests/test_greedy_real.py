@@ -10,7 +10,6 @@ import torch
 
 from specdraft.api import SpecDecoder
 from specdraft.config import SamplingParams, SpecConfig
-from specdraft.models.loading import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +61,9 @@ DRAFTS = {  # id: (draft dtype, draft layers, spec)
 
 
 @pytest.mark.parametrize("draft_kind", list(DRAFTS))
-def test_draft_model_greedy_exact(smol_f32, reference, draft_kind):
+def test_draft_model_greedy_exact(smol_f32, smol_variant, reference, draft_kind):
     dtype, layers, cfg = DRAFTS[draft_kind]
-    draft = load_model("smollm2-135m", dtype, num_layers=layers)
+    draft = smol_variant(dtype, layers)  # loaded once per session
     dec = SpecDecoder(smol_f32, draft)
     n = NEW if cfg.tree == "chain" else SHORT  # a greedy prefix: trees compare their first SHORT tokens
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
