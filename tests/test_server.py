@@ -40,9 +40,14 @@ def ref_dec(smol_f32, smol_draft4):
     return decoder(smol_f32, smol_draft4)
 
 
-def reference(ref_dec, prompt, n, chat=False, spec=None):
-    out = ref_dec.generate(prompt, sampling={"max_new_tokens": n}, spec=spec or {"method": "plain"}, chat=chat)
-    return out.text
+_REFS = {}  # plain greedy texts, computed once per (prompt, n, chat) for both schedulers' servers
+
+
+def reference(ref_dec, prompt, n, chat=False):
+    if (prompt, n, chat) not in _REFS:
+        out = ref_dec.generate(prompt, sampling={"max_new_tokens": n}, spec={"method": "plain"}, chat=chat)
+        _REFS[prompt, n, chat] = out.text
+    return _REFS[prompt, n, chat]
 
 
 @pytest.fixture(scope="module", params=["single", "batch"])
