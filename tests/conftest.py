@@ -108,9 +108,9 @@ def smol_dec(smol_f32):
 
 @pytest.fixture(scope="session")
 def smol_reference(smol_dec):
-    """Plain greedy outputs (64 new tokens, chat template, EOS ignored) of SmolLM2-135M float32 for
-    test_greedy_real.PROMPTS: the one reference every real-model exactness test compares with (a
-    shorter run is compared with a prefix of it)."""
+    """Plain greedy outputs (test_greedy_real.NEW = 40 new tokens, chat template, EOS ignored) of
+    SmolLM2-135M float32 for test_greedy_real.PROMPTS: the one reference every real-model exactness
+    test compares with (a shorter run is compared with a prefix of it)."""
     from specdraft.config import SamplingParams, SpecConfig
     from test_greedy_real import NEW, PROMPTS
 
