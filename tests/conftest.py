@@ -15,15 +15,14 @@ REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen"}
 TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
 
 
-@pytest.fixture(autouse=True)
-def _torch_threads(request, monkeypatch):
-    real = not REAL_MODEL_FIXTURES.isdisjoint(request.fixturenames)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any of the test's fixtures (module- and session-scoped ones included) are set up, so
+    that e.g. a module fixture training tiny heads runs on the tiny tests' single thread."""
+    real = not REAL_MODEL_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
     n = THREADS if real else TINY_THREADS
-    if not real:  # the CLI's set_threads() (in-process commands, subprocesses) reads it too
-        monkeypatch.setenv("SPECDRAFT_THREADS", str(n))
+    os.environ["SPECDRAFT_THREADS"] = str(n)  # what the CLI's set_threads() reads (in-process and subprocesses)
     torch.set_num_threads(n)
-    yield
-    torch.set_num_threads(THREADS)
 
 
 def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, noise_seed=None, noise=0.0):
