@@ -4,13 +4,18 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-THREADS = int(os.environ.get("SPECDRAFT_THREADS", "0")) or os.cpu_count() or 1
+# torch intra-op threads for real-model tests: SPECDRAFT_THREADS, else one. On the 2-core machine that
+# runs CI (shared with other work) a second thread made SmolLM2 decoding 4-6x slower whenever another
+# process held a core (OpenMP barriers wait for a descheduled thread: 800-1260 ms/token on two threads,
+# 200 ms/token on one, measured in turns in one process); the whole suite on one thread, under load,
+# stayed inside the CI budget. SPECDRAFT_THREADS=2 restores two threads on an idle machine.
+THREADS = int(os.environ.get("SPECDRAFT_THREADS", "0")) or 1
 torch.set_num_threads(THREADS)
 
 # Fixtures that load a real model (SmolLM2, the Qwen pair); a test using none of them runs on tiny
-# random models, whose ops are too small to gain from intra-op threads: there, a second thread only
-# adds synchronisation (measured on the 2-core machine: 6 ms instead of 100+ ms per tiny generate
-# call under load), so such tests run on one thread (set SPECDRAFT_TINY_THREADS to change it).
+# random models, whose ops are too small to gain from intra-op threads (a tiny generate call: 6 ms on
+# one thread, 100+ ms on two under load), so such tests run on one thread whatever SPECDRAFT_THREADS
+# says (SPECDRAFT_TINY_THREADS changes it).
 REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen"}
 TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
 
@@ -18,7 +23,7 @@ TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any of the test's fixtures (module- and session-scoped ones included) are set up, so
-    that e.g. a module fixture training tiny heads runs on the tiny tests' single thread."""
+    that e.g. a module fixture training tiny heads runs on the tiny tests' thread count."""
     real = not REAL_MODEL_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
     n = THREADS if real else TINY_THREADS
     os.environ["SPECDRAFT_THREADS"] = str(n)  # what the CLI's set_threads() reads (in-process and subprocesses)
