@@ -4,7 +4,30 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(int(os.environ.get("SPECDRAFT_THREADS", "0")) or os.cpu_count() or 1)
+# torch intra-op threads for real-model tests: SPECDRAFT_THREADS, else one. On the 2-core machine that
+# runs CI (shared with other work) a second thread made SmolLM2 decoding 4-6x slower whenever another
+# process held a core (OpenMP barriers wait for a descheduled thread: 800-1260 ms/token on two threads,
+# 200 ms/token on one, measured in turns in one process); the whole suite on one thread, under load,
+# stayed inside the CI budget. SPECDRAFT_THREADS=2 restores two threads on an idle machine.
+THREADS = int(os.environ.get("SPECDRAFT_THREADS", "0")) or 1
+torch.set_num_threads(THREADS)
+
+# Fixtures that load a real model (SmolLM2, the Qwen pair); a test using none of them runs on tiny
+# random models, whose ops are too small to gain from intra-op threads (a tiny generate call: 6 ms on
+# one thread, 100+ ms on two under load), so such tests run on one thread whatever SPECDRAFT_THREADS
+# says (SPECDRAFT_TINY_THREADS changes it).
+REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen"}
+TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any of the test's fixtures (module- and session-scoped ones included) are set up, so
+    that e.g. a module fixture training tiny heads runs on the tiny tests' thread count."""
+    real = not REAL_MODEL_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    n = THREADS if real else TINY_THREADS
+    os.environ["SPECDRAFT_THREADS"] = str(n)  # what the CLI's set_threads() reads (in-process and subprocesses)
+    torch.set_num_threads(n)
 
 
 def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, noise_seed=None, noise=0.0):
@@ -54,6 +77,28 @@ def smol_f32():
 
 
 @pytest.fixture(scope="session")
+def smol_variant():
+    """load(dtype, num_layers) -> a SmolLM2-135M copy (e.g. a layer-truncated draft, a bf16 copy),
+    loaded once per session and shared by every module (drafters reset its cache in begin())."""
+    from specdraft.models.loading import load_model
+
+    cache = {}
+
+    def load(dtype="float32", num_layers=None):
+        if (dtype, num_layers) not in cache:
+            cache[dtype, num_layers] = load_model("smollm2-135m", dtype, num_layers=num_layers)
+        return cache[dtype, num_layers]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def smol_draft4(smol_variant):
+    """SmolLM2-135M float32 truncated to its first 4 layers: the cheap draft of the batch and server tests."""
+    return smol_variant("float32", 4)
+
+
+@pytest.fixture(scope="session")
 def smol_tok(smol_f32):
     return smol_f32.tokenizer
 
@@ -67,9 +112,9 @@ def smol_dec(smol_f32):
 
 @pytest.fixture(scope="session")
 def smol_reference(smol_dec):
-    """Plain greedy outputs (64 new tokens, chat template, EOS ignored) of SmolLM2-135M float32 for
-    test_greedy_real.PROMPTS: the one reference every real-model exactness test compares with (a
-    shorter run is compared with a prefix of it)."""
+    """Plain greedy outputs (test_greedy_real.NEW = 40 new tokens, chat template, EOS ignored) of
+    SmolLM2-135M float32 for test_greedy_real.PROMPTS: the one reference every real-model exactness
+    test compares with (a shorter run is compared with a prefix of it)."""
     from specdraft.config import SamplingParams, SpecConfig
     from test_greedy_real import NEW, PROMPTS
 

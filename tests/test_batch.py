@@ -150,12 +150,10 @@ def test_batchkv_empty_prefix_rows(pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_smollm2_greedy_rows_equal_batch1(smol_f32, method):
+def test_smollm2_greedy_rows_equal_batch1(smol_f32, smol_draft4, method):
     """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == batch-size-1."""
-    from specdraft.models.loading import load_model
-
     tok = smol_f32.tokenizer
-    draft = load_model("smollm2-135m", "float32", num_layers=4) if method == "draft_model" else None
+    draft = smol_draft4 if method == "draft_model" else None
     texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
              "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
              "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
@@ -338,13 +336,6 @@ SMOL_SPECS = {
     "layer_skip": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "k": 3},
     "layer_skip_tree": {"method": "layer_skip", "skip_layers": list(range(4, 28, 2)), "tree": "dynamic", "k": 3},
 }
-
-
-@pytest.fixture(scope="module")
-def smol_draft4():
-    from specdraft.models.loading import load_model
-
-    return load_model("smollm2-135m", "float32", num_layers=4)
 
 
 @pytest.mark.slow

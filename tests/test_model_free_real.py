@@ -18,7 +18,7 @@ def smol(smol_dec):
 
 @pytest.fixture(scope="module")
 def reference(smol_reference):
-    """The shared 64-token plain greedy reference, cut to this file's NEW tokens."""
+    """The shared plain greedy reference (conftest.smol_reference), cut to this file's NEW tokens."""
     return {p: ids[:NEW] for p, ids in smol_reference.items()}
 
 

@@ -30,35 +30,32 @@ PROMPTS = [
 SPECS = [{"method": "prompt_lookup", "k": 3}, {"method": "plain"}, {"method": "draft_model", "k": 3}]
 
 
-_DRAFT = {}
-
-
-def decoder(smol):
-    """A decoder with its own KV caches over shared weights; the draft is SmolLM2's first 4 layers."""
-    if "d" not in _DRAFT:
-        from specdraft.models.loading import load_model
-
-        _DRAFT["d"] = load_model("smollm2-135m", "float32", num_layers=4)
-    d = _DRAFT["d"]
+def decoder(smol, d):
+    """A decoder with its own KV caches over shared weights; the draft ``d`` is SmolLM2's first 4 layers."""
     return SpecDecoder(HFModel(smol.model, smol.tokenizer, name="smol"), HFModel(d.model, d.tokenizer, name=d.name))
 
 
 @pytest.fixture(scope="module")
-def ref_dec(smol_f32):
-    return decoder(smol_f32)
+def ref_dec(smol_f32, smol_draft4):
+    return decoder(smol_f32, smol_draft4)
 
 
-def reference(ref_dec, prompt, n, chat=False, spec=None):
-    out = ref_dec.generate(prompt, sampling={"max_new_tokens": n}, spec=spec or {"method": "plain"}, chat=chat)
-    return out.text
+_REFS = {}  # plain greedy texts, computed once per (prompt, n, chat) for both schedulers' servers
+
+
+def reference(ref_dec, prompt, n, chat=False):
+    if (prompt, n, chat) not in _REFS:
+        out = ref_dec.generate(prompt, sampling={"max_new_tokens": n}, spec={"method": "plain"}, chat=chat)
+        _REFS[prompt, n, chat] = out.text
+    return _REFS[prompt, n, chat]
 
 
 @pytest.fixture(scope="module", params=["single", "batch"])
-def server(request, smol_f32):
+def server(request, smol_f32, smol_draft4):
     kw = {"max_queue": 64, "timeout_s": 300}
     if request.param == "batch":
         kw["max_batch"] = 16
-    with running_server(decoder(smol_f32), **kw) as (url, app):
+    with running_server(decoder(smol_f32, smol_draft4), **kw) as (url, app):
         yield url, app, request.param
 
 
@@ -204,10 +201,10 @@ def test_cancelled_streams_leak_nothing(server):
 
 
 @pytest.mark.parametrize("max_batch", [1, 2])
-def test_queue_full_429_and_timeout(smol_f32, max_batch):
+def test_queue_full_429_and_timeout(smol_f32, smol_draft4, max_batch):
     import openai
 
-    with running_server(decoder(smol_f32), max_queue=1, timeout_s=8, max_batch=max_batch) as (url, app):
+    with running_server(decoder(smol_f32, smol_draft4), max_queue=1, timeout_s=8, max_batch=max_batch) as (url, app):
         c = client(url)
         running = []
         for i in range(max_batch):  # fill the running batch
@@ -239,8 +236,8 @@ def test_queue_full_429_and_timeout(smol_f32, max_batch):
 
 
 @pytest.mark.parametrize("max_batch", [1, 4])
-def test_metrics_parse_and_match_requests(smol_f32, max_batch):
-    with running_server(decoder(smol_f32), max_queue=8, max_batch=max_batch) as (url, app):
+def test_metrics_parse_and_match_requests(smol_f32, smol_draft4, max_batch):
+    with running_server(decoder(smol_f32, smol_draft4), max_queue=8, max_batch=max_batch) as (url, app):
         c = client(url)
         usages = []
         for i in range(3):
