@@ -38,6 +38,17 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def divergence(target, prompt, x, y) -> dict:
+    """Where two greedy outputs first differ, and the target's top-2 logit gap there (a near-tie is a
+    legitimate bf16 difference between kernels; a wide gap is a bug)."""
+    import torch
+
+    j = next(i for i, (u, v) in enumerate(zip(x, y)) if u != v) if x[: len(y)] != y[: len(x)] else min(len(x), len(y))
+    target.reset()
+    top = torch.topk(target.forward(torch.tensor(prompt + x[:j]), keep=1)[-1], 2).values
+    return {"position": j, "top2_gap": float(top[0] - top[1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", required=True, help="folder holding the package specdraft_before")
@@ -82,6 +93,7 @@ def main() -> None:
             run(v, m, prompts[0][:32])
     tot = {(v, m): [0, 0.0] for v in versions for m in methods}
     same = {m: 0 for m in methods}
+    gaps: list[dict] = []
     for i, ids in enumerate(prompts):
         for m in methods:
             order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
@@ -92,6 +104,8 @@ def main() -> None:
                 tot[v, m][0] += len(toks)
                 tot[v, m][1] += s
             same[m] += out["before"] == out["after"]
+            if out["before"] != out["after"]:
+                gaps.append({"method": m, "prompt": i, **divergence(t, ids, out["before"], out["after"])})
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
     res = {"cpu": cpu_name(), "threads": threads, "target": a.target, "draft": a.draft, "dtype": a.dtype,
            "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "rows": []}
@@ -104,6 +118,10 @@ def main() -> None:
         res["rows"].append({"method": m, "before_tok_s": rb, "after_tok_s": rn, "ratio": rn / rb,
                             "identical": same[m], "before": b, "after": n})
         print(f"| {m} | {rb:.2f} | {rn:.2f} | {rn / rb:.3f} | {same[m]}/{len(prompts)} |")
+    for g in gaps:
+        print(f"divergence: {g['method']} prompt {g['prompt']} at token {g['position']}, target top-2 logit gap "
+              f"{g['top2_gap']:.4f}")
+    res["divergences"] = gaps
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

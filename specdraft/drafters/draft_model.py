@@ -81,11 +81,15 @@ class DraftModelGroup:
             else:
                 seqs = [[int(out[i][-1])] if active[i] else [] for i in range(R)]
                 last = [0] * R
-            logits = kv.forward(seqs)
+            # LM-head logits only from the first position a drafting row reads (Qwen's head is 151,936 rows)
+            N = max(len(q) for q in seqs)
+            keep = N - min(last[i] for i in range(R) if active[i])
+            logits = kv.forward(seqs, keep=keep)
             kv.commit([len(q) for q in seqs])
             for i, m in enumerate(self.members):
                 if active[i]:
-                    active[i] = self._draw(m, fit_vocab(logits[i, last[i]], self.target_vocab), step, out[i], probs[i], c[i])
+                    lg = fit_vocab(logits[i, last[i] - (N - keep)], self.target_vocab)
+                    active[i] = self._draw(m, lg, step, out[i], probs[i], c[i])
             step += 1
         for i, m in enumerate(self.members):
             self._drafted[id(m)] = len(out[i])
