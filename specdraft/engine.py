@@ -272,7 +272,7 @@ class Engine:
         token), and the fed slots the cache keeps. Greedy chains are verified together; sampled chains
         with the row's own generator; trees per row."""
         B = len(rows)
-        n_acc, nxt, keep = [0] * B, [0] * B, [None] * B
+        n_acc, new, keep = [0] * B, [[] for _ in range(B)], [None] * B
         chain = [d.is_chain() for d in drafts]
         K = max([d.size for d, c in zip(drafts, chain) if c], default=0)
         dtok = torch.zeros(B, K, dtype=torch.long)
@@ -284,22 +284,22 @@ class Engine:
             g = torch.tensor(greedy, dtype=torch.long)
             na, nx = greedy_verify(dtok[g], logits[g, : K + 1], torch.tensor([drafts[r].size for r in greedy]))
             for j, r in enumerate(greedy):
-                n_acc[r], nxt[r] = int(na[j]), int(nx[j])
+                n_acc[r], new[r] = int(na[j]), [int(nx[j])]
         for r, (row, d) in enumerate(zip(rows, drafts)):
             if chain[r]:
                 if not row.sp.greedy:
                     q = None if d.draft_probs is None else d.draft_probs[None]
                     na, nx = sample_verify(dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1], row.sp,
                                            row.gen, row.drafter.lossy)
-                    n_acc[r], nxt[r] = int(na[0]), int(nx[0])
+                    n_acc[r], new[r] = int(na[0]), [int(nx[0])]
                 keep[r] = 1 + n_acc[r]
-                nxt[r] = d.tokens[: n_acc[r]].tolist() + [nxt[r]]
+                new[r] = d.tokens[: n_acc[r]].tolist() + new[r]
             else:
                 path, t = verify_tree(d, logits[r, : d.size + 1], row.sp, row.gen, row.drafter.lossy)
                 n_acc[r] = len(path)
                 keep[r] = [0] + [1 + i for i in path]
-                nxt[r] = d.tokens[path].tolist() + [t]
-        return n_acc, nxt, keep
+                new[r] = d.tokens[path].tolist() + [t]
+        return n_acc, new, keep
 
     def _advance(self, row: Request, draft: DraftTree, n_acc: int, new: list[int], draft_s: float,
                  step_s: float) -> bool:
