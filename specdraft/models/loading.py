@@ -49,7 +49,7 @@ def resolve(name_or_path: str) -> tuple[Path, str | None]:
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "bfloat16", num_layers: int | None = None, device: str = "cpu"
 ) -> HFModel:
-    """Load a causal LM and its tokenizer behind the adapter.
+    """Load a causal LM and its tokenizer behind the transformers backend (``models.hf.HFModel``).
 
     ``num_layers`` keeps only the first N decoder layers (a layer-truncated copy, used as a cheap
     draft model in tests and as the early-exit drafter's backbone).
