@@ -85,9 +85,6 @@ class Request:
         return self.sp.seed is not None and not self.sp.greedy
 
 
-BatchRow = Request  # the name the server and older callers use
-
-
 class Engine:
     """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
     ``policy.BatchRule``, optional) shrinks drafting as the batch grows."""
@@ -321,9 +318,6 @@ class Engine:
         if finish is not None:
             self._finish(row, finish)
         return finish is not None
-
-
-BatchEngine = Engine  # the name the server and older callers use
 
 
 def _by_group(rows: list[Request]) -> dict:

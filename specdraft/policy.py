@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 
+from .errors import ConfigError
+
 
 class CostAwarePolicy:
     def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.3, prior_acceptance: float = 0.6):
@@ -151,8 +153,6 @@ class BatchRule:
 
     def __init__(self, shrink_at: int, off_at: int):
         if shrink_at < 1 or off_at < 1:
-            from .errors import ConfigError
-
             raise ConfigError(f"batch policy thresholds must be >= 1, got shrink_at={shrink_at}, off_at={off_at}")
         self.shrink_at, self.off_at = shrink_at, off_at
 

@@ -82,3 +82,23 @@ def conditional_fit(counts: np.ndarray, probs: np.ndarray, min_expected: float =
 
 def chi2_pvalue(stat: float, df: int) -> float:
     return 1.0 if df <= 0 else float(stats.chi2.sf(stat, df))
+
+
+def sample_first_tokens(target, drafter, prompt, sp, max_new, n_tokens, n_samples, vocab, seed0):
+    """Decode ``n_samples`` seeded requests end to end -> (counts [vocab] * n_tokens of their first
+    ``n_tokens`` tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
+    from specdraft.config import SamplingParams
+    from specdraft.engine import generate
+
+    counts = np.zeros((vocab,) * n_tokens)
+    drafted = accepted = 0
+    for i in range(n_samples):
+        s = SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new})
+        out = generate(target, drafter, prompt, s, eos_ids=set())
+        counts[tuple(out.token_ids[:n_tokens])] += 1
+        made = 0
+        for st in out.stats.steps:  # the steps that started before the last counted token
+            if made >= n_tokens:
+                break
+            drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
+    return counts, drafted, accepted

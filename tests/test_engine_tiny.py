@@ -13,7 +13,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import generate
 from specdraft.errors import ContextLengthError
 from specdraft.sampling import probs_from_logits
-from stat_util import fit_pvalue
+from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
 PROMPT = [1, 2, 3, 1, 2]
@@ -38,19 +38,7 @@ def exact_first_two(target, sp):
 
 def sample_first_two(target, drafter, sp, max_new):
     """-> (counts of the first two tokens, draft tokens drafted / accepted in the steps that made them)."""
-    counts = np.zeros((V, V))
-    drafted = accepted = 0
-    for i in range(N):
-        s = SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new})
-        out = generate(target, drafter, PROMPT, s, eos_ids=set())
-        a, b = out.token_ids[:2]
-        counts[a, b] += 1
-        made = 0
-        for st in out.stats.steps:  # the steps that started before the second token
-            if made >= 2:
-                break
-            drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
-    return counts, drafted, accepted
+    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 2, N, V, seed0=10_000)
 
 
 T1 = SamplingParams(temperature=1.0)

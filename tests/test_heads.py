@@ -16,7 +16,7 @@ from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.engine import generate
 from specdraft.errors import ConfigError
 from specdraft.heads import EagleHead, MedusaHeads, load_head
-from stat_util import fit_pvalue
+from stat_util import fit_pvalue, sample_first_tokens
 
 PROMPTS = ["Tell me about cats.", "Write a haiku about rain.", "What is 2 + 3?", "Name three colors.",
            "Explain gravity briefly.", "Translate 'hello' to French."]
@@ -181,19 +181,7 @@ def sample_first_three(target, drafter, sp, max_new):
     """The engine's first step is a plain prefill step (no feature yet); the next step is the first
     drafted one, so tokens 2 and 3 come from the heads' draft and its verification. -> (counts of the
     first three tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
-    counts = np.zeros((V, V, V))
-    drafted = accepted = 0
-    for i in range(N):
-        s = SamplingParams(**{**sp.to_dict(), "seed": 20_000 + i, "max_new_tokens": max_new})
-        out = generate(target, drafter, PROMPT, s, eos_ids=set())
-        a, b, c = out.token_ids[:3]
-        counts[a, b, c] += 1
-        made = 0
-        for st in out.stats.steps:  # the steps that started before the third token
-            if made >= 3:
-                break
-            drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
-    return counts, drafted, accepted
+    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 3, N, V, seed0=20_000)
 
 
 def broken_topk_as_sampled(q, m, gen):

@@ -63,6 +63,9 @@ class DraftModelGroup:
         self.kv.remove_rows(idx)
         drop = set(idx)
         self.members = [m for i, m in enumerate(self.members) if i not in drop]
+        for r in rows:
+            self._base.pop(id(r), None)
+            self._drafted.pop(id(r), None)
 
     def propose(self, rows, caps: list[int]) -> list[DraftTree]:
         kv, R = self.kv, len(self.members)

@@ -30,6 +30,11 @@ class SequenceRows(Protocol):
     @property
     def B(self) -> int: ...
 
+    @property
+    def L(self) -> int:
+        """Cache slots held per row (holes included): what the engine reports as ``cache_len``."""
+        ...
+
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
         """Prefill ``prefixes`` (ragged, may be empty) as new last rows; returns their indices."""
         ...
