@@ -10,9 +10,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	scripts/install_llama.sh $(VENV)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

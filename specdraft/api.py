@@ -15,7 +15,7 @@ import json
 from .config import SamplingParams, SpecConfig
 from .engine import GenerationResult, generate
 from .errors import ConfigError
-from .methods import method
+from .methods import method, methods_on
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
 from .models.views import layer_view, skip_to_keep
@@ -23,7 +23,8 @@ from .policy import CostAwarePolicy, DraftLength, draft_length
 
 
 class SpecDecoder:
-    def __init__(self, target: HFModel, draft: HFModel | None = None):
+    def __init__(self, target, draft=None):
+        """``target``, ``draft``: models behind the model interface (models/base.py), any backend."""
         self.target = target
         self.draft = draft
         if draft is not None:
@@ -77,18 +78,30 @@ class SpecDecoder:
         dtype: str = "bfloat16",
         draft_layers: int | None = None,
         threads: int | None = None,
+        backend: str = "hf",
+        draft_backend: str | None = None,
     ) -> "SpecDecoder":
-        """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4)."""
+        """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
+        ``backend``: "hf" (transformers) or "llama" (llama.cpp on GGUF files; ``dtype`` does not
+        apply); the draft loads on the same backend unless ``draft_backend`` says otherwise."""
         set_threads(threads)
-        t = load_model(target, dtype)
-        d = load_model(draft, dtype, num_layers=draft_layers) if draft else None
+        t = load_model(target, dtype, backend=backend)
+        d = load_model(draft, dtype, num_layers=draft_layers, backend=draft_backend or backend) if draft else None
         return cls(t, d)
+
+    @property
+    def backend(self) -> str:
+        return self.target.backend
 
     def make_drafter(self, spec: SpecConfig):
         """The drafter for ``spec`` (the method registry's factory); it carries the spec's opt-in lossy
         rule (``drafter.lossy``, None unless ``spec.lossy`` is set), which verification reads."""
         spec.validate()
-        drafter = method(spec.method).make(self, spec)
+        m = method(spec.method)
+        if self.backend not in m.backends:
+            raise ConfigError(f"method {m.name!r} is not available on the {self.backend} backend; methods there: "
+                              f"{', '.join(methods_on(self.backend))}")
+        drafter = m.make(self, spec)
         drafter.lossy = spec.lossy_rule()
         return drafter
 

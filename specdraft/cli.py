@@ -16,8 +16,17 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
     p.add_argument("--target", default=default_target, help="model name, transformers directory or .gguf file")
     p.add_argument("--draft", default=default_draft, help="draft model (needed by --method draft_model)")
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype on the hf backend (a GGUF file carries its own on the llama backend)")
+    p.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
+    _add_backend_arg(p)
+
+
+def _add_backend_arg(p: argparse.ArgumentParser):
+    from .models.backends import BACKENDS
+
+    p.add_argument("--backend", default="hf", choices=tuple(BACKENDS),
+                   help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values()))
 
 
 def _method_name(name: str) -> str:
@@ -113,7 +122,12 @@ def sampling_from_args(a) -> "SamplingParams":
 def _check_before_loading(spec, a) -> str | None:
     """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
     model, or a head of the method's type. Returns the need."""
-    needs = methods.method(spec.method).needs
+    m = methods.method(spec.method)
+    backend = getattr(a, "backend", "hf")
+    if backend not in m.backends:
+        raise SpecDraftError(f"method {m.name!r} is not available on the {backend} backend; methods there: "
+                             f"{', '.join(methods.methods_on(backend))}")
+    needs = m.needs
     if needs == "draft_model" and not a.draft:
         raise SpecDraftError(f"--method {spec.method} needs --draft NAME")
     if needs == "head":
@@ -130,7 +144,19 @@ def cmd_models(a) -> int:
         for r in registry.status():
             state = "ready" if r["dense"] else ("gguf only" if r["gguf"] else "not pulled")
             print(f"{r['name']:22s} {state:11s} {r['description']}")
+        from .models.quantize import variants
+
+        for name, rec in variants().items():
+            print(f"{name:22s} {'ready':11s} {rec['type']} re-quantized from {rec['source']} (llama backend)")
         print(f"(models live in {registry.home()}; set SPECDRAFT_HOME to move them)")
+        return 0
+    if a.action == "quantize":
+        from .models.quantize import quantize
+
+        if not a.names or not a.type:
+            raise SpecDraftError("usage: specdraft models quantize NAME [NAME ...] --type TYPE (e.g. Q4_0, Q8_0)")
+        for n in a.names:
+            print(quantize(n, a.type, a.threads))
         return 0
     names = a.names or list(registry.MODELS)
     for n in names:
@@ -149,7 +175,7 @@ def cmd_generate(a) -> int:
 
         Datastore(spec.datastore)
     dec = SpecDecoder.load(a.target, draft=a.draft if needs == "draft_model" else None,
-                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
     if a.json:
         d = out.to_dict()
@@ -224,7 +250,8 @@ def cmd_serve(a) -> int:
         from .server import create_app
     except ImportError as e:
         raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
+                           backend=a.backend)
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
@@ -246,8 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("models", help="list or pull the known models")
-    m.add_argument("action", choices=["list", "pull"])
+    m.add_argument("action", choices=["list", "pull", "quantize"])
     m.add_argument("names", nargs="*")
+    m.add_argument("--type", default=None, help="quantize: the llama.cpp type (Q4_0, Q8_0, Q4_K_M, ...)")
+    m.add_argument("--threads", type=int, default=None, help="quantize: threads (default: all cores)")
     m.set_defaults(fn=cmd_models)
 
     g = sub.add_parser("generate", help="generate text from one prompt")
@@ -277,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
+    _add_backend_arg(c)
     c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
     c.add_argument("--context", type=int, default=60)

@@ -6,6 +6,8 @@ benchmark read it; adding a drafter is one drafter file plus one entry here (doc
 "layer_view" (the target's own layers), "head" (a head trained by ``specdraft train``).
 ``trees``: the ``SpecConfig.tree`` values it accepts (model-free drafters that make trees on their
 own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
+``backends``: the model backends (models/backends.py) it runs on; methods that read the target's
+hidden features or its layers need transformers ("hf").
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
 """
@@ -19,6 +21,7 @@ ALL_TREES = ("chain", "static", "dynamic")
 SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
+BOTH = ("hf", "llama")  # the model backends (models/backends.py)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,11 @@ def _model_drafter(draft, dec, spec):
         from .drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
+    if not hasattr(draft, "view"):
+        from .errors import ConfigError
+
+        raise ConfigError(f"a token tree drafted by a model needs a transformers draft (tree={spec.tree!r}); "
+                          f"the {draft.backend} backend's draft drafts chains (tree='chain')")
     from .drafters.draft_tree import DraftTreeDrafter
 
     return DraftTreeDrafter(draft.view(), spec, dec.target.vocab_size)  # its own cache, shared weights
@@ -111,17 +119,18 @@ def _eagle(dec, spec):
 REGISTRY: dict[str, Method] = {m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
-    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES),
+    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=BOTH),
     Method("draft_model", "a smaller model with the target's tokenizer drafts k tokens (or a tree)", _draft_model,
-           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
-    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
+           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=BOTH),
+    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=BOTH),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _self_draft,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _self_draft,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer),
-    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix),
-    Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling),
-    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead),
+    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix, backends=BOTH),
+    Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
+           backends=BOTH),
+    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, backends=BOTH),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
            needs="head", trees=("chain", "static")),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
@@ -137,6 +146,10 @@ def method(name: str) -> Method:
     if name not in REGISTRY:
         raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
     return REGISTRY[name]
+
+
+def methods_on(backend: str) -> tuple[str, ...]:
+    return tuple(m.name for m in REGISTRY.values() if backend in m.backends)
 
 
 def methods_needing(need: str) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ class DraftTree:
         """Additive 4D mask (1, 1, q, past_len + q), q = n_pending + n: the pending tokens are causal
         among themselves; each tree node sees the cache, every pending token and its own ancestors.
         0 where attention is allowed, the dtype's minimum elsewhere."""
-        n, q = self.size, n_pending + self.size
+        q = n_pending + self.size
         allow = torch.zeros(q, past_len + q, dtype=torch.bool)
         allow[:, :past_len] = True
         allow[:n_pending, past_len : past_len + n_pending] = torch.tril(torch.ones(n_pending, n_pending, dtype=torch.bool))

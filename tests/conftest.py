@@ -16,7 +16,7 @@ torch.set_num_threads(THREADS)
 # random models, whose ops are too small to gain from intra-op threads (a tiny generate call: 6 ms on
 # one thread, 100+ ms on two under load), so such tests run on one thread whatever SPECDRAFT_THREADS
 # says (SPECDRAFT_TINY_THREADS changes it).
-REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen"}
+REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen", "smol_gguf"}
 TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
 
 
@@ -74,6 +74,14 @@ def smol_f32():
     from specdraft.models.loading import load_model
 
     return load_model("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def smol_gguf():
+    """SmolLM2-135M's Q4_1 GGUF on the llama.cpp backend (weights memory-mapped; contexts pooled)."""
+    from specdraft.models.loading import load_model
+
+    return load_model("smollm2-135m", backend="llama")
 
 
 @pytest.fixture(scope="session")

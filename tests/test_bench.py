@@ -108,11 +108,13 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
     assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3,8", "--repeats", "1",
                  "--tree", "--json", str(js), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "| dtype | 1 tok | 3 tok | 8 tok |" in out and "| float32 chain | " in out and "| float32 tree | " in out
-    assert "(1.0x)" in out and png.stat().st_size > 1000
+    assert "| backend, weights | 1 tok | 3 tok | 8 tok |" in out
+    assert "| hf float32 chain | " in out and "| hf float32 tree | " in out
+    assert "(1.00x)" in out and png.stat().st_size > 1000
     import json
 
-    assert set(json.loads(js.read_text())["rows"]["float32 tree"]) == {"1", "3", "8"}
+    doc = json.loads(js.read_text())
+    assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
 
 
 def spec_bench_like(tmp_path):

@@ -15,7 +15,6 @@ larger measured size.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path

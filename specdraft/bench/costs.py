@@ -22,61 +22,78 @@ def random_tree(n: int, g: torch.Generator):
 
 
 def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tree: bool = False) -> dict[int, float]:
-    """Median milliseconds of a forward of n tokens after a ``context``-token cache, per n. With
+    """Median milliseconds of a forward of n tokens after a ``context``-token cache, per n, through the
+    model interface (any backend: ``SequenceRows.forward`` as the decode loop calls it). With
     ``tree``, the n tokens are one pending token plus a random (n - 1)-node tree, scored with the
     tree attention mask and depth positions, as the engine scores token trees."""
+    from ..engine import _tree_feed
+
     g = torch.Generator().manual_seed(0)
     vocab = min(model.vocab_size, 1000)
-    ctx = torch.randint(0, vocab, (context,), generator=g)
+    ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
+    rows = model.new_rows()
+    rows.add_rows([ctx])
     out = {}
     for n in ns:
-        x = torch.randint(0, vocab, (n,), generator=g)
-        kw = {}
-        if tree:
-            t = random_tree(n - 1, g)
-            kw = {"attention_mask": t.attention_mask(context, 1, model.dtype), "position_ids": t.position_ids(context, 1)}
-        model.reset()
-        model.forward(ctx, keep=1)
+        x = torch.randint(0, vocab, (n,), generator=g).tolist()
+        trees = [_tree_feed(random_tree(n - 1, g))] if tree and n > 1 else None
         times = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            model.forward(x, keep=n, **kw)
+            rows.forward([x], trees=trees)
             dt = time.perf_counter() - t0
-            model.crop(context)
+            rows.commit([0])  # drop what was scored: the next forward sees the same context
             if i:  # the first one warms up
                 times.append(dt)
         out[n] = 1000 * statistics.median(times)
-    model.reset()
     return out
 
 
 def main_costs(a) -> int:
+    from ..models.backends import backend
     from ..models.loading import load_model, set_threads
 
     threads = set_threads(a.threads)
     ns = [int(x) for x in a.tokens.split(",")]
     rows = []
-    for dtype in a.dtype.split(","):
-        m = load_model(a.target, dtype)
+    dtypes = a.dtype.split(",") if backend(a.backend).uses_dtype else ["gguf"]
+    for dtype in dtypes:
+        m = load_model(a.target, dtype, backend=a.backend)
         for tree in ([False, True] if a.tree else [False]):
             c = measure_costs(m, ns, a.context, a.repeats, tree=tree)
-            rows.append((dtype + (" tree" if tree else " chain"), c))
+            rows.append((f"{a.backend} {dtype}" + (" tree" if tree else " chain"), c))
         del m
-    print(f"{a.target}, {threads} threads, {a.context}-token cached context, median of {a.repeats} (ms per forward)",
-          file=sys.stderr)
+    cpu = cpu_name()
+    print(f"{a.target}, {a.backend} backend, {threads} threads, {cpu}, {a.context}-token cached context, "
+          f"median of {a.repeats} (ms per forward)", file=sys.stderr)
     if a.json:
         import json
 
         with open(a.json, "w") as f:
-            json.dump({"target": a.target, "threads": threads, "context": a.context, "repeats": a.repeats,
-                       "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows}}, f, indent=1)
+            json.dump({"target": a.target, "backend": a.backend, "cpu": cpu, "threads": threads, "context": a.context,
+                       "repeats": a.repeats, "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows}},
+                      f, indent=1)
     if a.plot:
-        plot_costs(rows, a.plot, f"{a.target}: one target forward scoring n tokens ({threads} threads)")
-    print("| dtype | " + " | ".join(f"{n} tok" for n in ns) + " |")
+        plot_costs(rows, a.plot, f"{a.target} ({a.backend}): one forward scoring n tokens ({threads} threads)")
+    print("| backend, weights | " + " | ".join(f"{n} tok" for n in ns) + " |")
     print("|---" * (len(ns) + 1) + "|")
     for dtype, c in rows:
-        print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.1f}x)" for n in ns) + " |")
+        print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.2f}x)" for n in ns) + " |")
     return 0
+
+
+def cpu_name() -> str:
+    """The CPU model and whether it has AVX-512 / AVX512_BF16 (the cost curve depends on them)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        import platform
+
+        return platform.processor() or "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    isa = "AVX-512 + AVX512_BF16" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2 only")
+    return f"{name} ({isa})"
 
 
 def plot_costs(rows, path: str, title: str) -> None:

@@ -29,7 +29,8 @@ from ..errors import ConfigError, SpecDraftError
 from . import data
 from .report import render
 
-BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp")
+BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft")
+HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
 
 
 def add_bench_args(b: argparse.ArgumentParser) -> None:
@@ -39,10 +40,18 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--target", default="qwen2.5-coder-1.5b")
     b.add_argument("--draft", default=None)
     b.add_argument("--draft-layers", type=int, default=None)
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="the hf backend's weights (the hf: methods' with --backend llama)")
     b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--backend", default="hf", choices=("hf", "llama"),
+                   help="the engine's model backend; with llama, METHOD runs on the GGUF file and hf:METHOD on "
+                        "transformers in the same run")
+    b.add_argument("--reference", default="plain",
+                   help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
+    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup / llama_cpp_draft; a comma list "
+                   "runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
-                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}; name=JSON-file for a named SpecConfig")
+                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend)")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
                    "and 'variants' {name: SpecConfig}")
     b.add_argument("--dataset", default=None)
@@ -108,8 +117,15 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     out = []
     for m in [x.strip() for x in a.methods.split(",") if x.strip()]:
-        if m in named:
+        if m.startswith(HF) and (m[len(HF):] in methods.REGISTRY or m[len(HF):] in named):
+            inner = m[len(HF):]
+            spec = named[inner] if inner in named else SpecConfig.from_dict({**base, "method": inner})
+            out.append((m, spec.method, spec))
+        elif m in named:
             out.append((m, named[m].method, named[m]))
+        elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
+            ks = [int(k) for k in str(a.llama_k).split(",")]
+            out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in BASELINES:
             out.append((m, m, None))
         elif m in methods.REGISTRY:
@@ -128,10 +144,10 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
         else:
             raise ConfigError(f"unknown method {m!r}; choose from {', '.join(tuple(methods.REGISTRY) + BASELINES)} "
                               f"or a variant named in --config")
-    if not any(k == "plain" for _, k, _ in out):
+    if not any(n == "plain" for n, _, _ in out):
         out.insert(0, ("plain", "plain", SpecConfig(method="plain")))  # the reference for speedup and exactness
     else:  # plain first, so that exactness can be checked as soon as a method finishes
-        out.sort(key=lambda t: t[0] != "plain")
+        out.sort(key=lambda t: t[0] not in ("plain", HF + "plain"))
     return out
 
 
@@ -147,20 +163,22 @@ def environment(a, threads: int) -> dict:
         except Exception:
             return None
 
-    cpu = platform.processor()
+    from .costs import cpu_name
+
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+        from importlib.metadata import version
+
+        llama_version = version("llama_cpp_python")
+    except Exception:
+        llama_version = None
+    cpu = cpu_name()
     return {
         "specdraft": __version__,
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "llama_cpp_python": llama_version,
         "python": platform.python_version(),
         "cpu": cpu,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -177,24 +195,67 @@ def _save(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def top2_gap_at(dec, prompt_ids: list[int], ref_tokens: list[int], pos: int) -> float:
-    """The target's top-2 logit gap before ref token ``pos`` (plain decoding's context there)."""
-    t = dec.target
-    t.reset()
-    logits = t.forward(torch.tensor(prompt_ids + ref_tokens[:pos]), keep=1)[-1]
-    t.reset()
+def top2_gap_at(target, prompt_ids: list[int], ref_tokens: list[int], pos: int) -> float:
+    """The target's top-2 logit gap before ref token ``pos``, computed as plain decoding computed it
+    (the prompt prefilled, then one token per forward): a near-tie there explains a divergence."""
+    rows = target.new_rows()
+    rows.add_rows([prompt_ids[:-1]])
+    feed = [prompt_ids[-1]] + ref_tokens[:pos]
+    for t in feed:
+        logits = rows.forward([[t]])[0, -1]
+        rows.commit([1])
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
 
-def compare(dec, ids, ref: list[int], got: list[int]) -> dict:
+def compare(target, ids, ref: list[int], got: list[int]) -> dict:
     if got == ref:
         return {"exact": True}
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     d = {"exact": False, "first_divergence": pos}
     if pos < len(ref):
-        d["top2_gap"] = top2_gap_at(dec, ids, ref, pos)
+        d["top2_gap"] = top2_gap_at(target, ids, ref, pos)
     return d
+
+
+def reference_of(name: str, backend: str) -> str:
+    """The plain run a method's greedy output is compared with: its own backend's."""
+    if backend != "hf" and (name.startswith(HF) or name.startswith("hf_")):
+        return HF + "plain"
+    return "plain"
+
+
+def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner
+
+    runners, skipped = [], {}
+    for name, kind, spec in variants:
+        if kind in methods.REGISTRY:
+            d = hf_dec if name.startswith(HF) else dec
+            if d.backend not in methods.method(kind).backends:
+                raise ConfigError(f"method {kind!r} is not available on the {d.backend} backend; methods there: "
+                                  f"{', '.join(methods.methods_on(d.backend))} (or {HF}{kind} for transformers)")
+            runners.append(EngineRunner(name, d, spec))
+        elif kind == "hf_generate":
+            runners.append(HFRunner(name, hf_dec, "plain"))
+        elif kind == "hf_assisted":
+            runners.append(HFRunner(name, hf_dec, "assisted"))
+        elif kind == "hf_prompt_lookup":
+            runners.append(HFRunner(name, hf_dec, "prompt_lookup"))
+        elif kind.startswith("llama_cpp"):
+            try:
+                from ..models.backends import resolve_gguf
+
+                mode = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup", "llama_cpp_draft": "draft"}[kind]
+                if mode == "draft" and not a.draft:
+                    raise ConfigError("llama_cpp_draft needs --draft NAME")
+                draft = str(resolve_gguf(a.draft)[0]) if mode == "draft" else None
+                k = spec["k"] if spec else 10
+                runners.append(LlamaCppRunner(name, str(resolve_gguf(a.target)[0]), threads, dec.eos_ids, mode, draft, k))
+            except (ImportError, SpecDraftError) as e:
+                skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
+                print(f"{name}: {skipped[name]}", file=sys.stderr)
+    return runners, skipped
 
 
 def run_bench(a) -> dict:
@@ -211,7 +272,7 @@ def run_bench(a) -> dict:
     sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                         max_new_tokens=a.max_new_tokens).validate()
     variants = build_variants(a, cfg)
-    needs_draft = any(k == "hf_assisted" or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
+    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft") or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
                       for _, k, _ in variants)
     if needs_draft and not a.draft:
         raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted need --draft NAME")
@@ -219,34 +280,21 @@ def run_bench(a) -> dict:
     if not rows:
         raise SpecDraftError("no prompts selected")
     threads = set_threads(a.threads)
-    dec = SpecDecoder.load(a.target, draft=a.draft if needs_draft else None, dtype=a.dtype,
-                           draft_layers=a.draft_layers, threads=threads)
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner
-
-    runners, skipped = [], {}
-    for name, kind, spec in variants:
-        if kind in methods.REGISTRY:
-            runners.append(EngineRunner(name, dec, spec))
-        elif kind == "hf_generate":
-            runners.append(HFRunner(name, dec, "plain"))
-        elif kind == "hf_assisted":
-            runners.append(HFRunner(name, dec, "assisted"))
-        elif kind == "hf_prompt_lookup":
-            runners.append(HFRunner(name, dec, "prompt_lookup"))
-        elif kind == "llama_cpp":
-            try:
-                from ..models import registry
-
-                runners.append(LlamaCppRunner(name, str(registry.gguf_path(a.target)), threads))
-            except (ImportError, SpecDraftError) as e:
-                skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
-                print(f"{name}: {skipped[name]}", file=sys.stderr)
+    draft = a.draft if needs_draft else None
+    dec = SpecDecoder.load(a.target, draft=draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
+                           backend=a.backend)
+    hf_dec = dec
+    if a.backend != "hf" and any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in variants):
+        hf_dec = SpecDecoder.load(a.target, draft=draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads)
+    runners, skipped = make_runners(a, variants, dec, hf_dec, threads)
 
     out = Path(a.out)
     settings = {
         "target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype,
+        "backend": a.backend, "reference": a.reference,
         "sampling": sp.to_dict(), "chat": not a.no_chat, "repeats": a.repeats,
-        "methods": {n: (s.to_dict() if s else {"baseline": k}) for n, k, s in variants},
+        "methods": {n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})})
+                    for n, k, s in variants},
         "prompts": [r["id"] for r in rows],
     }
     doc = {"settings": settings, "environment": environment(a, threads), "skipped": skipped, "records": []}
@@ -257,7 +305,8 @@ def run_bench(a) -> dict:
         doc["records"] = old.get("records", [])
         print(f"resuming {out}: {len(doc['records'])} records already done", file=sys.stderr)
     done = {(r["prompt_id"], r["method"], r["repeat"]) for r in doc["records"]}
-    ref = {r["prompt_id"]: r["token_ids"] for r in doc["records"] if r["method"] == "plain" and r["repeat"] == 0}
+    ref = {(r["method"], r["prompt_id"]): r["token_ids"] for r in doc["records"]
+           if r["method"] in ("plain", HF + "plain") and r["repeat"] == 0}
 
     encoded = {r["id"]: dec.encode(r["prompt"], chat=not a.no_chat) for r in rows}
     # warm-up: every method once on a short generation (not recorded)
@@ -278,10 +327,12 @@ def run_bench(a) -> dict:
             res = rn.run(ids, rsp)
             rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                    "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
-            if rn.name == "plain" and rep == 0:
-                ref[r["id"]] = res["token_ids"]
-            if sp.greedy and rn.name != "plain" and r["id"] in ref:
-                rec.update(compare(dec, ids, ref[r["id"]], res["token_ids"]))
+            base = reference_of(rn.name, a.backend)
+            if rn.name == base and rep == 0:
+                ref[base, r["id"]] = res["token_ids"]
+            elif sp.greedy and (base, r["id"]) in ref:
+                target = (hf_dec if base.startswith(HF) else dec).target
+                rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"]))
             doc["records"].append(rec)
             _save(out, doc)
     except KeyboardInterrupt:

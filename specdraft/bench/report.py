@@ -11,6 +11,9 @@ from ..metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_pos
 from .data import TASKS
 
 
+OTHER_BASES = ("plain", "hf:plain", "hf_generate", "llama_cpp")  # extra speedup columns, when in the run
+
+
 def _steps(recs) -> list[StepRecord]:
     return [StepRecord(s[0], s[1], 0, depth=s[2] if len(s) > 2 else None) for r in recs for s in r.get("steps", [])]
 
@@ -36,13 +39,15 @@ def aggregate(doc: dict) -> dict:
               and (rep is None or r["repeat"] == rep)]
         return sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs), rs
 
+    ref = doc.get("settings", {}).get("reference", "plain")
+    ref = ref if ref in methods else "plain"
     out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
-           "repeats": len(repeats), "rows": {}}
+           "repeats": len(repeats), "reference": ref, "rows": {}}
     for m in methods:
         row = {"task_speedup": {}, "task_mat": {}}
         for t in tasks + [None]:
             n, w, rs = tot(m, t)
-            bn, bw, _ = tot("plain", t)
+            bn, bw, _ = tot(ref, t)
             sp = speedup(n, w, bn, bw)
             mat = mean_accepted_tokens(_steps(rs))
             if t is None:
@@ -51,10 +56,8 @@ def aggregate(doc: dict) -> dict:
                            per_position=per_position_acceptance(_steps(rs)),
                            draft_s=sum(r.get("draft_s", 0.0) for r in rs),
                            verify_s=sum(r.get("verify_s", 0.0) for r in rs))
-                if "hf_generate" in methods:
-                    hn, hw, _ = tot("hf_generate")
-                    row["speedup_vs_hf"] = speedup(n, w, hn, hw)
-                per_rep = [speedup(*tot(m, None, k)[:2], *tot("plain", None, k)[:2]) for k in repeats]
+                row["speedup_vs"] = {b: speedup(n, w, *tot(b)[:2]) for b in OTHER_BASES if b in methods and b != ref}
+                per_rep = [speedup(*tot(m, None, k)[:2], *tot(ref, None, k)[:2]) for k in repeats]
                 per_rep = [x for x in per_rep if x is not None]
                 row["speedup_std"] = statistics.stdev(per_rep) if len(per_rep) > 1 else 0.0
                 checked = [r for r in rs if "exact" in r]
@@ -68,6 +71,11 @@ def aggregate(doc: dict) -> dict:
                 row["task_mat"][t] = mat
         out["rows"][m] = row
     return out
+
+
+def _ref_label(name: str) -> str:
+    return {"plain": "the engine's plain decoding", "hf:plain": "the engine's plain decoding on transformers",
+            "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding"}.get(name, name)
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -91,8 +99,9 @@ def markdown(doc: dict, agg: dict) -> str:
         f"### {s['target']}" + (f" (draft {s['draft']})" if s.get("draft") else "") +
         f", {s['dtype']}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
-        f"Speedup = (total new tokens / total wall s) over the engine's plain decoding; MAT = mean over steps of "
-        f"(accepted + 1). {env.get('cpu')}, {env.get('threads')} threads, torch {env.get('torch')}, "
+        f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}; MAT = mean over steps "
+        f"of (accepted + 1). Backend: {s.get('backend', 'hf')}. {env.get('cpu')}, {env.get('threads')} threads, "
+        f"torch {env.get('torch')}, llama-cpp-python {env.get('llama_cpp_python')}, "
         f"transformers {env.get('transformers')}, commit {str(env.get('git_commit'))[:10]}, {env.get('date')}.",
         "",
         "| method | " + " | ".join(agg["tasks"]) + " | Overall | MAT | tok/s |",
@@ -102,11 +111,13 @@ def markdown(doc: dict, agg: dict) -> str:
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
         lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
-    lines += ["", "| method | tok/s | vs transformers generate | acceptance | draft s | verify s | greedy exact |",
-              "|---|---|---|---|---|---|---|"]
+    bases = [b for b in OTHER_BASES if b in agg["methods"] and b != agg["reference"]]
+    lines += ["", "| method | tok/s | " + "".join(f"vs {_ref_label(b)} | " for b in bases)
+              + "acceptance | draft s | verify s | greedy exact |", "|---" * (6 + len(bases)) + "|"]
     for m, r in agg["rows"].items():
         ex = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]}"
-        lines.append(f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {_f(r.get('speedup_vs_hf'), '{:.2f}x')} | "
+        vs = "".join(f"{_f(r['speedup_vs'].get(b), '{:.2f}x')} | " for b in bases)
+        lines.append(f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {vs}"
                      f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |")
     mism = [(m, x) for m, r in agg["rows"].items() for x in r["mismatches"]]
     if mism:
@@ -139,7 +150,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    methods = [m for m in agg["methods"] if m != "plain"]
+    methods = [m for m in agg["methods"] if m != agg["reference"]]
     tasks = agg["tasks"] + ["Overall"]
     if methods:
         fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)) + 2.5, 4))
@@ -150,7 +161,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
             ax.bar([j + i * w for j in range(len(tasks))], ys, w, label=m)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(tasks))], tasks, rotation=20)
-        ax.set_ylabel("speedup over plain decoding")
+        ax.set_ylabel(f"speedup over {_ref_label(agg['reference'])}")
         files.append(_finish(fig, ax, f"{doc['settings']['target']}: speedup per task", stem, "_speedup.png"))
     curves = {m: agg["rows"][m]["per_position"] for m in methods if agg["rows"][m]["per_position"]}
     if curves:
@@ -174,7 +185,7 @@ def make_plots(doc: dict, agg: dict, stem: Path) -> list[Path]:
         for (m, f), pts in sweep.items():
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{m} ({f})")
-        base = agg["rows"]["plain"]["tokens_per_s"]
+        base = agg["rows"][agg["reference"]]["tokens_per_s"]
         if base:
             ax.axhline(base, color="k", lw=0.8, ls="--", label="plain")
         ax.set_xlabel(", ".join(sorted({f for _, f in sweep})))

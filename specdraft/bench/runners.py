@@ -82,23 +82,60 @@ class HFRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp plain decoding of the same GGUF file, as an external reference (not the same
-    weights precision: its 4-bit kernels read the quantized file directly)."""
+    """llama.cpp's own decoding of the same GGUF file through llama-cpp-python's ``Llama``: plain, its
+    prompt-lookup decoding (``LlamaPromptLookupDecoding``), or a draft-model loop (a second ``Llama``
+    drafting ``k`` greedy tokens; llama-cpp-python accepts a draft token while the target's sample
+    at that position equals it). Flash attention on, as the engine's llama backend runs."""
 
     kind = "baseline"
 
-    def __init__(self, name: str, gguf_path: str, threads: int):
-        from llama_cpp import Llama  # noqa: F401  (ImportError means: skipped)
+    def __init__(self, name: str, gguf_path: str, threads: int, eos_ids: set[int], mode: str = "plain",
+                 draft_gguf: str | None = None, k: int = 10):
+        from llama_cpp import Llama  # ImportError means: skipped
 
         self.name = name
-        self.llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, verbose=False)
+        self.eos_ids = eos_ids
+        draft = None
+        if mode == "lookup":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=k)
+        elif mode == "draft":
+            draft = _LlamaModelDraft(Llama(model_path=draft_gguf, n_ctx=4096, n_threads=threads, flash_attn=True,
+                                           verbose=False), k)
+        # with a draft model llama-cpp-python keeps every position's logits; logits_all=True sizes that
+        # buffer to the context (0.3.36 sizes it to n_batch otherwise and fails past 512 tokens)
+        self.llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                         flash_attn=True, draft_model=draft, logits_all=draft is not None, verbose=False)
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         t0 = time.perf_counter()
         new = []
         self.llm.reset()
-        for t in self.llm.generate(ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p):
+        if sp.seed is not None:
+            self.llm.set_seed(sp.seed)
+        for t in self.llm.generate(ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p, min_p=0.0,
+                                   repeat_penalty=1.0):
             new.append(int(t))
-            if self.llm.token_eos() == t or len(new) >= sp.max_new_tokens:
+            if int(t) in self.eos_ids or len(new) >= sp.max_new_tokens:
                 break
         return {"token_ids": new, "wall_s": time.perf_counter() - t0}
+
+
+class _LlamaModelDraft:
+    """A draft model for llama-cpp-python's speculative loop: ``k`` greedy tokens of a second Llama,
+    reusing its cached prefix between calls."""
+
+    def __init__(self, llm, k: int):
+        self.llm = llm
+        self.k = k
+
+    def __call__(self, input_ids, **kwargs):
+        import numpy as np
+
+        out = []
+        for t in self.llm.generate(input_ids.tolist(), temp=0.0, reset=True):  # keeps the longest cached prefix
+            out.append(int(t))
+            if len(out) >= self.k:
+                break
+        return np.array(out, dtype=np.intc)

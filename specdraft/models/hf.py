@@ -39,6 +39,8 @@ def check_cache_layout(model) -> None:
 
 
 class HFModel:
+    backend = "hf"
+
     def __init__(self, model, tokenizer=None, name: str = "model"):
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -1,4 +1,5 @@
-"""Load a target or draft: a registry name, a transformers model directory, or a .gguf file."""
+"""Load a target or draft: a registry name, a transformers model directory, or a .gguf file, behind a
+backend (models/backends.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,15 @@ def resolve(name_or_path: str) -> tuple[Path, str | None]:
     )
 
 
-def load_model(
+def load_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", num_layers: int | None = None,
+               backend: str = "hf"):
+    """Load a model and its tokenizer behind ``backend`` (models/backends.py): a ``TargetModel``."""
+    from .backends import backend as get_backend
+
+    return get_backend(backend).load(name_or_path, dtype, num_layers)
+
+
+def load_hf(
     name_or_path: str, dtype: str | torch.dtype = "bfloat16", num_layers: int | None = None, device: str = "cpu"
 ) -> HFModel:
     """Load a causal LM and its tokenizer behind the transformers backend (``models.hf.HFModel``).

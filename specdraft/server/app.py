@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import SpecConfig
 from ..errors import SpecDraftError
-from ..methods import method as registered
+from ..methods import method as registered, methods_on
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
 from .scheduler import Job, QueueFull, SingleWorker
@@ -126,7 +126,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         try:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
                               default_spec=default_spec, default_max_tokens=default_max_tokens)
-            needs = registered(p.spec.method).needs  # what the method needs must exist before admission
+            m = registered(p.spec.method)
+            if decoder.backend not in m.backends:
+                raise RequestError(f"spec.method {m.name!r} is not available on the {decoder.backend} backend this "
+                                   f"server runs; methods there: {', '.join(methods_on(decoder.backend))}", param="spec")
+            needs = m.needs  # what the method needs must exist before admission
             if needs == "draft_model" and decoder.draft is None:
                 raise RequestError(f"spec.method {p.spec.method!r} needs a draft model; this server was started "
                                    "without --draft (use prompt_lookup or plain)", param="spec")

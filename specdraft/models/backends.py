@@ -1,0 +1,74 @@
+"""The model backends: one entry per implementation of the model interface (models/base.py).
+
+``hf``: transformers (models/hf.py), dense weights in float32 / bfloat16, every method.
+``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
+quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
+
+Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here; the
+CLI's ``--backend`` choices, ``SpecDecoder.load`` and the method checks read this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    load: Callable  # (name_or_path, dtype, num_layers) -> a TargetModel
+    uses_dtype: bool  # whether --dtype means anything (a GGUF file carries its own weight types)
+
+
+def _load_hf(name_or_path: str, dtype, num_layers: int | None):
+    from .loading import load_hf
+
+    return load_hf(name_or_path, dtype, num_layers)
+
+
+def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
+    """-> (the GGUF file, where its tokenizer loads from: a transformers directory or the file).
+
+    A known name (or a quantized variant of one, ``NAME:TYPE`` from ``specdraft models quantize``)
+    is pulled and SHA-256 checked like for the hf backend; its tokenizer is the dense copy's."""
+    from . import quantize, registry
+    from .loading import resolve
+
+    base, _, qtype = name_or_path.partition(":")
+    if base in registry.MODELS:
+        tok_dir = registry.pull(base)
+        return (quantize.variant_path(base, qtype) if qtype else registry.gguf_path(base)), str(tok_dir)
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory; the llama backend loads .gguf files (or a model name). "
+                          "Use --backend hf for a transformers directory")
+    path, gguf = resolve(name_or_path)
+    return path / gguf, str(path / gguf)
+
+
+def _load_llama(name_or_path: str, dtype, num_layers: int | None):
+    if num_layers is not None:
+        raise ConfigError("--draft-layers (a layer-truncated copy) needs --backend hf")
+    from .llama import LlamaModel
+    from .loading import load_tokenizer
+
+    path, tok_from = resolve_gguf(name_or_path)
+    tok = load_tokenizer(tok_from)
+    return LlamaModel(path, tok, name=name_or_path)
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in [
+    Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True),
+    Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False),
+]}
+
+
+def backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    return BACKENDS[name]

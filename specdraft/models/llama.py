@@ -1,0 +1,389 @@
+"""The llama.cpp backend: a GGUF model on llama.cpp's kernels behind the model interface
+(models/base.py), through llama-cpp-python's low-level API.
+
+- ``LlamaModel``: the loaded weights (memory-mapped, shared by every context) and the model's facts;
+  ``new_rows()`` hands out a llama.cpp context (its own KV cache), recycled through a small pool
+  because a context is per engine and an engine is per request.
+- ``LlamaRows``: the decode loop's rows, one llama.cpp sequence id per row in ONE unified KV cache.
+  A forward is one ``llama_decode`` of a batch in which every token carries its position, its
+  sequence ids and an output flag: logits are computed only at the positions the caller reads.
+  Rollback is ``llama_memory_seq_rm``; no slot is ever a hole.
+
+A token tree is a set of sequences: each leaf gets a sequence id (the row's own for the first leaf,
+spare ids for the others; the committed prefix is copied into them with ``seq_cp``, which shares
+cells and copies nothing), and a node belongs to the sequences of every leaf below it. llama.cpp
+masks a query token by its FIRST sequence id and position (a cell is visible when it is in that
+sequence at a position <= the token's): a node's first sequence is a leaf below it, so it sees the
+prefix, its ancestors and itself, and nothing else. ``commit`` keeps the accepted path in the row's
+sequence (``seq_cp`` from the accepted leaf's sequence) and drops the spare sequences; cells no
+sequence holds any more are free.
+
+Numerics: llama.cpp's kernels differ between a 1-token and an n-token batch (like bf16 in
+transformers), so speculative greedy output is compared with plain decoding on this backend, each
+divergence reported with the target's top-2 logit gap (tests/test_llama_backend.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ContextLengthError, ModelFileError
+
+PIN = "llama-cpp-python==0.3.36"  # requirements-llama.txt; built from source by `make setup`
+DEFAULT_CTX = 8192  # KV cells per context (all rows together); SPECDRAFT_LLAMA_CTX overrides
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: rows + spare sequences of token trees
+N_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
+# llama.cpp's own default (auto: on for these CPUs). With it, an n-token batch of up to 48 tokens gave
+# bit-identical logits to n single-token steps on SmolLM2 Q4_1, and without it 2 tokens already
+# differed by up to 3 logits; Q4_K_M's repacked kernels differ from 4 tokens on either way.
+FLASH_ATTN = int(os.environ.get("SPECDRAFT_LLAMA_FA", "-1"))
+
+
+def lib():
+    """The llama_cpp module, initialised once, its log quiet below errors."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ConfigError(f"the llama backend needs {PIN} (`make setup` builds it from source; "
+                          f"or pip install {PIN}): {e}") from e
+    if not getattr(lib, "ready", False):
+        llama_cpp.llama_backend_init()
+        llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        lib.ready = True
+    return llama_cpp
+
+
+def _log_cb(level, text, user_data):
+    """Print llama.cpp's errors only (ggml levels: 4 = ERROR, 5 = a continuation of the last line)."""
+    if level != 5:
+        _log_cb.last = level
+    if _log_cb.last == 4:
+        import sys
+
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_log_cb.last = 0
+
+
+def _make_quiet_log():
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.llama_log_callback(_log_cb)
+
+
+_quiet_log = _make_quiet_log()  # a module global: llama.cpp keeps the pointer
+
+
+def threads() -> int:
+    """The thread count llama.cpp uses: torch's (``set_threads`` / the tests' SPECDRAFT_THREADS)."""
+    return max(1, torch.get_num_threads())
+
+
+class LlamaModel:
+    """A GGUF file loaded by llama.cpp (weights memory-mapped), with the target's tokenizer."""
+
+    backend = "llama"
+
+    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None):
+        ll = lib()
+        path = Path(path)
+        if not path.is_file():
+            raise ModelFileError(f"GGUF file {path} not found")
+        mp = ll.llama_model_default_params()
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not load {path}: not a valid GGUF model file (corrupt or truncated?)")
+        self.path = path
+        self.name = name or path.stem
+        self.tokenizer = tokenizer
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+        self.n_ctx = int(n_ctx or os.environ.get("SPECDRAFT_LLAMA_CTX", 0) or min(self.n_ctx_train, DEFAULT_CTX))
+        self.num_layers = int(ll.llama_model_n_layer(self._model))
+        self.capture_hidden = False
+        self._pool: list = []  # idle contexts (cleared), reused by new_rows
+        self._eos: set[int] | None = None
+
+    # --- facts ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def max_context(self) -> int:
+        return self.n_ctx
+
+    @property
+    def dtype(self):
+        return torch.float32  # logits come back in float32; the weights are whatever the GGUF holds
+
+    def eos_token_ids(self) -> set[int]:
+        """llama.cpp's end-of-generation tokens (EOS, EOT, ...), plus the tokenizer's EOS."""
+        if self._eos is None:
+            ll = lib()
+            ids = {int(ll.llama_vocab_eos(self._vocab)), int(ll.llama_vocab_eot(self._vocab))}
+            ids |= {t for t in range(self._n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                ids.add(int(self.tokenizer.eos_token_id))
+            self._eos = {t for t in ids if 0 <= t < self._n_vocab}
+        return set(self._eos)
+
+    def enable_hidden_capture(self) -> None:
+        raise ConfigError("the llama backend does not expose the target's hidden features; Medusa and EAGLE heads "
+                          "need --backend hf")
+
+    # --- contexts ------------------------------------------------------------------------------
+    def _context(self):
+        ll = lib()
+        n = threads()
+        if self._pool:
+            ctx = self._pool.pop()
+        else:
+            cp = ll.llama_context_default_params()
+            cp.n_ctx = self.n_ctx
+            cp.n_batch = cp.n_ubatch = N_BATCH
+            cp.n_seq_max = MAX_SEQ
+            cp.kv_unified = True  # a tree node's cell belongs to several sequences of one row
+            cp.n_threads = cp.n_threads_batch = n
+            cp.no_perf = True
+            cp.flash_attn_type = FLASH_ATTN
+            ctx = ll.llama_init_from_model(self._model, cp)
+            if not ctx:
+                raise ModelFileError(f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.name}")
+        ll.llama_set_n_threads(ctx, n, n)
+        return ctx
+
+    def _release(self, ctx) -> None:
+        ll = lib()
+        ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+        self._pool.append(ctx)
+
+    def new_rows(self, compact_slack: int = 32) -> "LlamaRows":
+        return LlamaRows(self)
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """llama.cpp's own tokenizer (the tests compare it with the transformers tokenizer)."""
+        ll = lib()
+        raw = text.encode()
+        buf = (ll.llama_token * (len(raw) + 8))()
+        n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, len(buf), False, special)
+        return list(buf[:n])
+
+    def __del__(self):
+        try:
+            ll = lib()
+            for ctx in self._pool:
+                ll.llama_free(ctx)
+            self._pool = []
+            if getattr(self, "_model", None):
+                ll.llama_model_free(self._model)
+                self._model = None
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class LlamaRows:
+    """B rows over one llama.cpp context: row r is sequence ``seq[r]`` of the unified KV cache."""
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.ll = lib()
+        self.ctx = model._context()
+        self.mem = self.ll.llama_get_memory(self.ctx)
+        self.V = model.vocab_size
+        self.lens: list[int] = []
+        self.seq: list[int] = []  # row -> its sequence id
+        self.free = list(range(MAX_SEQ - 1, -1, -1))  # unused sequence ids (pop from the end)
+        self.last_hidden = None
+        self.prefill_hidden: list = []
+        self._tree_seqs: list = []  # per row of the last forward: (leaf seq of each fed token, spare seqs) or None
+        self._batch = None
+        self._cap = 0
+
+    @property
+    def B(self) -> int:
+        return len(self.lens)
+
+    @property
+    def L(self) -> int:
+        return max(self.lens, default=0)
+
+    def __del__(self):
+        try:
+            if self._batch is not None:
+                self.ll.llama_batch_free(self._batch)
+            self.model._release(self.ctx)
+        except Exception:
+            pass
+
+    # --- the batch -----------------------------------------------------------------------------
+    def _new_batch(self, n: int):
+        if n > self._cap:
+            if self._batch is not None:
+                self.ll.llama_batch_free(self._batch)
+            self._cap = max(n, 64)
+            self._batch = self.ll.llama_batch_init(self._cap, 0, MAX_SEQ)
+        self._batch.n_tokens = 0
+        return self._batch
+
+    @staticmethod
+    def _put(b, token: int, pos: int, seqs, out: bool) -> None:
+        i = b.n_tokens
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = len(seqs)
+        sid = b.seq_id[i]
+        for j, s in enumerate(seqs):
+            sid[j] = s
+        b.logits[i] = out
+        b.n_tokens = i + 1
+
+    def _decode(self, b) -> None:
+        rc = self.ll.llama_decode(self.ctx, b)
+        if rc == 1:
+            raise ContextLengthError(f"the llama.cpp context of {self.model.n_ctx} tokens (all rows together) is full; "
+                                     "raise SPECDRAFT_LLAMA_CTX or admit fewer requests at once")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+
+    # --- rows join and leave -------------------------------------------------------------------
+    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+        if hidden:
+            self.model.enable_hidden_capture()
+        if len(prefixes) > len(self.free):
+            raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
+        first = self.B
+        for p in prefixes:
+            self.seq.append(self.free.pop())
+            self.lens.append(0)
+        self.prefill_hidden = [None] * len(prefixes)
+        todo = [(first + i, t) for i, p in enumerate(prefixes) for t in p]
+        for at in range(0, len(todo), N_BATCH):  # no logits: the loop never reads a prefill's
+            b = self._new_batch(min(N_BATCH, len(todo) - at))
+            for r, t in todo[at: at + N_BATCH]:
+                self._put(b, t, self.lens[r], (self.seq[r],), False)
+                self.lens[r] += 1
+            self._decode(b)
+        return list(range(first, self.B))
+
+    def remove_rows(self, idx: list[int]) -> None:
+        drop = set(idx)
+        for r in sorted(drop):
+            self.ll.llama_memory_seq_rm(self.mem, self.seq[r], -1, -1)
+            self.free.append(self.seq[r])
+        self.seq = [s for r, s in enumerate(self.seq) if r not in drop]
+        self.lens = [n for r, n in enumerate(self.lens) if r not in drop]
+
+    # --- one forward ---------------------------------------------------------------------------
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        if hidden:
+            self.model.enable_hidden_capture()
+        N = max(max((len(s) for s in seqs), default=0), 1)
+        first_out = N - keep if keep else 0  # fed index of the first position whose logits are returned
+        items = []  # (token, position, sequence ids, (row, column) of its logits or None)
+        self._tree_seqs = [None] * self.B
+        for r, s in enumerate(seqs):
+            t = trees[r] if trees is not None else None
+            if t is None:
+                node_seqs, offsets = [(self.seq[r],)] * len(s), range(len(s))
+            else:
+                node_seqs, offsets = self._tree_sequences(r, t[0]), t[1].tolist()
+            for i, tok in enumerate(s):
+                items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
+                              (r, i - first_out) if i >= first_out else None))
+        n_out = N - first_out
+        if self.B == 1 and len(items) == N <= N_BATCH:  # a single row's step: its logits as they come
+            b = self._new_batch(N)
+            for tok, pos, sq, where in items:
+                self._put(b, tok, pos, sq, where is not None)
+            self._decode(b)
+            src = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n_out, self.V))
+            return torch.from_numpy(src.copy()).view(1, n_out, self.V)
+        out = torch.zeros(self.B, n_out, self.V)
+        for at in range(0, len(items), N_BATCH):  # a long catch-up feed takes several decodes
+            chunk = items[at: at + N_BATCH]
+            b = self._new_batch(len(chunk))
+            for tok, pos, sq, where in chunk:
+                self._put(b, tok, pos, sq, where is not None)
+            self._decode(b)
+            self._read_logits([w for *_, w in chunk if w is not None], out)
+        return out
+
+    def _read_logits(self, where: list, out: torch.Tensor) -> None:
+        """Copy the last decode's logits (one row per output, in batch order) to ``out[row, column]``."""
+        if not where:
+            return
+        src = torch.from_numpy(np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(len(where), self.V)))
+        rows = torch.tensor([w[0] for w in where], dtype=torch.long)
+        cols = torch.tensor([w[1] for w in where], dtype=torch.long)
+        out[rows, cols] = src
+
+    def _tree_sequences(self, r: int, allow: torch.Tensor) -> list[tuple[int, ...]]:
+        """Each fed token's sequence ids for row r's token tree (see the module doc): the first leaf
+        uses the row's sequence, every other leaf a spare one holding a copy of the prefix."""
+        n = allow.shape[0]
+        anc = allow.clone()
+        anc.fill_diagonal_(False)
+        depth = allow.sum(1)  # a node sees itself and its ancestors
+        parent = torch.where(anc.any(1), (anc * depth[None, :]).argmax(1), -1).tolist()  # the deepest ancestor
+        has_child = [False] * n
+        for p in parent:
+            if p >= 0:
+                has_child[p] = True
+        leaves = [i for i in range(n) if not has_child[i]]
+        if len(leaves) - 1 > len(self.free):
+            raise ContextLengthError(f"a token tree of {len(leaves)} leaves needs more than the {MAX_SEQ} sequences "
+                                     "llama.cpp holds")
+        spare = [self.free.pop() for _ in leaves[1:]]
+        ids = [self.seq[r]] + spare
+        for s in spare:
+            self.ll.llama_memory_seq_cp(self.mem, self.seq[r], s, -1, -1)
+        member: list[list[int]] = [[] for _ in range(n)]
+        for leaf, s in zip(leaves, ids):
+            i = leaf
+            while i >= 0:
+                member[i].append(s)
+                i = parent[i]
+        self._tree_seqs[r] = ([m[0] for m in member], spare)
+        return [tuple(m) for m in member]
+
+    # --- keep what was accepted ----------------------------------------------------------------
+    def commit(self, keep: list) -> None:
+        rm, cp = self.ll.llama_memory_seq_rm, self.ll.llama_memory_seq_cp
+        for r, k in enumerate(keep):
+            s, P = self.seq[r], self.lens[r]
+            tree = self._tree_seqs[r] if r < len(self._tree_seqs) else None
+            if isinstance(k, int) or tree is None:
+                n = k if isinstance(k, int) else len(k)
+                rm(self.mem, s, P + n, -1)
+            else:  # k: the accepted path's fed indices (0 = the pending token, ascending)
+                n = len(k)
+                leaf_seq = tree[0][k[-1]]
+                if leaf_seq != s:
+                    rm(self.mem, s, P, -1)
+                    cp(self.mem, leaf_seq, s, P, P + n)
+                else:
+                    rm(self.mem, s, P + n, -1)
+                for x in tree[1]:
+                    rm(self.mem, x, -1, -1)
+                    self.free.append(x)
+            self.lens[r] = P + n
+        self._tree_seqs = []
+
+    def truncate(self, r: int, n: int) -> None:
+        if n < self.lens[r]:
+            self.ll.llama_memory_seq_rm(self.mem, self.seq[r], n, -1)
+            self.lens[r] = n
+
+    def trim(self) -> None:
+        """Nothing to do: removed cells are free at once."""

@@ -1,0 +1,83 @@
+"""Other quantizations of a known model, written by llama.cpp's own quantizer and registered next to
+the original: ``specdraft models quantize NAME --type Q4_0`` -> ``NAME:Q4_0`` loads on the llama
+backend.
+
+The source is the checked GGUF of ``models pull`` (Q4_K_M / Q4_1 here: no float16 original ships), so
+a new type re-quantizes already-quantized weights (``allow_requantize``): Q8_0 keeps them nearly as
+they are, Q4_0 adds its own rounding. Each variant's SHA-256 and size are recorded in
+``$SPECDRAFT_HOME/quantized.json``; loading checks the size and the file loading in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+from ..errors import ConfigError, ModelFileError
+from . import registry
+
+TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,
+         "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1}  # llama_ftype values
+
+
+def _index_path() -> Path:
+    return registry.home() / "quantized.json"
+
+
+def _index() -> dict:
+    p = _index_path()
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def variants() -> dict:
+    """{"NAME:TYPE": record} of every registered variant."""
+    return _index()
+
+
+def check_type(qtype: str) -> int:
+    if qtype not in TYPES:
+        raise ConfigError(f"unknown quantization type {qtype!r}; choose one of: {', '.join(TYPES)}")
+    return TYPES[qtype]
+
+
+def variant_path(base: str, qtype: str) -> Path:
+    """The registered file of ``base:qtype`` (size-checked)."""
+    check_type(qtype)
+    rec = _index().get(f"{base}:{qtype}")
+    if rec is None:
+        raise ModelFileError(f"no {qtype} variant of {base}; make it with `specdraft models quantize {base} --type {qtype}`")
+    p = Path(rec["path"])
+    if not p.exists() or p.stat().st_size != rec["size"]:
+        raise ModelFileError(f"{p} is missing or not the registered file ({rec['size']} bytes); "
+                             f"run `specdraft models quantize {base} --type {qtype}` again")
+    return p
+
+
+def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
+    """Write ``base`` as ``qtype`` with llama.cpp's quantizer, load it once, register it; -> its path."""
+    from .llama import LlamaModel, lib
+
+    ftype = check_type(qtype)
+    spec = registry.get_spec(base)
+    registry.pull(base)
+    src = registry.gguf_path(base)
+    out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
+    tmp = out.with_suffix(".partial")
+    ll = lib()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads or 0
+    params.allow_requantize = True
+    rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise ModelFileError(f"llama.cpp could not quantize {src.name} to {qtype} (code {rc})")
+    tmp.rename(out)
+    LlamaModel(out, None, name=f"{base}:{qtype}")  # the check: llama.cpp loads what it wrote
+    rec = {"path": str(out), "size": out.stat().st_size, "sha256": registry.sha256_file(out), "type": qtype,
+           "source": spec.gguf_name, "source_sha256": spec.sha256}
+    idx = _index()
+    idx[f"{base}:{qtype}"] = rec
+    _index_path().write_text(json.dumps(idx, indent=1))
+    return out
