@@ -32,6 +32,7 @@ class SpecDecoder:
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids()
         self._policies: dict[str, CostAwarePolicy] = {}
+        self._costs: dict[int, float] = {}  # n tokens scored -> seconds (cost_curve)
         self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
         self._recycle_tables: dict = {}  # top_k -> Token Recycling's AdjacencyTable
         self._tok_hash: str | None = None
@@ -67,8 +68,20 @@ class SpecDecoder:
             return None
         key = json.dumps(spec.to_dict(), sort_keys=True)
         if key not in self._policies:
-            self._policies[key] = CostAwarePolicy(spec.k)
+            self._policies[key] = CostAwarePolicy(spec.k, costs=self.cost_curve(spec.k + 1))
         return self._policies[key]
+
+    def cost_curve(self, n_max: int) -> dict[int, float]:
+        """Seconds of one target forward scoring n = 1..n_max tokens on this machine, measured once per
+        decoder (about 3 forwards per n; ``bench/costs.measure_costs``) and extended when a spec needs
+        a longer one: the cost-aware schedule starts from the real curve of this CPU and backend."""
+        from .bench.costs import measure_costs
+
+        missing = [n for n in range(1, n_max + 1) if n not in self._costs]
+        if missing:
+            ms = measure_costs(self.target, missing, context=60, repeats=2)
+            self._costs.update({n: v / 1000 for n, v in ms.items()})
+        return {n: self._costs[n] for n in range(1, n_max + 1)}
 
     @classmethod
     def load(

@@ -23,9 +23,14 @@ from .errors import ConfigError
 
 
 class CostAwarePolicy:
-    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.3, prior_acceptance: float = 0.6):
+    """``costs`` (optional): a measured cost curve {n: seconds of a forward scoring n tokens} to start
+    from (``SpecDecoder.cost_curve``), so a step need not explore costs first and a curve that is not
+    monotonic (llama.cpp's Q4_0: 4 tokens cost less than 3) is known at every n."""
+
+    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.3, prior_acceptance: float = 0.6,
+                 costs: dict[int, float] | None = None):
         self.max_k = max_k
-        self.cost: dict[int, float] = {}
+        self.cost: dict[int, float] = dict(costs or {})
         self.draft_cost = 0.0
         self.acc: list[float] = []
         self.prior = prior_acceptance

@@ -25,6 +25,16 @@ def default_dataset() -> Path:
     return Path("../shared/data/spec_bench/question.jsonl")
 
 
+# Presets with a prompt file of their own (--preset NAME, whatever --dataset says): code_edit = 9 prompts
+# that rewrite a given snippet (type hints, renames, docstrings, SQL and text fixes), the repetitive
+# workload users run locally, where most of the answer copies the prompt.
+PRESET_FILES = {"code_edit": Path(__file__).with_name("code_edit.jsonl")}
+
+
+def preset_dataset(preset: str | None) -> Path | None:
+    return PRESET_FILES.get(preset or "")
+
+
 def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
@@ -55,8 +65,8 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
                        ("writing", 1), ("coding", 1), ("reasoning", 1)]:
             out += [r for r in rows if r["category"] == cat][:n]
         return out
-    if preset:
-        raise SpecDraftError(f"unknown preset {preset!r}; known: core18")
+    if preset and preset not in PRESET_FILES:
+        raise SpecDraftError(f"unknown preset {preset!r}; known: core18, {', '.join(PRESET_FILES)}")
     by: OrderedDict[str, list[dict]] = OrderedDict()
     for r in rows:
         by.setdefault(r["task"], []).append(r)

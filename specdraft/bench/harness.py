@@ -57,7 +57,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--dataset", default=None)
     b.add_argument("--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)")
     b.add_argument("--n-per-task", type=int, default=None)
-    b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue")
+    b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue; code_edit: 9 "
+                   "snippet-rewriting prompts shipped with specdraft (bench/code_edit.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-k", type=int, default=0)
@@ -276,7 +277,7 @@ def run_bench(a) -> dict:
                       for _, k, _ in variants)
     if needs_draft and not a.draft:
         raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted need --draft NAME")
-    rows = data.select(data.load_prompts(a.dataset), a.tasks.split(",") if a.tasks else None, a.n_per_task, a.preset)
+    rows = data.select(data.load_prompts(data.preset_dataset(a.preset) or a.dataset), a.tasks.split(",") if a.tasks else None, a.n_per_task, a.preset)
     if not rows:
         raise SpecDraftError("no prompts selected")
     threads = set_threads(a.threads)
