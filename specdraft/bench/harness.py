@@ -48,8 +48,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                         "transformers in the same run")
     b.add_argument("--reference", default="plain",
                    help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
-    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup / llama_cpp_draft; a comma list "
-                   "runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
+    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup; a comma list runs each "
+                   "(llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
+    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft (a comma list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
                    help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend)")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
@@ -125,7 +126,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
         elif m in named:
             out.append((m, named[m].method, named[m]))
         elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
-            ks = [int(k) for k in str(a.llama_k).split(",")]
+            ks = [int(k) for k in str(a.llama_k if m == "llama_cpp_lookup" else a.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in BASELINES:
             out.append((m, m, None))
@@ -286,7 +287,8 @@ def run_bench(a) -> dict:
                            backend=a.backend)
     hf_dec = dec
     if a.backend != "hf" and any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in variants):
-        hf_dec = SpecDecoder.load(a.target, draft=draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads)
+        hf_dec = SpecDecoder.load(a.target.partition(":")[0], draft=draft, dtype=a.dtype,  # NAME:TYPE is a GGUF variant
+                                  draft_layers=a.draft_layers, threads=threads)
     runners, skipped = make_runners(a, variants, dec, hf_dec, threads)
 
     out = Path(a.out)
