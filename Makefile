@@ -22,8 +22,10 @@ $(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh pypro
 models: setup
 	$(PY) -m specdraft.cli models pull $(MODELS)
 
+# The Qwen pair on transformers (bf16), then the same prompts on llama.cpp (the GGUF files, 4-bit kernels).
 demo: models
 	$(PY) -m specdraft.cli demo
+	$(PY) -m specdraft.cli demo --backend llama
 
 test: models
 	$(PY) -m pytest -ra --durations=25

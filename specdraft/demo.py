@@ -15,8 +15,10 @@ def run_demo(a) -> int:
     from .api import SpecDecoder
 
     t0 = time.time()
-    print(f"loading {a.target} (target) and {a.draft} (draft), {a.dtype} ...", file=sys.stderr)
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
+    what = a.dtype if a.backend == "hf" else "GGUF on llama.cpp"
+    print(f"loading {a.target} (target) and {a.draft} (draft), {what} ...", file=sys.stderr)
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
+                           backend=a.backend)
     print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     # Short prompts: on a 2-core CPU a 700-token Spec-Bench article takes minutes to prefill in bf16.
     rows = data.select(data.load_prompts(), preset="core18")
@@ -58,6 +60,6 @@ def run_demo(a) -> int:
         rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.2f}"
         print(f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
               f"| {t.mat:.2f} | {rate} |")
-    print(f"\n(greedy, {a.max_new_tokens} new tokens, {len(prompts)} prompts, {a.dtype}; "
+    print(f"\n(greedy, {a.max_new_tokens} new tokens, {len(prompts)} prompts, {what}; "
           f"full benchmark: specdraft bench --help, docs/benchmarks.md)")
     return 0

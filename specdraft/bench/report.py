@@ -73,6 +73,12 @@ def aggregate(doc: dict) -> dict:
     return out
 
 
+def _weights(s: dict) -> str:
+    if s.get("backend", "hf") == "hf":
+        return s["dtype"]
+    return f"GGUF on {s['backend']} (hf: methods {s['dtype']})"
+
+
 def _ref_label(name: str) -> str:
     return {"plain": "the engine's plain decoding", "hf:plain": "the engine's plain decoding on transformers",
             "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding"}.get(name, name)
@@ -97,7 +103,7 @@ def markdown(doc: dict, agg: dict) -> str:
     mode = "greedy" if sp["temperature"] == 0 else f"T={sp['temperature']}, top-k {sp['top_k']}, top-p {sp['top_p']}"
     lines = [
         f"### {s['target']}" + (f" (draft {s['draft']})" if s.get("draft") else "") +
-        f", {s['dtype']}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
+        f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
         f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}; MAT = mean over steps "
         f"of (accepted + 1). Backend: {s.get('backend', 'hf')}. {env.get('cpu')}, {env.get('threads')} threads, "
