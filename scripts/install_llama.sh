@@ -16,7 +16,7 @@ fi
 if ! ls "$DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   echo "[specdraft] building $PIN for this CPU ($FLAGS) -- about 3.5 minutes on 2 cores" >&2
   mkdir -p "$DIR"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "$VENV/bin/pip" wheel -q --no-deps --no-cache-dir -w "$DIR" "$PIN"
 fi
