@@ -266,13 +266,11 @@ class LlamaRows:
             self.seq.append(self.free.pop())
             self.lens.append(0)
         self.prefill_hidden = [None] * len(prefixes)
-        todo = [(first + i, t) for i, p in enumerate(prefixes) for t in p]
-        for at in range(0, len(todo), N_BATCH):  # no logits: the loop never reads a prefill's
-            b = self._new_batch(min(N_BATCH, len(todo) - at))
-            for r, t in todo[at: at + N_BATCH]:
-                self._put(b, t, self.lens[r], (self.seq[r],), False)
-                self.lens[r] += 1
-            self._decode(b)
+        items = [(t, i, (self.seq[first + r],), None) for r, p in enumerate(prefixes) for i, t in enumerate(p)]
+        for at in range(0, len(items), N_BATCH):  # no logits: the loop never reads a prefill's
+            self._decode_items(items[at: at + N_BATCH])
+        for r, p in enumerate(prefixes):
+            self.lens[first + r] = len(p)
         return list(range(first, self.B))
 
     def remove_rows(self, idx: list[int]) -> None:
@@ -302,31 +300,26 @@ class LlamaRows:
                 items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
                               (r, i - first_out) if i >= first_out else None))
         n_out = N - first_out
-        if self.B == 1 and len(items) == N <= N_BATCH:  # a single row's step: its logits as they come
-            b = self._new_batch(N)
-            for tok, pos, sq, where in items:
-                self._put(b, tok, pos, sq, where is not None)
-            self._decode(b)
-            src = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n_out, self.V))
-            return torch.from_numpy(src.copy()).view(1, n_out, self.V)
-        out = torch.zeros(self.B, n_out, self.V)
+        whole = self.B == 1 and len(items) == N <= N_BATCH  # a single row's feed in one decode
+        out = None if whole else torch.zeros(self.B, n_out, self.V)
         for at in range(0, len(items), N_BATCH):  # a long catch-up feed takes several decodes
-            chunk = items[at: at + N_BATCH]
-            b = self._new_batch(len(chunk))
-            for tok, pos, sq, where in chunk:
-                self._put(b, tok, pos, sq, where is not None)
-            self._decode(b)
-            self._read_logits([w for *_, w in chunk if w is not None], out)
+            where = self._decode_items(items[at: at + N_BATCH])
+            if not where:
+                continue
+            src = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(len(where), self.V))
+            if whole:  # its logits as llama.cpp laid them out, one copy
+                return torch.from_numpy(src.copy()).view(1, n_out, self.V)
+            out[torch.tensor([w[0] for w in where]), torch.tensor([w[1] for w in where])] = torch.from_numpy(src)
         return out
 
-    def _read_logits(self, where: list, out: torch.Tensor) -> None:
-        """Copy the last decode's logits (one row per output, in batch order) to ``out[row, column]``."""
-        if not where:
-            return
-        src = torch.from_numpy(np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(len(where), self.V)))
-        rows = torch.tensor([w[0] for w in where], dtype=torch.long)
-        cols = torch.tensor([w[1] for w in where], dtype=torch.long)
-        out[rows, cols] = src
+    def _decode_items(self, items: list) -> list:
+        """One ``llama_decode`` of at most N_BATCH (token, position, sequence ids, logits slot or None)
+        items; -> the slots of its logits rows, in llama.cpp's output order (the batch's)."""
+        b = self._new_batch(len(items))
+        for tok, pos, sq, slot in items:
+            self._put(b, tok, pos, sq, slot is not None)
+        self._decode(b)
+        return [slot for *_, slot in items if slot is not None]
 
     def _tree_sequences(self, r: int, allow: torch.Tensor) -> list[tuple[int, ...]]:
         """Each fed token's sequence ids for row r's token tree (see the module doc): the first leaf
@@ -363,20 +356,17 @@ class LlamaRows:
         for r, k in enumerate(keep):
             s, P = self.seq[r], self.lens[r]
             tree = self._tree_seqs[r] if r < len(self._tree_seqs) else None
-            if isinstance(k, int) or tree is None:
-                n = k if isinstance(k, int) else len(k)
+            n = k if isinstance(k, int) else len(k)
+            # a tree's accepted path (fed indices, 0 = the pending token) lies in its last node's first sequence
+            path_seq = tree[0][k[-1]] if tree is not None and not isinstance(k, int) and n else s
+            if path_seq != s:
+                rm(self.mem, s, P, -1)
+                cp(self.mem, path_seq, s, P, P + n)
+            else:
                 rm(self.mem, s, P + n, -1)
-            else:  # k: the accepted path's fed indices (0 = the pending token, ascending)
-                n = len(k)
-                leaf_seq = tree[0][k[-1]]
-                if leaf_seq != s:
-                    rm(self.mem, s, P, -1)
-                    cp(self.mem, leaf_seq, s, P, P + n)
-                else:
-                    rm(self.mem, s, P + n, -1)
-                for x in tree[1]:
-                    rm(self.mem, x, -1, -1)
-                    self.free.append(x)
+            for x in tree[1] if tree is not None else ():
+                rm(self.mem, x, -1, -1)
+                self.free.append(x)
             self.lens[r] = P + n
         self._tree_seqs = []
 
