@@ -33,6 +33,8 @@ class SpecDecoder:
         self.eos_ids = target.eos_token_ids()
         self._policies: dict[str, CostAwarePolicy] = {}
         self._costs: dict[int, float] = {}  # n tokens scored -> seconds (cost_curve)
+        self._draft_costs: dict[int, float] = {}  # the same for the draft model
+        self._arm_memory: dict = {}  # auto's per-arm measurements, per spec
         self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
         self._recycle_tables: dict = {}  # top_k -> Token Recycling's AdjacencyTable
         self._tok_hash: str | None = None
@@ -72,16 +74,22 @@ class SpecDecoder:
         return self._policies[key]
 
     def cost_curve(self, n_max: int) -> dict[int, float]:
-        """Seconds of one target forward scoring n = 1..n_max tokens on this machine, measured once per
-        decoder (about 3 forwards per n; ``bench/costs.measure_costs``) and extended when a spec needs
-        a longer one: the cost-aware schedule starts from the real curve of this CPU and backend."""
-        from .bench.costs import measure_costs
+        """Seconds of one target forward scoring n = 1..n_max tokens on this machine: measured once per
+        decoder at ``COST_POINTS`` (about 3 forwards each; ``bench/costs.measure_costs``), linear in
+        between, extended when a spec needs a longer one. The cost-aware schedule and ``auto`` start
+        from the real curve of this CPU and backend."""
+        return _curve(self.target, self._costs, n_max)
 
-        missing = [n for n in range(1, n_max + 1) if n not in self._costs]
-        if missing:
-            ms = measure_costs(self.target, missing, context=60, repeats=2)
-            self._costs.update({n: v / 1000 for n, v in ms.items()})
-        return {n: self._costs[n] for n in range(1, n_max + 1)}
+    def draft_cost_curve(self, n_max: int) -> dict[int, float]:
+        """The draft model's curve, likewise (``auto`` and the tree search price drafting with it)."""
+        return _curve(self.draft_model(), self._draft_costs, n_max)
+
+    def arm_memory(self, spec: SpecConfig):
+        """What ``auto``'s requests with this spec measured per arm, shared by the decoder's requests."""
+        from .drafters.auto import ArmMemory
+
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        return self._arm_memory.setdefault(key, ArmMemory())
 
     @classmethod
     def load(
@@ -181,3 +189,28 @@ class SpecDecoder:
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer,
                         self.draft_length(sc), on_emit=on_emit)
+
+
+COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
+    """{n: seconds} for n = 1..n_max, measuring the points of ``COST_POINTS`` up to n_max (and n_max)
+    that ``measured`` lacks, interpolating linearly between them."""
+    from .bench.costs import measure_costs
+
+    points = sorted({n for n in COST_POINTS if n <= n_max} | {n_max})
+    missing = [n for n in points if n not in measured]
+    if missing:
+        ms = measure_costs(model, missing, context=60, repeats=2)
+        measured.update({n: v / 1000 for n, v in ms.items()})
+    known = sorted(measured)
+    out = {}
+    for n in range(1, n_max + 1):
+        if n in measured:
+            out[n] = measured[n]
+        else:
+            i = next(j for j, m in enumerate(known) if m > n)
+            a, b = known[i - 1], known[i]
+            out[n] = measured[a] + (measured[b] - measured[a]) * (n - a) / (b - a)
+    return out

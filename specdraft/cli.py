@@ -174,7 +174,8 @@ def cmd_generate(a) -> int:
         from .drafters.datastore import Datastore
 
         Datastore(spec.datastore)
-    dec = SpecDecoder.load(a.target, draft=a.draft if needs == "draft_model" else None,
+    wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
+    dec = SpecDecoder.load(a.target, draft=a.draft if wants_draft else None,
                            dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
     if a.json:
@@ -219,6 +220,12 @@ def cmd_costs(a) -> int:
     from .bench.costs import main_costs
 
     return main_costs(a)
+
+
+def cmd_autotune(a) -> int:
+    from .autotune import main_autotune
+
+    return main_autotune(a)
 
 
 def cmd_bench(a) -> int:
@@ -372,6 +379,19 @@ def build_parser() -> argparse.ArgumentParser:
     bb.set_defaults(fn=cmd_batchbench)
 
     from .bench.harness import add_bench_args
+
+    at = sub.add_parser("autotune", help="measure drafting configurations here; write the best (and method=auto's arms)")
+    _add_model_args(at)
+    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's first prompt "
+                    "per task + code edits)")
+    at.add_argument("--n", type=int, default=8, help="calibration prompts")
+    at.add_argument("--max-new-tokens", type=int, default=64)
+    at.add_argument("--temperature", type=float, default=0.0, help="calibrate for this temperature (seed 0)")
+    at.add_argument("--only", default=None, help="comma list: try only these configurations (names or methods)")
+    at.add_argument("--arms", type=int, default=3, help="how many of the best configurations method=auto chooses among")
+    at.add_argument("--no-tree-search", action="store_true", help="skip the hardware-aware tree search")
+    at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
+    at.set_defaults(fn=cmd_autotune)
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
     add_bench_args(b)

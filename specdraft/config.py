@@ -152,6 +152,14 @@ class StrList:
 
 
 @dataclass(frozen=True)
+class Bool:
+    def __call__(self, name, v):
+        if not isinstance(v, bool):
+            raise ConfigError(f"{name} must be true or false, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
 class OptStr:
     """None, or a non-empty string (``what``: what the string is, e.g. a path)."""
 
@@ -352,6 +360,18 @@ class SpecConfig:
       tree and ``tree="static"`` a fixed shape (the same ``tree_*`` fields as the draft model's
       trees), the head scoring one tree level per forward with its own tree mask.
 
+    The engine choosing how to draft (docs/design.md, "Choosing how to draft"):
+
+    - hybrid (drafters/hybrid.py, SAM-Decoding's idea): the suffix automaton (``retrieval_k`` deep,
+      the suffix fields above) drafts when its match is at least ``hybrid_min_match`` tokens, the
+      draft model (``k``, ``tree``) otherwise; ``hybrid_merge`` (greedy) drafts both into one tree.
+    - cascade (CS-Drafting's vertical cascade): the draft model drafts ``k`` tokens, and prompt
+      lookup (``min_ngram`` .. ``max_ngram``) proposes up to ``cascade_k`` tokens per draft forward,
+      which the draft model checks in that forward (lossless for the draft's own q, so for the target).
+    - auto (drafters/auto.py): per request, each step drafts with the arm (plain, prompt_lookup,
+      suffix, draft_model, hybrid, cascade, ...; ``auto_arms`` restricts them) with the best
+      measured tokens per second of this machine's cost curve; priors from ``autotune``.
+
     ``lossy`` (default None: every method is lossless) opts into a verification rule that does not
     preserve the target's distribution. The only one is ``"typical"``, Medusa's typical acceptance
     (``verify.TypicalAcceptance``): when sampling, a draft token is kept if the target's probability
@@ -399,6 +419,18 @@ class SpecConfig:
     lookahead_window: int = _f(4, Int(min=1, what="W"))
     lookahead_ngram: int = _f(3, Int(min=2, what="N"))
     lookahead_max_ngrams: int = _f(4, Int(min=1, what="G"))
+    # hybrid (retrieval when its match is long, the draft model otherwise) and auto's retrieval arms
+    retrieval_k: int = _f(16, Int(min=1, what="depth of retrieval drafts"), used_by=lambda: ("hybrid", "auto"))
+    hybrid_min_match: int = _f(4, Int(min=1, what="suffix match length from which retrieval drafts"),
+                               used_by=lambda: ("hybrid", "auto"))
+    hybrid_merge: bool = _f(False, Bool(), used_by=lambda: ("hybrid",))
+    # cascade: prompt lookup proposes up to cascade_k tokens per draft-model forward, the draft model checks them
+    cascade_k: int = _f(4, Int(min=1), used_by=lambda: ("cascade",))
+    # auto: the arms it chooses among (method names; empty = every one this decoder can run) and the
+    # autotune file with their priors (None = the file `specdraft autotune` wrote for this target, draft,
+    # backend and CPU, if any; "off" = none, online calibration only)
+    auto_arms: list[str] = _f([], StrList(), used_by=lambda: ("auto",))
+    autotune: str | None = _f(None, OptStr("a path"), used_by=lambda: ("auto",))
     # medusa / eagle: the trained head's directory (specdraft train); its type and target are checked
     # when it is loaded (heads.load_head), not here
     head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head"))
@@ -429,7 +461,8 @@ class SpecConfig:
         m = REGISTRY[self.method]
         for f in dataclasses.fields(self):  # fields only some methods read, set for another method
             users = f.metadata["used_by"]() if f.metadata.get("used_by") else None
-            if users is not None and getattr(self, f.name) != f.default and self.method not in users:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if users is not None and getattr(self, f.name) != default and self.method not in users:
                 who = f"method {users[0]!r}" if len(users) == 1 else f"methods {_and(users)}"
                 raise ConfigError(f"{f.name} is used by {who} only, not {self.method!r}")
         if m.needs == "head" and self.head is None:

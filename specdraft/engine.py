@@ -206,11 +206,11 @@ class Engine:
         logits = self._score(rows, drafts)
         n_acc, new, keep = self._verify(rows, drafts, logits)
         self.kv.commit(keep)
-        for key, members in _by_group(rows).items():
-            self.groups[key].feedback(members, [n_acc[rows.index(m)] for m in members])
         verify_s = time.perf_counter() - t1
         done = [r for r, row in enumerate(rows)
                 if self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s)]
+        for key, members in _by_group(rows).items():  # after the rows' tokens grew: groups read them
+            self.groups[key].feedback(members, [n_acc[rows.index(m)] for m in members])
         self.last_step_s = time.perf_counter() - t0
         finished = [rows[r] for r in done]
         self._drop(done)
@@ -312,7 +312,7 @@ class Engine:
         row.tokens.extend(new)
         vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
         depth = None if draft.is_chain() else int(draft.depths().max())
-        row.stats.steps.append(StepRecord(draft.size, n_acc, len(new), draft_s, vs, depth))
+        row.stats.steps.append(StepRecord(draft.size, n_acc, len(new), draft_s, vs, depth, row.drafter.arm))
         if row.on_emit is not None and row.on_emit(new) and finish is None:
             finish = "cancelled"
         if finish is not None:

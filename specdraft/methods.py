@@ -8,6 +8,7 @@ benchmark read it; adding a drafter is one drafter file plus one entry here (doc
 own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
 ``backends``: the model backends (models/backends.py) it runs on; methods that read the target's
 hidden features or its layers need transformers ("hf").
+``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
 """
@@ -34,6 +35,7 @@ class Method:
     schedules: tuple[str, ...] = FREE_SCHEDULES
     batches: bool = True
     backends: tuple[str, ...] = ("hf",)
+    uses_draft: bool = False  # uses a draft model when one is given, works without (auto)
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
 
 
@@ -104,6 +106,30 @@ def _lookahead(dec, spec):
     return LookaheadDrafter(spec)
 
 
+def _hybrid(dec, spec):
+    from .drafters.hybrid import HybridDrafter
+
+    return HybridDrafter(_suffix(dec, retrieval_spec(spec)), _draft_model(dec, spec), spec.hybrid_min_match,
+                         spec.hybrid_merge)
+
+
+def retrieval_spec(spec):
+    """The suffix drafter's config inside a hybrid or auto spec (``retrieval_k`` deep)."""
+    import dataclasses
+
+    from .config import SpecConfig
+
+    keep = ("min_ngram", "max_ngram", "max_spec_factor", "min_token_prob", "tree_nodes", "max_occurrences", "datastore")
+    d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name in keep}
+    return SpecConfig(method="suffix", k=spec.retrieval_k, max_k=max(spec.retrieval_k, 16), **d)
+
+
+def _auto(dec, spec):
+    from .autotune import build_auto
+
+    return build_auto(dec, spec)
+
+
 def _medusa(dec, spec):
     from .drafters.medusa import MedusaDrafter
 
@@ -131,6 +157,12 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
            backends=BOTH),
     Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, backends=BOTH),
+    Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
+           _hybrid, needs="draft_model", trees=ALL_TREES, backends=BOTH),
+    Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
+           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=BOTH),
+    Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
+           _auto, backends=BOTH, uses_draft=True),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
            needs="head", trees=("chain", "static")),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,

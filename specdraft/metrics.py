@@ -22,6 +22,7 @@ class StepRecord:
     draft_s: float = 0.0
     verify_s: float = 0.0
     depth: int | None = None  # longest root-to-leaf path of a token tree; None = a chain (= drafted)
+    arm: str | None = None  # what drafted this step, when a composite drafter (hybrid, auto) chose
 
     @property
     def positions(self) -> int:
@@ -108,6 +109,15 @@ class GenerationStats:
         return sum(s.draft_s for s in self.steps)
 
     @property
+    def arms(self) -> dict[str, int] | None:
+        """Steps per arm, for a composite drafter's request (None otherwise)."""
+        out: dict[str, int] = {}
+        for s in self.steps:
+            if s.arm is not None:
+                out[s.arm] = out.get(s.arm, 0) + 1
+        return out or None
+
+    @property
     def verify_s(self) -> float:
         return sum(s.verify_s for s in self.steps)
 
@@ -131,6 +141,8 @@ class GenerationStats:
             d["lossy"] = self.lossy
         if self.reproducible is not None:
             d["reproducible"] = self.reproducible
+        if self.arms:
+            d["arms"] = self.arms
         if per_step:
             d["step_records"] = [[s.drafted, s.accepted, s.emitted, s.positions] for s in self.steps]
         return d

@@ -81,3 +81,19 @@ class DraftTree:
             path.append(node)
             node = par[node]
         return path[::-1]
+
+
+def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
+    """One tree holding both (nodes of ``b`` with the same parent and token as a node of ``a`` merge
+    into it); ``a``'s nodes keep their indices. Deterministic candidates only (no draft_probs)."""
+    tokens, parents = a.tokens.tolist(), a.parents.tolist()
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    where = []  # b's node j -> its index in the merged tree
+    for t, p in zip(b.tokens.tolist(), b.parents.tolist()):
+        key = (-1 if p < 0 else where[p], t)
+        if key not in index:
+            index[key] = len(tokens)
+            tokens.append(t)
+            parents.append(key[0])
+        where.append(index[key])
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))

@@ -143,7 +143,8 @@ def check_greedy(target, prompt, ref, got, label):
 
 SPECS = [{"method": "prompt_lookup"}, {"method": "suffix"}, {"method": "lookahead"},
          {"method": "token_recycling"}, {"method": "draft_model", "k": 4},
-         {"method": "prompt_lookup", "schedule": "cost_aware"}]
+         {"method": "prompt_lookup", "schedule": "cost_aware"}, {"method": "auto"}, {"method": "hybrid"},
+         {"method": "cascade"}]
 
 
 @pytest.fixture(scope="module")

@@ -129,13 +129,16 @@ def _three_concurrent_greedy(url, dec, spec, base_tokens):
                                   {"method": "draft_model", "tree": "dynamic", "k": 3}, {"method": "suffix"},
                                   {"method": "token_recycling"}, {"method": "lookahead"},
                                   {"method": "early_exit", "exit_layer": 1}, {"method": "layer_skip", "skip_layers": [1]},
-                                  {"method": "early_exit", "exit_layer": 1, "tree": "static"}])
+                                  {"method": "early_exit", "exit_layer": 1, "tree": "static"}, {"method": "auto"},
+                                  {"method": "hybrid"}, {"method": "cascade"}])
 def test_every_method_served_greedy_exact(tiny_server, spec):
     """Both schedulers accept every drafter (the batch one batches trees and self-speculation)."""
     url, app, dec, kind = tiny_server
     out, refs = _three_concurrent_greedy(url, dec, spec, 7)
     assert [o["choices"][0]["text"] for o in out] == refs
     assert all(o["usage"]["method"] == spec["method"] for o in out)
+    if spec["method"] in ("auto", "hybrid"):  # a composite reports the arms it drafted with
+        assert all(sum(o["usage"]["arms"].values()) == o["usage"]["steps"] for o in out)
 
 
 @pytest.fixture(scope="module")

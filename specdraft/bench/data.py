@@ -87,3 +87,12 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
             rs = picked + [r for r in rs if r not in picked]
         out += rs[:n_per_task] if n_per_task else rs
     return out
+
+
+def preset_rows(preset: str | None, dataset=None, tasks: list[str] | None = None, n_per_task: int | None = None) -> list[dict]:
+    """The prompts of ``--preset`` (presets joined by "+" are concatenated: core18+code_edit), else of
+    ``dataset`` (Spec-Bench by default)."""
+    out = []
+    for p in (preset.split("+") if preset else [None]):
+        out += select(load_prompts(preset_dataset(p) or dataset), tasks, n_per_task, p)
+    return out

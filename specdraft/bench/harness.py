@@ -59,7 +59,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)")
     b.add_argument("--n-per-task", type=int, default=None)
     b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue; code_edit: 9 "
-                   "snippet-rewriting prompts shipped with specdraft (bench/code_edit.jsonl)")
+                   "snippet-rewriting prompts shipped with specdraft (bench/code_edit.jsonl); join with +: core18+code_edit")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-k", type=int, default=0)
@@ -276,13 +276,14 @@ def run_bench(a) -> dict:
     variants = build_variants(a, cfg)
     needs_draft = any(k in ("hf_assisted", "llama_cpp_draft") or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
                       for _, k, _ in variants)
+    uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not a.draft:
         raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted need --draft NAME")
-    rows = data.select(data.load_prompts(data.preset_dataset(a.preset) or a.dataset), a.tasks.split(",") if a.tasks else None, a.n_per_task, a.preset)
+    rows = data.preset_rows(a.preset, a.dataset, a.tasks.split(",") if a.tasks else None, a.n_per_task)
     if not rows:
         raise SpecDraftError("no prompts selected")
     threads = set_threads(a.threads)
-    draft = a.draft if needs_draft else None
+    draft = a.draft if uses_draft else None
     dec = SpecDecoder.load(a.target, draft=draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
                            backend=a.backend)
     hf_dec = dec

@@ -29,6 +29,7 @@ class Drafter:
     lossy = None  # the opt-in lossy verification rule (SpecConfig.lossy); set by SpecDecoder.make_drafter
     group_key = None  # drafters with the same key draft together through one DraftGroup
     reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
+    arm = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
 
     def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
         """A request starts: ``generator`` is the request's own (seeded) random stream."""

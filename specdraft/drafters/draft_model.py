@@ -9,12 +9,14 @@ and after verification the cache is cut back to the context + accepted drafts.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import SpecConfig
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
 from .base import Drafter
+from .prompt_lookup import find_candidate
 
 
 def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
@@ -52,7 +54,7 @@ class DraftModelGroup:
         self.kv = draft.new_rows()
         self.members: list = []  # engine Requests, in kv row order
         self._base: dict[int, int] = {}  # id(row) -> context length at the last propose
-        self._drafted: dict[int, int] = {}
+        self._drafted: dict[int, list[int]] = {}  # id(row) -> its last draft
 
     def join(self, rows) -> None:
         self.kv.add_rows([[] for _ in rows])
@@ -79,23 +81,31 @@ class DraftModelGroup:
         step = 0
         while any(active):
             if step == 0:  # catch up on what the row's cache lacks; its last position predicts the first draft
-                seqs = [m.tokens[kv.lens[i]:] if active[i] else [] for i, m in enumerate(self.members)]
-                last = [max(len(q) - 1, 0) for q in seqs]
+                feeds = [m.tokens[kv.lens[i]:] if active[i] else [] for i, m in enumerate(self.members)]
             else:
-                seqs = [[int(out[i][-1])] if active[i] else [] for i in range(R)]
-                last = [0] * R
+                feeds = [[int(out[i][-1])] if active[i] else [] for i in range(R)]
+            # a cascade row appends what prompt lookup proposes; the draft model checks it in the same forward
+            props = [self._proposal(m, out[i], c[i]) if active[i] else [] for i, m in enumerate(self.members)]
+            seqs = [f + p for f, p in zip(feeds, props)]
+            last = [max(len(f) - 1, 0) for f in feeds]
             # LM-head logits only from the first position a drafting row reads (Qwen's head is 151,936 rows)
             N = max(len(q) for q in seqs)
             keep = N - min(last[i] for i in range(R) if active[i])
             logits = kv.forward(seqs, keep=keep)
-            kv.commit([len(q) for q in seqs])
+            kept = [len(q) for q in seqs]
             for i, m in enumerate(self.members):
                 if active[i]:
-                    lg = fit_vocab(logits[i, last[i] - (N - keep)], self.target_vocab)
-                    active[i] = self._draw(m, lg, step, out[i], probs[i], c[i])
+                    for j in range(len(props[i]) + 1):
+                        lg = fit_vocab(logits[i, last[i] + j - (N - keep)], self.target_vocab)
+                        prop = props[i][j] if j < len(props[i]) else None
+                        active[i] = self._draw(m, lg, step + j, out[i], probs[i], c[i], prop)
+                        if prop is None or int(out[i][-1]) != prop or not active[i]:
+                            break  # the proposal is rejected here: fed tokens past it are not kept
+                    kept[i] = len(feeds[i]) + j
+            kv.commit(kept)
             step += 1
         for i, m in enumerate(self.members):
-            self._drafted[id(m)] = len(out[i])
+            self._drafted[id(m)] = [int(t) for t in out[i]]
         by_row = {id(m): i for i, m in enumerate(self.members)}
         trees = []
         for r in rows:
@@ -105,9 +115,23 @@ class DraftModelGroup:
         return trees
 
     @staticmethod
-    def _draw(m, logits: torch.Tensor, step: int, out: list, probs: list, cap: int) -> bool:
+    def _proposal(m, out: list, cap: int) -> list[int]:
+        """Vertical cascade (``cascade_k`` > 0): prompt lookup's continuation of the row's context + the
+        draft so far, for the draft model to check; room is left for the draft's own next token."""
+        cfg = m.drafter.cfg
+        n = min(cfg.cascade_k, cap - len(out) - 1)
+        if cfg.method != "cascade" or n <= 0:
+            return []
+        ctx = np.asarray(m.tokens + [int(t) for t in out], dtype=np.int64)
+        return find_candidate(ctx, cfg.min_ngram, cfg.max_ngram, n).tolist()
+
+    @staticmethod
+    def _draw(m, logits: torch.Tensor, step: int, out: list, probs: list, cap: int, proposal: int | None = None) -> bool:
         """Append row m's next draft token from its draft logits; False when the row stops drafting
-        (cap reached, or its top probability fell below the confidence threshold)."""
+        (cap reached, or its top probability fell below the confidence threshold). A cascade's
+        ``proposal`` is taken as the draft token when the draft model agrees: greedy, when it is the
+        argmax; sampling, with probability q(proposal), else a draw from q without it, which leaves
+        the token distributed exactly as q (the q reported to the verifier)."""
         thr = m.drafter.cfg.confidence_threshold
         if m.sp.greedy:
             if thr > 0 and step > 0 and float(torch.softmax(logits, -1).max()) < thr:
@@ -117,13 +141,31 @@ class DraftModelGroup:
             q = probs_from_logits(logits, m.sp)
             if thr > 0 and step > 0 and float(q.max()) < thr:
                 return False
-            t = sample(q, m.gen)
+            t = sample(q, m.gen) if proposal is None else _draw_given(q, proposal, m.gen)
             probs.append(q)
         out.append(t)
         return len(out) < cap
 
     def feedback(self, rows, n_acc: list[int]) -> None:
-        for r, n in zip(rows, n_acc):
-            i = self.members.index(r)
-            self.kv.truncate(i, self._base[id(r)] + min(n, max(self._drafted[id(r)] - 1, 0)))
+        """After the rows' tokens were extended: a row's cache keeps its context at the last propose and
+        the drafted tokens (all fed but the last) that the emitted tokens begin with. Reading the
+        tokens, not ``n_acc``, keeps the cache right whatever chose the draft (a composite's merged tree,
+        a stop string's cut)."""
+        for r in rows:
+            i, base = self.members.index(r), self._base[id(r)]
+            fed = self._drafted[id(r)][:-1]
+            emitted = r.tokens[base: base + len(fed)]
+            same = next((j for j, (a, b) in enumerate(zip(fed, emitted)) if a != b), min(len(fed), len(emitted)))
+            self.kv.truncate(i, base + same)
         self.kv.trim()
+
+
+def _draw_given(q: torch.Tensor, proposal: int, gen: torch.Generator) -> torch.Tensor:
+    """One token from q given a deterministic proposal: the proposal with probability q(proposal),
+    else a draw from q with the proposal removed, renormalized (marginally exactly q)."""
+    qp = float(q[proposal])
+    if float(torch.rand((), generator=gen)) < qp:
+        return torch.tensor(proposal)
+    rest = q.clone()
+    rest[proposal] = 0.0
+    return sample(rest / rest.sum(), gen)

@@ -179,6 +179,7 @@ class DraftTreeDrafter(TreeGrower, Drafter):
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.model.reset()
+        self._drafted = False
         self.sp = sp
         self.gen = generator
 
@@ -201,16 +202,22 @@ class DraftTreeDrafter(TreeGrower, Drafter):
             return DraftTree.empty()
         feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)
         root = self._fit(self.model.forward(feed, keep=1)[-1])
+        self._drafted = True
         return self._grow(root, depth, self._score_level)
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         # Walk the accepted tokens down the tree (siblings carry distinct tokens), then keep the
-        # context and the accepted path's nodes that were fed to the draft model.
+        # context and the accepted path's nodes that were fed to the draft model. A step this drafter
+        # did not draft (a composite chose another part) leaves its cache as it is: a prefix of the
+        # tokens, caught up on at the next propose; so does a path leaving its tree (a merged tree).
+        if not getattr(self, "_drafted", False):
+            return
+        self._drafted = False
         keep = list(range(self._ctx))
         parent = -1
         for t in emitted[:num_accepted]:
-            nxt = next(i for i in self._final if self._par[i] == parent and self._tok[i] == t)
-            if nxt not in self._fed:
+            nxt = next((i for i in self._final if self._par[i] == parent and self._tok[i] == t), None)
+            if nxt is None or nxt not in self._fed:
                 break
             keep.append(self._fed[nxt])
             parent = nxt

@@ -221,6 +221,8 @@ def usage(stats, method: str) -> dict:
     }
     if getattr(stats, "lossy", None):  # an opt-in lossy verification rule made this output
         u["lossy"] = stats.lossy
+    if getattr(stats, "arms", None):  # a composite drafter (auto, hybrid): steps per arm it drafted with
+        u["arms"] = stats.arms
     if getattr(stats, "reproducible", None) is not None:  # seeded sampling: does the seed pin the tokens
         u["reproducible"] = stats.reproducible
     return u

@@ -1,0 +1,246 @@
+"""Choosing how to draft for a target, draft, backend and machine: the arms of ``method="auto"`` and
+``specdraft autotune``, which measures them on sample prompts and writes what it found.
+
+The autotune file (JSON; by default ``$SPECDRAFT_HOME/autotune/<target>__<draft>__<backend>__<cpu>.json``,
+where ``auto`` finds it by itself):
+
+    {"target", "draft", "backend", "cpu", "sampling", "prompts",
+     "best": SpecConfig of the fastest fixed configuration,
+     "arms": [{"name", "spec", "mat", "scored", "model_tokens", "speedup"}, ...]   # auto's arms + priors
+     "tried": [{"name", "spec", "speedup", "tokens_per_s", "mat", "acceptance", ...}, ...],
+     "tree": the hardware-aware tree search's inputs and choice (hf draft only)}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+from .config import SamplingParams, SpecConfig
+from .errors import ConfigError, SpecDraftError
+from .methods import method
+
+# auto's arms when no autotune file is there: cheap retrieval, the draft model, and the hybrid of both
+# (each only where the decoder can run it); plain is always an arm
+DEFAULT_ARMS = {
+    "prompt_lookup": {"method": "prompt_lookup", "k": 8, "min_ngram": 2, "max_ngram": 4},
+    "suffix": {"method": "suffix", "k": 16, "tree_nodes": 16},
+    "draft_model": {"method": "draft_model"},
+    "hybrid": {"method": "hybrid"},
+}
+ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
+
+
+def slug(s: str | None) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", s or "none")
+
+
+def cpu_key() -> str:
+    from .bench.costs import cpu_name
+
+    return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
+
+
+def default_path(dec) -> Path:
+    from .models.registry import home
+
+    t = dec.target
+    d = dec.draft
+    name = lambda m: None if m is None else getattr(m, "name", None) or getattr(m, "path", None)  # noqa: E731
+    dtype = str(getattr(getattr(t, "model", None), "dtype", "")).replace("torch.", "")  # hf: costs depend on it
+    return home() / "autotune" / f"{slug(name(t))}__{slug(name(d))}__{dec.backend}{dtype}__{cpu_key()}.json"
+
+
+def load_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"autotune file {p} not found (write one with `specdraft autotune ... -o {p}`)")
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"autotune file {p} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("arms"), list) or not doc["arms"]:
+        raise ConfigError(f"autotune file {p} has no 'arms' list (was it written by `specdraft autotune`?)")
+    return doc
+
+
+def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None]]:
+    """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
+    can run; ``spec.auto_arms`` keeps the named ones."""
+    path = spec.autotune or (default_path(dec) if default_path(dec).is_file() else None)
+    if path == "off":  # online calibration only, whatever file exists
+        path = None
+    if path is not None:
+        arms = [(a["name"], SpecConfig.from_dict(a["spec"]), a) for a in load_file(path)["arms"]]
+    else:
+        passed = {f: getattr(spec, f) for f in ARM_FIELDS}
+        arms = []
+        for name, d in DEFAULT_ARMS.items():
+            m = method(d["method"])
+            if dec.backend not in m.backends or (m.needs == "draft_model" and dec.draft is None):
+                continue
+            fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
+            if m.name == "hybrid" and spec.tree_nodes != SpecConfig().tree_nodes:
+                fields["tree_nodes"] = spec.tree_nodes
+            arms.append((name, SpecConfig.from_dict(fields), None))
+    if spec.auto_arms:
+        unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
+        if unknown:
+            raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
+        arms = [a for a in arms if a[0] in spec.auto_arms]
+    arms = [a for a in arms if a[1].method != "plain"]
+    if any(s.method == "auto" for _, s, _ in arms):
+        raise ConfigError("an auto arm cannot itself be 'auto'")
+    return [("plain", SpecConfig(method="plain"), None)] + arms
+
+
+def build_auto(dec, spec: SpecConfig):
+    """The AutoDrafter for ``spec`` on decoder ``dec`` (arms, this machine's step costs, shared memory)."""
+    from .drafters.auto import Arm, AutoDrafter, Evidence, StepCosts
+
+    arms_specs = _arm_specs(dec, spec)
+    uses_draft = any(method(s.method).needs == "draft_model" for _, s, _ in arms_specs)
+    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(1)[1] if uses_draft else 0.0)
+    arms = []
+    for name, s, prior in arms_specs:
+        ev = None
+        if prior is not None and prior.get("mat"):
+            steps = 8.0
+            ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
+                                                                           prior.get("model_tokens", 0.0)))
+        arms.append(Arm(name, dec.make_drafter(s), ev))
+    return AutoDrafter(arms, costs, dec.arm_memory(spec))
+
+
+# --- specdraft autotune ------------------------------------------------------------------------------
+def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
+    """The configurations autotune tries (each where this decoder can run it)."""
+    c = {"plain": {"method": "plain"}}
+    for k in (4, 8, 16):
+        c[f"prompt_lookup[k={k}]"] = {"method": "prompt_lookup", "k": k, "max_k": max(k, 16), "min_ngram": 2, "max_ngram": 4}
+    c["suffix"] = DEFAULT_ARMS["suffix"]
+    c["token_recycling"] = {"method": "token_recycling"}
+    if dec.draft is not None:
+        for k in k_list:
+            c[f"draft_model[k={k}]"] = {"method": "draft_model", "k": k}
+        c["cascade[k=4]"] = {"method": "cascade", "k": 4}
+        c["hybrid[k=4]"] = {"method": "hybrid", "k": 4}
+        if hasattr(dec.draft, "view"):
+            c["draft_model[static 2-1-1]"] = {"method": "draft_model", "tree": "static", "tree_branching": [2, 1, 1]}
+    out = {}
+    for n, d in c.items():
+        m = method(d["method"])
+        if dec.backend in m.backends and (m.needs != "draft_model" or dec.draft is not None):
+            out[n] = SpecConfig.from_dict(d)
+    return out
+
+
+def summarize(records: list[dict], base: dict) -> dict:
+    """Totals of one configuration's runs -> the figures autotune ranks by (metrics defined once)."""
+    from .metrics import StepRecord, acceptance_rate, mean_accepted_tokens, speedup, tokens_per_second
+
+    tokens = sum(len(r["token_ids"]) for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    steps = [StepRecord(*s) for r in records for s in r["steps"]]
+    n = max(len(steps), 1)
+    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": tokens_per_second(tokens, wall),
+            "speedup": speedup(tokens, wall, base["tokens"], base["wall_s"]) if base else 1.0,
+            "mat": mean_accepted_tokens(steps), "acceptance": acceptance_rate(steps),
+            "scored": sum(1 + s.drafted for s in steps) / n,
+            "model_tokens": sum(r["model_tokens"] for r in records) / n}
+
+
+def main_autotune(a) -> int:
+    from tqdm import tqdm
+
+    from .api import SpecDecoder
+    from .bench import data
+    from .bench.costs import cpu_name
+    from .models.loading import set_threads
+
+    threads = set_threads(a.threads)
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend)
+    rows = _prompts(a, data)
+    sp = SamplingParams(temperature=a.temperature, seed=0 if a.temperature > 0 else None,
+                        max_new_tokens=a.max_new_tokens).validate()
+    cands = candidates(dec)
+    if a.only:
+        keep = [x.strip() for x in a.only.split(",") if x.strip()]
+        cands = {n: s for n, s in cands.items() if n == "plain" or n.split("[")[0] in keep or n in keep}
+    ids = [dec.encode(r["prompt"], chat=True) for r in rows]
+    tree = None
+    if dec.draft is not None and hasattr(dec.draft, "view") and not a.no_tree_search:
+        tree = _tree_search(dec, ids, sp)
+        cands["draft_model[searched tree]"] = SpecConfig.from_dict(tree["spec"])
+    print(f"autotune: {len(cands)} configurations x {len(ids)} prompts x {sp.max_new_tokens} tokens on {cpu_name()}",
+          file=sys.stderr)
+    runs = {n: [] for n in cands}
+    warm = SamplingParams(**{**sp.to_dict(), "max_new_tokens": 8})
+    for s in cands.values():
+        dec.generate(ids[0], sampling=warm, spec=s)
+    for i in tqdm(range(len(ids)), desc="autotune", unit="prompt", file=sys.stderr, dynamic_ncols=True):
+        for n, s in cands.items():  # interleaved: every configuration on prompt i, then prompt i + 1
+            out = dec.generate(ids[i], sampling=sp, spec=s)
+            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s,
+                            "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
+                            "model_tokens": sum(st.drafted for st in out.stats.steps) if _uses_model(s) else 0})
+    base = summarize(runs["plain"], {})
+    tried = [{"name": n, "spec": cands[n].to_dict(), **summarize(runs[n], base)} for n in cands]
+    tried.sort(key=lambda t: -(t["speedup"] or 0))
+    doc = {"target": a.target, "draft": a.draft, "backend": dec.backend, "cpu": cpu_name(), "threads": threads,
+           "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
+           "arms": [{k: t[k] for k in ("name", "spec", "mat", "scored", "model_tokens", "speedup")}
+                    for t in tried if t["name"] != "plain" and (t["speedup"] or 0) > 0][: a.arms],
+           "tried": tried, "tree": tree}
+    out = Path(a.out) if a.out else default_path(dec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(tried))
+    print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
+          + ("" if a.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
+    return 0
+
+
+def _uses_model(s: SpecConfig) -> bool:
+    return method(s.method).needs == "draft_model"
+
+
+def table(tried: list[dict]) -> str:
+    lines = ["| configuration | speedup | tokens/s | MAT | acceptance | target tokens / step |", "|---|---|---|---|---|---|"]
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for t in tried:
+        lines.append(f"| {t['name']} | {f(t['speedup'])}x | {f(t['tokens_per_s'], 1)} | {f(t['mat'])} | "
+                     f"{f(t['acceptance'])} | {f(t['scored'], 1)} |")
+    return "\n".join(lines)
+
+
+def _prompts(a, data) -> list[dict]:
+    if a.prompts:
+        rows = data.load_prompts(a.prompts)[: a.n]
+    else:  # Spec-Bench's first prompt of each task, and code edits (a mix where different methods win)
+        rows = data.select(data.load_prompts(None), None, 1)
+        rows += data.load_prompts(data.preset_dataset("code_edit"))[: max(2, a.n - len(rows))]
+        rows = rows[: a.n]
+    if not rows:
+        raise SpecDraftError("no calibration prompts")
+    return rows
+
+
+def _tree_search(dec, ids: list[list[int]], sp: SamplingParams) -> dict:
+    """The hardware-aware tree for the draft model on this machine (treeshape.py), from the draft's rank
+    acceptance on the target's own greedy continuations of the calibration prompts."""
+    from .treeshape import best_tree, rank_acceptance
+
+    outs = [dec.generate(i, sampling=SamplingParams(max_new_tokens=min(sp.max_new_tokens, 48)),
+                         spec=SpecConfig(method="plain")).token_ids for i in ids[:4]]
+    p = rank_acceptance(dec.draft, ids[:4], outs)
+    from .drafters.auto import StepCosts
+
+    costs = StepCosts(dec.cost_curve(32))
+    draft = StepCosts(dec.draft_cost_curve(16))
+    choice = best_tree(p, costs.target, draft.target, max_nodes=24)
+    return {"rank_acceptance": [round(x, 4) for x in p], **choice,
+            "spec": {"method": "draft_model", "tree": "static", "tree_choices": choice["choices"]}}

@@ -1,0 +1,169 @@
+"""``method="auto"``: the engine chooses how to draft, per request, online.
+
+The candidate drafting configurations are *arms* (plain decoding is one; so are prompt lookup,
+the suffix automaton, the draft model at its k, the hybrid). Each step drafts with one arm and is
+scored by what it bought: (accepted + 1) tokens for the seconds the step costs *on this machine's
+cost curve* (``SpecDecoder.cost_curve``: a target forward scoring n tokens, plus the draft model's
+measured seconds per drafted token), not the step's wall clock, which is noisy and would make a
+seeded sample depend on load. The arm with the best rate drafts (plain's rate, 1 / cost(1), is
+known without trying it, so nothing runs slower than plain for long):
+
+- probing: an arm without ``probe`` steps of evidence (its own, or a prior) is tried first;
+- then the best rate drafts, and one step in ``recheck`` tries another arm (round robin, least
+  tried first), so a request whose text starts repeating finds retrieval again; exploration is
+  bounded by that fraction;
+- estimates decay (``decay`` per step of the arm), so they follow the request as it changes.
+
+Priors: ``specdraft autotune``'s file (the arms' measured MAT and step sizes on sample prompts), or,
+for requests whose output cannot depend on the draft (greedy, unseeded sampling), what earlier
+requests of the same decoder measured (``ArmMemory``). A seeded sampling request uses the file's
+priors only, so its arms, and so its sample, depend on nothing else that runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .base import Drafter, NoDrafter
+from .composite import Composite, plan_of
+
+
+class StepCosts:
+    """Seconds of one step on this machine: the target scoring n tokens (a measured curve, linearly
+    interpolated) plus the draft model's seconds per drafted token."""
+
+    def __init__(self, target_curve: dict[int, float], draft_token_s: float = 0.0):
+        self.ns = sorted(target_curve)
+        self.curve = target_curve
+        self.draft_token_s = draft_token_s
+
+    def target(self, n: float) -> float:
+        ns, c = self.ns, self.curve
+        i = bisect.bisect_left(ns, n)
+        if i == 0:
+            return c[ns[0]]
+        if i == len(ns):  # beyond the curve: extend its last slope
+            a, b = ns[-2:] if len(ns) > 1 else (ns[0], ns[0])
+            return c[b] + (c[b] - c[a]) / max(b - a, 1) * (n - b)
+        a, b = ns[i - 1], ns[i]
+        return c[a] + (c[b] - c[a]) * (n - a) / (b - a)
+
+    def step(self, scored: float, model_tokens: float = 0.0) -> float:
+        return self.target(scored) + self.draft_token_s * model_tokens
+
+
+@dataclass
+class Evidence:
+    """Decayed sums over an arm's steps: how many, tokens emitted (accepted + 1), seconds (cost curve)."""
+
+    steps: float = 0.0
+    emitted: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, emitted: float, seconds: float, decay: float = 1.0) -> None:
+        self.steps = self.steps * decay + 1
+        self.emitted = self.emitted * decay + emitted
+        self.seconds = self.seconds * decay + seconds
+
+    def scaled(self, max_steps: float) -> "Evidence":
+        f = min(1.0, max_steps / self.steps) if self.steps else 0.0
+        return Evidence(self.steps * f, self.emitted * f, self.seconds * f)
+
+    def plus(self, o: "Evidence") -> "Evidence":
+        return Evidence(self.steps + o.steps, self.emitted + o.emitted, self.seconds + o.seconds)
+
+
+class ArmMemory:
+    """What earlier requests of one decoder and spec measured per arm (decayed, so it follows the
+    workload)."""
+
+    def __init__(self, decay: float = 0.98):
+        self.arms: dict[str, Evidence] = {}
+        self.decay = decay
+
+    def add(self, arm: str, emitted: float, seconds: float) -> None:
+        self.arms.setdefault(arm, Evidence()).add(emitted, seconds, self.decay)
+
+
+@dataclass
+class Arm:
+    name: str
+    drafter: Drafter
+    prior: Evidence | None = None  # from the autotune file
+
+
+class AutoDrafter(Composite):
+    name = "auto"
+
+    def __init__(self, arms: list[Arm], costs: StepCosts, memory: ArmMemory | None = None, probe: int = 2,
+                 recheck: int = 16, decay: float = 0.9, prior_steps: float = 8.0):
+        super().__init__([a.drafter for a in arms])
+        self.arms, self.costs, self.memory = arms, costs, memory
+        self.probe, self.recheck, self.decay, self.prior_steps = probe, recheck, decay, prior_steps
+        self.plain_rate = 1.0 / costs.step(1)
+
+    def begin(self, prompt_ids, sp, generator):
+        super().begin(prompt_ids, sp, generator)
+        isolated = sp.seed is not None and not sp.greedy  # its arms may depend on nothing else that runs
+        self.ev = []
+        for a in self.arms:
+            prior = a.prior.scaled(self.prior_steps) if a.prior else Evidence()
+            if not isolated and self.memory is not None and a.name in self.memory.arms:
+                prior = self.memory.arms[a.name].scaled(self.prior_steps)
+            self.ev.append(prior)
+        self.since, self.current, self._size, self._model = 0, None, 0, 0
+
+    def rate(self, i: int) -> float | None:
+        """Tokens per second of arm i so far (None: no evidence); plain's is known."""
+        if isinstance(self.arms[i].drafter, NoDrafter):
+            return self.plain_rate
+        e = self.ev[i]
+        return e.emitted / e.seconds if e.steps else None
+
+    def choose(self) -> int:
+        n = len(self.arms)
+        unknown = [i for i in range(n) if self.ev[i].steps < self.probe and not isinstance(self.arms[i].drafter, NoDrafter)]
+        if unknown:
+            return unknown[0]
+        rates = [self.rate(i) for i in range(n)]
+        best = max(range(n), key=lambda i: rates[i])
+        self.since += 1
+        if self.since >= self.recheck and n > 1:
+            self.since = 0
+            others = [i for i in range(n) if i != best and not isinstance(self.arms[i].drafter, NoDrafter)]
+            if others:
+                return min(others, key=lambda i: self.ev[i].steps)
+        return best
+
+    @property
+    def cfg(self):  # the draft model's group reads the drafting arm's config
+        return self.arms[self.current].drafter.cfg
+
+    def plan(self, tokens, cap):
+        self.cap = cap
+        self.current = self.choose()
+        d = self.arms[self.current].drafter
+        own, model_cap = plan_of(d, tokens, cap)
+        self.arm = self.arms[self.current].name
+        if isinstance(d, Composite) and d.arm:
+            self.arm += "/" + d.arm
+        return own, model_cap
+
+    def combine(self, own, model):
+        d = self.arms[self.current].drafter
+        tree = d.combine(own, model) if isinstance(d, Composite) else Composite.combine(self, own, model)
+        self._size = tree.size
+        self._model = model.size if model is not None else 0
+        return tree
+
+    def feedback(self, num_accepted, emitted):
+        super().feedback(num_accepted, emitted)
+        if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
+            return
+        seconds = self.costs.step(1 + self._size, self._model)
+        self.ev[self.current].add(num_accepted + 1, seconds, self.decay)
+        if self.memory is not None:
+            self.memory.add(self.arms[self.current].name, num_accepted + 1, seconds)
+        self.current, self._size, self._model = None, 0, 0
+

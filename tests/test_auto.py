@@ -1,0 +1,225 @@
+"""The engine choosing how to draft (issue 15): hybrid, cascade and auto are exact (greedy
+token-identical, sampling distribution-exact with a broken variant that fails), auto falls back to
+plain when nothing pays and drafts when it does, seeded auto requests do not depend on other rows,
+the hardware-aware tree search is optimal, and autotune writes a file auto reads."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama
+from specdraft.api import COST_POINTS, SpecDecoder
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.engine import generate_batch
+from specdraft.errors import ConfigError
+from stat_util import fit_pvalue, sample_first_tokens
+from test_engine_tiny import N, PROMPT, V, exact_first_two
+
+SPECS = [
+    {"method": "cascade", "k": 3}, {"method": "cascade", "k": 5, "cascade_k": 2, "min_ngram": 1},
+    {"method": "hybrid", "k": 3}, {"method": "hybrid", "hybrid_merge": True, "hybrid_min_match": 2},
+    {"method": "hybrid", "tree": "static", "tree_branching": [2, 1]},
+    {"method": "auto"}, {"method": "auto", "auto_arms": ["prompt_lookup", "draft_model"]},
+]
+PROMPTS = [PROMPT, [1, 2, 3, 4, 5, 1, 2, 3], [5, 5, 2, 0, 5, 5, 2]]
+
+
+@pytest.fixture(scope="module")
+def dec():
+    d = SpecDecoder(tiny_llama(vocab=V), tiny_llama(vocab=V, noise_seed=5, noise=0.25))
+    return d
+
+
+def flat_costs(dec, slope=0.0, draft=0.001):
+    """A synthetic cost curve (seconds = 0.01 + slope * (n - 1)) instead of a measured one."""
+    dec._costs.clear()
+    dec._costs.update({n: 0.01 + slope * (n - 1) for n in COST_POINTS})
+    dec._draft_costs.clear()
+    dec._draft_costs.update({n: draft * n for n in COST_POINTS})
+    dec._arm_memory.clear()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+def test_greedy_equals_plain(dec, spec):
+    sp = SamplingParams(max_new_tokens=40)
+    for p in PROMPTS:
+        ref = dec.generate(p, sp, {"method": "plain"}).token_ids
+        out = dec.generate(p, sp, spec)
+        assert out.token_ids == ref
+        assert out.stats.drafted > 0
+        if spec["method"] != "cascade":
+            assert sum(out.stats.arms.values()) == len(out.stats.steps)
+
+
+def test_mixed_batch_rows_equal_alone(dec):
+    sp = SamplingParams(max_new_tokens=24)
+    specs = [SpecConfig.from_dict(s) for s in SPECS] + [SpecConfig(method="draft_model"), SpecConfig(method="plain")]
+    jobs = [(p, sp, dec.make_drafter(s)) for p in PROMPTS for s in specs]
+    together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=5, join_every=2)
+    for (p, _, _), s, res in zip(jobs, specs * len(PROMPTS), together):
+        assert res.token_ids == dec.generate(p, sp, s).token_ids, s.method
+
+
+SAMPLED = [("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram": 1, "max_ngram": 2}),
+           ("hybrid", {"method": "hybrid", "k": 3, "hybrid_min_match": 2}),
+           ("auto", {"method": "auto", "hybrid_min_match": 2, "auto_arms": ["hybrid", "draft_model"]})]
+
+
+@pytest.mark.parametrize("name,spec", SAMPLED, ids=[n for n, _ in SAMPLED])
+def test_sampling_first_two_tokens_match_target(dec, name, spec):
+    sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    counts, drafted, accepted = sample_first_tokens(dec.target, dec.make_drafter(SpecConfig.from_dict(spec)), PROMPT,
+                                                    sp, 5, 2, N, V, seed0=20_000)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert fit_pvalue(counts, exact_first_two(dec.target, sp)) > 1e-3
+
+
+def test_broken_cascade_is_detected(dec, monkeypatch):
+    """Broken on purpose: the draft takes prompt lookup's proposal whenever there is one, yet reports
+    the draft model's q, as if it had drawn it."""
+    from specdraft.drafters import draft_model
+
+    monkeypatch.setattr(draft_model, "_draw_given", lambda q, proposal, gen: torch.tensor(proposal))
+    sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    spec = SpecConfig(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2)
+    counts, _, _ = sample_first_tokens(dec.target, dec.make_drafter(spec), PROMPT, sp, 5, 2, N, V, seed0=20_000)
+    assert fit_pvalue(counts, exact_first_two(dec.target, sp)) < 1e-3
+
+
+def test_auto_falls_back_to_plain_and_drafts_where_it_pays(dec):
+    sp = SamplingParams(max_new_tokens=60)
+    p = [3, 1, 4, 1, 5, 2, 0]
+    steep = {"method": "auto", "auto_arms": ["draft_model"]}
+    flat_costs(dec, slope=0.02, draft=0.01)  # every drafted token costs 2x a plain step: nothing pays
+    out = dec.generate(p, sp, steep)
+    assert out.stats.arms.get("plain", 0) >= 0.7 * len(out.stats.steps), out.stats.arms
+    flat_costs(dec, slope=0.0, draft=0.0001)  # scoring is free: the draft model pays
+    out = dec.generate(p, sp, steep)
+    assert out.stats.arms.get("draft_model", 0) >= 0.7 * len(out.stats.steps), out.stats.arms
+    dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear()
+
+
+def test_seeded_auto_request_does_not_depend_on_other_rows(dec):
+    flat_costs(dec, slope=0.002)
+    sp = SamplingParams(temperature=1.0, seed=7, max_new_tokens=20)
+    spec = SpecConfig(method="auto")
+    alone = dec.generate(PROMPT, sp, spec)
+    assert alone.stats.reproducible is True
+    others = [(p, SamplingParams(max_new_tokens=30), dec.make_drafter(spec)) for p in PROMPTS]  # they teach memory
+    together = generate_batch(dec.target, [(PROMPT, sp, dec.make_drafter(spec))] + others, eos_ids=set())
+    assert together[0].token_ids == alone.token_ids and together[0].stats.arms == alone.stats.arms
+    dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear()
+
+
+def test_config_errors(dec, tmp_path):
+    with pytest.raises(ConfigError, match=r"auto_arms \['nope'\] are not arms here; arms: plain, prompt_lookup"):
+        dec.make_drafter(SpecConfig(method="auto", auto_arms=["nope"]))
+    with pytest.raises(ConfigError, match="hybrid_merge is used by method 'hybrid' only"):
+        SpecConfig(method="draft_model", hybrid_merge=True).validate()
+    with pytest.raises(ConfigError, match="hybrid_merge must be true or false"):
+        SpecConfig(method="hybrid", hybrid_merge="yes").validate()
+    with pytest.raises(ConfigError, match="autotune file .* not found"):
+        dec.make_drafter(SpecConfig(method="auto", autotune=str(tmp_path / "none.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"arms": [{"name": "x", "spec": {"method": "auto"}}]}))
+    with pytest.raises(ConfigError, match="cannot itself be 'auto'"):
+        dec.make_drafter(SpecConfig(method="auto", autotune=str(bad)))
+    with pytest.raises(ConfigError, match="method 'hybrid' needs a draft model|needs a draft model"):
+        SpecDecoder(dec.target, None).make_drafter(SpecConfig(method="hybrid"))
+    names = [a.name for a in SpecDecoder(dec.target, None).make_drafter(SpecConfig(method="auto")).arms]
+    assert names == ["plain", "prompt_lookup", "suffix"]  # no draft model: no model arms
+
+
+# --- the hardware-aware tree ------------------------------------------------------------------------
+def all_trees(max_nodes: int, ranks: int):
+    """Every prefix-closed, rank-contiguous tree of up to max_nodes nodes (as frozensets of paths)."""
+    seen, frontier = set(), {frozenset([(0,)])}
+    while frontier:
+        seen |= frontier
+        nxt = set()
+        for t in frontier:
+            if len(t) == max_nodes:
+                continue
+            for q in t:
+                for c in (q + (0,), q[:-1] + (q[-1] + 1,)):
+                    if c[-1] < ranks and c not in t:
+                        nxt.add(t | {c})
+        frontier = nxt - seen
+    return seen
+
+
+def test_tree_search_is_optimal_at_every_size():
+    from specdraft.treeshape import best_tree
+
+    p = [0.55, 0.2, 0.1]
+    value = lambda q: float(np.prod([p[r] for r in q]))  # noqa: E731
+    best = {}
+    for t in all_trees(6, 3):
+        best[len(t)] = max(best.get(len(t), 0), 1 + sum(value(q) for q in t))
+    got = best_tree(p, lambda n: 1.0, lambda w: 0.0, max_nodes=6)
+    assert [r["expected_tokens"] for r in got["per_size"]] == pytest.approx([best[n] for n in range(1, 7)], abs=1e-4)
+    # free scoring: the biggest tree wins; a steep curve: a single node or none beyond the first
+    assert len(got["choices"]) == 6
+    steep = best_tree(p, lambda n: float(n), lambda w: 0.0, max_nodes=6)
+    assert len(steep["choices"]) == 1 and steep["tokens_per_s"] < steep["plain_tokens_per_s"] * 1.0 + 1
+    SpecConfig(method="draft_model", tree="static", tree_choices=got["choices"]).validate()
+
+
+def test_rank_acceptance(dec):
+    from specdraft.treeshape import rank_acceptance
+
+    outs = [dec.generate(p, SamplingParams(max_new_tokens=12), {"method": "plain"}).token_ids for p in PROMPTS]
+    self_p = rank_acceptance(dec.target, PROMPTS, outs, ranks=4)  # a model drafting for itself: rank 0 always
+    assert self_p[0] == pytest.approx(1.0) and sum(self_p[1:]) == 0
+    p = rank_acceptance(dec.draft, PROMPTS, outs, ranks=4)
+    assert 0 < p[0] < 1 and sum(p) <= 1 + 1e-6
+
+
+# --- autotune -------------------------------------------------------------------------------------
+def test_autotune_writes_a_file_auto_reads(tmp_path, monkeypatch, capsys):
+    from conftest import tiny_model_dir
+    from specdraft.cli import main
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    model = tiny_model_dir(tmp_path / "tiny")
+    out = tmp_path / "tune.json"
+    rc = main(["autotune", "--target", str(model), "--draft", str(model), "--dtype", "float32", "--n", "2",
+               "--max-new-tokens", "6", "--only", "prompt_lookup,draft_model", "-o", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["best"]["method"] in ("plain", "prompt_lookup", "draft_model")
+    names = [t["name"] for t in doc["tried"]]
+    assert "plain" in names and "draft_model[searched tree]" in names and "draft_model[k=4]" in names
+    assert doc["tree"]["rank_acceptance"][0] == pytest.approx(1.0)  # the draft is the target
+    assert "| configuration | speedup |" in capsys.readouterr().out
+    dec = SpecDecoder.load(str(model), draft=str(model), dtype="float32")
+    drafter = dec.make_drafter(SpecConfig(method="auto", autotune=str(out)))
+    assert [a.name for a in drafter.arms] == ["plain"] + [a["name"] for a in doc["arms"]]
+    assert all(a.prior is not None and a.prior.steps > 0 for a in drafter.arms[1:])
+    res = dec.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), SpecConfig(method="auto", autotune=str(out)))
+    assert res.token_ids == dec.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), {"method": "plain"}).token_ids
+    rc = main(["generate", "--target", str(model), "--method", "auto", "--config", str(tmp_path / "missing.json"), "x"])
+    assert rc == 2 and "error: cannot read --config" in capsys.readouterr().err
+
+
+# --- real models --------------------------------------------------------------------------------
+REAL = [{"method": "auto"}, {"method": "hybrid", "k": 3}, {"method": "hybrid", "hybrid_merge": True, "k": 3},
+        {"method": "cascade", "k": 4}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", REAL, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
+    """SmolLM2-135M float32, drafted by its first 4 layers: token-identical to plain decoding."""
+    from test_greedy_real import NEW, PROMPTS as REAL_PROMPTS
+
+    d = SpecDecoder(smol_f32, smol_draft4)
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    drafted = 0
+    for p in REAL_PROMPTS[:4] + REAL_PROMPTS[-2:-1]:  # the last one repeats itself: retrieval drafts there
+        out = d.generate(p, sampling=sp, spec=spec, chat=True)
+        assert out.token_ids == smol_reference[p], p
+        drafted += out.stats.drafted
+    assert drafted > 0
