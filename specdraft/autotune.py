@@ -112,7 +112,7 @@ def build_auto(dec, spec: SpecConfig):
             ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
                                                                            prior.get("model_tokens", 0.0)))
         arms.append(Arm(name, dec.make_drafter(s), ev))
-    return AutoDrafter(arms, costs, dec.arm_memory(spec))
+    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
 
 
 # --- specdraft autotune ------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def main_autotune(a) -> int:
                             "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
                             "model_tokens": sum(st.drafted for st in out.stats.steps) if _uses_model(s) else 0})
     base = summarize(runs["plain"], {})
-    tried = [{"name": n, "spec": cands[n].to_dict(), **summarize(runs[n], base)} for n in cands]
+    tried = [{"name": n, "spec": compact(cands[n]), **summarize(runs[n], base)} for n in cands]
     tried.sort(key=lambda t: -(t["speedup"] or 0))
     doc = {"target": a.target, "draft": a.draft, "backend": dec.backend, "cpu": cpu_name(), "threads": threads,
            "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
@@ -202,6 +202,12 @@ def main_autotune(a) -> int:
     print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
           + ("" if a.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
     return 0
+
+
+def compact(spec: SpecConfig) -> dict:
+    """The method and the fields that differ from their defaults (what the file needs to rebuild it)."""
+    default = SpecConfig().to_dict()
+    return {k: v for k, v in spec.to_dict().items() if k == "method" or v != default[k]}
 
 
 def _uses_model(s: SpecConfig) -> bool:

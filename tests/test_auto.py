@@ -223,3 +223,16 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
         assert out.token_ids == smol_reference[p], p
         drafted += out.stats.drafted
     assert drafted > 0
+
+
+def test_bench_mixed_preset_and_arm_table():
+    from specdraft.bench import data
+    from specdraft.bench.report import arm_lines
+
+    rows = data.preset_rows("core18+code_edit")
+    assert len(rows) == 27 and rows[-1]["id"] == "edit9" and len({r["id"] for r in rows}) == 27
+    doc = {"records": [{"method": "auto", "task": "qa", "arms": {"plain": 3, "draft_model": 1}},
+                       {"method": "auto", "task": "code_edit", "arms": {"suffix": 9}},
+                       {"method": "plain", "task": "qa"}]}
+    lines = arm_lines(doc, ["qa", "code_edit"])
+    assert lines[-1] == "| auto | plain 75%, draft_model 25% | suffix 100% |"

@@ -134,7 +134,28 @@ def markdown(doc: dict, agg: dict) -> str:
                          f"top-2 gap {_f(x.get('top2_gap'), '{:.4f}')}")
     for name, why in doc.get("skipped", {}).items():
         lines.append(f"- {name}: {why}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + arm_lines(doc, agg["tasks"])) + "\n"
+
+
+def arm_lines(doc: dict, tasks: list[str]) -> list[str]:
+    """What composite drafters (auto, hybrid) drafted with, per task: each arm's share of the steps."""
+    by: dict = {}
+    for r in doc["records"]:
+        for arm, n in (r.get("arms") or {}).items():
+            cell = by.setdefault(r["method"], {}).setdefault(r["task"], {})
+            cell[arm] = cell.get(arm, 0) + n
+    if not by:
+        return []
+    out = ["", "Steps per arm of the composite drafters (share of the task's steps):", "",
+           "| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for m, per in by.items():
+        cells = []
+        for t in tasks:
+            c = per.get(t, {})
+            n = sum(c.values()) or 1
+            cells.append(", ".join(f"{a} {100 * v / n:.0f}%" for a, v in sorted(c.items(), key=lambda x: -x[1])) or "-")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _finish(fig, ax, title: str, stem: Path, suffix: str) -> Path:

@@ -31,6 +31,7 @@ class EngineRunner:
             "steps": [[s.drafted, s.accepted, s.positions] for s in out.stats.steps],
             "draft_s": out.stats.draft_s,
             "verify_s": out.stats.verify_s,
+            **({"arms": out.stats.arms} if out.stats.arms else {}),  # a composite's steps per arm
         }
 
 

@@ -9,10 +9,12 @@ seeded sample depend on load. The arm with the best rate drafts (plain's rate, 1
 known without trying it, so nothing runs slower than plain for long):
 
 - probing: an arm without ``probe`` steps of evidence (its own, or a prior) is tried first;
-- then the best rate drafts, and one step in ``recheck`` tries another arm (round robin, least
-  tried first), so a request whose text starts repeating finds retrieval again; exploration is
-  bounded by that fraction;
-- estimates decay (``decay`` per step of the arm), so they follow the request as it changes.
+- then the best rate drafts, and another arm (least tried first) is tried whenever exploring stays
+  within ``explore_frac`` (5%) of the request's time on the cost curve: where a drafting step costs
+  4 plain ones, a failed try is rare; where drafting is nearly free, tries are frequent;
+- estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
+- evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``
+  tokens) or novel, since retrieval pays in the one and seldom in the other.
 
 Priors: ``specdraft autotune``'s file (the arms' measured MAT and step sizes on sample prompts), or,
 for requests whose output cannot depend on the draft (greedy, unseeded sampling), what earlier
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from .base import Drafter, NoDrafter
 from .composite import Composite, plan_of
+from .suffix import SuffixAutomaton
 
 
 class StepCosts:
@@ -82,8 +85,9 @@ class ArmMemory:
         self.arms: dict[str, Evidence] = {}
         self.decay = decay
 
-    def add(self, arm: str, emitted: float, seconds: float) -> None:
-        self.arms.setdefault(arm, Evidence()).add(emitted, seconds, self.decay)
+    def add(self, key: tuple[str, str], emitted: float, seconds: float) -> None:
+        """``key``: (context, arm name)."""
+        self.arms.setdefault(key, Evidence()).add(emitted, seconds, self.decay)
 
 
 @dataclass
@@ -94,46 +98,65 @@ class Arm:
 
 
 class AutoDrafter(Composite):
+    """Evidence is kept per *context*: whether the text is repeating itself at this step (the suffix
+    automaton over prompt + output finds an earlier occurrence of at least ``min_match`` tokens,
+    SAM-Decoding's signal). Retrieval pays in the one and rarely in the other, so an arm's rate is
+    learned separately for each, and a request that starts copying its prompt switches at once."""
+
     name = "auto"
 
     def __init__(self, arms: list[Arm], costs: StepCosts, memory: ArmMemory | None = None, probe: int = 2,
-                 recheck: int = 16, decay: float = 0.9, prior_steps: float = 8.0):
+                 explore_frac: float = 0.05, decay: float = 0.9, prior_steps: float = 8.0, min_match: int = 4):
         super().__init__([a.drafter for a in arms])
         self.arms, self.costs, self.memory = arms, costs, memory
-        self.probe, self.recheck, self.decay, self.prior_steps = probe, recheck, decay, prior_steps
+        self.probe, self.explore_frac, self.decay, self.prior_steps = probe, explore_frac, decay, prior_steps
+        self.min_match = min_match
         self.plain_rate = 1.0 / costs.step(1)
 
     def begin(self, prompt_ids, sp, generator):
         super().begin(prompt_ids, sp, generator)
         isolated = sp.seed is not None and not sp.greedy  # its arms may depend on nothing else that runs
-        self.ev = []
-        for a in self.arms:
-            prior = a.prior.scaled(self.prior_steps) if a.prior else Evidence()
-            if not isolated and self.memory is not None and a.name in self.memory.arms:
-                prior = self.memory.arms[a.name].scaled(self.prior_steps)
-            self.ev.append(prior)
-        self.since, self.current, self._size, self._model = 0, None, 0, 0
+        self.ev = {}
+        for ctx in CONTEXTS:
+            self.ev[ctx] = []
+            for a in self.arms:
+                prior = a.prior.scaled(self.prior_steps) if a.prior else Evidence()
+                if not isolated and self.memory is not None and (ctx, a.name) in self.memory.arms:
+                    prior = self.memory.arms[ctx, a.name].scaled(self.prior_steps)
+                self.ev[ctx].append(prior)
+        self.elapsed = self.explored = 0.0  # seconds (cost curve) of all steps / of exploring ones
+        self.exploring = False
+        self.sam = SuffixAutomaton()
+        self.sam.extend_many(int(t) for t in prompt_ids)
+        self.ctx, self.current, self._size, self._model = CONTEXTS[0], None, 0, 0
 
-    def rate(self, i: int) -> float | None:
-        """Tokens per second of arm i so far (None: no evidence); plain's is known."""
+    def context(self, tokens: list[int]) -> str:
+        self.sam.extend_many(int(t) for t in tokens[len(self.sam):])
+        return CONTEXTS[self.sam.match_len() >= self.min_match]
+
+    def rate(self, i: int, ctx: str) -> float | None:
+        """Tokens per second of arm i in context ctx so far (None: no evidence); plain's is known."""
         if isinstance(self.arms[i].drafter, NoDrafter):
             return self.plain_rate
-        e = self.ev[i]
+        e = self.ev[ctx][i]
         return e.emitted / e.seconds if e.steps else None
 
-    def choose(self) -> int:
-        n = len(self.arms)
-        unknown = [i for i in range(n) if self.ev[i].steps < self.probe and not isinstance(self.arms[i].drafter, NoDrafter)]
+    def choose(self, ctx: str) -> int:
+        n, ev = len(self.arms), self.ev[ctx]
+        plain = [isinstance(a.drafter, NoDrafter) for a in self.arms]
+        self.exploring = True
+        unknown = [i for i in range(n) if ev[i].steps < self.probe and not plain[i]]
         if unknown:
             return unknown[0]
-        rates = [self.rate(i) for i in range(n)]
+        rates = [self.rate(i, ctx) for i in range(n)]
         best = max(range(n), key=lambda i: rates[i])
-        self.since += 1
-        if self.since >= self.recheck and n > 1:
-            self.since = 0
-            others = [i for i in range(n) if i != best and not isinstance(self.arms[i].drafter, NoDrafter)]
-            if others:
-                return min(others, key=lambda i: self.ev[i].steps)
+        others = [i for i in range(n) if i != best and not plain[i]]
+        if others:  # try another arm while exploration stays within its share of the (cost-curve) time
+            cand = min(others, key=lambda i: ev[i].steps)
+            c = ev[cand].seconds / ev[cand].steps
+            if self.explored + c <= self.explore_frac * (self.elapsed + c):
+                return cand
+        self.exploring = False
         return best
 
     @property
@@ -142,7 +165,8 @@ class AutoDrafter(Composite):
 
     def plan(self, tokens, cap):
         self.cap = cap
-        self.current = self.choose()
+        self.ctx = self.context(tokens)
+        self.current = self.choose(self.ctx)
         d = self.arms[self.current].drafter
         own, model_cap = plan_of(d, tokens, cap)
         self.arm = self.arms[self.current].name
@@ -162,8 +186,12 @@ class AutoDrafter(Composite):
         if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
             return
         seconds = self.costs.step(1 + self._size, self._model)
-        self.ev[self.current].add(num_accepted + 1, seconds, self.decay)
+        self.elapsed += seconds
+        self.explored += seconds if self.exploring else 0.0
+        self.ev[self.ctx][self.current].add(num_accepted + 1, seconds, self.decay)
         if self.memory is not None:
-            self.memory.add(self.arms[self.current].name, num_accepted + 1, seconds)
+            self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
         self.current, self._size, self._model = None, 0, 0
 
+
+CONTEXTS = ("novel", "repeating")  # the suffix match is shorter / not shorter than min_match
