@@ -96,7 +96,9 @@ def test_auto_falls_back_to_plain_and_drafts_where_it_pays(dec):
     out = dec.generate(p, sp, steep)
     assert out.stats.arms.get("plain", 0) >= 0.7 * len(out.stats.steps), out.stats.arms
     flat_costs(dec, slope=0.0, draft=0.0001)  # scoring is free: the draft model pays
-    out = dec.generate(p, sp, steep)
+    first = dec.generate(p, sp, steep)  # exploration is budgeted: the decoder's first request explores little
+    assert first.stats.arms.get("draft_model", 0) >= 1, first.stats.arms
+    out = dec.generate(p, sp, steep)  # what it learned carries over to the next request
     assert out.stats.arms.get("draft_model", 0) >= 0.7 * len(out.stats.steps), out.stats.arms
     dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear()
 

@@ -8,10 +8,13 @@ measured seconds per drafted token), not the step's wall clock, which is noisy a
 seeded sample depend on load. The arm with the best rate drafts (plain's rate, 1 / cost(1), is
 known without trying it, so nothing runs slower than plain for long):
 
-- probing: an arm without ``probe`` steps of evidence (its own, or a prior) is tried first;
-- then the best rate drafts, and another arm (least tried first) is tried whenever exploring stays
-  within ``explore_frac`` (5%) of the request's time on the cost curve: where a drafting step costs
-  4 plain ones, a failed try is rare; where drafting is nearly free, tries are frequent;
+- exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
+  another arm than the best, least tried first) happens only while it stays within ``explore_frac``
+  (5%) of the time on the cost curve: where a drafting step costs 4 plain ones, a failed try is
+  rare; where drafting is nearly free, tries are frequent. The budget is the decoder's (its requests
+  explore for each other, and a short request could never afford a costly arm alone), or the
+  request's own when it is isolated (below);
+- otherwise the arm with the best rate drafts;
 - estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
 - evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``
   tokens) or novel, since retrieval pays in the one and seldom in the other.
@@ -77,13 +80,20 @@ class Evidence:
         return Evidence(self.steps + o.steps, self.emitted + o.emitted, self.seconds + o.seconds)
 
 
+@dataclass
+class ExploreBudget:
+    elapsed: float = 0.0
+    explored: float = 0.0
+
+
 class ArmMemory:
     """What earlier requests of one decoder and spec measured per arm (decayed, so it follows the
-    workload)."""
+    workload), and their exploration budget."""
 
     def __init__(self, decay: float = 0.98):
-        self.arms: dict[str, Evidence] = {}
+        self.arms: dict[tuple[str, str], Evidence] = {}
         self.decay = decay
+        self.budget = ExploreBudget()
 
     def add(self, key: tuple[str, str], emitted: float, seconds: float) -> None:
         """``key``: (context, arm name)."""
@@ -124,7 +134,9 @@ class AutoDrafter(Composite):
                 if not isolated and self.memory is not None and (ctx, a.name) in self.memory.arms:
                     prior = self.memory.arms[ctx, a.name].scaled(self.prior_steps)
                 self.ev[ctx].append(prior)
-        self.elapsed = self.explored = 0.0  # seconds (cost curve) of all steps / of exploring ones
+        # seconds (cost curve) of all steps and of exploring ones: the decoder's (its requests explore for
+        # each other: a short request cannot afford to try a costly arm) or, isolated, the request's own
+        self.budget = ExploreBudget() if isolated or self.memory is None else self.memory.budget
         self.exploring = False
         self.sam = SuffixAutomaton()
         self.sam.extend_many(int(t) for t in prompt_ids)
@@ -145,16 +157,17 @@ class AutoDrafter(Composite):
         n, ev = len(self.arms), self.ev[ctx]
         plain = [isinstance(a.drafter, NoDrafter) for a in self.arms]
         self.exploring = True
+        b = self.budget
         unknown = [i for i in range(n) if ev[i].steps < self.probe and not plain[i]]
-        if unknown:
+        if unknown and b.explored <= self.explore_frac * b.elapsed:  # probing is exploring too
             return unknown[0]
-        rates = [self.rate(i, ctx) for i in range(n)]
+        rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
         best = max(range(n), key=lambda i: rates[i])
-        others = [i for i in range(n) if i != best and not plain[i]]
+        others = [i for i in range(n) if i != best and not plain[i] and ev[i].steps]
         if others:  # try another arm while exploration stays within its share of the (cost-curve) time
             cand = min(others, key=lambda i: ev[i].steps)
             c = ev[cand].seconds / ev[cand].steps
-            if self.explored + c <= self.explore_frac * (self.elapsed + c):
+            if b.explored + c <= self.explore_frac * (b.elapsed + c):
                 return cand
         self.exploring = False
         return best
@@ -186,8 +199,8 @@ class AutoDrafter(Composite):
         if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
             return
         seconds = self.costs.step(1 + self._size, self._model)
-        self.elapsed += seconds
-        self.explored += seconds if self.exploring else 0.0
+        self.budget.elapsed += seconds
+        self.budget.explored += seconds if self.exploring else 0.0
         self.ev[self.ctx][self.current].add(num_accepted + 1, seconds, self.decay)
         if self.memory is not None:
             self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
