@@ -103,7 +103,7 @@ def build_auto(dec, spec: SpecConfig):
 
     arms_specs = _arm_specs(dec, spec)
     uses_draft = any(method(s.method).needs == "draft_model" for _, s, _ in arms_specs)
-    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(1)[1] if uses_draft else 0.0)
+    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None)
     arms = []
     for name, s, prior in arms_specs:
         ev = None
@@ -111,7 +111,7 @@ def build_auto(dec, spec: SpecConfig):
             steps = 8.0
             ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
                                                                            prior.get("model_tokens", 0.0)))
-        arms.append(Arm(name, dec.make_drafter(s), ev))
+        arms.append(Arm(name, dec.make_drafter(s), ev, method(s.method).needs == "draft_model"))
     return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
 
 
@@ -245,8 +245,7 @@ def _tree_search(dec, ids: list[list[int]], sp: SamplingParams) -> dict:
     p = rank_acceptance(dec.draft, ids[:4], outs)
     from .drafters.auto import StepCosts
 
-    costs = StepCosts(dec.cost_curve(32))
-    draft = StepCosts(dec.draft_cost_curve(16))
-    choice = best_tree(p, costs.target, draft.target, max_nodes=24)
+    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(16))
+    choice = best_tree(p, costs.target, costs.draft, max_nodes=24)
     return {"rank_acceptance": [round(x, 4) for x in p], **choice,
             "spec": {"method": "draft_model", "tree": "static", "tree_choices": choice["choices"]}}

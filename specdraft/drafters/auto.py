@@ -17,7 +17,10 @@ known without trying it, so nothing runs slower than plain for long):
 - otherwise the arm with the best rate drafts;
 - estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
 - evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``
-  tokens) or novel, since retrieval pays in the one and seldom in the other.
+  tokens) or novel, since retrieval pays in the one and seldom in the other (an arm without evidence
+  in one borrows the other's);
+- exploring a draft-model arm also pays what the draft's cache must catch up on (a long prompt's
+  prefill, the first time), priced on the draft's cost curve.
 
 Priors: ``specdraft autotune``'s file (the arms' measured MAT and step sizes on sample prompts), or,
 for requests whose output cannot depend on the draft (greedy, unseeded sampling), what earlier
@@ -36,27 +39,35 @@ from .suffix import SuffixAutomaton
 
 
 class StepCosts:
-    """Seconds of one step on this machine: the target scoring n tokens (a measured curve, linearly
-    interpolated) plus the draft model's seconds per drafted token."""
+    """Seconds of one step on this machine: the target scoring n tokens plus the draft model's
+    drafted tokens (measured curves, linear in between and beyond)."""
 
-    def __init__(self, target_curve: dict[int, float], draft_token_s: float = 0.0):
-        self.ns = sorted(target_curve)
-        self.curve = target_curve
-        self.draft_token_s = draft_token_s
+    def __init__(self, target_curve: dict[int, float], draft_curve: dict[int, float] | None = None):
+        self.target_curve = target_curve
+        self.draft_curve = draft_curve or {1: 0.0}
+        self.draft_token_s = self.draft_curve[min(self.draft_curve)]
 
     def target(self, n: float) -> float:
-        ns, c = self.ns, self.curve
-        i = bisect.bisect_left(ns, n)
-        if i == 0:
-            return c[ns[0]]
-        if i == len(ns):  # beyond the curve: extend its last slope
-            a, b = ns[-2:] if len(ns) > 1 else (ns[0], ns[0])
-            return c[b] + (c[b] - c[a]) / max(b - a, 1) * (n - b)
-        a, b = ns[i - 1], ns[i]
-        return c[a] + (c[b] - c[a]) * (n - a) / (b - a)
+        return interpolate(self.target_curve, n)
+
+    def draft(self, n: float) -> float:
+        """A draft forward of n tokens (its catch-up on tokens its cache lacks)."""
+        return interpolate(self.draft_curve, n) if n > 0 else 0.0
 
     def step(self, scored: float, model_tokens: float = 0.0) -> float:
         return self.target(scored) + self.draft_token_s * model_tokens
+
+
+def interpolate(curve: dict[int, float], n: float) -> float:
+    ns = sorted(curve)
+    i = bisect.bisect_left(ns, n)
+    if i == 0:
+        return curve[ns[0]]
+    if i == len(ns):  # beyond the curve: extend its last slope
+        a, b = ns[-2:] if len(ns) > 1 else (ns[0], ns[0])
+        return curve[b] + (curve[b] - curve[a]) / max(b - a, 1) * (n - b)
+    a, b = ns[i - 1], ns[i]
+    return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
 
 
 @dataclass
@@ -105,6 +116,7 @@ class Arm:
     name: str
     drafter: Drafter
     prior: Evidence | None = None  # from the autotune file
+    uses_draft: bool = False  # drafts with the draft model, whose cache catches up when it drafts
 
 
 class AutoDrafter(Composite):
@@ -141,32 +153,50 @@ class AutoDrafter(Composite):
         self.sam = SuffixAutomaton()
         self.sam.extend_many(int(t) for t in prompt_ids)
         self.ctx, self.current, self._size, self._model = CONTEXTS[0], None, 0, 0
+        self.model_seen = 0  # the tokens the draft model's cache holds (it starts empty)
 
     def context(self, tokens: list[int]) -> str:
         self.sam.extend_many(int(t) for t in tokens[len(self.sam):])
         return CONTEXTS[self.sam.match_len() >= self.min_match]
 
+    def evidence(self, i: int, ctx: str) -> Evidence:
+        """Arm i's evidence in ctx; while it has less than ``probe`` steps there, the other context's
+        evidence fills in (scaled to ``probe`` steps), so an arm need not be probed twice."""
+        e = self.ev[ctx][i]
+        if e.steps >= self.probe:
+            return e
+        other = self.ev[CONTEXTS[1 - CONTEXTS.index(ctx)]][i]
+        return e.plus(other.scaled(self.probe - e.steps))
+
     def rate(self, i: int, ctx: str) -> float | None:
         """Tokens per second of arm i in context ctx so far (None: no evidence); plain's is known."""
         if isinstance(self.arms[i].drafter, NoDrafter):
             return self.plain_rate
-        e = self.ev[ctx][i]
+        e = self.evidence(i, ctx)
         return e.emitted / e.seconds if e.steps else None
 
-    def choose(self, ctx: str) -> int:
-        n, ev = len(self.arms), self.ev[ctx]
+    def catch_up(self, i: int, n_tokens: int) -> float:
+        """Seconds the draft model needs to catch up on the tokens since it last drafted, if arm i
+        drafts with it (a long prompt's prefill, the first time): a one-off that exploring must pay."""
+        return self.costs.draft(n_tokens - self.model_seen) if self.arms[i].uses_draft else 0.0
+
+    def choose(self, ctx: str, n_tokens: int) -> int:
+        n = len(self.arms)
+        ev = [self.evidence(i, ctx) for i in range(n)]
         plain = [isinstance(a.drafter, NoDrafter) for a in self.arms]
         self.exploring = True
         b = self.budget
-        unknown = [i for i in range(n) if ev[i].steps < self.probe and not plain[i]]
-        if unknown and b.explored <= self.explore_frac * b.elapsed:  # probing is exploring too
-            return unknown[0]
+        unknown = [i for i in range(n) if ev[i].steps < self.probe - 1e-9 and not plain[i]]
+        if unknown:  # probing is exploring too
+            c = self.costs.step(1) + self.catch_up(unknown[0], n_tokens)
+            if b.explored + c <= self.explore_frac * (b.elapsed + c) or not b.elapsed:
+                return unknown[0]
         rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
         best = max(range(n), key=lambda i: rates[i])
         others = [i for i in range(n) if i != best and not plain[i] and ev[i].steps]
         if others:  # try another arm while exploration stays within its share of the (cost-curve) time
             cand = min(others, key=lambda i: ev[i].steps)
-            c = ev[cand].seconds / ev[cand].steps
+            c = ev[cand].seconds / ev[cand].steps + self.catch_up(cand, n_tokens)
             if b.explored + c <= self.explore_frac * (b.elapsed + c):
                 return cand
         self.exploring = False
@@ -179,7 +209,10 @@ class AutoDrafter(Composite):
     def plan(self, tokens, cap):
         self.cap = cap
         self.ctx = self.context(tokens)
-        self.current = self.choose(self.ctx)
+        self.current = self.choose(self.ctx, len(tokens))
+        self._catch_up = self.catch_up(self.current, len(tokens))
+        if self.arms[self.current].uses_draft and cap > 0:
+            self.model_seen = len(tokens)
         d = self.arms[self.current].drafter
         own, model_cap = plan_of(d, tokens, cap)
         self.arm = self.arms[self.current].name
@@ -199,8 +232,8 @@ class AutoDrafter(Composite):
         if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
             return
         seconds = self.costs.step(1 + self._size, self._model)
-        self.budget.elapsed += seconds
-        self.budget.explored += seconds if self.exploring else 0.0
+        self.budget.elapsed += seconds + self._catch_up
+        self.budget.explored += seconds + self._catch_up if self.exploring else 0.0
         self.ev[self.ctx][self.current].add(num_accepted + 1, seconds, self.decay)
         if self.memory is not None:
             self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
