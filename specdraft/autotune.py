@@ -226,10 +226,13 @@ def table(tried: list[dict]) -> str:
 def _prompts(a, data) -> list[dict]:
     if a.prompts:
         rows = data.load_prompts(a.prompts)[: a.n]
-    else:  # Spec-Bench's first prompt of each task, and code edits (a mix where different methods win)
-        rows = data.select(data.load_prompts(None), None, 1)
-        rows += data.load_prompts(data.preset_dataset("code_edit"))[: max(2, a.n - len(rows))]
-        rows = rows[: a.n]
+    else:  # Spec-Bench's last prompt of each task (core18 takes the first ones) and the last code edits:
+        # a mix where different methods win
+        by_task: dict = {}
+        for r in data.load_prompts(None):
+            by_task[r["task"]] = r
+        edits = data.load_prompts(data.preset_dataset("code_edit"))
+        rows = (list(by_task.values()) + edits[-max(2, a.n - len(by_task)):])[: a.n]
     if not rows:
         raise SpecDraftError("no calibration prompts")
     return rows

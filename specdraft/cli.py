@@ -382,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     at = sub.add_parser("autotune", help="measure drafting configurations here; write the best (and method=auto's arms)")
     _add_model_args(at)
-    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's first prompt "
-                    "per task + code edits)")
+    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's last prompt "
+                    "per task + the last code edits)")
     at.add_argument("--n", type=int, default=8, help="calibration prompts")
     at.add_argument("--max-new-tokens", type=int, default=64)
     at.add_argument("--temperature", type=float, default=0.0, help="calibrate for this temperature (seed 0)")
