@@ -241,14 +241,15 @@ def _prompts(a, data) -> list[dict]:
 def _tree_search(dec, ids: list[list[int]], sp: SamplingParams) -> dict:
     """The hardware-aware tree for the draft model on this machine (treeshape.py), from the draft's rank
     acceptance on the target's own greedy continuations of the calibration prompts."""
-    from .treeshape import best_tree, rank_acceptance
+    from .treeshape import best_tree, rank_stats
 
     outs = [dec.generate(i, sampling=SamplingParams(max_new_tokens=min(sp.max_new_tokens, 48)),
                          spec=SpecConfig(method="plain")).token_ids for i in ids[:4]]
-    p = rank_acceptance(dec.draft, ids[:4], outs)
+    p, p_next = rank_stats(dec.draft, ids[:4], outs)
     from .drafters.auto import StepCosts
 
     costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(16))
-    choice = best_tree(p, costs.target, costs.draft, max_nodes=24)
-    return {"rank_acceptance": [round(x, 4) for x in p], **choice,
+    choice = best_tree(p, costs.target, costs.draft, max_nodes=24, p_next=p_next)
+    return {"rank_acceptance": [round(x, 4) for x in p], "rank_acceptance_after": [[round(x, 4) for x in r] for r in p_next],
+            **choice,
             "spec": {"method": "draft_model", "tree": "static", "tree_choices": choice["choices"]}}

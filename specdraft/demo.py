@@ -31,6 +31,7 @@ def run_demo(a) -> int:
         "draft_model": SpecConfig(method="draft_model", k=a.k),
         "prompt_lookup": SpecConfig(method="prompt_lookup", k=a.k),
         "prompt_lookup cost_aware": SpecConfig(method="prompt_lookup", k=6, schedule="cost_aware"),
+        "auto": SpecConfig(method="auto", k=a.k),  # chooses per step; measures this machine's cost curves first
     }
     sp = SamplingParams(max_new_tokens=a.max_new_tokens)
     ids = {r["id"]: dec.encode(r["prompt"], chat=True) for r in prompts}

@@ -170,13 +170,26 @@ def test_tree_search_is_optimal_at_every_size():
 
 
 def test_rank_acceptance(dec):
-    from specdraft.treeshape import rank_acceptance
+    from specdraft.treeshape import rank_acceptance, rank_stats
 
     outs = [dec.generate(p, SamplingParams(max_new_tokens=12), {"method": "plain"}).token_ids for p in PROMPTS]
-    self_p = rank_acceptance(dec.target, PROMPTS, outs, ranks=4)  # a model drafting for itself: rank 0 always
-    assert self_p[0] == pytest.approx(1.0) and sum(self_p[1:]) == 0
+    self_p, self_next = rank_stats(dec.target, PROMPTS, outs, ranks=4)  # a model drafting for itself: rank 0 always
+    assert self_p[0] == pytest.approx(1.0) and sum(self_p[1:]) == 0 and self_next[0][0] == pytest.approx(1.0)
     p = rank_acceptance(dec.draft, PROMPTS, outs, ranks=4)
     assert 0 < p[0] < 1 and sum(p) <= 1 + 1e-6
+
+
+def test_tree_search_values_depth_when_agreement_persists():
+    """Acceptance that depends on the parent's rank (a draft that agreed keeps agreeing) makes deep
+    chains worth more than independence says, and the search goes deeper."""
+    from specdraft.treeshape import best_tree
+
+    p = [0.7, 0.1, 0.05]
+    cost = lambda n: 1.0 + 0.1 * n  # noqa: E731
+    flat = best_tree(p, cost, lambda w: 0.2, max_nodes=12)
+    sticky = best_tree(p, cost, lambda w: 0.2, max_nodes=12, p_next=[[0.95, 0.03, 0.01], [0.5, 0.1, 0.05]])
+    assert max(map(len, sticky["choices"])) > max(map(len, flat["choices"]))
+    assert sticky["expected_tokens"] > flat["expected_tokens"]
 
 
 # --- autotune -------------------------------------------------------------------------------------

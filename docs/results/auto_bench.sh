@@ -29,3 +29,22 @@ H="$S bench --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft qw
   --config results/auto/auto_hf_with_tree.json --preset core18+code_edit --max-new-tokens 48"
 $H --methods plain,prompt_lookup_ca,draft_model_k3,static_2-1-1,searched_tree,hybrid,auto \
   --out results/auto/hf_greedy.json
+# the tree search again after it learned depth-conditional acceptance (autotune's _tree_search on its default
+# calibration prompts), then that tree against the hand-written one
+.venv/bin/python - <<'PY'
+import argparse, json
+from specdraft.api import SpecDecoder
+from specdraft.autotune import _prompts, _tree_search
+from specdraft.bench import data
+from specdraft.config import SamplingParams
+rows = _prompts(argparse.Namespace(prompts=None, n=6), data)
+dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype="bfloat16")
+tree = _tree_search(dec, [dec.encode(r["prompt"], chat=True) for r in rows], SamplingParams(max_new_tokens=48))
+json.dump(tree, open("results/auto/tree_hf2.json", "w"), indent=1)
+cfg = json.load(open("docs/configs/auto_hf.json"))
+cfg["variants"]["searched_tree"] = tree["spec"]
+json.dump(cfg, open("results/auto/auto_hf2.json", "w"), indent=1)
+PY
+$S bench --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --config results/auto/auto_hf2.json --preset core18+code_edit --max-new-tokens 48 \
+  --methods plain,static_2-1-1,searched_tree --out results/auto/hf_tree2.json
