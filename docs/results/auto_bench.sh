@@ -48,3 +48,7 @@ PY
 $S bench --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
   --config results/auto/auto_hf2.json --preset core18+code_edit --max-new-tokens 48 \
   --methods plain,static_2-1-1,searched_tree --out results/auto/hf_tree2.json
+# auto without a file on hf (its default arms include the hybrid), next to the hybrid
+$S bench --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --config docs/configs/auto_hf.json --preset core18+code_edit --max-new-tokens 48 \
+  --methods plain,hybrid,auto_online --out results/auto/hf_auto_online.json
