@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import methods
@@ -251,6 +252,10 @@ def cmd_serve(a) -> int:
         raise SpecDraftError(f"--max-batch must be >= 1, got {a.max_batch}")
     if a.timeout is not None and a.timeout <= 0:
         raise SpecDraftError(f"--timeout must be > 0 seconds, got {a.timeout}")
+    api_key = a.api_key or os.environ.get("SPECDRAFT_API_KEY") or None
+    if not api_key and not _loopback(a.host) and not a.insecure:
+        raise SpecDraftError(f"--host {a.host} is reachable from other machines: set --api-key KEY (or "
+                             "SPECDRAFT_API_KEY), or pass --insecure to serve it without one")
     try:
         import uvicorn
 
@@ -262,11 +267,22 @@ def cmd_serve(a) -> int:
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
-                     batch_options=batch_options)
+                     batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open)
     print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
           file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_loadtest(a) -> int:
@@ -346,7 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(s, default_target="smollm2-135m")
     _add_spec_args(s)
     s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key (or --insecure)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   "(default: $SPECDRAFT_API_KEY)")
+    s.add_argument("--metrics-open", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get HTTP 429")
     s.add_argument("--timeout", type=float, default=None, help="seconds a request may take (queue + decode)")
@@ -370,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--modes", default="spec,plain", help="spec (server default) and/or plain (spec off)")
     lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
     lt.add_argument("--out", default="loadtest.json", help="JSON results file")
+    lt.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDRAFT_API_KEY)")
     lt.set_defaults(fn=cmd_loadtest)
 
     from .bench.batchbench import add_batchbench_args

@@ -249,6 +249,7 @@ def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
     (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
     (["serve", "--method", "medusa"], "error: method 'medusa' needs head=DIR (--head DIR)"),
     (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
+    (["serve", "--host", "0.0.0.0"], "error: --host 0.0.0.0 is reachable from other machines: set --api-key KEY"),
 ])
 def test_serve_argument_errors_before_loading(argv, msg, capsys):
     assert main(argv) == 2
@@ -278,3 +279,24 @@ def test_seeded_request_same_alone_and_under_load(tiny_server):
         t.join()
     assert out[3]["choices"][0]["text"] == alone["choices"][0]["text"]
     assert alone["usage"]["reproducible"] is True and out[3]["usage"]["reproducible"] is True
+
+
+@pytest.mark.parametrize("open_metrics", [False, True])
+def test_api_key(open_metrics):
+    """With an API key every endpoint but /health (and /metrics when opened) needs the Bearer token:
+    401 in OpenAI's error shape without it or with a wrong one."""
+    t = tiny_llama(vocab=16)
+    t.tokenizer = StubTok()
+    with running_server(SpecDecoder(t, None), api_key="s3cret", open_metrics=open_metrics) as (url, app):
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        for headers, why in [({}, "missing API key"), ({"Authorization": "Bearer nope"}, "invalid API key"),
+                             ({"Authorization": "Basic s3cret"}, "invalid API key")]:
+            r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+            assert why in r.json()["error"]["message"] and r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(url + "/v1/completions", json=body, headers=ok, timeout=60).status_code == 200
+        assert httpx.get(url + "/v1/models", timeout=60).status_code == 401
+        assert httpx.get(url + "/v1/models", headers=ok, timeout=60).status_code == 200
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=60).status_code == (200 if open_metrics else 401)

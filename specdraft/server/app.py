@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -70,11 +71,40 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+OPEN_PATHS = ("/health",)  # answered without an API key (load balancers' probes)
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    e = RequestError(message, status=401, code="invalid_api_key")
+    return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def key_check(api_key: str, open_metrics: bool = False):
+    """An HTTP middleware: every path but /health (and /metrics with ``open_metrics``) needs
+    ``Authorization: Bearer <api_key>``, compared in constant time; otherwise 401 in OpenAI's shape."""
+    want = api_key.encode()
+    open_paths = OPEN_PATHS + (("/metrics",) if open_metrics else ())
+
+    async def check(request: Request, call_next):
+        if request.url.path in open_paths:
+            return await call_next(request)
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if not auth:
+            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), want):
+            return _unauthorized("invalid API key")
+        return await call_next(request)
+
+    return check
+
+
 def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
                timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
-               batch_options: dict | None = None) -> FastAPI:
+               batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False) -> FastAPI:
     """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
-    more runs the continuous batch engine (BatchWorker) with up to that many rows."""
+    more runs the continuous batch engine (BatchWorker) with up to that many rows. ``api_key``: every
+    endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token."""
     default_spec = SpecConfig.from_dict(default_spec)
     metrics = ServerMetrics()
     if max_batch > 1:
@@ -91,6 +121,8 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         worker.stop()
 
     app = FastAPI(title="specdraft", lifespan=lifespan)
+    if api_key:
+        app.middleware("http")(key_check(api_key, open_metrics))
     app.state.worker = worker
     app.state.metrics = metrics
     tok = decoder.tokenizer

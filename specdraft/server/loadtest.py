@@ -10,6 +10,7 @@ both modes do the same work.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -57,7 +58,8 @@ def parse_levels(s: str) -> list[int]:
     return levels
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float) -> dict:
+def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float,
+                headers: dict | None = None) -> dict:
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -68,7 +70,7 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict |
     first = None
     usage = None
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 r.read()
                 return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
@@ -98,7 +100,7 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
-def run_level(url, model, conc, n_requests, max_tokens, spec, deadline) -> dict:
+def run_level(url, model, conc, n_requests, max_tokens, spec, deadline, headers=None) -> dict:
     results = []
     lock = threading.Lock()
 
@@ -107,7 +109,7 @@ def run_level(url, model, conc, n_requests, max_tokens, spec, deadline) -> dict:
         if left <= 1:
             r = {"ok": False, "error": "skipped: the run's time budget is spent"}
         else:
-            r = one_request(url, model, PROMPTS[i % len(PROMPTS)], max_tokens, spec, left)
+            r = one_request(url, model, PROMPTS[i % len(PROMPTS)], max_tokens, spec, left, headers)
         with lock:
             results.append(r)
 
@@ -151,6 +153,8 @@ def main_loadtest(a) -> int:
     import httpx
 
     url = check_url(a.url)
+    key = getattr(a, "api_key", None) or os.environ.get("SPECDRAFT_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     levels = parse_levels(a.concurrency)
     if not 1 <= a.requests <= MAX_REQUESTS:
         raise SpecDraftError(f"--requests must be in 1..{MAX_REQUESTS}, got {a.requests}")
@@ -169,7 +173,7 @@ def main_loadtest(a) -> int:
             raise SpecDraftError(f"--spec is not valid JSON: {e}") from None
     try:
         h = httpx.get(url + "/health", timeout=10).json()
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(url + "/v1/models", timeout=10, headers=headers).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise SpecDraftError(f"no specdraft server answers at {url}: {e}") from None
     deadline = time.perf_counter() + a.timeout
@@ -177,7 +181,7 @@ def main_loadtest(a) -> int:
     for conc in levels:
         for mode in modes:
             r = run_level(url, model, conc, a.requests, a.max_tokens,
-                          {"method": "plain"} if mode == "plain" else spec, deadline)
+                          {"method": "plain"} if mode == "plain" else spec, deadline, headers)
             r["mode"] = mode
             rows.append(r)
             print(table([r]).splitlines()[-1], file=sys.stderr, flush=True)
