@@ -19,7 +19,7 @@ from .methods import method, methods_on
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
 from .models.views import layer_view, skip_to_keep
-from .policy import CostAwarePolicy, DraftLength, draft_length
+from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
 class SpecDecoder:
@@ -204,13 +204,4 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     if missing:
         ms = measure_costs(model, missing, context=60, repeats=2)
         measured.update({n: v / 1000 for n, v in ms.items()})
-    known = sorted(measured)
-    out = {}
-    for n in range(1, n_max + 1):
-        if n in measured:
-            out[n] = measured[n]
-        else:
-            i = next(j for j, m in enumerate(known) if m > n)
-            a, b = known[i - 1], known[i]
-            out[n] = measured[a] + (measured[b] - measured[a]) * (n - a) / (b - a)
-    return out
+    return {n: interpolate(measured, n) for n in range(1, n_max + 1)}

@@ -70,7 +70,8 @@ def load_file(path: str | Path) -> dict:
 def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None]]:
     """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
     can run; ``spec.auto_arms`` keeps the named ones."""
-    path = spec.autotune or (default_path(dec) if default_path(dec).is_file() else None)
+    found = default_path(dec)
+    path = spec.autotune or (found if found.is_file() else None)
     if path == "off":  # online calibration only, whatever file exists
         path = None
     if path is not None:
@@ -83,8 +84,6 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
             if dec.backend not in m.backends or (m.needs == "draft_model" and dec.draft is None):
                 continue
             fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
-            if m.name == "hybrid" and spec.tree_nodes != SpecConfig().tree_nodes:
-                fields["tree_nodes"] = spec.tree_nodes
             arms.append((name, SpecConfig.from_dict(fields), None))
     if spec.auto_arms:
         unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
@@ -102,7 +101,7 @@ def build_auto(dec, spec: SpecConfig):
     from .drafters.auto import Arm, AutoDrafter, Evidence, StepCosts
 
     arms_specs = _arm_specs(dec, spec)
-    uses_draft = any(method(s.method).needs == "draft_model" for _, s, _ in arms_specs)
+    uses_draft = any(_uses_model(s) for _, s, _ in arms_specs)
     costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None)
     arms = []
     for name, s, prior in arms_specs:
@@ -111,7 +110,7 @@ def build_auto(dec, spec: SpecConfig):
             steps = 8.0
             ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
                                                                            prior.get("model_tokens", 0.0)))
-        arms.append(Arm(name, dec.make_drafter(s), ev, method(s.method).needs == "draft_model"))
+        arms.append(Arm(name, dec.make_drafter(s), ev, _uses_model(s)))
     return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
 
 

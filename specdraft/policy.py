@@ -22,6 +22,20 @@ import bisect
 from .errors import ConfigError
 
 
+def interpolate(curve: dict[int, float], n: float) -> float:
+    """A measured cost curve {n: seconds} at any n: linear between measured points, the first point's
+    value below them, the last slope extended beyond them."""
+    ns = sorted(curve)
+    i = bisect.bisect_left(ns, n)
+    if i == 0:
+        return curve[ns[0]]
+    if i == len(ns):
+        a, b = ns[-2:] if len(ns) > 1 else (ns[0], ns[0])
+        return curve[b] + (curve[b] - curve[a]) / max(b - a, 1) * (n - b)
+    a, b = ns[i - 1], ns[i]
+    return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+
+
 class CostAwarePolicy:
     """``costs`` (optional): a measured cost curve {n: seconds of a forward scoring n tokens} to start
     from (``SpecDecoder.cost_curve``), so a step need not explore costs first and a curve that is not

@@ -78,18 +78,16 @@ def best_tree(p: list[float], target_s, draft_s, max_nodes: int = 32, p_next: li
         p_next = [[max(x, 1e-9) for x in row] for row in p_next]
     value = lambda q: path_value(q, p, p_next)  # noqa: E731
     heap = [(-value((0,)), (0,))]
-    nodes, total, per_size = [], 0.0, []
+    nodes, total, per_size, width = [], 0.0, [], {}  # width: nodes per depth
     while heap and len(nodes) < max_nodes:
         v, path = heapq.heappop(heap)
         nodes.append(path)
         total += -v
+        width[len(path)] = width.get(len(path), 0) + 1
         heapq.heappush(heap, (-value(path + (0,)), path + (0,)))
         if path[-1] + 1 < len(p):
             sib = path[:-1] + (path[-1] + 1,)
             heapq.heappush(heap, (-value(sib), sib))
-        width = {}
-        for q in nodes:
-            width[len(q)] = width.get(len(q), 0) + 1
         depth = max(width)
         seconds = target_s(len(nodes) + 1) + sum(draft_s(1 if d == 1 else width[d - 1]) for d in range(1, depth + 1))
         per_size.append({"nodes": len(nodes), "depth": depth, "expected_tokens": round(1 + total, 4),

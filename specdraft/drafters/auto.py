@@ -30,9 +30,9 @@ priors only, so its arms, and so its sample, depend on nothing else that runs.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
+from ..policy import interpolate
 from .base import Drafter, NoDrafter
 from .composite import Composite, plan_of
 from .suffix import SuffixAutomaton
@@ -56,18 +56,6 @@ class StepCosts:
 
     def step(self, scored: float, model_tokens: float = 0.0) -> float:
         return self.target(scored) + self.draft_token_s * model_tokens
-
-
-def interpolate(curve: dict[int, float], n: float) -> float:
-    ns = sorted(curve)
-    i = bisect.bisect_left(ns, n)
-    if i == 0:
-        return curve[ns[0]]
-    if i == len(ns):  # beyond the curve: extend its last slope
-        a, b = ns[-2:] if len(ns) > 1 else (ns[0], ns[0])
-        return curve[b] + (curve[b] - curve[a]) / max(b - a, 1) * (n - b)
-    a, b = ns[i - 1], ns[i]
-    return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
 
 
 @dataclass

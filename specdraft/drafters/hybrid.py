@@ -31,14 +31,9 @@ class HybridDrafter(Composite):
         super().begin(prompt_ids, sp, generator)
         self._greedy = sp.greedy
 
-    def match_len(self) -> int:
-        """The match the last retrieval draft came from (local automaton or the datastore)."""
-        r = self.retrieval
-        return r._g_m if r.last_source == "global" else r.sam.match_len()
-
     def plan(self, tokens, cap):
         own = self.retrieval.propose(tokens, cap)
-        if own.size and self.match_len() >= self.min_match and not (self.merge and self._greedy):
+        if own.size and self.retrieval.last_match_len() >= self.min_match and not (self.merge and self._greedy):
             self.arm = "retrieval"
             return own, 0
         self.arm = "model" if not own.size or not self.merge or not self._greedy else "merged"

@@ -275,5 +275,9 @@ class SuffixDrafter(Drafter):
             return DraftTree.empty()
         return DraftTree(torch.from_numpy(best[0].copy()), torch.from_numpy(best[1].copy()))
 
+    def last_match_len(self) -> int:
+        """The length of the match the last proposal drafted from (the automaton's, or the datastore's)."""
+        return self._g_m if self.last_source == "global" else self.sam.match_len()
+
     def feedback(self, num_accepted, emitted):
         pass
