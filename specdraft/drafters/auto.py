@@ -10,7 +10,7 @@ known without trying it, so nothing runs slower than plain for long):
 
 - exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
   another arm than the best, least tried first) happens only while it stays within ``explore_frac``
-  (5%) of the time on the cost curve: where a drafting step costs 4 plain ones, a failed try is
+  (5%) of the time on the cost curve: where a drafting step costs several plain ones, a failed try is
   rare; where drafting is nearly free, tries are frequent. The budget is the decoder's (its requests
   explore for each other, and a short request could never afford a costly arm alone), or the
   request's own when it is isolated (below);
