@@ -57,6 +57,7 @@ class Int:
     what: str = ""
     note: str = ""
     optional: bool = False
+    max: int | None = None
 
     def __call__(self, name, v):
         if v is None and self.optional:
@@ -66,6 +67,8 @@ class Int:
             raise ConfigError(f"{label} must be an integer, got {v!r}")
         if self.min is not None and v < self.min:
             raise ConfigError(f"{label} must be >= {self.min}{f' ({self.note})' if self.note else ''}, got {v}")
+        if self.max is not None and v > self.max:
+            raise ConfigError(f"{label} must be <= {self.max}, got {v}")
         return v
 
 
@@ -172,6 +175,40 @@ class OptStr:
 
 
 @dataclass(frozen=True)
+class TokenBias:
+    """{token id: bias}, OpenAI's ``logit_bias``: ids may arrive as JSON strings ("50256"); biases are
+    numbers in [-100, 100]. Normalized to {int: float}."""
+
+    def __call__(self, name, v):
+        if not isinstance(v, dict):
+            raise ConfigError(f"{name} must be an object mapping token ids to biases, got {v!r}")
+        out = {}
+        for k, b in v.items():
+            tid = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+            if not _is_int(tid) or tid < 0:
+                raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {k!r}")
+            out[tid] = Number(min=-100, max=100)(f"{name}[{k}]", b)
+        return out
+
+
+@dataclass(frozen=True)
+class JsonSchema:
+    """None, or a JSON schema: an object, or a string holding one."""
+
+    def __call__(self, name, v):
+        if v is None:
+            return v
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ConfigError(f"{name} is not valid JSON: {e}") from None
+        if not isinstance(v, dict):
+            raise ConfigError(f"{name} must be a JSON schema (a JSON object), got {type(v).__name__}")
+        return v
+
+
+@dataclass(frozen=True)
 class TreeSize:
     """A branching list (children per node at each depth) making at most ``max_nodes`` nodes in at
     most ``max_depth`` depths."""
@@ -222,8 +259,8 @@ def _f(default, *checks, used_by: Callable[[], tuple[str, ...]] | None = None):
     some methods read, ``used_by`` (-> those methods' names): setting it for another method is an error.
     A list default is copied per instance."""
     md = {"checks": checks, "used_by": used_by}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=md)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=md)
     return field(default=default, metadata=md)
 
 
@@ -273,13 +310,43 @@ class SamplingParams:
     max_new_tokens: int = _f(128, Int(min=1))
     stop: list[str] = _f([], StrList())
     ignore_eos: bool = False
+    # history-dependent processing (specdraft/processors.py), before temperature / top-k / top-p
+    repetition_penalty: float = _f(1.0, Number(min=0, min_open=True, finite=True, note="1 = off"))
+    presence_penalty: float = _f(0.0, Number(min=-2, max=2))
+    frequency_penalty: float = _f(0.0, Number(min=-2, max=2))
+    logit_bias: dict = _f({}, TokenBias())
+    min_tokens: int = _f(0, Int(min=0, note="EOS is masked until this many tokens were generated"))
+    # structured output (at most one): every emitted token keeps the text a prefix of a match
+    json_schema: dict | None = _f(None, JsonSchema())
+    regex: str | None = _f(None, OptStr("a regular expression"))
+    grammar: str | None = _f(None, OptStr("a Lark grammar"))
+    # the target's log-probabilities of the emitted tokens, with this many alternatives (0-20)
+    logprobs: int | None = _f(None, Int(min=0, max=20, optional=True, what="top alternatives per token"))
+
+    RULES = (
+        (lambda s: sum(x is not None for x in (s.json_schema, s.regex, s.grammar)) <= 1,
+         lambda s: "set at most one of json_schema, regex and grammar"),
+        (lambda s: s.min_tokens <= s.max_new_tokens,
+         lambda s: f"min_tokens ({s.min_tokens}) exceeds max_new_tokens ({s.max_new_tokens})"),
+    )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
+
+    @property
+    def processed(self) -> bool:
+        """Whether logits need history-dependent processing (penalties, bias, min_tokens, a grammar)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.constrained)
+
     def validate(self) -> "SamplingParams":
         _check_fields(self)
+        _check_rules(self, self.RULES)
         return self
 
     @classmethod

@@ -27,6 +27,7 @@ from .config import SamplingParams
 from .errors import ConfigError, ContextLengthError, SpecDraftError
 from .metrics import GenerationStats, StepRecord
 from .policy import BatchRule, DraftLength
+from .processors import RequestProcessor, logprob_entries
 from .sampling import make_generator
 from .tree import DraftTree
 from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
@@ -37,9 +38,13 @@ class GenerationResult:
     token_ids: list[int]
     text: str | None
     stats: GenerationStats
+    logprobs: list[dict] | None = None  # per token (SamplingParams.logprobs): processors.logprob_entries
 
     def to_dict(self, per_step: bool = False) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
+        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 def check_fits(target, n_prompt: int, sp: SamplingParams) -> None:
@@ -75,6 +80,8 @@ class Request:
     t_start: float = 0.0
     prefill_s: float = 0.0
     hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe_target
+    processor: RequestProcessor | None = None  # penalties, bias, min_tokens, grammar (None: none asked)
+    logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
 
     @property
     def output(self) -> list[int]:
@@ -147,6 +154,10 @@ class Engine:
         row.gen = make_generator(sp.seed)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
+        row.processor = RequestProcessor.for_request(sp, prompt_ids, self.target.vocab_size, self.eos_ids,
+                                                     self.tokenizer)
+        row.logprobs = None if sp.logprobs is None else []
+        drafter.processor = row.processor  # a drafter that samples processes its own logits the same way
         drafter.begin(prompt_ids, sp, row.gen)
         return row
 
@@ -184,7 +195,7 @@ class Engine:
             text = self.tokenizer.decode(out, skip_special_tokens=True)
             if row.stopper is not None:
                 text = row.stopper.trim(text)
-        row.result = GenerationResult(out, text, st)
+        row.result = GenerationResult(out, text, st, row.logprobs)
 
     def _drop(self, idx: list[int]) -> None:
         self.kv.remove_rows(idx)
@@ -203,12 +214,14 @@ class Engine:
         t0 = time.perf_counter()
         drafts, draft_s = self._draft(rows)
         t1 = time.perf_counter()
-        logits = self._score(rows, drafts)
+        logits = self._process(rows, drafts, self._score(rows, drafts))
         n_acc, new, keep = self._verify(rows, drafts, logits)
+        lps = [None if row.logprobs is None else logprob_entries(logits[r, _slots(keep[r])], new[r], row.sp.logprobs)
+               for r, row in enumerate(rows)]
         self.kv.commit(keep)
         verify_s = time.perf_counter() - t1
         done = [r for r, row in enumerate(rows)
-                if self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s)]
+                if self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s, lps[r])]
         for key, members in _by_group(rows).items():  # after the rows' tokens grew: groups read them
             self.groups[key].feedback(members, [n_acc[rows.index(m)] for m in members])
         self.last_step_s = time.perf_counter() - t0
@@ -244,6 +257,8 @@ class Engine:
                 ta = time.perf_counter()
                 drafts[r] = row.drafter.propose(row.tokens, caps[r])
                 draft_s[r] = time.perf_counter() - ta
+            if row.processor is not None and not row.drafter.reads_fed_positions:
+                drafts[r] = row.processor.prune(row.tokens, drafts[r])  # the target scores no node the grammar rules out
         return drafts, draft_s
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
@@ -262,6 +277,18 @@ class Engine:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
                     row.hidden_prefix = None
             row.drafter.observe_target(torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
+        return logits
+
+    def _process(self, rows: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
+        """Rows with penalties, bias or a grammar get every fed position processed with its own history
+        (the context + the draft tokens on its path); the others are left as scored."""
+        todo = [r for r, row in enumerate(rows) if row.processor is not None]
+        if not todo:
+            return logits
+        logits = logits.to(torch.float32, copy=True)
+        for r in todo:
+            m = drafts[r].size + 1
+            logits[r, :m] = rows[r].processor.process(logits[r, :m], rows[r].tokens, drafts[r])
         return logits
 
     def _verify(self, rows, drafts, logits) -> tuple[list[int], list[list[int]], list]:
@@ -299,7 +326,7 @@ class Engine:
         return n_acc, new, keep
 
     def _advance(self, row: Request, draft: DraftTree, n_acc: int, new: list[int], draft_s: float,
-                 step_s: float) -> bool:
+                 step_s: float, logprobs: list | None = None) -> bool:
         """The end of a row's step (``step_s``: the batch's target-side seconds): feedback, stop
         conditions, the step record, streaming. True when the row finished."""
         row.drafter.feedback(n_acc, new)
@@ -310,6 +337,10 @@ class Engine:
             if hit:
                 new, finish = cut, "stop"
         row.tokens.extend(new)
+        if row.processor is not None:
+            row.processor.commit(new)
+        if logprobs is not None:
+            row.logprobs.extend(logprobs[: len(new)])
         vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
         depth = None if draft.is_chain() else int(draft.depths().max())
         row.stats.steps.append(StepRecord(draft.size, n_acc, len(new), draft_s, vs, depth, row.drafter.arm))
@@ -318,6 +349,11 @@ class Engine:
         if finish is not None:
             self._finish(row, finish)
         return finish is not None
+
+
+def _slots(keep) -> list[int]:
+    """The fed positions a row keeps (``keep`` as ``SequenceRows.commit`` takes it: a count or a list)."""
+    return list(range(keep)) if isinstance(keep, int) else keep
 
 
 def _by_group(rows: list[Request]) -> dict:

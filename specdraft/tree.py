@@ -74,6 +74,14 @@ class DraftTree:
         nodes = past_len + n_pending - 1 + self.depths()
         return torch.cat([pend, nodes])[None]
 
+    def subset(self, keep: torch.Tensor) -> "DraftTree":
+        """The nodes where ``keep`` (bool [n]) is True, re-indexed; a kept node's parent must be kept."""
+        new_index = torch.cumsum(keep.long(), 0) - 1
+        par = self.parents[keep]
+        parents = torch.where(par >= 0, new_index[par.clamp(min=0)], par)
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(self.tokens[keep], parents, probs)
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for node -1, the root)."""
         path, par = [], self.parents.tolist()

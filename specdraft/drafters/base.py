@@ -30,6 +30,8 @@ class Drafter:
     group_key = None  # drafters with the same key draft together through one DraftGroup
     reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
     arm = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
+    processor = None  # the request's RequestProcessor (processors.py) or None; set by the engine before begin
+    reads_fed_positions = False  # observe_target indexes the fed draft as proposed: the engine must not prune it
 
     def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
         """A request starts: ``generator`` is the request's own (seeded) random stream."""

@@ -30,6 +30,7 @@ class Composite(Drafter):
         self.group_key = None if self.model is None else ("composite", _model_key(self.model))
         self.wants_hidden = any(p.wants_hidden for p in self.parts)
         self.reproducible = all(p.reproducible for p in self.parts)
+        self.reads_fed_positions = any(p.reads_fed_positions for p in self.parts)
         self.arm: str | None = None  # the name of what drafted this step (reported per step)
 
     @property
@@ -48,6 +49,7 @@ class Composite(Drafter):
     # --- the protocol, forwarded to every part ----------------------------------------------------
     def begin(self, prompt_ids, sp, generator):
         for p in self.parts:
+            p.processor = self.processor
             p.begin(prompt_ids, sp, generator)
 
     def propose(self, tokens, max_tokens):  # no grouped part (rows with one draft through CompositeGroup)

@@ -133,6 +133,8 @@ class DraftModelGroup:
         argmax; sampling, with probability q(proposal), else a draw from q without it, which leaves
         the token distributed exactly as q (the q reported to the verifier)."""
         thr = m.drafter.cfg.confidence_threshold
+        if m.processor is not None:  # the history of this draft position: the context + the draft so far
+            logits = m.processor.process(logits[None], m.tokens + [int(t) for t in out])[0]
         if m.sp.greedy:
             if thr > 0 and step > 0 and float(torch.softmax(logits, -1).max()) < thr:
                 return False

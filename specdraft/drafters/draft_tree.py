@@ -62,15 +62,20 @@ class TreeGrower:
         else:
             self.max_depth = cfg.k
 
-    def _start_tree(self, ctx: int) -> None:
+    def _start_tree(self, ctx: int, history: list[int] | None = None) -> None:
+        self._history = history  # the context's tokens, for the request's processor (penalties, grammar)
         self._tok, self._par, self._q, self._score, self._anc, self._rank = [], [], [], [], [], []
         self._fed: dict[int, int] = {}
         self._ctx = ctx
         self._final: list[int] = []
 
     # --- children of one node ----------------------------------------------------------------
-    def _children(self, logits: torch.Tensor, m: int) -> list[tuple[int, torch.Tensor | None, float]]:
-        """Up to m (token, proposal distribution or None, log draft prob) for one node's children."""
+    def _children(self, logits: torch.Tensor, m: int, parent: int = -1) -> list[tuple[int, torch.Tensor | None, float]]:
+        """Up to m (token, proposal distribution or None, log draft prob) for one node's children; with
+        the request's processor, from the logits processed with the node's own history."""
+        if self.processor is not None and self._history is not None:
+            path = [] if parent < 0 else [self._tok[a] for a in self._anc[parent]]
+            logits = self.processor.process(logits[None], self._history + path)[0]
         if self.sp.greedy:
             lp = torch.log_softmax(logits, -1)
             top = torch.topk(lp, min(m, int(torch.isfinite(lp).sum())))  # never a token the draft cannot make
@@ -149,7 +154,7 @@ class TreeGrower:
                     m = min(m, budget - len(self._tok))
                     if m <= 0:
                         break
-                level += self._add(i, self._children(logits[j], m))
+                level += self._add(i, self._children(logits[j], m, i))
         keep = list(range(len(self._tok)))
         if not static and greedy and len(keep) > budget:  # rerank to the budget, ancestor-closed
             best = sorted(keep, key=lambda i: -self._score[i])[:budget]
@@ -197,7 +202,7 @@ class DraftTreeDrafter(TreeGrower, Drafter):
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         depth = min(self.max_depth, max_tokens)
-        self._start_tree(len(tokens))
+        self._start_tree(len(tokens), tokens)
         if depth <= 0:
             return DraftTree.empty()
         feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)

@@ -44,6 +44,7 @@ from .medusa import accepted_rows
 class EagleDrafter(TreeGrower, Drafter):
     name = "eagle"
     wants_hidden = True
+    reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
 
     def __init__(self, target: HFModel, head: EagleHead, cfg: SpecConfig):
         self.target, self.head, self.cfg = target, head, cfg

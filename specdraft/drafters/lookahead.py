@@ -36,6 +36,7 @@ from .prompt_lookup import trie
 
 class LookaheadDrafter(Drafter):
     name = "lookahead"
+    reads_fed_positions = True  # observe_target reads the Jacobi window's rows of the fed tree
 
     def __init__(self, cfg: SpecConfig):
         self.W, self.N, self.G = cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_max_ngrams

@@ -86,6 +86,7 @@ def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Te
 class MedusaDrafter(Drafter):
     name = "medusa"
     wants_hidden = True
+    reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
     draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
 
     def __init__(self, target: HFModel, heads: MedusaHeads, cfg: SpecConfig):
