@@ -67,6 +67,18 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens of prompt + output")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many new tokens")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each token's log-probability and the N most likely alternatives (--json)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema")
+    c.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    c.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to this Lark grammar")
 
 
 def spec_from_args(a, default_method: str) -> "SpecConfig":
@@ -117,7 +129,37 @@ def sampling_from_args(a) -> "SamplingParams":
         seed=a.seed,
         max_new_tokens=a.max_new_tokens,
         stop=list(a.stop),
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        logit_bias=_logit_bias(a.logit_bias),
+        min_tokens=a.min_tokens,
+        logprobs=a.logprobs,
+        json_schema=None if a.json_schema is None else _read_text(a.json_schema, "--json-schema"),
+        regex=a.regex,
+        grammar=None if a.grammar is None else _read_text(a.grammar, "--grammar"),
     ).validate()
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise SpecDraftError(f"cannot read {flag} {path}: {e.strerror}") from e
+
+
+def _logit_bias(items: list[str]) -> dict:
+    out = {}
+    for it in items:
+        tid, sep, bias = it.partition("=")
+        try:
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise SpecDraftError(f"--logit-bias takes ID=BIAS (e.g. 13=-100), got {it!r}") from None
+        if not sep:
+            raise SpecDraftError(f"--logit-bias takes ID=BIAS (e.g. 13=-100), got {it!r}")
+    return out
 
 
 def _check_before_loading(spec, a) -> str | None:

@@ -258,7 +258,9 @@ class Engine:
                 drafts[r] = row.drafter.propose(row.tokens, caps[r])
                 draft_s[r] = time.perf_counter() - ta
             if row.processor is not None and not row.drafter.reads_fed_positions:
-                drafts[r] = row.processor.prune(row.tokens, drafts[r])  # the target scores no node the grammar rules out
+                d = row.processor.prune(row.tokens, drafts[r])  # the target scores no node the grammar rules out
+                room = row.sp.max_new_tokens - len(row.output) - 1 - d.size
+                drafts[r] = row.processor.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
         return drafts, draft_s
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
@@ -340,11 +342,13 @@ class Engine:
         if row.processor is not None:
             row.processor.commit(new)
         if logprobs is not None:
-            row.logprobs.extend(logprobs[: len(new)])
+            logprobs = logprobs[: len(new)]
+            row.logprobs.extend(logprobs)
         vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
         depth = None if draft.is_chain() else int(draft.depths().max())
         row.stats.steps.append(StepRecord(draft.size, n_acc, len(new), draft_s, vs, depth, row.drafter.arm))
-        if row.on_emit is not None and row.on_emit(new) and finish is None:
+        emit_args = (new,) if logprobs is None else (new, logprobs)  # with logprobs asked: their entries too
+        if row.on_emit is not None and row.on_emit(*emit_args) and finish is None:
             finish = "cancelled"
         if finish is not None:
             self._finish(row, finish)
@@ -415,8 +419,9 @@ class _StopChecker:
 def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
              tokenizer=None, length: DraftLength | None = None, on_emit=None) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
-    after every step with the tokens appended (for streaming); returning True cancels the request
-    (finish_reason "cancelled")."""
+    after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
+    when the request asks for logprobs); returning True cancels the request (finish_reason
+    "cancelled")."""
     eng = Engine(target, eos_ids, tokenizer)
     row = eng.add(prompt_ids, sp, drafter, on_emit, length=length)
     while eng.rows:

@@ -28,6 +28,7 @@ import json
 import torch
 
 from .errors import ConfigError
+from .tree import DraftTree
 
 
 class TokenConstraint:
@@ -44,6 +45,10 @@ class TokenConstraint:
 
     def pop(self, n: int) -> None:
         raise NotImplementedError
+
+    def forced(self) -> list[int]:
+        """Tokens the constraint forces from the current state (no other token is allowed), in order."""
+        return []
 
 
 class GrammarConstraint(TokenConstraint):
@@ -70,6 +75,9 @@ class GrammarConstraint(TokenConstraint):
     def pop(self, n: int) -> None:
         if n:
             self.m.rollback(n)
+
+    def forced(self) -> list[int]:
+        return [] if self.m.is_stopped() else list(self.m.compute_ff_tokens())
 
 
 _LL_TOKENIZERS: dict = {}
@@ -111,8 +119,9 @@ def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> Gramma
         name, g = "grammar", llguidance.LLMatcher.grammar_from_lark(sp.grammar)
     tok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
     err = llguidance.LLMatcher.validate_grammar(g, tok)
-    if err and not err.startswith("WARNING"):
-        raise ConfigError(f"{name} does not compile: {err.strip().splitlines()[0]}")
+    if err and not err.startswith("WARNING"):  # llguidance's message has caret lines: keep the words
+        words = [ln.strip() for ln in err.splitlines() if ln.strip() and set(ln.strip()) != {"^"} and "|" not in ln]
+        raise ConfigError(f"{name} does not compile: {' '.join(words)}")
     m = llguidance.LLMatcher(tok, g)
     if m.is_error():
         raise ConfigError(f"{name} does not compile: {m.get_error()}")
@@ -178,8 +187,8 @@ class RequestProcessor:
             early = (len(history) - self.prompt_len + depth) < sp.min_tokens
             x[early[:, None] & _onehot_rows(self.eos, self.V)] = float("-inf")
         if self.constraint is not None:
-            allowed, _ = self._walk(history, parents, tokens)
-            x = x.masked_fill(~allowed, float("-inf"))
+            for slot, allowed in self._masks(history, parents, tokens):
+                x[slot].masked_fill_(~allowed, float("-inf"))
         return x
 
     def _path_counts(self, parents: list[int], tokens: list[int], tree) -> torch.Tensor:
@@ -190,32 +199,37 @@ class RequestProcessor:
             extra.index_put_((node + 1, tree.tokens[anc]), torch.ones(len(node)), accumulate=True)
         return extra
 
-    def _walk(self, history: list[int], parents: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[bool]]:
-        """The constraint's allowed tokens at every position, and which nodes are valid (a node is
-        valid when its token is allowed after its valid parent). Rows of invalid nodes allow every
-        token: the verifier never reaches them."""
+    def _walk(self, history: list[int], parents: list[int], tokens: list[int], masks: bool):
+        """Walk the draft's nodes depth first under the constraint, starting from the state after
+        ``history``. Returns which nodes are valid (a node is valid when its token is allowed after its
+        valid parent) and, with ``masks``, the allowed tokens [V] of every position reached as (slot,
+        mask) pairs: positions after an invalid node get none (the verifier never reads them)."""
         c = self.constraint
-        allowed = torch.ones(len(parents) + 1, self.V, dtype=torch.bool)
         valid = [False] * len(parents)
+        out: list = []
         ahead = history[self.committed:]
         n = 0
         while n < len(ahead) and c.push(ahead[n]):
             n += 1
-        if n == len(ahead):  # a draft that left the grammar (only a drafter without the mask): unconstrained
+        if n == len(ahead):  # else a draft that left the grammar (a drafter without the mask): unconstrained
             children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
             for i, p in enumerate(parents):
                 children[p + 1].append(i)
-            self._visit(0, children, tokens, allowed, valid)
+            self._visit(0, children, tokens, valid, out if masks else None)
         c.pop(n)
-        return allowed, valid
+        return valid, out
 
-    def _visit(self, slot: int, children, tokens, allowed, valid) -> None:
-        allowed[slot] = self.constraint.allowed()
+    def _visit(self, slot: int, children, tokens, valid, out) -> None:
+        if out is not None:
+            out.append((slot, self.constraint.allowed()))
         for i in children[slot]:
-            if allowed[slot, tokens[i]] and self.constraint.push(tokens[i]):
+            if self.constraint.push(tokens[i]):
                 valid[i] = True
-                self._visit(i + 1, children, tokens, allowed, valid)
+                self._visit(i + 1, children, tokens, valid, out)
                 self.constraint.pop(1)
+
+    def _masks(self, history, parents, tokens):
+        return self._walk(history, parents, tokens, masks=True)[1]
 
     # --- the target side's bookkeeping ------------------------------------------------------------
     def prune(self, history: list[int], tree):
@@ -223,10 +237,29 @@ class RequestProcessor:
         the target to score. A chain is cut at its first invalid token."""
         if self.constraint is None or tree.size == 0:
             return tree
-        _, valid = self._walk(history, tree.parents.tolist(), tree.tokens.tolist())
+        valid, _ = self._walk(history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
         if all(valid):
             return tree
         return tree.subset(torch.tensor(valid))
+
+    def extend_forced(self, history: list[int], tree, limit: int):
+        """A chain with the tokens the grammar forces after it appended (at most ``limit``): the grammar
+        drafts them, and the target accepts each one its mask leaves alone (a deterministic proposal,
+        one-hot q, so sampling stays exact)."""
+        if self.constraint is None or limit <= 0 or not tree.is_chain():
+            return tree
+        c, seq = self.constraint, history[self.committed:] + tree.tokens.tolist()
+        n = 0
+        while n < len(seq) and c.push(seq[n]):
+            n += 1
+        forced = c.forced()[:limit] if n == len(seq) else []
+        c.pop(n)
+        if not forced:
+            return tree
+        probs = tree.draft_probs
+        if probs is not None:
+            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), probs.shape[-1]).to(probs.dtype)])
+        return DraftTree.chain(tree.tokens.tolist() + forced, probs)
 
     def commit(self, new_tokens: list[int]) -> None:
         """The request's history grew by ``new_tokens`` (emitted after verification)."""
@@ -246,8 +279,8 @@ def _onehot_rows(ids: torch.Tensor, V: int) -> torch.Tensor:
 def logprob_entries(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict]:
     """OpenAI-style log-probabilities of ``tokens`` [n] under the rows of processed ``logits`` [n, V]
     (before temperature / top-k / top-p): per token its logprob and the ``top`` most likely
-    alternatives."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives. A token the processing rules out has logprob -9999.0 (OpenAI's floor: JSON has no -inf)."""
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp(min=-9999.0)
     chosen = lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
     if top:
         vals, ids = torch.topk(lp, top, dim=-1)

@@ -120,7 +120,14 @@ def test_streaming_wire_format_and_text(server, ref_dec):
     ({"prompt": "x", "max_tokens": 10_000}, "max_tokens", "exceeds the model's context"),
     ({"prompt": "x", "top_p": "high"}, "top_p", "top_p must be a number"),
     ({"prompt": "x", "n": 2}, "n", "n must be 1"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
+    ({"prompt": "x", "logprobs": 30}, "logprobs", "logprobs (top alternatives per token) must be <= 20"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"prompt": "x", "guided_regex": "a(b"}, "guided_regex", "regex does not compile"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "json_schema"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format must be"),
+    ({"prompt": "x", "guided_regex": "a", "guided_json": {}}, "guided_regex", "set one structured-output constraint"),
     ({"prompt": "x", "spec": {"method": "medusa"}}, "spec", "method 'medusa' needs head=DIR"),
     ({"prompt": "x", "spec": {"k": 0}}, "spec", "k (draft tokens per step) must be >= 1"),
     ({"prompt": "x", "spec": {"kk": 1}}, "spec", "unknown SpecConfig field(s) ['kk']"),
@@ -271,3 +278,41 @@ def test_metrics_parse_and_match_requests(smol_f32, smol_draft4, max_batch):
         steps = sum(u["steps"] for u in usages)
         assert mat == pytest.approx((sum(u["accepted"] for u in usages) + steps) / steps)
         assert "specdraft_position_acceptance" in fams
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 150}}}
+
+
+def test_structured_output_logprobs_and_penalties(server, ref_dec):
+    """The openai client's response_format (json_schema, strict) and logprobs; vLLM's guided_regex as an
+    extra field; penalties. Greedy answers equal the library's plain decoding with the same parameters."""
+    import jsonschema
+
+    url, app, kind = server
+    c = client(url)
+    msgs = [{"role": "user", "content": "Describe Ada Lovelace as JSON with her name and age."}]
+    r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0, logprobs=True,
+                                  top_logprobs=2, response_format={"type": "json_schema", "json_schema": {
+                                      "name": "person", "schema": PERSON, "strict": True}},
+                                  extra_body={"spec": {"method": "prompt_lookup", "k": 3}})
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    want = ref_dec.generate(msgs[0]["content"], chat=True, spec={"method": "plain"},
+                            sampling={"max_new_tokens": 40, "json_schema": PERSON, "logprobs": 2})
+    assert text == want.text
+    lp = r.choices[0].logprobs.content
+    assert [e.token for e in lp] == [ref_dec.tokenizer.decode([e["token_id"]]) for e in want.logprobs]
+    assert all(abs(a.logprob - b["logprob"]) < 1e-3 and len(a.top_logprobs) == 2 for a, b in zip(lp, want.logprobs))
+    # completions: a regex (vLLM's field name), logprobs as parallel lists, streamed
+    st = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1, stream=True,
+                              extra_body={"guided_regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.", "frequency_penalty": 0.5,
+                                          "spec": {"method": "draft_model", "k": 3}})
+    chunks = list(st)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    want = ref_dec.generate(PROMPTS[0], spec={"method": "plain"}, sampling={
+        "max_new_tokens": 12, "regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.", "frequency_penalty": 0.5, "logprobs": 1})
+    assert text == want.text and text.endswith(".")
+    got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert len(got) == len(want.token_ids) and all(abs(a - b["logprob"]) < 1e-3 for a, b in zip(got, want.logprobs))

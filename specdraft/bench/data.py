@@ -31,6 +31,23 @@ def default_dataset() -> Path:
 PRESET_FILES = {"code_edit": Path(__file__).with_name("code_edit.jsonl")}
 
 
+# structured: Spec-Bench's first 4 prompts of each task, each wrapped in an instruction to describe it as
+# JSON (STRUCTURED_SCHEMA: its task, language, a summary and keywords); run with --json-schema that file.
+STRUCTURED_SCHEMA = Path(__file__).with_name("structured_schema.json")
+STRUCTURED_INSTRUCTION = (
+    "Read the request below; do not answer it. Reply with one JSON object only, with the keys \"task\" (one of "
+    "writing, translation, summarization, question, math, coding, other), \"language\" (the request's language), "
+    "\"summary\" (one sentence, at most 160 characters) and \"keywords\" (up to 5 short keywords).\n\n"
+    "Request:\n")
+
+
+def structured_rows(rows: list[dict], tasks: list[str] | None = None, per_task: int | None = None) -> list[dict]:
+    out = []
+    for t in tasks or TASKS:
+        out += [{**r, "prompt": STRUCTURED_INSTRUCTION + r["prompt"]} for r in rows if r["task"] == t][:per_task or 4]
+    return out
+
+
 def preset_dataset(preset: str | None) -> Path | None:
     return PRESET_FILES.get(preset or "")
 
@@ -57,6 +74,8 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
 
 
 def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | None = None, preset: str | None = None) -> list[dict]:
+    if preset == "structured":
+        return structured_rows(rows, tasks, n_per_task)
     if preset == "core18":
         # The 18 prompts of the core-engine issue: the first 3 of each of translation,
         # summarization, qa, math_reasoning, rag, and the first of writing, coding, reasoning.
@@ -66,7 +85,7 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
             out += [r for r in rows if r["category"] == cat][:n]
         return out
     if preset and preset not in PRESET_FILES:
-        raise SpecDraftError(f"unknown preset {preset!r}; known: core18, {', '.join(PRESET_FILES)}")
+        raise SpecDraftError(f"unknown preset {preset!r}; known: core18, structured, {', '.join(PRESET_FILES)}")
     by: OrderedDict[str, list[dict]] = OrderedDict()
     for r in rows:
         by.setdefault(r["task"], []).append(r)

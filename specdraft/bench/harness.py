@@ -61,6 +61,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue; code_edit: 9 "
                    "snippet-rewriting prompts shipped with specdraft (bench/code_edit.jsonl); join with +: core18+code_edit")
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--json-schema", default=None, metavar="FILE", help="constrain every engine method's output to this "
+                   "JSON schema (plain included; e.g. specdraft/bench/structured_schema.json with --preset structured); "
+                   "records say whether each output parses and validates")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--top-p", type=float, default=1.0)
@@ -197,26 +200,33 @@ def _save(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def top2_gap_at(target, prompt_ids: list[int], ref_tokens: list[int], pos: int) -> float:
+def top2_gap_at(target, prompt_ids: list[int], ref_tokens: list[int], pos: int, sp: SamplingParams | None = None) -> float:
     """The target's top-2 logit gap before ref token ``pos``, computed as plain decoding computed it
-    (the prompt prefilled, then one token per forward): a near-tie there explains a divergence."""
+    (the prompt prefilled, then one token per forward): a near-tie there explains a divergence. With
+    penalties or a grammar (``sp``), the gap of the processed logits, which greedy decoding ranks."""
     rows = target.new_rows()
     rows.add_rows([prompt_ids[:-1]])
     feed = [prompt_ids[-1]] + ref_tokens[:pos]
     for t in feed:
         logits = rows.forward([[t]])[0, -1]
         rows.commit([1])
+    if sp is not None and sp.processed:
+        from ..processors import RequestProcessor
+
+        proc = RequestProcessor.for_request(sp, prompt_ids, target.vocab_size, target.eos_token_ids(), target.tokenizer)
+        proc.commit(ref_tokens[:pos])
+        logits = proc.process(logits[None], prompt_ids + ref_tokens[:pos])[0]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
 
-def compare(target, ids, ref: list[int], got: list[int]) -> dict:
+def compare(target, ids, ref: list[int], got: list[int], sp: SamplingParams | None = None) -> dict:
     if got == ref:
         return {"exact": True}
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     d = {"exact": False, "first_divergence": pos}
     if pos < len(ref):
-        d["top2_gap"] = top2_gap_at(target, ids, ref, pos)
+        d["top2_gap"] = top2_gap_at(target, ids, ref, pos, sp)
     return d
 
 
@@ -260,6 +270,26 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
     return runners, skipped
 
 
+def _read_schema(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SpecDraftError(f"cannot read --json-schema {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise SpecDraftError(f"--json-schema {path} is not valid JSON: {e}") from e
+
+
+def schema_valid(text: str, schema: dict) -> bool:
+    """Does ``text`` parse as JSON and validate against ``schema``."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def run_bench(a) -> dict:
     from ..api import SpecDecoder
     from ..models.loading import set_threads
@@ -271,9 +301,14 @@ def run_bench(a) -> dict:
             if not hasattr(a, attr):
                 raise ConfigError(f"unknown option {key!r} in {a.config}")
             setattr(a, attr, val)
+    schema = _read_schema(a.json_schema) if a.json_schema else None
     sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                        max_new_tokens=a.max_new_tokens).validate()
+                        max_new_tokens=a.max_new_tokens, json_schema=schema).validate()
     variants = build_variants(a, cfg)
+    if schema is not None:
+        other = [n for n, k, _ in variants if k not in methods.REGISTRY]
+        if other:  # a baseline without the constraint would not be the same workload
+            raise ConfigError(f"--json-schema constrains specdraft's methods only; drop the baselines {other}")
     needs_draft = any(k in ("hf_assisted", "llama_cpp_draft") or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
                       for _, k, _ in variants)
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
@@ -336,7 +371,9 @@ def run_bench(a) -> dict:
                 ref[base, r["id"]] = res["token_ids"]
             elif sp.greedy and (base, r["id"]) in ref:
                 target = (hf_dec if base.startswith(HF) else dec).target
-                rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"]))
+                rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"], rsp))
+            if schema is not None:
+                rec["schema_valid"] = schema_valid(dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema)
             doc["records"].append(rec)
             _save(out, doc)
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ class Drafter:
     arm = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
     processor = None  # the request's RequestProcessor (processors.py) or None; set by the engine before begin
     reads_fed_positions = False  # observe_target indexes the fed draft as proposed: the engine must not prune it
+    forced_tokens = 16  # under a grammar, append up to this many tokens it forces to a chain (0: never)
 
     def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
         """A request starts: ``generator`` is the request's own (seeded) random stream."""
@@ -75,3 +76,4 @@ class NoDrafter(Drafter):
     """The plain autoregressive baseline: drafts nothing, so each step is one target forward."""
 
     name = "plain"
+    forced_tokens = 0  # the baseline stays one token per forward, grammar or not

@@ -182,7 +182,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         except QueueFull as e:
             count(endpoint, "rejected").inc()
             return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"))
-        rb = ResponseBuilder(chat, model_name)
+        rb = ResponseBuilder(chat, model_name, tok)
         method = p.spec.method
         if p.stream:
             state = {"status": "cancelled"}
@@ -214,7 +214,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             count(endpoint, status).inc()
             return _error(_timeout_error(timeout_s)) if status == "timeout" else Response(status_code=499)
         count(endpoint, "ok").inc()
-        return JSONResponse(rb.full(res.text or "", res.stats, method))
+        return JSONResponse(rb.full(res.text or "", res.stats, method, res.logprobs))
 
     async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
         ts = TextStream(tok, p.sampling.stop)
@@ -229,9 +229,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                 yield "data: [DONE]\n\n"
                 return
             if kind == "tokens":
-                delta = ts.push(payload)
-                if delta:
-                    yield _sse(rb.chunk(delta))
+                new, lps = payload
+                delta = ts.push(new)
+                if delta or lps:  # logprobs go with the step that made their tokens, text or not yet
+                    yield _sse(rb.chunk(delta, logprobs=lps))
             elif kind == "error":
                 e = _engine_error(payload)
                 state["status"] = "error" if e.status >= 500 else "invalid"

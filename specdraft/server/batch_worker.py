@@ -36,10 +36,10 @@ class BatchWorker(BaseWorker):
         m = self.metrics
 
         def wrap(job):
-            def on_emit(new):
+            def on_emit(new, logprobs=None):
                 if job.t_first is None:
                     m.ttft.observe(time.monotonic() - job.t_arrive)
-                return job.on_emit(new)
+                return job.on_emit(new, logprobs)
             return on_emit
 
         items = []

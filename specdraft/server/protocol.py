@@ -3,9 +3,14 @@
 Supported: ``model``, ``prompt`` (a string, a one-string list, or a list of token ids) /
 ``messages``, ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature`` (OpenAI's
 default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``,
-``n`` (1 only), ``user`` (ignored); extensions ``top_k``, ``ignore_eos`` and ``spec`` (a SpecConfig
-object merged over the server's default). Parameters this server cannot honour get a 400 naming
-them rather than being silently ignored.
+``n`` (1 only), ``user`` (ignored), ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+``logprobs`` (completions: an integer, the number of alternatives; chat: a boolean with
+``top_logprobs``), ``response_format`` (``text``, ``json_object``, ``json_schema``); extensions
+``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, vLLM's structured-output fields
+(``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark), ``guided_choice``, or one
+``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
+SpecConfig object merged over the server's default). Parameters this server cannot honour get a 400
+naming them rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, ContextLengthError, SpecDraftError
 from ..engine import check_fits
+from ..processors import RequestProcessor
 
 
 class RequestError(SpecDraftError):
@@ -33,13 +39,15 @@ class RequestError(SpecDraftError):
 
 # accepted only at their "off" value; anything else is refused with a precise message
 UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "parallel_tool_calls": (None,),
 }
 SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
+                  "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+                  "logit_bias": "logit_bias", "min_tokens": "min_tokens", "logprobs": "logprobs"}
+# vLLM's names for structured output: the flat guided_* fields and the keys of structured_outputs
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
 
 @dataclass
@@ -65,7 +73,10 @@ def _check_types(body: dict) -> None:
         ("max_tokens", "an integer", _is_int), ("max_completion_tokens", "an integer", _is_int),
         ("temperature", "a number", _is_num), ("top_p", "a number", _is_num), ("top_k", "an integer", _is_int),
         ("seed", "an integer", _is_int), ("n", "an integer", _is_int), ("stream", "a boolean", lambda v: isinstance(v, bool)),
-        ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)),
+        ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)), ("presence_penalty", "a number", _is_num),
+        ("frequency_penalty", "a number", _is_num), ("repetition_penalty", "a number", _is_num),
+        ("min_tokens", "an integer", _is_int), ("top_logprobs", "an integer", _is_int),
+        ("logit_bias", "an object", lambda v: isinstance(v, dict)),
     ]:
         v = body.get(name)
         if v is not None and not ok(v):
@@ -150,6 +161,69 @@ def _prompt_ids(tokenizer, prompt, vocab: int) -> list[int]:
                        param="prompt")
 
 
+def _regex_literal(s: str) -> str:
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$-#&~" else c for c in s)
+
+
+def _constraint(body: dict) -> tuple[dict, str | None]:
+    """The structured-output fields of SamplingParams from response_format / guided_* /
+    structured_outputs, and the body field they came from (for error messages)."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise RequestError("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                               param="response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", "json", {"type": "object"}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+                raise RequestError("response_format.json_schema must be an object with a 'schema' (a JSON schema)",
+                                   param="response_format.json_schema")
+            schema = js["schema"] if isinstance(js["schema"], dict) else {}
+            found.append(("response_format", "json", schema))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, kind, body[name]))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise RequestError("structured_outputs must be an object", param="structured_outputs", code="invalid_type")
+        found += [(f"structured_outputs.{k}", k, v) for k, v in so.items() if k in GUIDED.values() and v is not None]
+    if not found:
+        return {}, None
+    if len(found) > 1:
+        raise RequestError(f"set one structured-output constraint, got {', '.join(f[0] for f in found)}",
+                           param=found[1][0])
+    param, kind, v = found[0]
+    if kind == "choice":
+        if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
+            raise RequestError(f"{param} must be a non-empty list of non-empty strings", param=param)
+        return {"regex": "(" + "|".join(_regex_literal(c) for c in v) + ")"}, param
+    if kind in ("regex", "grammar") and not (isinstance(v, str) and v):
+        raise RequestError(f"{param} must be a non-empty string", param=param, code="invalid_type")
+    return {"json_schema" if kind == "json" else kind: v}, param
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs: completions send the number of alternatives, chat a boolean and
+    top_logprobs."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise RequestError(f"logprobs must be a boolean, got {lp!r}", param="logprobs", code="invalid_type")
+        if top is not None and not lp:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (top or 0) if lp else None
+    if top is not None:
+        raise RequestError("top_logprobs is a chat parameter; completions take logprobs: <number>", param="top_logprobs")
+    if lp is not None and not _is_int(lp):
+        raise RequestError(f"logprobs must be an integer (the number of alternatives), got {lp!r}", param="logprobs",
+                           code="invalid_type")
+    return lp
+
+
 def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
                   default_max_tokens: int) -> ParsedRequest:
     if not isinstance(body, dict):
@@ -188,14 +262,24 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
         "seed": body.get("seed"),
         "stop": [] if stop is None else ([stop] if isinstance(stop, str) else list(stop)),
         "ignore_eos": bool(body.get("ignore_eos", False)),
+        "logprobs": _logprobs(body, chat),
     }
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"):
+        if body.get(name) is not None:
+            d[name] = body[name]
+    extra, cparam = _constraint(body)
+    d.update(extra)
     try:
         sp = SamplingParams.from_dict(d)
     except ConfigError as e:
         msg = str(e)
-        field = msg.split(" ", 1)[0]
-        param = SAMPLING_PARAM.get(field)
+        field = msg.split(" ", 1)[0].split("[")[0]
+        param = SAMPLING_PARAM.get(field, cparam if field in ("json_schema", "regex", "grammar") else None)
         raise RequestError(msg.replace("max_new_tokens", "max_tokens"), param=param) from None
+    try:  # compiles the grammar and checks logit_bias ids now, so that a bad one is a 400 before queueing
+        RequestProcessor.for_request(sp, ids, target.vocab_size, target.eos_token_ids(), tokenizer)
+    except ConfigError as e:
+        raise RequestError(str(e), param=cparam if sp.constrained and "logit_bias" not in str(e) else "logit_bias") from None
     try:
         check_fits(target, len(ids), sp)
     except ContextLengthError as e:
@@ -233,38 +317,63 @@ def finish_reason(stats) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tokenizer=None):
         self.chat = chat
         self.model = model
+        self.tok = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, stats, method: str) -> dict:
+    def full(self, text: str, stats, method: str, logprobs: list | None = None) -> dict:
         fr = finish_reason(stats)
+        lp = self.logprobs(logprobs)
         if self.chat:
             d = self._base("chat.completion")
-            d["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            d["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                              "finish_reason": fr}]
         else:
             d = self._base("text_completion")
-            d["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": fr}]
+            d["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": fr}]
         d["usage"] = usage(stats, method)
         return d
 
-    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False) -> dict:
+    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False,
+              logprobs: list | None = None) -> dict:
+        lp = self.logprobs(logprobs)
         if self.chat:
             d = self._base("chat.completion.chunk")
             dl = {} if delta is None else {"content": delta}
             if first:
                 dl = {"role": "assistant", "content": ""}
-            d["choices"] = [{"index": 0, "delta": dl, "logprobs": None, "finish_reason": finish}]
+            d["choices"] = [{"index": 0, "delta": dl, "logprobs": lp, "finish_reason": finish}]
         else:
             d = self._base("text_completion")
-            d["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+            d["choices"] = [{"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}]
         return d
+
+    def logprobs(self, entries: list | None) -> dict | None:
+        """OpenAI's logprobs object of some emitted tokens (``processors.logprob_entries``): chat's
+        ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions' parallel lists."""
+        if entries is None:
+            return None
+        word = (lambda t: self.tok.decode([t])) if self.tok is not None else str
+        if self.chat:
+            def item(t, lp):
+                w = word(t)
+                return {"token": w, "logprob": lp, "bytes": list(w.encode("utf-8"))}
+            return {"content": [{**item(e["token_id"], e["logprob"]),
+                                 "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries],
+                    "refusal": None}
+        words = [word(e["token_id"]) for e in entries]
+        offsets, at = [], 0
+        for w in words:
+            offsets.append(at)
+            at += len(w)
+        return {"tokens": words, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{word(t): lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
 
     def usage_chunk(self, stats, method: str) -> dict:
         d = self._base("chat.completion.chunk" if self.chat else "text_completion")

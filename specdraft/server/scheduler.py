@@ -61,12 +61,13 @@ class Job:
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
-    def on_emit(self, new) -> bool:
-        """The engine's per-step callback: stream the tokens; True cancels the request."""
+    def on_emit(self, new, logprobs: list | None = None) -> bool:
+        """The engine's per-step callback: stream the tokens (and their logprob entries, when the request
+        asked for them); True cancels the request."""
         if self.t_first is None:
             self.t_first = time.monotonic()
         if new:
-            self.post("tokens", [int(t) for t in new])
+            self.post("tokens", ([int(t) for t in new], logprobs))
         if self.expired():
             self.cancel("timeout")
         return self.cancelled.is_set()
@@ -185,13 +186,13 @@ class SingleWorker(BaseWorker):
                 self._update_gauges()
             last = [time.perf_counter()]
 
-            def on_emit(new, job=job):
+            def on_emit(new, logprobs=None, job=job):
                 now = time.perf_counter()
                 self.metrics.step_latency.observe(now - last[0])
                 last[0] = now
                 if job.t_first is None:
                     self.metrics.ttft.observe(time.monotonic() - job.t_arrive)
-                return job.on_emit(new)
+                return job.on_emit(new, logprobs)
 
             try:
                 drafter = dec.make_drafter(job.spec)
