@@ -64,6 +64,7 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less than MIN_P times as likely as the top one")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -126,6 +127,7 @@ def sampling_from_args(a) -> "SamplingParams":
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,
+        min_p=a.min_p,
         seed=a.seed,
         max_new_tokens=a.max_new_tokens,
         stop=list(a.stop),

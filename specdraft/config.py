@@ -306,6 +306,7 @@ class SamplingParams:
     temperature: float = _f(0.0, Number(min=0, finite=True, note="0 = greedy"))
     top_k: int = _f(0, Int(min=0, note="0 = disabled"))
     top_p: float = _f(1.0, Number(min=0, max=1, min_open=True))
+    min_p: float = _f(0.0, Number(min=0, max=1, note="0 = off"))
     seed: int | None = _f(None, Int(optional=True))
     max_new_tokens: int = _f(128, Int(min=1))
     stop: list[str] = _f([], StrList())

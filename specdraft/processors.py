@@ -56,16 +56,21 @@ class GrammarConstraint(TokenConstraint):
 
     SHIFTS = torch.arange(32, dtype=torch.int32)
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_ids: set[int]):
         self.m = matcher
         self.V = vocab_size
         self.bits = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self.eos = torch.tensor(sorted(t for t in eos_ids if t < vocab_size), dtype=torch.long)
 
     def allowed(self) -> torch.Tensor:
         import llguidance.torch as lt
 
         lt.fill_next_token_bitmask(self.m, self.bits, 0)
-        return ((self.bits[0, :, None] >> self.SHIFTS) & 1).bool().reshape(-1)[: self.V]
+        a = ((self.bits[0, :, None] >> self.SHIFTS) & 1).bool().reshape(-1)[: self.V]
+        if self.m.is_stopped():  # the document is complete (ignore_eos decodes on): EOS only, never nothing
+            a = torch.zeros_like(a)
+            a[self.eos] = True
+        return a
 
     def push(self, token: int) -> bool:
         if self.m.is_stopped() or self.m.validate_tokens([token]) != 1:
@@ -117,7 +122,11 @@ def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> Gramma
         name, g = "regex", llguidance.LLMatcher.grammar_from_regex(sp.regex)
     else:
         name, g = "grammar", llguidance.LLMatcher.grammar_from_lark(sp.grammar)
-    tok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
+    try:
+        tok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
+    except Exception as e:  # llguidance reads Hugging Face fast tokenizers; anything else cannot be constrained
+        raise ConfigError(f"structured output needs a Hugging Face fast tokenizer; this model's cannot be read "
+                          f"({type(e).__name__}: {e})") from None
     err = llguidance.LLMatcher.validate_grammar(g, tok)
     if err and not err.startswith("WARNING"):  # llguidance's message has caret lines: keep the words
         words = [ln.strip() for ln in err.splitlines() if ln.strip() and set(ln.strip()) != {"^"} and "|" not in ln]
@@ -125,7 +134,7 @@ def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> Gramma
     m = llguidance.LLMatcher(tok, g)
     if m.is_error():
         raise ConfigError(f"{name} does not compile: {m.get_error()}")
-    return GrammarConstraint(m, vocab_size)
+    return GrammarConstraint(m, vocab_size, eos_ids)
 
 
 class RequestProcessor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import math
+
 import torch
 
 if TYPE_CHECKING:  # type hints only: config -> verify -> sampling must not import config back
@@ -17,8 +19,9 @@ if TYPE_CHECKING:  # type hints only: config -> verify -> sampling must not impo
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Rows of logits [..., V] -> rows of probabilities (float32), vectorized, no Python loops.
 
-    Order as in transformers: temperature, then top-k, then top-p (on the temperature-scaled
-    distribution). Sampling rows only: ``sp.greedy`` is False (temperature >= config.GREEDY_BELOW).
+    Order as in transformers: temperature, then top-k, then top-p, then min-p (each on the
+    temperature-scaled distribution). Sampling rows only: ``sp.greedy`` is False (temperature >=
+    config.GREEDY_BELOW).
     """
     x = logits.float() / sp.temperature
     if sp.top_k > 0 and sp.top_k < x.shape[-1]:
@@ -32,6 +35,9 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         drop_sorted = before >= sp.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
+    if sp.min_p > 0:  # keep tokens at least min_p times as likely as the most likely one (keeps >= 1)
+        keep_from = x.max(dim=-1, keepdim=True).values + math.log(sp.min_p)
+        x = x.masked_fill(x < keep_from, float("-inf"))
     return torch.softmax(x, dim=-1)
 
 

@@ -31,7 +31,7 @@ N = 2000
 
 
 class NoRepeat(TokenConstraint):
-    """Toy grammar: a token may not follow itself (the first output token is free)."""
+    """Toy grammar: a token may not follow itself (the first output token is free), and 0 forces 1."""
 
     def __init__(self):
         self.stack: list[int] = []
@@ -40,16 +40,22 @@ class NoRepeat(TokenConstraint):
         a = torch.ones(V, dtype=torch.bool)
         if self.stack:
             a[self.stack[-1]] = False
+            if self.stack[-1] == 0:
+                a[:] = False
+                a[1] = True
         return a
 
     def push(self, t):
-        if self.stack and self.stack[-1] == t:
+        if not self.allowed()[t]:
             return False
         self.stack.append(t)
         return True
 
     def pop(self, n):
         del self.stack[len(self.stack) - n:]
+
+    def forced(self):
+        return [1] if self.stack and self.stack[-1] == 0 else []
 
 
 @pytest.fixture
@@ -71,6 +77,8 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], out: list[int], sp
         x[t] += b
     if toy and out:
         x[out[-1]] = float("-inf")
+        if out[-1] == 0:
+            x[torch.arange(V) != 1] = float("-inf")
     return x
 
 
@@ -90,7 +98,7 @@ def test_tree_positions_see_their_own_path():
     for slot in range(tree.size + 1):
         path = [] if slot == 0 else tree.tokens[tree.path_to(slot - 1)].tolist()
         seq = out + path
-        if any(a == b for a, b in zip(seq, seq[1:])):
+        if any(a == b or (a == 0 and b != 1) for a, b in zip(seq, seq[1:])):
             continue  # a node the grammar rules out: pruned before the forward, its row never read
         want = reference_logits(logits[slot], prompt, seq, sp, toy=True)
         assert torch.allclose(got[slot].double(), want, atol=1e-5), slot
@@ -147,7 +155,7 @@ def test_greedy_processed_equals_plain_processed(pair, toy_grammar, method):
     sp = SamplingParams(max_new_tokens=24, regex="toy", **PROC)
     plain = [generate(target, NoDrafter(), p, sp, eos_ids=set()).token_ids for p in prompts]
     for out, p in zip(plain, prompts):
-        assert all(a != b for a, b in zip(out, out[1:]))  # the grammar held
+        assert all(a != b and (a != 0 or b == 1) for a, b in zip(out, out[1:]))  # the grammar held
     make = drafters(pair)[method]
     spec = [generate(target, make(), p, sp, eos_ids=set()) for p in prompts]
     assert [r.token_ids for r in spec] == plain
@@ -181,7 +189,7 @@ def _draw_raw_report_processed(orig):
     return draw
 
 
-SAMPLED = SamplingParams(temperature=1.0, regex="toy", **PROC)
+SAMPLED = SamplingParams(temperature=1.0, min_p=0.02, regex="toy", **PROC)
 BUGS = {
     # penalties and the mask from the step start's history at every draft position (both sides)
     "step_start_history": lambda mp: mp.setattr(RequestProcessor, "process", _at_step_start(RequestProcessor.process)),
@@ -252,3 +260,36 @@ def test_logprobs_are_the_processed_targets(pair):
         assert e["token_id"] == plain.token_ids[i] and abs(e["logprob"] - float(want[e["token_id"]])) < 1e-4
         assert abs(f["logprob"] - e["logprob"]) < 1e-4
         assert [t for t, _ in e["top"]] == want.topk(3).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def head_dirs(pair, tmp_path_factory):
+    from head_util import train_tiny_heads
+
+    return train_tiny_heads(pair[0], tmp_path_factory.mktemp("heads"), [PROMPT, [0, 1, 2, 3, 4, 5], [5, 4, 3, 2]],
+                            n_heads=2)
+
+
+HEAD_AND_SELF = {
+    "medusa_tree": lambda h: SpecConfig(method="medusa", head=str(h["medusa"]), tree="static", tree_branching=[2, 2]),
+    "eagle_tree": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), tree="dynamic", k=3, tree_topk=2, tree_budget=6),
+    "eagle_chain": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), k=3),
+    "early_exit": lambda h: SpecConfig(method="early_exit", exit_layer=1, k=3),
+    "auto": lambda h: SpecConfig(method="auto"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(HEAD_AND_SELF))
+def test_greedy_processed_heads_and_self_speculation(pair, head_dirs, toy_grammar, method):
+    """The drafters that read the fed positions (heads: not pruned) and self-speculation, with penalties
+    and the toy grammar: speculative == plain, batch of one and of three."""
+    from specdraft.api import SpecDecoder
+
+    dec = SpecDecoder(pair[0], pair[1])
+    spec = HEAD_AND_SELF[method](head_dirs)
+    prompts = [PROMPT, [0, 1, 2, 3, 4, 5, 0, 1], [5, 5, 4]]
+    sp = SamplingParams(max_new_tokens=20, regex="toy", **PROC)
+    plain = [generate(pair[0], NoDrafter(), p, sp, eos_ids=set()).token_ids for p in prompts]
+    assert [generate(pair[0], dec.make_drafter(spec), p, sp, eos_ids=set()).token_ids for p in prompts] == plain
+    batch = generate_batch(pair[0], [(p, sp, dec.make_drafter(spec)) for p in prompts], eos_ids=set())
+    assert [r.token_ids for r in batch] == plain

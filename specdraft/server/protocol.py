@@ -6,7 +6,7 @@ default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_op
 ``n`` (1 only), ``user`` (ignored), ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
 ``logprobs`` (completions: an integer, the number of alternatives; chat: a boolean with
 ``top_logprobs``), ``response_format`` (``text``, ``json_object``, ``json_schema``); extensions
-``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, vLLM's structured-output fields
+``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, vLLM's structured-output fields
 (``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark), ``guided_choice``, or one
 ``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
 SpecConfig object merged over the server's default). Parameters this server cannot honour get a 400
@@ -45,7 +45,7 @@ UNSUPPORTED = {
 SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias", "min_tokens": "min_tokens", "logprobs": "logprobs"}
+                  "logit_bias": "logit_bias", "min_tokens": "min_tokens", "logprobs": "logprobs", "min_p": "min_p"}
 # vLLM's names for structured output: the flat guided_* fields and the keys of structured_outputs
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
@@ -75,7 +75,7 @@ def _check_types(body: dict) -> None:
         ("seed", "an integer", _is_int), ("n", "an integer", _is_int), ("stream", "a boolean", lambda v: isinstance(v, bool)),
         ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)), ("presence_penalty", "a number", _is_num),
         ("frequency_penalty", "a number", _is_num), ("repetition_penalty", "a number", _is_num),
-        ("min_tokens", "an integer", _is_int), ("top_logprobs", "an integer", _is_int),
+        ("min_tokens", "an integer", _is_int), ("top_logprobs", "an integer", _is_int), ("min_p", "a number", _is_num),
         ("logit_bias", "an object", lambda v: isinstance(v, dict)),
     ]:
         v = body.get(name)
@@ -264,7 +264,7 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
         "ignore_eos": bool(body.get("ignore_eos", False)),
         "logprobs": _logprobs(body, chat),
     }
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"):
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p"):
         if body.get(name) is not None:
             d[name] = body[name]
     extra, cparam = _constraint(body)
