@@ -300,10 +300,13 @@ def cmd_serve(a) -> int:
     if not api_key and not _loopback(a.host) and not a.insecure:
         raise SpecDraftError(f"--host {a.host} is reachable from other machines: set --api-key KEY (or "
                              "SPECDRAFT_API_KEY), or pass --insecure to serve it without one")
+    if a.max_body_mb <= 0:
+        raise SpecDraftError(f"--max-body-mb must be > 0, got {a.max_body_mb}")
+    if a.drain_timeout < 0:
+        raise SpecDraftError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     try:
-        import uvicorn
-
         from .server import create_app
+        from .server.graceful import serve
     except ImportError as e:
         raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
@@ -311,10 +314,11 @@ def cmd_serve(a) -> int:
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
-                     batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open)
+                     batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
+                     max_body_bytes=int(a.max_body_mb * (1 << 20)))
     print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
           file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0
 
 
@@ -422,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured with specdraft batchbench)")
     s.add_argument("--spec-off-at", type=int, default=SPEC_OFF_AT,
                    help=f"batch size from which speculation is turned off (batch scheduler; default {SPEC_OFF_AT})")
+    s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get HTTP 413")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests may take to finish before they are cancelled")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
 
@@ -435,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
     lt.add_argument("--out", default="loadtest.json", help="JSON results file")
     lt.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDRAFT_API_KEY)")
+    lt.add_argument("--soak", action="store_true", help="mixed load at each --concurrency level (--requests each), "
+                    "every greedy answer checked against the same request alone, then --disconnects requests whose "
+                    "clients leave at random points, and the server's /health before and after")
+    lt.add_argument("--disconnects", type=int, default=1000, help="--soak: requests whose clients disconnect")
+    lt.add_argument("--soak-methods", default="prompt_lookup,plain", help="--soak: methods the requests draw from")
     lt.set_defaults(fn=cmd_loadtest)
 
     from .bench.batchbench import add_batchbench_args

@@ -307,12 +307,13 @@ class SamplingParams:
     top_k: int = _f(0, Int(min=0, note="0 = disabled"))
     top_p: float = _f(1.0, Number(min=0, max=1, min_open=True))
     min_p: float = _f(0.0, Number(min=0, max=1, note="0 = off"))
-    seed: int | None = _f(None, Int(optional=True))
+    seed: int | None = _f(None, Int(min=-2**63, max=2**64 - 1, optional=True))  # torch's generator range
     max_new_tokens: int = _f(128, Int(min=1))
     stop: list[str] = _f([], StrList())
     ignore_eos: bool = False
     # history-dependent processing (specdraft/processors.py), before temperature / top-k / top-p
-    repetition_penalty: float = _f(1.0, Number(min=0, min_open=True, finite=True, note="1 = off"))
+    # bounded: a penalty near 0 divides logits into inf (NaN probabilities), found by tests/test_fuzz.py
+    repetition_penalty: float = _f(1.0, Number(min=0.01, max=100, note="1 = off"))
     presence_penalty: float = _f(0.0, Number(min=-2, max=2))
     frequency_penalty: float = _f(0.0, Number(min=-2, max=2))
     logit_bias: dict = _f({}, TokenBias())

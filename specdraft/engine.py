@@ -82,6 +82,7 @@ class Request:
     hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe_target
     processor: RequestProcessor | None = None  # penalties, bias, min_tokens, grammar (None: none asked)
     logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
+    error: Exception | None = None  # what failed in this row's own work (its drafter, its processing)
 
     @property
     def output(self) -> list[int]:
@@ -220,14 +221,32 @@ class Engine:
                for r, row in enumerate(rows)]
         self.kv.commit(keep)
         verify_s = time.perf_counter() - t1
-        done = [r for r, row in enumerate(rows)
-                if self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s, lps[r])]
+        ended = [self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s, lps[r])
+                 for r, row in enumerate(rows)]
         for key, members in _by_group(rows).items():  # after the rows' tokens grew: groups read them
-            self.groups[key].feedback(members, [n_acc[rows.index(m)] for m in members])
+            self._guard(members, self.groups[key].feedback, members, [n_acc[rows.index(m)] for m in members])
+        done = [r for r, row in enumerate(rows) if ended[r] or row.error is not None]
+        for r in done:
+            if rows[r].error is not None and rows[r].finish is None:
+                self._finish(rows[r], "error")
         self.last_step_s = time.perf_counter() - t0
         finished = [rows[r] for r in done]
         self._drop(done)
         return finished
+
+    @staticmethod
+    def _guard(rows: list[Request], fn, *args, default=None):
+        """``fn(*args)`` for work that belongs to ``rows`` only (a drafter, a group, a processor): an
+        exception fails those rows (they finish "error" at the end of the step and leave the batch),
+        not the others. Rows that already failed are skipped."""
+        if any(r.error is not None for r in rows):
+            return default
+        try:
+            return fn(*args)
+        except Exception as e:  # a bug in one request's work must not take the batch down
+            for r in rows:
+                r.error = e
+            return default
 
     def _caps(self, rows: list[Request]) -> list[int]:
         """Each row's draft depth this step: its DraftLength, then the batch rule (seeded sampling rows
@@ -248,20 +267,28 @@ class Engine:
         for key, members in _by_group(rows).items():
             ta = time.perf_counter()
             idx = [rows.index(m) for m in members]
-            for r, d in zip(idx, self.groups[key].propose(members, [caps[r] for r in idx])):
+            proposed = self._guard(members, self.groups[key].propose, members, [caps[r] for r in idx],
+                                   default=[DraftTree.empty()] * len(idx))
+            for r, d in zip(idx, proposed):
                 drafts[r] = d
             for r in idx:
                 draft_s[r] = (time.perf_counter() - ta) / len(idx)
         for r, row in enumerate(rows):
             if drafts[r] is None:
                 ta = time.perf_counter()
-                drafts[r] = row.drafter.propose(row.tokens, caps[r])
+                drafts[r] = self._guard([row], row.drafter.propose, row.tokens, caps[r], default=DraftTree.empty())
                 draft_s[r] = time.perf_counter() - ta
             if row.processor is not None and not row.drafter.reads_fed_positions:
-                d = row.processor.prune(row.tokens, drafts[r])  # the target scores no node the grammar rules out
-                room = row.sp.max_new_tokens - len(row.output) - 1 - d.size
-                drafts[r] = row.processor.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
+                drafts[r] = self._guard([row], self._constrain, row, drafts[r], default=DraftTree.empty())
         return drafts, draft_s
+
+    @staticmethod
+    def _constrain(row: Request, draft: DraftTree) -> DraftTree:
+        """The draft without what the grammar rules out (the target scores none of it), then the tokens
+        the grammar forces after it."""
+        d = row.processor.prune(row.tokens, draft)
+        room = row.sp.max_new_tokens - len(row.output) - 1 - d.size
+        return row.processor.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
         """The target's forward over every row's pending token + draft; each drafter observes its own
@@ -278,7 +305,7 @@ class Engine:
                 if row.hidden_prefix is not None:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
                     row.hidden_prefix = None
-            row.drafter.observe_target(torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
+            self._guard([row], row.drafter.observe_target, torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
         return logits
 
     def _process(self, rows: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
@@ -290,7 +317,9 @@ class Engine:
         logits = logits.to(torch.float32, copy=True)
         for r in todo:
             m = drafts[r].size + 1
-            logits[r, :m] = rows[r].processor.process(logits[r, :m], rows[r].tokens, drafts[r])
+            out = self._guard([rows[r]], rows[r].processor.process, logits[r, :m], rows[r].tokens, drafts[r])
+            if out is not None:
+                logits[r, :m] = out
         return logits
 
     def _verify(self, rows, drafts, logits) -> tuple[list[int], list[list[int]], list]:
@@ -315,13 +344,15 @@ class Engine:
             if chain[r]:
                 if not row.sp.greedy:
                     q = None if d.draft_probs is None else d.draft_probs[None]
-                    na, nx = sample_verify(dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1], row.sp,
-                                           row.gen, row.drafter.lossy)
+                    na, nx = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q,
+                                         logits[r: r + 1, : d.size + 1], row.sp, row.gen, row.drafter.lossy,
+                                         default=(torch.zeros(1, dtype=torch.long),) * 2)
                     n_acc[r], new[r] = int(na[0]), [int(nx[0])]
                 keep[r] = 1 + n_acc[r]
                 new[r] = d.tokens[: n_acc[r]].tolist() + new[r]
-            else:
-                path, t = verify_tree(d, logits[r, : d.size + 1], row.sp, row.gen, row.drafter.lossy)
+            else:  # (a row whose verification fails, e.g. on NaN logits, finishes "error" in _advance)
+                path, t = self._guard([row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen,
+                                      row.drafter.lossy, default=([], 0))
                 n_acc[r] = len(path)
                 keep[r] = [0] + [1 + i for i in path]
                 new[r] = d.tokens[path].tolist() + [t]
@@ -331,7 +362,9 @@ class Engine:
                  step_s: float, logprobs: list | None = None) -> bool:
         """The end of a row's step (``step_s``: the batch's target-side seconds): feedback, stop
         conditions, the step record, streaming. True when the row finished."""
-        row.drafter.feedback(n_acc, new)
+        if row.error is not None:
+            return True
+        self._guard([row], row.drafter.feedback, n_acc, new)
         row.length.observe(draft.size, n_acc, draft_s, step_s, 1 + draft.size)
         new, finish = _cut_at_stop(new, row.eos, row.sp.max_new_tokens - len(row.output))
         if row.stopper is not None:  # a stop string wins over EOS / the length limit it completes before
@@ -340,7 +373,7 @@ class Engine:
                 new, finish = cut, "stop"
         row.tokens.extend(new)
         if row.processor is not None:
-            row.processor.commit(new)
+            self._guard([row], row.processor.commit, new)
         if logprobs is not None:
             logprobs = logprobs[: len(new)]
             row.logprobs.extend(logprobs)
@@ -426,6 +459,8 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
     row = eng.add(prompt_ids, sp, drafter, on_emit, length=length)
     while eng.rows:
         eng.step()
+    if row.error is not None:
+        raise row.error
     return row.result
 
 
@@ -450,6 +485,8 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
                 if isinstance(r, SpecDraftError):
                     raise r
         for row in eng.step():
+            if row.error is not None:
+                raise row.error
             results[row.tag] = row.result
         steps += 1
     return [results[i] for i in range(len(jobs))]

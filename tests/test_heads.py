@@ -278,8 +278,8 @@ def test_broken_eagle_tree_variant_is_detected(tiny_target):
     drafter = make(tiny_target, "eagle_tree")
     real = drafter._children
 
-    def broken(logits, m):
-        kids = real(logits, m)
+    def broken(logits, m, parent=-1):
+        kids = real(logits, m, parent)
         return [(t, kids[0][1], lp) for t, _, lp in kids]
 
     drafter._children = broken

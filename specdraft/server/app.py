@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -19,7 +20,7 @@ from ..errors import SpecDraftError
 from ..methods import method as registered, methods_on
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
-from .scheduler import Job, QueueFull, SingleWorker
+from .scheduler import Job, QueueFull, SingleWorker, shutdown_error
 
 log = logging.getLogger("specdraft.server")
 
@@ -67,6 +68,37 @@ class _JobStream(StreamingResponse):
             self._on_close()
 
 
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, or a RequestError: 413 past ``limit`` bytes (checked on the declared length, then
+    while reading a chunked body), 400 for invalid UTF-8 / JSON or nesting too deep to parse."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {limit}",
+                           status=413, code="body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise RequestError(f"the request body exceeds {limit} bytes", status=413, code="body_too_large")
+    try:
+        return json.loads(bytes(raw).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RequestError("the request body is not valid UTF-8") from None
+    except json.JSONDecodeError:
+        raise RequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply") from None
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory (Linux /proc; None elsewhere), for soak checks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -99,12 +131,33 @@ def key_check(api_key: str, open_metrics: bool = False):
     return check
 
 
+def drain_check(app: FastAPI):
+    """An HTTP middleware: once ``app.state.draining`` is set (SIGTERM, server/graceful.py), new requests
+    get a 503 in OpenAI's shape (/health says "draining" with a 503 too, so balancers stop routing)."""
+
+    async def check(request: Request, call_next):
+        if not app.state.draining or request.url.path == "/metrics":
+            return await call_next(request)
+        if request.url.path == "/health":
+            return JSONResponse({"status": "draining"}, status_code=503)
+        e = RequestError("the server is shutting down; retry on another replica", status=503, type="server_error",
+                         code="shutting_down")
+        return JSONResponse(e.body(), status_code=503, headers={"Retry-After": "5"})
+
+    return check
+
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is parsed
+
+
 def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
                timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
-               batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False) -> FastAPI:
+               batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
     more runs the continuous batch engine (BatchWorker) with up to that many rows. ``api_key``: every
-    endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token."""
+    endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token.
+    ``max_body_bytes``: larger request bodies get a 413."""
     default_spec = SpecConfig.from_dict(default_spec)
     metrics = ServerMetrics()
     if max_batch > 1:
@@ -121,7 +174,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         worker.stop()
 
     app = FastAPI(title="specdraft", lifespan=lifespan)
-    if api_key:
+    app.state.draining = False
+    app.middleware("http")(drain_check(app))
+    if api_key:  # added last, so it runs first: nothing about the server is told to a caller without the key
         app.middleware("http")(key_check(api_key, open_metrics))
     app.state.worker = worker
     app.state.metrics = metrics
@@ -151,10 +206,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         endpoint = "chat" if chat else "completions"
         count = metrics.requests.labels
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = await _read_json(request, max_body_bytes)
+        except RequestError as e:
             count(endpoint, "invalid").inc()
-            return _error(RequestError("the request body is not valid JSON"))
+            return _error(e)
         try:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
                               default_spec=default_spec, default_max_tokens=default_max_tokens)
@@ -210,6 +265,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             raise
         res = payload
         if res.stats.finish_reason == "cancelled":
+            if job.cancel_reason == "shutdown":
+                count(endpoint, "cancelled").inc()
+                return _error(shutdown_error())
             status = "timeout" if job.cancel_reason == "timeout" else "cancelled"
             count(endpoint, status).inc()
             return _error(_timeout_error(timeout_s)) if status == "timeout" else Response(status_code=499)
@@ -243,8 +301,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                 res = payload
                 if res.stats.finish_reason == "cancelled":
                     state["status"] = "timeout" if job.cancel_reason == "timeout" else "cancelled"
-                    if state["status"] == "timeout":
-                        yield _sse(_timeout_error(timeout_s).body())
+                    if job.cancel_reason in ("timeout", "shutdown"):
+                        e = _timeout_error(timeout_s) if job.cancel_reason == "timeout" else shutdown_error()
+                        yield _sse(e.body())
                         yield "data: [DONE]\n\n"
                     return
                 delta = ts.push([], final=True)
@@ -272,7 +331,8 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "scheduler": worker.kind, **worker.stats()}
+        return {"status": "ok", "model": model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
+                "rss_mb": _rss_mb()}
 
     @app.get("/metrics")
     async def prom():

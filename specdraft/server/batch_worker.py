@@ -27,6 +27,10 @@ class BatchWorker(BaseWorker):
     def num_running(self) -> int:
         return self._n_rows
 
+    def state(self) -> dict:
+        eng = self.engine  # read without the lock: a snapshot for monitoring
+        return {"batch_rows": eng.num_rows, "cache_len": eng.cache_len, "draft_groups": len(eng.groups)}
+
     def _cancel_running(self, reason):
         for row in list(self.engine.rows):
             row.tag.cancel(reason)
@@ -85,7 +89,10 @@ class BatchWorker(BaseWorker):
                 eng.cancel(row)
                 self.metrics.observe_result(row.result.stats)
                 row.tag.finish(row.result)
-            if not eng.rows:
+            if not eng.rows:  # all cancelled: the gauges must say so before the loop blocks for new jobs
+                with self.cv:  # (found by the soak test: /health kept reporting a cancelled row as running)
+                    self._n_rows = 0
+                    self._update_gauges()
                 continue
             try:
                 t0 = time.perf_counter()
@@ -99,6 +106,10 @@ class BatchWorker(BaseWorker):
                                            rule=eng.rule)
                 continue
             for row in finished:
+                if row.error is not None:  # this request's own work failed; the other rows decode on
+                    log.error("request %s failed", row.tag.id, exc_info=row.error)
+                    row.tag.fail(row.error)
+                    continue
                 self.metrics.observe_result(row.result.stats)
                 row.tag.finish(row.result)
             with self.cv:

@@ -149,6 +149,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _soak(a, url, headers, levels) -> int:
+    from .soak import run_soak
+
+    if not 0 <= a.disconnects <= MAX_REQUESTS:
+        raise SpecDraftError(f"--disconnects must be in 0..{MAX_REQUESTS}, got {a.disconnects}")
+    methods = [m.strip() for m in a.soak_methods.split(",") if m.strip()]
+    out = run_soak(url, headers, levels, a.requests, a.disconnects, methods, a.timeout)
+    print(soak_table(out))
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"saved {a.out}", file=sys.stderr)
+    return 0
+
+
+def soak_table(out: dict) -> str:
+    lines = ["| clients | requests | completed | errored | tok/s | latency p50 / p99 | TTFT p50 / p99 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in out["levels"]:
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['completed']} | {r['errored']} | "
+                     f"{_fmt(r['tokens_per_s'])} | {_fmt(r['latency_p50_s'], 1, 2)} / {_fmt(r['latency_p99_s'], 1, 2)} s | "
+                     f"{_fmt(r['ttft_p50_s'], 1, 2)} / {_fmt(r['ttft_p99_s'], 1, 2)} s |")
+    g, d = out["greedy"], out["disconnects"]
+    lines.append(f"\ngreedy under load vs alone: {g['identical']}/{g['greedy_checked']} identical")
+    lines.append(f"disconnects: {d}")
+    keys = ("rss_mb", "waiting", "running", "batch_rows", "cache_len", "draft_groups")
+    for name in ("health_before", "after_load", "health_after"):
+        h = out[name]
+        lines.append(f"{name}: " + ", ".join(f"{k} {h[k]}" for k in keys if k in h))
+    return "\n".join(lines)
+
+
 def main_loadtest(a) -> int:
     import httpx
 
@@ -176,6 +207,8 @@ def main_loadtest(a) -> int:
         model = httpx.get(url + "/v1/models", timeout=10, headers=headers).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise SpecDraftError(f"no specdraft server answers at {url}: {e}") from None
+    if getattr(a, "soak", False):
+        return _soak(a, url, headers, levels)
     deadline = time.perf_counter() + a.timeout
     rows = []
     for conc in levels:

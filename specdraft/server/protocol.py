@@ -115,7 +115,16 @@ def _spec(body: dict, default: SpecConfig) -> SpecConfig:
         raise RequestError(f"spec: {e}", param="spec") from None
 
 
-def _messages_ids(tokenizer, messages) -> list[int]:
+CHARS_PER_TOKEN = 32  # a text longer than the context x this cannot fit: refused before tokenizing it
+
+
+def _check_chars(n_chars: int, ctx: int, param: str) -> None:
+    if n_chars > CHARS_PER_TOKEN * ctx:
+        raise RequestError(f"the {param} has {n_chars} characters; the model's context of {ctx} tokens takes at "
+                           f"most {CHARS_PER_TOKEN * ctx}", param=param, code="context_length_exceeded")
+
+
+def _messages_ids(tokenizer, messages, ctx: int) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
     msgs = []
@@ -135,6 +144,7 @@ def _messages_ids(tokenizer, messages) -> list[int]:
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
                                param=f"messages[{i}].content")
         msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+    _check_chars(sum(len(m["content"]) for m in msgs), ctx, "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template; use /v1/completions", param="messages")
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -143,10 +153,11 @@ def _messages_ids(tokenizer, messages) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _prompt_ids(tokenizer, prompt, vocab: int) -> list[int]:
+def _prompt_ids(tokenizer, prompt, vocab: int, ctx: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_chars(len(prompt), ctx, "prompt")
         if tokenizer is None:
             raise RequestError("this model has no tokenizer; send prompt as a list of token ids", param="prompt")
         return [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
@@ -236,13 +247,13 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     if chat:
         if "messages" not in body:
             raise RequestError("missing required parameter: messages", param="messages", code="missing_required_parameter")
-        ids = _messages_ids(tokenizer, body["messages"])
+        ids = _messages_ids(tokenizer, body["messages"], target.max_context)
         prompt_param = "messages"
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         if "prompt" not in body:
             raise RequestError("missing required parameter: prompt", param="prompt", code="missing_required_parameter")
-        ids = _prompt_ids(tokenizer, body["prompt"], target.vocab_size)
+        ids = _prompt_ids(tokenizer, body["prompt"], target.vocab_size, target.max_context)
         prompt_param = "prompt"
         max_tokens = body.get("max_tokens")
     if not ids:

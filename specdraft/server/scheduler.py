@@ -28,6 +28,13 @@ class QueueFull(Exception):
     pass
 
 
+def shutdown_error():
+    from .protocol import RequestError
+
+    return RequestError("the server shut down before this request finished; retry on another replica", status=503,
+                        type="server_error", code="shutting_down")
+
+
 class Job:
     def __init__(self, prompt_ids, sampling, spec, timeout_s: float | None, loop: asyncio.AbstractEventLoop | None):
         self.id = uuid.uuid4().hex[:12]
@@ -101,7 +108,7 @@ class BaseWorker:
             self._stop = True
             for j in self.waiting:
                 j.cancel("shutdown")
-                j.fail(SpecDraftError("the server is shutting down"))
+                j.fail(shutdown_error())
             self.waiting.clear()
             self.cv.notify_all()
         self._cancel_running("shutdown")
@@ -148,6 +155,10 @@ class BaseWorker:
     def stats(self) -> dict:
         with self.cv:
             return {"waiting": len(self.waiting), "running": self.num_running()}
+
+    def state(self) -> dict:
+        """What the decoding side holds (for /health and soak checks): nothing beyond stats here."""
+        return {}
 
     # subclass API
     def num_running(self) -> int: ...
