@@ -192,7 +192,10 @@ def _constraint(body: dict) -> tuple[dict, str | None]:
             if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
                 raise RequestError("response_format.json_schema must be an object with a 'schema' (a JSON schema)",
                                    param="response_format.json_schema")
-            schema = js["schema"] if isinstance(js["schema"], dict) else {}
+            if js["schema"] is False:
+                raise RequestError("response_format.json_schema.schema is false: no document is valid",
+                                   param="response_format.json_schema")
+            schema = js["schema"] if isinstance(js["schema"], dict) else {}  # true: any JSON value
             found.append(("response_format", "json", schema))
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
