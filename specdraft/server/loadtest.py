@@ -58,6 +58,46 @@ def parse_levels(s: str) -> list[int]:
     return levels
 
 
+def send(client, body: dict, cut_after: int | None = None) -> dict:
+    """One request to /v1/completions, streamed or not (``body["stream"]``): ok, latency, ttft (a
+    non-streamed request's is its latency), text, tokens, usage; or ok False with the error.
+    ``cut_after``: close the connection after that many stream chunks (a client disconnecting)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    first, text, chunks, usage = None, [], 0, None
+    try:
+        if not body.get("stream"):
+            r = client.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            d = r.json()
+            text, usage = [d["choices"][0]["text"]], d["usage"]
+        else:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    d = json.loads(line[6:])
+                    if "error" in d:
+                        return {"ok": False, "error": d["error"]["message"]}
+                    chunks += 1
+                    if cut_after is not None and chunks >= cut_after:
+                        return {"ok": False, "cut": True, "error": "disconnected on purpose"}
+                    if d.get("choices") and d["choices"][0].get("text"):
+                        first = first or time.perf_counter()
+                        text.append(d["choices"][0]["text"])
+                    usage = d.get("usage") or usage
+    except httpx.HTTPError as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    end = time.perf_counter()
+    return {"ok": True, "start": t0, "end": end, "latency": end - t0, "ttft": (first or end) - t0,
+            "text": "".join(text), "tokens": usage["completion_tokens"] if usage else None, "usage": usage}
+
+
 def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float,
                 headers: dict | None = None) -> dict:
     import httpx
@@ -66,33 +106,14 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict |
             "stream": True, "stream_options": {"include_usage": True}}
     if spec is not None:
         body["spec"] = spec
-    t0 = time.perf_counter()
-    first = None
-    usage = None
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout, headers=headers) as r:
-            if r.status_code != 200:
-                r.read()
-                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                if "error" in d:
-                    return {"ok": False, "error": d["error"]["message"]}
-                if d.get("choices") and d["choices"][0].get("text") and first is None:
-                    first = time.perf_counter()
-                if d.get("usage"):
-                    usage = d["usage"]
-    except httpx.HTTPError as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    end = time.perf_counter()
-    if usage is None:
+    with httpx.Client(base_url=url, timeout=timeout, headers=headers) as c:
+        r = send(c, body)
+    if r["ok"] and r["usage"] is None:
         return {"ok": False, "error": "the stream ended without usage"}
-    n = usage["completion_tokens"]
-    first = end if first is None else first
-    return {"ok": True, "start": t0, "end": end, "ttft": first - t0,
-            "tpot": (end - first) / (n - 1) if n > 1 else None, "tokens": n, "usage": usage}
+    if not r["ok"]:
+        return r
+    n = r["tokens"]
+    return {**r, "tpot": (r["latency"] - r["ttft"]) / (n - 1) if n > 1 else None}
 
 
 def _pct(xs, q):

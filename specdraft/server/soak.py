@@ -15,7 +15,6 @@ Loopback only, bounded in requests and time, like the rest of loadtest.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -23,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .loadtest import PROMPTS, _pct
+from .loadtest import PROMPTS, _pct, send
 
 MAX_TOKENS = (8, 16, 32, 64)
 
@@ -38,43 +37,6 @@ def _request(i: int, rng: random.Random, methods: list[str], lengths=MAX_TOKENS)
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-def send(client: httpx.Client, body: dict, cut_after: int | None = None) -> dict:
-    """One request; ``cut_after``: close the connection after that many stream chunks (a disconnect)."""
-    t0 = time.perf_counter()
-    first, text, chunks = None, [], 0
-    try:
-        if not body.get("stream"):
-            r = client.post("/v1/completions", json=body)
-            end = time.perf_counter()
-            if r.status_code != 200:
-                return {"ok": False, "status": r.status_code, "error": r.text[:200]}
-            return {"ok": True, "latency": end - t0, "ttft": end - t0, "text": r.json()["choices"][0]["text"],
-                    "tokens": r.json()["usage"]["completion_tokens"]}
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                return {"ok": False, "status": r.status_code, "error": r.text[:200]}
-            usage = None
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                if "error" in d:
-                    return {"ok": False, "status": 200, "error": d["error"]["message"]}
-                chunks += 1
-                if cut_after is not None and chunks >= cut_after:
-                    return {"ok": False, "cut": True}
-                if d.get("choices") and d["choices"][0].get("text"):
-                    first = first or time.perf_counter()
-                    text.append(d["choices"][0]["text"])
-                usage = d.get("usage") or usage
-    except httpx.HTTPError as e:
-        return {"ok": False, "status": None, "error": f"{type(e).__name__}: {e}", "cut": cut_after == 0}
-    end = time.perf_counter()
-    return {"ok": True, "latency": end - t0, "ttft": (first or end) - t0, "text": "".join(text),
-            "tokens": usage["completion_tokens"] if usage else None}
 
 
 def health(client: httpx.Client) -> dict:
