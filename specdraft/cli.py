@@ -307,15 +307,22 @@ def cmd_serve(a) -> int:
     try:
         from .server import create_app
         from .server.graceful import serve
+        from .server.pacing import StreamPacing
     except ImportError as e:
         raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
+    try:
+        pacing = StreamPacing(a.stream_chunk, a.stream_interval_ms / 1000, a.stream_pad_bytes,
+                              locked=a.stream_mode == "fixed-only")
+    except ValueError as e:
+        raise SpecDraftError(f"--stream-*: {e}") from None
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
                            backend=a.backend)
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
-                     max_body_bytes=int(a.max_body_mb * (1 << 20)))
+                     max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
+                     stream_mode="normal" if a.stream_mode == "normal" else "fixed")
     print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
           file=sys.stderr)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)
@@ -331,6 +338,12 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def cmd_leak(a) -> int:
+    from .server.leak import main_leak
+
+    return main_leak(a)
 
 
 def cmd_loadtest(a) -> int:
@@ -429,8 +442,35 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get HTTP 413")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds running requests may take to finish before they are cancelled")
+    s.add_argument("--stream-mode", choices=("normal", "fixed", "fixed-only"), default="normal",
+                   help="streams of requests that name no stream_mode: normal (an event per engine step) or fixed "
+                        "(fixed-size chunks at a steady cadence, hiding what speculation accepted); fixed-only also "
+                        "refuses stream_mode \"normal\" (docs/server.md, 'Speculation side channel')")
+    s.add_argument("--stream-chunk", type=int, default=4, help="fixed streams: tokens per event")
+    s.add_argument("--stream-interval-ms", type=float, default=200.0,
+                   help="fixed streams: ms between events; set it at or above chunk / (plain tokens/s) of this "
+                        "server, or decoding time shows through")
+    s.add_argument("--stream-pad-bytes", type=int, default=512,
+                   help="fixed streams: every event is padded to a multiple of this many bytes (0: no padding)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
+
+    lk = sub.add_parser("leak", help="measure what streamed responses' timing and sizes tell an observer, normal "
+                        "vs stream_mode fixed (docs/server.md)")
+    _add_model_args(lk, default_target="smollm2-135m")
+    lk.add_argument("--method", default="prompt_lookup", help="the speculative method measured (default prompt_lookup)")
+    lk.add_argument("--per-class", type=int, default=40, help="prompts per class (>= 10)")
+    lk.add_argument("--max-tokens", type=int, default=48, help="tokens per response (ignore_eos: all the same length)")
+    lk.add_argument("--chunk", type=int, default=4, help="fixed streams: tokens per event")
+    lk.add_argument("--interval-ms", type=float, default=None,
+                    help="fixed streams: ms between events (default: calibrated, chunk at --margin of the slowest "
+                         "warm-up rate)")
+    lk.add_argument("--margin", type=float, default=0.7, help="fraction of the slowest warm-up rate the cadence uses")
+    lk.add_argument("--pad-bytes", type=int, default=512, help="fixed streams: events padded to a multiple of this")
+    lk.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: the shared copy)")
+    lk.add_argument("--quiet", action="store_true", help="no progress bar")
+    lk.add_argument("--out", default="leak.json", help="JSON results file")
+    lk.set_defaults(fn=cmd_leak)
 
     lt = sub.add_parser("loadtest", help="load-test a local specdraft server (spec on vs off)")
     lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")

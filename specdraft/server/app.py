@@ -20,6 +20,7 @@ from ..errors import SpecDraftError
 from ..methods import method as registered, methods_on
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
+from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
 from .scheduler import Job, QueueFull, SingleWorker, shutdown_error
 
 log = logging.getLogger("specdraft.server")
@@ -153,11 +154,18 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it
 def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
                timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
                batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, stream_mode: str = "normal",
+               stream_pacing: StreamPacing | None = None) -> FastAPI:
     """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
     more runs the continuous batch engine (BatchWorker) with up to that many rows. ``api_key``: every
     endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token.
-    ``max_body_bytes``: larger request bodies get a 413."""
+    ``max_body_bytes``: larger request bodies get a 413. ``stream_mode``: a stream's mode when the request
+    names none ("normal" or "fixed", server/pacing.py); ``stream_pacing``: the fixed mode's chunk, cadence,
+    padding, and whether requests must use it."""
+    if stream_mode not in STREAM_MODES:
+        raise ValueError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
+    pacing = stream_pacing or StreamPacing()
+    stream_mode = "fixed" if pacing.locked else stream_mode
     default_spec = SpecConfig.from_dict(default_spec)
     metrics = ServerMetrics()
     if max_batch > 1:
@@ -179,6 +187,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     if api_key:  # added last, so it runs first: nothing about the server is told to a caller without the key
         app.middleware("http")(key_check(api_key, open_metrics))
     app.state.worker = worker
+    app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
     tok = decoder.tokenizer
 
@@ -228,6 +237,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                     decoder.head(p.spec)
             except SpecDraftError as e:
                 raise RequestError(f"spec: {e}", param="spec") from None
+            p.stream_mode = p.stream_mode or stream_mode
+            if app.state.stream_pacing.locked and p.stream_mode != "fixed":
+                raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "
+                                   "accepted); leave stream_mode out or set it to \"fixed\"", param="stream_mode")
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)
@@ -274,28 +287,38 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         count(endpoint, "ok").inc()
         return JSONResponse(rb.full(res.text or "", res.stats, method, res.logprobs))
 
-    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
-        ts = TextStream(tok, p.sampling.stop)
-        if rb.chat:
-            yield _sse(rb.chunk(None, first=True))
+    async def job_events(job: Job, request: Request):
+        """The job's events, ending with its first non-"tokens" one; a timeout is ("timeout", None)."""
         while True:
             try:
                 kind, payload = await next_event(job, request, watch_disconnect=False)
             except _Timeout:
-                state["status"] = "timeout"
-                yield _sse(_timeout_error(timeout_s).body())
-                yield "data: [DONE]\n\n"
+                yield "timeout", None
                 return
+            yield kind, payload
+            if kind != "tokens":
+                return
+
+    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
+        fixed, pacing = p.stream_mode == "fixed", app.state.stream_pacing
+        sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse
+        done_line = pad("data: [DONE]\n\n", pacing.pad_bytes) if fixed else "data: [DONE]\n\n"
+        ts = TextStream(tok, p.sampling.stop)
+        if rb.chat:
+            yield sse(rb.chunk(None, first=True))
+        events = job_events(job, request)
+        async for kind, payload in (paced(events, pacing, job.t_arrive) if fixed else events):
             if kind == "tokens":
                 new, lps = payload
                 delta = ts.push(new)
-                if delta or lps:  # logprobs go with the step that made their tokens, text or not yet
-                    yield _sse(rb.chunk(delta, logprobs=lps))
-            elif kind == "error":
-                e = _engine_error(payload)
-                state["status"] = "error" if e.status >= 500 else "invalid"
-                yield _sse(e.body())
-                yield "data: [DONE]\n\n"
+                if delta or lps or fixed:  # logprobs go with the step that made their tokens, text or not yet
+                    yield sse(rb.chunk(delta, logprobs=lps))
+            elif kind == "keepalive":
+                yield keepalive(pacing.pad_bytes)
+            elif kind in ("timeout", "error"):
+                e = _timeout_error(timeout_s) if kind == "timeout" else _engine_error(payload)
+                state["status"] = "timeout" if kind == "timeout" else "error" if e.status >= 500 else "invalid"
+                yield sse(e.body()) + done_line
                 return
             else:
                 res = payload
@@ -303,16 +326,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                     state["status"] = "timeout" if job.cancel_reason == "timeout" else "cancelled"
                     if job.cancel_reason in ("timeout", "shutdown"):
                         e = _timeout_error(timeout_s) if job.cancel_reason == "timeout" else shutdown_error()
-                        yield _sse(e.body())
-                        yield "data: [DONE]\n\n"
+                        yield sse(e.body()) + done_line
                     return
-                delta = ts.push([], final=True)
-                if delta:
-                    yield _sse(rb.chunk(delta))
-                yield _sse(rb.chunk(None, finish=finish_reason(res.stats)))
-                if p.include_usage:
-                    yield _sse(rb.usage_chunk(res.stats, method))
-                yield "data: [DONE]\n\n"
+                # one write: the end of a stream shows as one event, whatever it carries
+                yield (sse(rb.chunk(ts.push([], final=True) or None, finish=finish_reason(res.stats)))
+                       + (sse(rb.usage_chunk(res.stats, method)) if p.include_usage else "") + done_line)
                 state["status"] = "ok"
                 return
 

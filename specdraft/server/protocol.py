@@ -9,7 +9,8 @@ default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_op
 ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, vLLM's structured-output fields
 (``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark), ``guided_choice``, or one
 ``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
-SpecConfig object merged over the server's default). Parameters this server cannot honour get a 400
+SpecConfig object merged over the server's default), ``stream_mode`` (``"normal"`` or ``"fixed"``,
+server/pacing.py). Parameters this server cannot honour get a 400
 naming them rather than being silently ignored.
 """
 
@@ -23,6 +24,7 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, ContextLengthError, SpecDraftError
 from ..engine import check_fits
 from ..processors import RequestProcessor
+from .pacing import STREAM_MODES
 
 
 class RequestError(SpecDraftError):
@@ -58,6 +60,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    stream_mode: str | None = None  # None: the server's default (server/pacing.py)
 
 
 def _is_int(v) -> bool:
@@ -96,6 +99,10 @@ def _check_types(body: dict) -> None:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise RequestError("stream_options must be an object", param="stream_options", code="invalid_type")
+    mode = body.get("stream_mode")
+    if mode is not None and mode not in STREAM_MODES:
+        raise RequestError(f"stream_mode must be one of {', '.join(map(repr, STREAM_MODES))}, got {mode!r}",
+                           param="stream_mode")
 
 
 def _spec(body: dict, default: SpecConfig) -> SpecConfig:
@@ -301,7 +308,8 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
                            code="context_length_exceeded") from None
     spec = _spec(body, default_spec)
     so = body.get("stream_options") or {}
-    return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat)
+    return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat,
+                         body.get("stream_mode"))
 
 
 def usage(stats, method: str) -> dict:
