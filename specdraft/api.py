@@ -104,8 +104,12 @@ class SpecDecoder:
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``backend``: "hf" (transformers) or "llama" (llama.cpp on GGUF files; ``dtype`` does not
-        apply); the draft loads on the same backend unless ``draft_backend`` says otherwise."""
+        apply); the draft loads on the same backend unless ``draft_backend`` says otherwise.
+        ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
+        with the target's own weights at lower precision."""
         set_threads(threads)
+        if draft and draft.startswith("self:"):  # the target's own weights, quantized (self:int4, self:Q4_0)
+            draft = f"{target.split(':')[0]}:{draft[5:]}"
         t = load_model(target, dtype, backend=backend)
         d = load_model(draft, dtype, num_layers=draft_layers, backend=draft_backend or backend) if draft else None
         return cls(t, d)

@@ -20,6 +20,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype on the hf backend (a GGUF file carries its own on the llama backend)")
     p.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
+    p.add_argument("--quantize", default=None, metavar="int8|int4[-gN]",
+                   help="hf backend: weight-only int8 / int4 linear layers for the target (a different model: "
+                        "compare it with its own plain decoding); same as --target NAME:int4. A draft takes the "
+                        "suffix too, and --draft self:int4 is the target's own weights in int4")
     _add_backend_arg(p)
 
 
@@ -392,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
     _add_backend_arg(c)
     c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
+                   help="hf backend: also (or only, without 'none') weight-only int8 / int4[-gN] copies, per dtype")
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)
@@ -516,9 +522,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _apply_quantize(a) -> None:
+    """--quantize Q is --target NAME:Q (hf backend only: a GGUF file carries its own quantization)."""
+    if getattr(a, "quantize", None) is None:
+        return
+    from .models.lowbit import parse_quant
+
+    if a.backend != "hf":
+        raise SpecDraftError(f"--quantize is for the hf backend; on {a.backend}, pick a GGUF variant "
+                             "(--target NAME:Q8_0, made by `specdraft models quantize`)")
+    parse_quant(a.quantize)
+    a.target = f"{a.target}:{a.quantize}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        _apply_quantize(args)
         return args.fn(args)
     except SpecDraftError as e:
         print(f"error: {e}", file=sys.stderr)

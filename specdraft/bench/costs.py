@@ -50,18 +50,28 @@ def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tre
 
 
 def main_costs(a) -> int:
+    from ..errors import SpecDraftError
     from ..models.backends import backend
     from ..models.loading import load_model, set_threads
+    from ..models.lowbit import parse_quant
 
     threads = set_threads(a.threads)
     ns = [int(x) for x in a.tokens.split(",")]
     rows = []
     dtypes = a.dtype.split(",") if backend(a.backend).uses_dtype else ["gguf"]
-    for dtype in dtypes:
-        m = load_model(a.target, dtype, backend=a.backend)
+    quants = [q for q in a.quantizations.split(",") if q and q != "none"] if a.quantizations else []
+    if quants and a.backend != "hf":
+        raise SpecDraftError("--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "
+                             "as --target NAME:Q4_0)")
+    for q in quants:
+        parse_quant(q)
+    weights = [(d, None) for d in dtypes if "none" in (a.quantizations or "none").split(",")] + \
+        [(d, q) for d in dtypes for q in quants]
+    for dtype, q in weights:
+        m = load_model(a.target + (f":{q}" if q else ""), dtype, backend=a.backend)
         for tree in ([False, True] if a.tree else [False]):
             c = measure_costs(m, ns, a.context, a.repeats, tree=tree)
-            rows.append((f"{a.backend} {dtype}" + (" tree" if tree else " chain"), c))
+            rows.append((f"{a.backend} {dtype}" + (f" {q}" if q else "") + (" tree" if tree else " chain"), c))
         del m
     cpu = cpu_name()
     print(f"{a.target}, {a.backend} backend, {threads} threads, {cpu}, {a.context}-token cached context, "

@@ -1,6 +1,7 @@
 """The model backends: one entry per implementation of the model interface (models/base.py).
 
-``hf``: transformers (models/hf.py), dense weights in float32 / bfloat16, every method.
+``hf``: transformers (models/hf.py), weights in float32 / bfloat16, or weight-only int8 / int4
+(``NAME:int8``, ``NAME:int4``; models/lowbit.py), every method.
 ``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
 
@@ -26,9 +27,18 @@ class Backend:
 
 
 def _load_hf(name_or_path: str, dtype, num_layers: int | None):
+    """``NAME:int8`` / ``NAME:int4[-gN]`` loads NAME with weight-only low-bit linear layers (lowbit.py)."""
     from .loading import load_hf
+    from .lowbit import parse_quant, quantize_linears
 
-    return load_hf(name_or_path, dtype, num_layers)
+    base, _, quant = name_or_path.rpartition(":") if ":int" in name_or_path else (name_or_path, "", "")
+    if quant:
+        parse_quant(quant)  # a bad suffix fails before the weights load
+    m = load_hf(base, dtype, num_layers)
+    if quant:
+        m.quantization = quantize_linears(m.model, quant)
+        m.name = f"{m.name}:{quant}"
+    return m
 
 
 def resolve_gguf(name_or_path: str) -> tuple[Path, str]:

@@ -45,6 +45,7 @@ class HFModel:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        self.quantization: dict | None = None  # set when the linear layers are int8 / int4 (models/lowbit.py)
         self.config = model.config
         self.cache: DynamicCache | None = None
         self.cached_len = 0
@@ -66,7 +67,8 @@ class HFModel:
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (may exceed the tokenizer's size: Qwen pads its vocabulary)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
     @property
     def max_context(self) -> int:

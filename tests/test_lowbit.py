@@ -1,0 +1,86 @@
+"""Weight-only int8 / int4 linear layers (models/lowbit.py): the kernels compute x W^T with the
+dequantized W; a quantized copy of the target drafts losslessly (the dense target verifies); a
+quantized target is its own model, equal to its own plain decoding; bad names are clear errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_llama
+from specdraft.api import SpecDecoder
+from specdraft.cli import main
+from specdraft.errors import ConfigError
+from specdraft.models.hf import HFModel
+from specdraft.models.lowbit import Int4Linear, Int8Linear, parse_quant, quantize_linears
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
+def test_kernel_matches_dequantized_weight(kind, dtype):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=True).to(dtype)
+    bits, group = parse_quant(kind)
+    q = Int8Linear(lin) if bits == 8 else Int4Linear(lin, group)
+    x = torch.randn(2, 5, 128, dtype=dtype)
+    want = x.float() @ q.weight.float().t() + lin.bias.float()
+    got = q(x).float()
+    tol = 2e-3 if dtype == torch.float32 else 0.1
+    assert got.shape == (2, 5, 96) and (got - want).abs().max() < tol * want.abs().max()
+    # and the quantization error itself is bounded: half a step of the grid
+    step = lin.weight.float().abs().amax(1, keepdim=True) / 127 if bits == 8 else None
+    if step is not None:
+        assert ((q.weight.float() - lin.weight.float()).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
+
+
+def test_parse_quant():
+    assert parse_quant("int8") == (8, 0) and parse_quant("int4") == (4, 128) and parse_quant("int4-g64") == (4, 64)
+    for bad in ("int3", "int8-g64", "int4-g48", "q4", ""):
+        with pytest.raises(ConfigError):
+            parse_quant(bad)
+
+
+def quantized(model: HFModel, kind: str) -> HFModel:
+    m = copy.deepcopy(model.model)
+    info = quantize_linears(m, kind)
+    assert info["layers"] == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    return HFModel(m, None, name=f"{model.name}:{kind}")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4-g32"])
+def test_quantized_self_draft_is_lossless(kind):
+    """Greedy and T=1 seeded: the dense target with its own quantized copy drafting gives the dense
+    target's tokens; the copy drafts well (the copy is close to the target)."""
+    t = tiny_llama(vocab=64, hidden=64)
+    dec = SpecDecoder(t, quantized(t, kind))
+    ids = [1, 5, 9, 3, 7]
+    for sp in ({"max_new_tokens": 40, "ignore_eos": True},
+               {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 3}):
+        plain = dec.generate(ids, sampling=sp, spec={"method": "plain"})
+        spec = dec.generate(ids, sampling=sp, spec={"method": "draft_model", "k": 4})
+        if "temperature" not in sp:
+            assert spec.token_ids == plain.token_ids
+        steps = spec.stats.steps
+        assert sum(s.accepted for s in steps) / sum(s.drafted for s in steps) > 0.5
+
+
+def test_quantized_target_equals_its_own_plain():
+    t = quantized(tiny_llama(vocab=64, hidden=64), "int4-g32")
+    dec = SpecDecoder(t, tiny_llama(vocab=64, hidden=64))
+    ids = [2, 4, 6, 2, 4]
+    sp = {"max_new_tokens": 30, "ignore_eos": True}
+    plain = dec.generate(ids, sampling=sp, spec={"method": "plain"}).token_ids
+    for spec in ({"method": "draft_model", "k": 3}, {"method": "prompt_lookup"}):
+        assert dec.generate(ids, sampling=sp, spec=spec).token_ids == plain
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "x", "--quantize", "int3"], "error: unknown weight quantization 'int3' on the hf backend"),
+    (["generate", "x", "--quantize", "int8", "--backend", "llama"], "error: --quantize is for the hf backend"),
+    (["costs", "--quantizations", "int4-g7"], "error: the int4 group size must be one of 32, 64, 128, 256, got 7"),
+])
+def test_quantize_argument_errors(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(msg) and err.count("\n") == 1
