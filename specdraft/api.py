@@ -14,7 +14,7 @@ import json
 
 from .config import SamplingParams, SpecConfig
 from .engine import GenerationResult, generate
-from .errors import ConfigError
+from .errors import ConfigError, TokenizerMismatchError
 from .methods import method, methods_on
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
@@ -27,8 +27,16 @@ class SpecDecoder:
         """``target``, ``draft``: models behind the model interface (models/base.py), any backend."""
         self.target = target
         self.draft = draft
+        self._bridge = None  # a VocabBridge when the draft's tokenizer differs (drafters/cross_vocab.py)
+        self.cross_vocab = False
         if draft is not None:
-            check_same_tokenizer(target, draft)
+            try:
+                check_same_tokenizer(target, draft)
+            except TokenizerMismatchError:
+                if target.tokenizer is None or draft.tokenizer is None:
+                    raise
+                self.cross_vocab = True
+                self.vocab_bridge()  # built now: a draft that cannot write the target's text is refused here
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids()
         self._policies: dict[str, CostAwarePolicy] = {}
@@ -108,9 +116,9 @@ class SpecDecoder:
         ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
         with the target's own weights at lower precision."""
         set_threads(threads)
-        if draft and draft.startswith("self:"):  # the target's own weights, quantized (self:int4, self:Q4_0)
-            draft = f"{target.split(':')[0]}:{draft[5:]}"
         t = load_model(target, dtype, backend=backend)
+        if draft and draft.startswith("self:"):  # the target's own weights at lower precision
+            return cls(t, _self_draft(t, target, draft[5:], dtype, draft_backend or backend))
         d = load_model(draft, dtype, num_layers=draft_layers, backend=draft_backend or backend) if draft else None
         return cls(t, d)
 
@@ -134,6 +142,17 @@ class SpecDecoder:
         """A request's draft-length policy for ``spec.schedule`` (cost-aware measurements are shared by
         the requests of this decoder with the same spec)."""
         return draft_length(spec, self.policy_for(spec))
+
+    def vocab_bridge(self):
+        """The draft's and the target's tokenizers side by side (built once), or None when they match."""
+        if not self.cross_vocab:
+            return None
+        if self._bridge is None:
+            from .drafters.cross_vocab import VocabBridge
+
+            self._bridge = VocabBridge(self.target.tokenizer, self.draft.tokenizer, self.target.vocab_size,
+                                       self.draft.vocab_size)
+        return self._bridge
 
     def draft_model(self) -> HFModel:
         if self.draft is None:
@@ -209,3 +228,19 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
         ms = measure_costs(model, missing, context=60, repeats=2)
         measured.update({n: v / 1000 for n, v in ms.items()})
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
+
+
+def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
+    """``self:int4`` (hf: the target reloaded with int4 linear layers whose prefills use the target's
+    own dense layers) or ``self:Q4_0`` (llama: the target's registered GGUF variant)."""
+    base = target_name.split(":")[0]
+    if backend != "hf":
+        return load_model(f"{base}:{quant}", dtype, backend=backend)
+    from .models.lowbit import parse_quant, quantize_linears
+
+    parse_quant(quant)
+    d = load_model(base, dtype, backend="hf")
+    d.quantization = quantize_linears(d.model, quant, dense_from=target.model)
+    d.name = f"{base}:{quant} (self-draft)"
+    return d
+

@@ -75,7 +75,17 @@ def _model_drafter(draft, dec, spec):
 
 
 def _draft_model(dec, spec):
-    return _model_drafter(dec.draft_model(), dec, spec)
+    bridge = dec.vocab_bridge()
+    if bridge is None:
+        return _model_drafter(dec.draft_model(), dec, spec)
+    from .drafters.cross_vocab import CrossVocabDrafter
+    from .errors import ConfigError
+
+    if spec.tree != "chain" or spec.method == "cascade":
+        raise ConfigError(f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
+                          f"method 'draft_model' or 'hybrid' with tree 'chain' (got method {spec.method!r}, "
+                          f"tree {spec.tree!r})")
+    return CrossVocabDrafter(dec.draft, bridge, spec, dec.target.vocab_size)
 
 
 def _self_draft(dec, spec):
@@ -146,7 +156,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
     Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=BOTH),
-    Method("draft_model", "a smaller model with the target's tokenizer drafts k tokens (or a tree)", _draft_model,
+    Method("draft_model", "a smaller model drafts k tokens (or a tree); another tokenizer's drafts go through text",
+           _draft_model,
            needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=BOTH),
     Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=BOTH),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _self_draft,

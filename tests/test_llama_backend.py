@@ -272,8 +272,8 @@ def test_cli_generate_and_errors(tmp_path):
     cases = [
         (["--target", str(bad)], "broken.gguf"),
         (["--target", "smollm2-135m", "--method", "medusa", "--head", "h"], "not available on the llama backend"),
-        (["--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model"],
-         "different tokenizers"),
+        (["--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "cascade"],
+         "drafts chains through text"),
         (["--target", str(tmp_path)], "the llama backend loads .gguf files"),
     ]
     for args, msg in cases:

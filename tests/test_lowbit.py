@@ -16,18 +16,19 @@ from specdraft.models.hf import HFModel
 from specdraft.models.lowbit import Int4Linear, Int8Linear, parse_quant, quantize_linears
 
 
+@pytest.mark.parametrize("rows", [5, 600])  # 600: a prefill, through the dequantized weight (DEQUANTIZE_FROM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64"])
-def test_kernel_matches_dequantized_weight(kind, dtype):
+def test_kernel_matches_dequantized_weight(kind, dtype, rows):
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=True).to(dtype)
     bits, group = parse_quant(kind)
     q = Int8Linear(lin) if bits == 8 else Int4Linear(lin, group)
-    x = torch.randn(2, 5, 128, dtype=dtype)
+    x = torch.randn(2, rows, 128, dtype=dtype)
     want = x.float() @ q.weight.float().t() + lin.bias.float()
     got = q(x).float()
     tol = 2e-3 if dtype == torch.float32 else 0.1
-    assert got.shape == (2, 5, 96) and (got - want).abs().max() < tol * want.abs().max()
+    assert got.shape == (2, rows, 96) and (got - want).abs().max() < tol * want.abs().max()
     # and the quantization error itself is bounded: half a step of the grid
     step = lin.weight.float().abs().amax(1, keepdim=True) / 127 if bits == 8 else None
     if step is not None:
@@ -46,6 +47,19 @@ def quantized(model: HFModel, kind: str) -> HFModel:
     info = quantize_linears(m, kind)
     assert info["layers"] == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
     return HFModel(m, None, name=f"{model.name}:{kind}")
+
+
+def test_prefill_uses_the_targets_dense_layers():
+    """A self-draft quantized with dense_from=target prefills with the target's own dense layers (its
+    prompt logits are the target's), and drafts single tokens with the low-bit kernels."""
+    t = tiny_llama(vocab=64, hidden=64)
+    m = copy.deepcopy(t.model)
+    info = quantize_linears(m, "int4-g32", dense_from=t.model)
+    assert info["shares_dense_prefill"]
+    ids = torch.arange(20)[None] % 64
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, t.model(ids).logits)  # 20 rows >= SHARED_DENSE_FROM
+        assert not torch.equal(m(ids[:, :3]).logits, t.model(ids[:, :3]).logits)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4-g32"])

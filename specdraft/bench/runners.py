@@ -36,7 +36,8 @@ class EngineRunner:
 
 
 class HFRunner:
-    """transformers ``generate``: plain, assisted (``assistant_model``) or prompt lookup."""
+    """transformers ``generate``: plain, assisted (``assistant_model``; with a draft of another tokenizer,
+    its Universal Assisted Decoding through ``assistant_tokenizer``) or prompt lookup."""
 
     kind = "baseline"
 
@@ -69,6 +70,8 @@ class HFRunner:
                 torch.manual_seed(sp.seed)
         if self.mode == "assisted":
             kw["assistant_model"] = self.dec.draft.model  # transformers' default draft schedule
+            if self.dec.cross_vocab:  # Universal Assisted Decoding: transformers re-tokenizes through text
+                kw.update(tokenizer=self.dec.tokenizer, assistant_tokenizer=self.dec.draft.tokenizer)
         elif self.mode == "prompt_lookup":
             kw["prompt_lookup_num_tokens"] = self.lookup_tokens
         t0 = time.perf_counter()

@@ -21,6 +21,13 @@ from ..errors import ConfigError
 
 DEFAULT_GROUP = 128
 GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
+# The low-bit kernels' cost grows about linearly with rows (a 1536x8960 matmul, bf16 activations:
+# int4 0.17 ms for 1 row, 1.18 for 16, 77 for 1,024; bf16 0.75 / 0.96 / 29; docs/results/quant/prefill.py).
+# So a prefill takes another path: the dense weight of the model it was quantized from, when that
+# model is in memory (the target, for --draft self:int4), from SHARED_DENSE_FROM rows; otherwise the
+# weight dequantized on the fly (about 20 ms per matrix), from DEQUANTIZE_FROM rows.
+SHARED_DENSE_FROM = 16
+DEQUANTIZE_FROM = 512
 QUANT_RE = re.compile(r"^int(8|4)(?:-g(\d+))?$")
 
 
@@ -47,13 +54,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(lin.weight.dtype))
         self.bias = lin.bias
         self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.dense_source = None  # (an nn.Linear with the original weight,) when one stays in memory
 
     @property
     def weight(self) -> torch.Tensor:  # the dequantized weight (heads read it; not the hot path)
         return (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        x2 = x.reshape(-1, self.in_features)
+        y = _prefill(self, x2)
+        if y is None:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -70,25 +81,40 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=1e-10)
         q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # the same codes two per byte, for prefills (the kernel's layout is opaque): as much memory again
+        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
         zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
         self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
                              .to(lin.weight.dtype))
         self.bias = lin.bias
         self.group = group
         self.in_features, self.out_features = k, n
+        self.dense_source = None
 
     @property
-    def weight(self) -> torch.Tensor:  # the dequantized weight, through the kernel (heads read it; rare)
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
-        return self._mm(eye).t().contiguous()
-
-    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (prefills and heads read it)."""
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).reshape(self.out_features, -1, self.group)
+        sz = self.scales_zeros.transpose(0, 1)  # [out, in / group, 2]
+        return ((q.to(sz.dtype) - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features)
+        y = _prefill(self, x2)
+        if y is None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def _prefill(layer, x2: torch.Tensor) -> torch.Tensor | None:
+    """x2 W^T through a dense weight when x2 has enough rows to make that cheaper; None otherwise."""
+    rows, dense = x2.shape[0], layer.dense_source
+    if dense is not None and rows >= SHARED_DENSE_FROM:
+        return x2 @ dense[0].weight.t()
+    if rows >= DEQUANTIZE_FROM:
+        return x2 @ layer.weight.to(x2.dtype).t()
+    return None
 
 
 def _group_for(k: int, group: int) -> int:
@@ -100,14 +126,17 @@ def _group_for(k: int, group: int) -> int:
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module, quant: str) -> dict:
+def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None = None) -> dict:
     """Swap every nn.Linear of ``model`` (the LM head included) for its ``quant`` version, in place;
-    -> {"bits", "group", "layers", "groups_used"}."""
+    -> {"bits", "group", "layers", "groups_used"}. ``dense_from``: a model of the same structure and
+    weights that stays in memory (the target, when ``model`` is its copy drafting for it): prefills
+    use its dense layers, so drafting costs no slow low-bit prefill."""
     bits, group = parse_quant(quant)
     if next(model.parameters()).device.type != "cpu":
         raise ConfigError("int8 / int4 weights use torch's CPU kernels; load the model on the CPU")
+    dense = dict(dense_from.named_modules()) if dense_from is not None else {}
     used, count = set(), 0
-    for parent in list(model.modules()):
+    for pname, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
@@ -117,6 +146,10 @@ def quantize_linears(model: nn.Module, quant: str) -> dict:
                 g = _group_for(child.in_features, group)
                 used.add(g)
                 new = Int4Linear(child, g)
+            src = dense.get(f"{pname}.{name}" if pname else name)
+            if isinstance(src, nn.Linear) and src.weight.shape == child.weight.shape:
+                new.dense_source = (src,)  # a tuple: not registered as a submodule of this model
             setattr(parent, name, new)
             count += 1
-    return {"bits": bits, "group": group, "layers": count, "groups_used": sorted(used)}
+    return {"bits": bits, "group": group, "layers": count, "groups_used": sorted(used),
+            "shares_dense_prefill": bool(dense)}
