@@ -263,7 +263,8 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
                     raise ConfigError("llama_cpp_draft needs --draft NAME")
                 draft = str(resolve_gguf(a.draft)[0]) if mode == "draft" else None
                 k = spec["k"] if spec else 10
-                runners.append(LlamaCppRunner(name, str(resolve_gguf(a.target)[0]), threads, dec.eos_ids, mode, draft, k))
+                gguf_of = a.target.rsplit(":", 1)[0] if ":int" in a.target else a.target  # NAME:int4 is an hf copy
+                runners.append(LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k))
             except (ImportError, SpecDraftError) as e:
                 skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)

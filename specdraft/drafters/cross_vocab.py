@@ -23,6 +23,8 @@ character, or when the draft's context would exceed the draft model's.
 
 from __future__ import annotations
 
+import string
+
 import torch
 
 from ..config import SpecConfig
@@ -32,6 +34,8 @@ from ..tree import DraftTree
 from .base import Drafter
 
 WINDOW = 8  # draft tokens of context decoded with the draft, to cut the draft's own text out
+# text a draft must write back unchanged (with the target's special tokens) to draft for another tokenizer
+PROBE = string.printable + " àéîõü ß Ωπ 中文 日本語 한국어 😀 — “quotes” «guillemets» def f(x):\n\treturn x**2\n"
 
 
 def token_bytes(tok, size: int) -> dict[int, bytes]:
@@ -71,14 +75,14 @@ class VocabBridge:
         self.draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
         self.target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
         self.to_draft_id = dict(zip(self.target_ids.tolist(), self.draft_ids.tolist()))
-        self._check_round_trip(target_vocab)
+        self._check_round_trip()
 
-    def _check_round_trip(self, target_vocab: int) -> None:
-        """The draft must write whatever the target writes (its text, special tokens included), or its
-        drafts would continue a context it cannot see: refuse such a pair rather than draft blind."""
+    def _check_round_trip(self) -> None:
+        """The draft must write what the target writes (ordinary text in many scripts, and the target's
+        special tokens), or its drafts would continue a context it cannot see: refuse such a pair
+        rather than draft blind."""
         specials = list(getattr(self.t, "all_special_tokens", []) or [])
-        sample = self.target_text(list(range(min(target_vocab, len(self.t), 512))))
-        for text in specials + [sample]:
+        for text in specials + [self.target_text(self.target_tokens(PROBE))]:  # the probe as the target writes it
             back = self.d.decode(self.draft_tokens(text), skip_special_tokens=False)
             if back != text:
                 raise TokenizerMismatchError(
