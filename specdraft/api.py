@@ -118,6 +118,9 @@ class SpecDecoder:
         set_threads(threads)
         t = load_model(target, dtype, backend=backend)
         if draft and draft.startswith("self:"):  # the target's own weights at lower precision
+            if draft_layers is not None:
+                raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
+                                  "the target's layers")
             return cls(t, _self_draft(t, target, draft[5:], dtype, draft_backend or backend))
         d = load_model(draft, dtype, num_layers=draft_layers, backend=draft_backend or backend) if draft else None
         return cls(t, d)

@@ -48,7 +48,7 @@ def test_qwen_pair_greedy_matches_plain(qwen, plain_ref, method):
         ref = plain_ref[p]
         out = qwen.generate(ids, sampling=sp, spec=SpecConfig(method=method, k=4))
         accepted += out.stats.accepted
-        c = compare(qwen, ids, ref, out.token_ids)
+        c = compare(qwen.target, ids, ref, out.token_ids)
         if not c["exact"]:
             divergences.append((p[:40], c))
     for prompt, c in divergences:  # reported in pytest's warnings summary
@@ -77,7 +77,7 @@ def test_smollm2_drafts_for_qwen_through_text(smol_for_qwen, plain_ref):
         ids = dec.encode(p, chat=True)
         out = dec.generate(ids, sampling=SP, spec=SpecConfig(method="draft_model", k=4))
         accepted += out.stats.accepted
-        c = compare(dec, ids, plain_ref[p], out.token_ids)
+        c = compare(dec.target, ids, plain_ref[p], out.token_ids)
         if not c["exact"]:
             warnings.warn(f"bf16 cross-tokenizer draft diverged on {p[:40]!r} at token {c['first_divergence']}, "
                           f"target top-2 logit gap {c.get('top2_gap')}")

@@ -50,8 +50,11 @@ def test_paced_regroups_into_fixed_chunks_on_ticks(delay_s):
     assert [t for c in chunks for t in c] == list(range(sum(steps)))
     assert all(len(c) == 3 for c in chunks[:-1]) and 1 <= len(chunks[-1]) <= 3
     assert (delay_s > 0) == any(kind == "keepalive" for _, kind, _ in out)
-    gaps = [b[0] - a[0] for a, b in zip(out, out[1:])]
-    assert all(0.01 < g < 0.06 for g in gaps), gaps  # one tick apart (loose: a shared 2-core CI machine)
+    # on the grid: never ahead of it; behind it only by scheduling delays, which the grid absorbs (loose
+    # bounds: a shared 2-core CI machine)
+    times = [t for t, _, _ in out]
+    assert all(t >= times[0] + i * p.interval_s - 0.005 for i, t in enumerate(times)), times
+    assert times[-1] - times[0] < (len(times) - 1) * p.interval_s + 0.1, times
 
 
 def test_paced_passes_errors_at_once():
