@@ -13,10 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_llama
 from server_util import running_server
-from specdraft.api import SpecDecoder
-from test_server_fast import StubTok
+from test_server_fast import tiny_pair
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stream", "n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
@@ -40,11 +38,7 @@ BODY_LEVEL = ("the request body",)  # errors about the body as a whole name no f
 
 @pytest.fixture(scope="module")
 def server():
-    t = tiny_llama(vocab=16)
-    t.tokenizer = StubTok()
-    d = tiny_llama(vocab=16, noise_seed=5, noise=0.25)
-    d.tokenizer = t.tokenizer
-    with running_server(SpecDecoder(t, d), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
                         max_queue=64, timeout_s=30, max_batch=4, default_max_tokens=4) as (url, app):
         with httpx.Client(base_url=url, timeout=30) as c:
             yield c

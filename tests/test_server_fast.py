@@ -32,13 +32,18 @@ class StubTok:
         return {chr(97 + i): i for i in range(16)}
 
 
-@pytest.fixture(scope="module", params=["single", "batch"])
-def tiny_server(request):
+def tiny_pair() -> SpecDecoder:
+    """A tiny random target and a perturbed copy as its draft, sharing the stub tokenizer."""
     t = tiny_llama(vocab=16)
     t.tokenizer = StubTok()
     d = tiny_llama(vocab=16, noise_seed=5, noise=0.25)
     d.tokenizer = t.tokenizer
-    dec = SpecDecoder(t, d)
+    return SpecDecoder(t, d)
+
+
+@pytest.fixture(scope="module", params=["single", "batch"])
+def tiny_server(request):
+    dec = tiny_pair()
     kw = {"max_batch": 8} if request.param == "batch" else {}
     with running_server(dec, model_name="tiny", default_spec={"method": "draft_model", "k": 3}, max_queue=32,
                         timeout_s=60, **kw) as (url, app):

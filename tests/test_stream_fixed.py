@@ -15,7 +15,7 @@ from server_util import running_server
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.server.pacing import StreamPacing, keepalive, pad, paced
-from test_server_fast import StubTok
+from test_server_fast import StubTok, tiny_pair
 
 
 def run_paced(steps, pacing, delay_s):
@@ -79,12 +79,8 @@ def test_padding_makes_equal_sizes():
 
 @pytest.fixture(scope="module")
 def fixed_server():
-    t = tiny_llama(vocab=16)
-    t.tokenizer = StubTok()
-    d = tiny_llama(vocab=16, noise_seed=5, noise=0.25)
-    d.tokenizer = t.tokenizer
     pacing = StreamPacing(chunk_tokens=3, interval_s=0.05, pad_bytes=512)
-    with running_server(SpecDecoder(t, d), model_name="tiny", default_spec={"method": "draft_model", "k": 4},
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 4},
                         stream_mode="fixed", stream_pacing=pacing) as (url, app):
         yield url
 

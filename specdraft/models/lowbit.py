@@ -3,9 +3,9 @@
 
 The kernels are torch's own CPU ones (``aten._weight_int8pack_mm``: per-output-channel int8;
 ``aten._weight_int4pack_mm_for_cpu``: asymmetric int4 with a scale and zero per group of input
-channels). torchao 0.18 was measured first (docs/design.md): its int8 weight-only config ran a
-1536x8960 matmul in 1.69 ms for one row against 0.22 ms for the kernel below and 0.68 ms for bf16,
-and its int4 config needs ``mslk``, which has no CPU build. Activations stay in the model's dtype.
+channels). torchao 0.18 was tried first (docs/design.md): its int8 weight-only config was slower
+than bf16 here, and its int4 config needs ``mslk``, which has no CPU build. Activations stay in the
+model's dtype.
 
 A quantized model is a different model: its greedy output is compared with its own plain decoding.
 """
