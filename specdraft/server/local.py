@@ -20,13 +20,20 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_in_thread(decoder, **kw):
     """Yields (base URL, app); ``kw`` goes to create_app."""
-    import uvicorn
-
     from . import create_app
 
     kw.setdefault("model_name", "smol")
     kw.setdefault("default_spec", {"method": "prompt_lookup"})
     app = create_app(decoder, **kw)
+    with app_in_thread(app) as url:
+        yield url, app
+
+
+@contextlib.contextmanager
+def app_in_thread(app):
+    """Serves any ASGI ``app`` on 127.0.0.1 (a free port) in a thread; yields its base URL."""
+    import uvicorn
+
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -37,7 +44,7 @@ def serve_in_thread(decoder, **kw):
             raise RuntimeError("server did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", app
+        yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
         th.join(30)

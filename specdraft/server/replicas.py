@@ -1,0 +1,235 @@
+"""``specdraft serve --replicas N``: N engine replicas behind one OpenAI-compatible endpoint.
+
+Each replica is a Ray actor holding its own model and engine (the same FastAPI app as a single server,
+cli.build_server_app) behind its own uvicorn on its node. The front (this module's app, in the
+``serve`` process) sends each request to the replica with the fewest running requests and relays the
+response bytes as they arrive, so a stream stays on its replica from the first byte to ``[DONE]``.
+Requests are parsed and checked by the replica: its errors reach the client unchanged.
+/metrics merges every replica's metrics with a ``replica`` label; /health lists the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..errors import SpecDraftError
+from ..raycluster import connect
+from .app import drain_check, key_check
+from .protocol import RequestError
+
+log = logging.getLogger("specdraft.server")
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
+
+
+class ReplicaServer:
+    """One engine on its own port (a Ray actor: ``ray.remote(ReplicaServer)``). ``bind``: 127.0.0.1 on a
+    local instance, the node's address on a cluster (where the replicas need the API key)."""
+
+    def __init__(self, args, spec, api_key, pacing, bind: str):
+        import uvicorn
+
+        from ..cli import build_server_app
+
+        app = build_server_app(args, spec, api_key, pacing)
+        self.host = bind if bind == "127.0.0.1" else _node_ip()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        t0 = time.monotonic()
+        while not self.server.started:  # the actor is ready only once its server listens
+            if time.monotonic() - t0 > 60:
+                raise RuntimeError("the replica's server did not start within 60 s")
+            time.sleep(0.02)
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def node(self) -> dict:
+        from ..raycluster import node_info
+
+        return node_info()
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class Router:
+    """Picks a replica for each request: the fewest running (ties: round robin); counts per replica."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.running = [0] * len(urls)
+        self.routed = [0] * len(urls)
+        self.last = -1
+
+    def acquire(self) -> int:
+        """Among the least busy, the first after the last one chosen (so idle replicas take turns)."""
+        n = len(self.urls)
+        i = min(range(n), key=lambda j: (self.running[j], (j - self.last - 1) % n))
+        self.last = i
+        self.running[i] += 1
+        self.routed[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        self.running[i] -= 1
+
+    # what graceful.GracefulServer reads while draining
+    def stats(self) -> dict:
+        return {"running": sum(self.running), "waiting": 0}
+
+    def stop(self) -> None:
+        pass
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """The replicas' Prometheus texts as one exposition: each sample gains a ``replica`` label, and the
+    samples of one metric stay together under its HELP and TYPE lines, as the format requires."""
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    for i, text in enumerate(texts):
+        fam = None
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                fam = families.setdefault(line.split(" ", 3)[2], ([], []))
+                if line not in fam[0]:
+                    fam[0].append(line)
+            elif line and not line.startswith("#") and fam is not None:
+                fam[1].append(_with_replica(line, i))
+    return "".join(line + "\n" for head, samples in families.values() for line in head + samples)
+
+
+def _with_replica(sample: str, i: int) -> str:
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f'{name}{{replica="{i}",{rest}'
+    name, _, value = sample.partition(" ")
+    return f'{name}{{replica="{i}"}} {value}'
+
+
+def _unavailable(message: str) -> JSONResponse:
+    e = RequestError(message, status=503, type="server_error", code="replica_unavailable")
+    return JSONResponse(e.body(), status_code=503)
+
+
+def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: bool = False,
+                 on_stop=None) -> FastAPI:
+    """The one endpoint in front of the replicas at ``urls``."""
+    router = Router(urls)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+        if on_stop:
+            on_stop()
+
+    app = FastAPI(title="specdraft replicas", lifespan=lifespan)
+    app.state.draining = False
+    app.state.worker = router
+    app.middleware("http")(drain_check(app))
+    if api_key:
+        app.middleware("http")(key_check(api_key, open_metrics))
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def relay(request: Request):
+        i = router.acquire()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        try:
+            up = await client.send(client.build_request(request.method, urls[i] + request.url.path,
+                                                        headers=headers, content=await request.body()), stream=True)
+        except httpx.HTTPError as e:
+            router.release(i)
+            return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
+
+        async def body():
+            try:
+                async for chunk in up.aiter_raw():
+                    yield chunk
+            finally:  # the client left or the replica finished: either way the replica's slot is free
+                await up.aclose()
+                router.release(i)
+
+        out = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
+        out["X-Specdraft-Replica"] = str(i)
+        return StreamingResponse(body(), status_code=up.status_code, headers=out)
+
+    app.post("/v1/completions")(relay)
+    app.post("/v1/chat/completions")(relay)
+    app.get("/v1/models")(relay)
+
+    async def replica_get(path: str):
+        async def one(u):
+            try:
+                return await client.get(u + path, headers=auth, timeout=10)
+            except httpx.HTTPError:
+                return None
+        return await asyncio.gather(*(one(u) for u in urls))
+
+    @app.get("/health")
+    async def health():
+        answers = await replica_get("/health")
+        replicas = [{"replica": i, "url": u, "running": router.running[i], "routed": router.routed[i],
+                     **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"})}
+                    for i, (u, r) in enumerate(zip(urls, answers))]
+        ok = all(r["status"] == "ok" for r in replicas)
+        return JSONResponse({"status": "ok" if ok else "degraded", "replicas": replicas}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        answers = await replica_get("/metrics")
+        return Response(merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def start_replicas(a, spec, api_key, pacing) -> FastAPI:
+    """Starts ``a.replicas`` ReplicaServer actors on Ray (a local instance or ``a.ray_address``) and returns
+    the front app. On a cluster the replicas listen on their nodes' addresses, so they need an API key."""
+    local = a.ray_address in (None, "", "local")
+    if not local and not api_key and not a.insecure:
+        raise SpecDraftError("replicas on a Ray cluster listen on their nodes' addresses: set --api-key KEY (or "
+                             "SPECDRAFT_API_KEY), or pass --insecure")
+    if a.replica_cpus is not None and a.replica_cpus < 1:
+        raise SpecDraftError(f"--replica-cpus must be >= 1, got {a.replica_cpus}")
+    # a local instance offers at least one CPU per replica, so no replica waits forever for a CPU
+    ray = connect(a.ray_address, None if not local else max(os.cpu_count(), a.replicas * (a.replica_cpus or 1)))
+    cpus = a.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // a.replicas)
+    a.threads = a.threads or cpus
+    actor = ray.remote(num_cpus=cpus)(ReplicaServer)
+    handles = [actor.remote(a, spec, api_key, pacing, "127.0.0.1" if local else "0.0.0.0") for _ in range(a.replicas)]
+    try:
+        urls = ray.get([h.url.remote() for h in handles])
+    except Exception as e:  # an actor that failed to load its model: its error, once, then nothing left running
+        for h in handles:
+            ray.kill(h)
+        raise SpecDraftError(f"a replica failed to start: {_cause(e)}") from None
+
+    def stop():
+        for h in handles:
+            ray.kill(h)
+    front = create_front(urls, api_key=api_key, open_metrics=a.metrics_open, on_stop=stop)
+    front.state.replicas = handles
+    return front
+
+
+def _cause(e: Exception) -> str:
+    cause = getattr(e, "cause", None)
+    return str(cause) if cause is not None else str(e).strip().splitlines()[-1]
