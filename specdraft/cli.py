@@ -364,6 +364,37 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def cmd_overlap(a) -> int:
+    """Model the overlapped draft/verify pair from a bench run of pair_serial / pair_overlap (docs/scale.md)."""
+    import json
+    from pathlib import Path
+
+    from .overlap import OverlapPair, explain, render_explain
+
+    path = Path(a.results)
+    if not path.exists():
+        raise SpecDraftError(f"no results file {path} (run specdraft bench --methods plain,pair_serial,pair_overlap)")
+    doc = json.loads(path.read_text())
+    settings = doc.get("settings", {})
+    target, draft = a.target or settings.get("target"), a.draft or settings.get("draft")
+    if not draft:
+        raise SpecDraftError("the results name no draft model: pass --draft NAME")
+    ran = next((m for n, m in settings.get("methods", {}).items() if n in ("pair_overlap", "pair_serial")), None)
+    if ran is None:
+        raise SpecDraftError(f"{path} has no pair_serial / pair_overlap results")
+    k, threads = ran["k"], ran["threads"]
+    pair = OverlapPair(target, draft, settings.get("dtype", "bfloat16"), k, threads=threads, address=a.ray_address,
+                       draft_layers=settings.get("draft_layers"))
+    apart = a.threads_apart or os.cpu_count()
+    e = explain(doc, pair.costs([1, k + 1], threads), pair.costs([1, k + 1], apart), k)
+    pair.close()
+    e.update(results=str(path), threads_apart=apart, pair_threads=threads)
+    if a.out:
+        Path(a.out).write_text(json.dumps(e, indent=1))
+    print(render_explain(e))
+    return 0
+
+
 def cmd_leak(a) -> int:
     from .server.leak import main_leak
 
@@ -488,6 +519,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPUs (torch threads) per replica (default: the cluster's CPUs / --replicas)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
+
+    ov = sub.add_parser("overlap", help="model the overlapped draft/verify pair from a bench run (measured vs "
+                        "modelled here; predicted with a machine per model)")
+    ov.add_argument("results", help="bench results JSON with pair_serial / pair_overlap records")
+    ov.add_argument("--target", default=None, help="default: the results' target")
+    ov.add_argument("--draft", default=None, help="default: the results' draft")
+    ov.add_argument("--threads-apart", type=int, default=None,
+                    help="threads each model gets on a machine of its own (default: this machine's cores)")
+    ov.add_argument("--ray-address", default=None)
+    ov.add_argument("-o", "--out", default=None, help="write the figures as JSON")
+    ov.set_defaults(fn=cmd_overlap)
 
     lk = sub.add_parser("leak", help="measure what streamed responses' timing and sizes tell an observer, normal "
                         "vs stream_mode fixed (docs/server.md)")

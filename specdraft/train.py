@@ -4,6 +4,7 @@
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
    one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
+   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (bench/ray_shard.py).
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
      positions of the answer (t >= n_prompt - 1);
@@ -45,7 +46,47 @@ def _tqdm(it=None, **kw):
 
 
 # --- data --------------------------------------------------------------------------------------
-def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: int = 16,
+DATA_BATCH = 16  # prompts per generate call of the training data (a local run and each Ray job alike)
+
+
+def encode_prompts(dec, prompts: list[str], max_new_tokens: int, chat: bool,
+                   max_prompt_tokens: int | None = None) -> list[list[int]]:
+    """The prompts' token ids that fit the target's context (and ``max_prompt_tokens``), shortest first."""
+    target = dec.target
+    encoded = [dec.encode(p, chat=chat) for p in prompts]
+    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= target.max_context
+               and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens)]
+    encoded.sort(key=len)
+    return encoded
+
+
+def answer_batch(dec, chunk: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """One batch of encoded prompts: the target's greedy answers (left-padded ``generate``), then one
+    forward per prompt + answer for its features."""
+    model = dec.target.model
+    eos = dec.target.eos_token_ids()
+    pad = next(iter(sorted(eos)), 0) if eos else 0
+    L = max(len(c) for c in chunk)
+    ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(chunk), L), dtype=torch.long)
+    for j, c in enumerate(chunk):
+        ids[j, L - len(c):] = torch.tensor(c)
+        mask[j, L - len(c):] = 1
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=sorted(eos) or None)
+    seqs = []
+    for j, c in enumerate(chunk):
+        ans = gen[j, L:].tolist()
+        cut = next((n + 1 for n, t in enumerate(ans) if t in eos), len(ans))
+        toks = torch.tensor(c + ans[:cut], dtype=torch.long)
+        with torch.inference_mode():
+            feats = model.model(input_ids=toks[None]).last_hidden_state[0]
+        seqs.append({"tokens": toks, "hidden": feats.to(torch.float16), "n_prompt": len(c)})
+    return seqs
+
+
+def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: int | None = None,
                max_prompt_tokens: int | None = None) -> list[dict]:
     """The target's greedy answers and its features at every position of prompt + answer.
 
@@ -53,44 +94,26 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     similar length (sorted by length, so little compute goes to padding; batching is about 2x faster
     than one prompt at a time on a CPU; padding can flip a near-tie, which is harmless for training
     data); an answer ends after the first EOS. Prompts longer than ``max_prompt_tokens`` are skipped.
-    Then one forward per sequence gives the features (final-norm outputs) at every position."""
-    target = dec.target
-    model = target.model
-    eos = target.eos_token_ids()
-    pad = next(iter(sorted(eos)), 0) if eos else 0
-    encoded = [dec.encode(p, chat=chat) for p in prompts]
-    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= target.max_context
-               and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens)]
-    encoded.sort(key=len)
+    Then one forward per sequence gives the features (final-norm outputs) at every position.
+    ``train --ray`` answers the same batches on Ray workers (bench/ray_shard.data_builder)."""
+    batch = batch or DATA_BATCH
+    encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
     seqs = []
     bar = _tqdm(total=len(encoded), desc="target answers", unit="prompt")
     for i in range(0, len(encoded), batch):
-        chunk = encoded[i: i + batch]
-        L = max(len(c) for c in chunk)
-        ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for j, c in enumerate(chunk):
-            ids[j, L - len(c):] = torch.tensor(c)
-            mask[j, L - len(c):] = 1
-        with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=sorted(eos) or None)
-        for j, c in enumerate(chunk):
-            ans = gen[j, L:].tolist()
-            cut = next((n + 1 for n, t in enumerate(ans) if t in eos), len(ans))
-            toks = torch.tensor(c + ans[:cut], dtype=torch.long)
-            with torch.inference_mode():
-                feats = model.model(input_ids=toks[None]).last_hidden_state[0]
-            seqs.append({"tokens": toks, "hidden": feats.to(torch.float16), "n_prompt": len(c)})
+        seqs += answer_batch(dec, encoded[i: i + batch], max_new_tokens)
         if hasattr(bar, "update"):
-            bar.update(len(chunk))
+            bar.update(len(encoded[i: i + batch]))
     if hasattr(bar, "close"):
         bar.close()
     return seqs
 
 
 def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new_tokens: int, chat: bool,
-                       max_prompts: int | None, max_prompt_tokens: int | None = None) -> tuple[list[dict], dict]:
+                       max_prompts: int | None, max_prompt_tokens: int | None = None,
+                       build=build_data) -> tuple[list[dict], dict]:
+    """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
+    bench.ray_shard.data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
     want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
             "max_prompts": max_prompts}
@@ -110,7 +133,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     if not rows:
         raise SpecDraftError(f"{data_path} holds no prompts")
     t0 = time.perf_counter()
-    seqs = build_data(dec, [r["prompt"] for r in rows], max_new_tokens, chat, max_prompt_tokens=max_prompt_tokens)
+    seqs = build(dec, [r["prompt"] for r in rows], max_new_tokens, chat, max_prompt_tokens=max_prompt_tokens)
     if not seqs:
         raise SpecDraftError(f"no prompt of {data_path} fits the target's context with {max_new_tokens} new tokens"
                              + (f" and --max-prompt-tokens {max_prompt_tokens}" if max_prompt_tokens else ""))
@@ -180,9 +203,11 @@ def top_token_ids(seqs: list[dict], n: int, vocab: int) -> torch.Tensor:
 # --- training ----------------------------------------------------------------------------------
 def train_main(a) -> int:
     from .api import SpecDecoder
+    from .bench import ray_shard
 
     kind = a.kind
     out = Path(a.output)
+    ray_shard.check_ray_args(a)
     if a.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {a.steps}")
     if a.batch_size < 1:
@@ -209,8 +234,9 @@ def train_main(a) -> int:
     target = dec.target
     for p in target.model.parameters():
         p.requires_grad_(False)
+    build = ray_shard.data_builder(a) if a.ray is not None else build_data
     seqs, data_meta = load_or_build_data(dec, out, a.data, a.target, a.max_new_tokens, not a.no_chat, a.max_prompts,
-                                         a.max_prompt_tokens)
+                                         a.max_prompt_tokens, build)
     H, V = int(target.config.hidden_size), target.vocab_size
     lm_w = lm_head_of(target).weight.detach()
     lm_b = getattr(lm_head_of(target), "bias", None)
@@ -323,6 +349,12 @@ def add_train_args(t) -> None:
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--seed", type=int, default=0)
+    from .bench.ray_shard import add_ray_args
+
+    add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
+                 "prompts sharded over them in batches, each worker loading the target once; the data is "
+                 "gathered here and saved as usual, and training runs here. No value: a local Ray instance; "
+                 "else a cluster address (auto, HOST:PORT); write --ray=ADDRESS, or --ray after KIND")
     t.set_defaults(command=None)
 
 

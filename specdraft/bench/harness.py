@@ -7,6 +7,8 @@
   with the same ``--out`` resumes;
 - greedy outputs are compared with the engine's plain decoding; each mismatch records the first
   diverging position and the target's top-2 logit gap there (near-tie or bug?).
+
+``--ray`` shards the prompts over Ray workers (ray_shard.py); each runs ``run_prompt`` as a local run does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,7 +32,9 @@ from ..errors import ConfigError, SpecDraftError
 from . import data
 from .report import render
 
-BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft")
+BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
+             "pair_serial", "pair_overlap")
+PAIRS = ("pair_serial", "pair_overlap")  # the draft model and the target as two Ray actors (overlap.py)
 HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
 
 
@@ -50,6 +55,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
     b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup; a comma list runs each "
                    "(llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
+    b.add_argument("--pair-threads", type=int, default=1,
+                   help="pair_serial / pair_overlap: threads of each of the two actors (draft, target)")
     b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft (a comma list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
                    help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend)")
@@ -74,6 +81,12 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
+    from .ray_shard import add_ray_args
+
+    add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
+                 "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
+                 "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
+                 "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS")
 
 
 def _load_config(path: str) -> dict:
@@ -131,6 +144,8 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
         elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
             ks = [int(k) for k in str(a.llama_k if m == "llama_cpp_lookup" else a.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
+        elif m in PAIRS:
+            out.append((m, m, {"k": a.k or 4, "threads": a.pair_threads}))
         elif m in BASELINES:
             out.append((m, m, None))
         elif m in methods.REGISTRY:
@@ -238,9 +253,9 @@ def reference_of(name: str, backend: str) -> str:
 
 
 def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner, PairRunner
 
-    runners, skipped = [], {}
+    runners, skipped, pair = [], {}, None
     for name, kind, spec in variants:
         if kind in methods.REGISTRY:
             d = hf_dec if name.startswith(HF) else dec
@@ -254,6 +269,12 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
             runners.append(HFRunner(name, hf_dec, "assisted"))
         elif kind == "hf_prompt_lookup":
             runners.append(HFRunner(name, hf_dec, "prompt_lookup"))
+        elif kind in PAIRS:
+            if pair is None:  # one pair of actors serves both modes
+                from ..overlap import OverlapPair
+
+                pair = OverlapPair(a.target, a.draft, a.dtype, spec["k"], spec["threads"], draft_layers=a.draft_layers)
+            runners.append(PairRunner(name, pair, kind == "pair_overlap"))
         elif kind.startswith("llama_cpp"):
             try:
                 from ..models.backends import resolve_gguf
@@ -291,10 +312,35 @@ def schema_valid(text: str, schema: dict) -> bool:
     return True
 
 
-def run_bench(a) -> dict:
-    from ..api import SpecDecoder
-    from ..models.loading import set_threads
+@dataclass
+class Plan:
+    """What a run measures, settled before any model loads (all the driver needs under --ray)."""
+    sp: SamplingParams
+    schema: dict | None
+    variants: list
+    rows: list[dict]
+    draft: str | None  # the draft model to load, if any method uses one
+    settings: dict
 
+
+@dataclass
+class Bench:
+    """The loaded models and their runners: one per process (a local run, or each Ray worker)."""
+    a: argparse.Namespace
+    plan: Plan
+    dec: object
+    hf_dec: object
+    runners: list
+    skipped: dict
+    encoded: dict = field(default_factory=dict)
+
+    def encode(self, r: dict) -> list[int]:
+        if r["id"] not in self.encoded:  # the chat template applied once per prompt, outside any timing
+            self.encoded[r["id"]] = self.dec.encode(r["prompt"], chat=not self.a.no_chat)
+        return self.encoded[r["id"]]
+
+
+def _apply_config(a) -> dict:
     cfg = _load_config(a.config) if a.config else {}
     for key, val in cfg.items():
         if key not in ("spec", "variants"):
@@ -302,6 +348,12 @@ def run_bench(a) -> dict:
             if not hasattr(a, attr):
                 raise ConfigError(f"unknown option {key!r} in {a.config}")
             setattr(a, attr, val)
+    return cfg
+
+
+def plan_bench(a) -> Plan:
+    """Options, --config, methods and prompts -> the Plan (checks everything that needs no model)."""
+    cfg = _apply_config(a)
     schema = _read_schema(a.json_schema) if a.json_schema else None
     sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                         max_new_tokens=a.max_new_tokens, json_schema=schema).validate()
@@ -310,25 +362,14 @@ def run_bench(a) -> dict:
         other = [n for n, k, _ in variants if k not in methods.REGISTRY]
         if other:  # a baseline without the constraint would not be the same workload
             raise ConfigError(f"--json-schema constrains specdraft's methods only; drop the baselines {other}")
-    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft") or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
+    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft", *PAIRS) or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
                       for _, k, _ in variants)
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not a.draft:
-        raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted need --draft NAME")
+        raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
     rows = data.preset_rows(a.preset, a.dataset, a.tasks.split(",") if a.tasks else None, a.n_per_task)
     if not rows:
         raise SpecDraftError("no prompts selected")
-    threads = set_threads(a.threads)
-    draft = a.draft if uses_draft else None
-    dec = SpecDecoder.load(a.target, draft=draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
-                           backend=a.backend)
-    hf_dec = dec
-    if a.backend != "hf" and any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in variants):
-        hf_dec = SpecDecoder.load(a.target.partition(":")[0], draft=draft, dtype=a.dtype,  # NAME:TYPE is a GGUF variant
-                                  draft_layers=a.draft_layers, threads=threads)
-    runners, skipped = make_runners(a, variants, dec, hf_dec, threads)
-
-    out = Path(a.out)
     settings = {
         "target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype,
         "backend": a.backend, "reference": a.reference,
@@ -337,52 +378,120 @@ def run_bench(a) -> dict:
                     for n, k, s in variants},
         "prompts": [r["id"] for r in rows],
     }
-    doc = {"settings": settings, "environment": environment(a, threads), "skipped": skipped, "records": []}
+    return Plan(sp, schema, variants, rows, a.draft if uses_draft else None, settings)
+
+
+def load_bench(a, plan: Plan, threads: int) -> Bench:
+    """Load the models, make the runners, and warm each runner up once (not recorded)."""
+    from ..api import SpecDecoder
+
+    dec = SpecDecoder.load(a.target, draft=plan.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
+                           backend=a.backend)
+    hf_dec = dec
+    if a.backend != "hf" and any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in plan.variants):
+        hf_dec = SpecDecoder.load(a.target.partition(":")[0], draft=plan.draft, dtype=a.dtype,  # NAME:TYPE is a GGUF variant
+                                  draft_layers=a.draft_layers, threads=threads)
+    runners, skipped = make_runners(a, plan.variants, dec, hf_dec, threads)
+    bench = Bench(a, plan, dec, hf_dec, runners, skipped)
+    # warm-up: every method once on a short generation
+    warm_sp = SamplingParams(**{**plan.sp.to_dict(), "max_new_tokens": min(8, plan.sp.max_new_tokens)})
+    for rn in runners:
+        rn.run(bench.encode(plan.rows[0]), warm_sp)
+    return bench
+
+
+def open_results(out: Path, settings: dict, env: dict) -> dict:
+    """A fresh results document, or the one in ``out`` to resume (it must hold the same settings)."""
+    doc = {"settings": settings, "environment": env, "skipped": {}, "records": []}
     if out.exists():
         old = json.loads(out.read_text())
         if old.get("settings") != settings:
             raise SpecDraftError(f"{out} holds results of other settings; pass another --out to start afresh")
         doc["records"] = old.get("records", [])
+        if "workers" in old:
+            doc["workers"] = old["workers"]
         print(f"resuming {out}: {len(doc['records'])} records already done", file=sys.stderr)
-    done = {(r["prompt_id"], r["method"], r["repeat"]) for r in doc["records"]}
-    ref = {(r["method"], r["prompt_id"]): r["token_ids"] for r in doc["records"]
-           if r["method"] in ("plain", HF + "plain") and r["repeat"] == 0}
+    return doc
 
-    encoded = {r["id"]: dec.encode(r["prompt"], chat=not a.no_chat) for r in rows}
-    # warm-up: every method once on a short generation (not recorded)
-    warm_sp = SamplingParams(**{**sp.to_dict(), "max_new_tokens": min(8, sp.max_new_tokens)})
+
+def done_keys(records: list[dict]) -> set:
+    return {(r["prompt_id"], r["method"], r["repeat"]) for r in records}
+
+
+def reference_outputs(records: list[dict]) -> dict:
+    """(plain method, prompt id) -> the plain output (repeat 0) greedy outputs are compared with."""
+    return {(r["method"], r["prompt_id"]): r["token_ids"] for r in records
+            if r["method"] in ("plain", HF + "plain") and r["repeat"] == 0}
+
+
+def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) -> None:
+    """One prompt, one repeat: ``runners`` one after another on the same token ids (the fairness
+    rules' interleaving); each record goes to ``emit`` as soon as it is made. ``ref`` is
+    reference_outputs(); this prompt's plain output is added to it."""
+    sp, schema = bench.plan.sp, bench.plan.schema
+    ids = bench.encode(r)
+    rsp = SamplingParams(**{**sp.to_dict(), "seed": sp.seed + rep if sp.seed is not None else None})
     for rn in runners:
-        rn.run(encoded[rows[0]["id"]], warm_sp)
+        res = rn.run(ids, rsp)
+        rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
+               "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
+        base = reference_of(rn.name, bench.a.backend)
+        if rn.name == base and rep == 0:
+            ref[base, r["id"]] = res["token_ids"]
+        elif sp.greedy and (base, r["id"]) in ref:
+            target = (bench.hf_dec if base.startswith(HF) else bench.dec).target
+            rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"], rsp))
+        if schema is not None:
+            rec["schema_valid"] = schema_valid(bench.dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema)
+        emit(rec)
 
+
+def interrupted(doc: dict, out: Path) -> None:
+    print(f"\ninterrupted: {len(doc['records'])} records saved in {out}; rerun the same command to resume",
+          file=sys.stderr)
+
+
+def run_local(bench: Bench, doc: dict, out: Path) -> None:
+    """Every prompt in this process, repeat by repeat; the file is saved after every record."""
     from tqdm import tqdm
 
-    todo = [(rep, r, rn) for rep in range(a.repeats) for r in rows for rn in runners
-            if (r["id"], rn.name, rep) not in done]
-    bar = tqdm(todo, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    done, ref = done_keys(doc["records"]), reference_outputs(doc["records"])
+    todo = [(rep, r, [rn for rn in bench.runners if (r["id"], rn.name, rep) not in done])
+            for rep in range(bench.a.repeats) for r in bench.plan.rows]
+    bar = tqdm(total=sum(len(rns) for _, _, rns in todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def emit(rec):
+        doc["records"].append(rec)
+        _save(out, doc)
+        bar.update(1)
+
     try:
-        for rep, r, rn in bar:
-            bar.set_postfix_str(f"{r['task']}:{r['id']} {rn.name}")
-            ids = encoded[r["id"]]
-            rsp = SamplingParams(**{**sp.to_dict(), "seed": sp.seed + rep if sp.seed is not None else None})
-            res = rn.run(ids, rsp)
-            rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
-                   "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
-            base = reference_of(rn.name, a.backend)
-            if rn.name == base and rep == 0:
-                ref[base, r["id"]] = res["token_ids"]
-            elif sp.greedy and (base, r["id"]) in ref:
-                target = (hf_dec if base.startswith(HF) else dec).target
-                rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"], rsp))
-            if schema is not None:
-                rec["schema_valid"] = schema_valid(dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema)
-            doc["records"].append(rec)
-            _save(out, doc)
+        for rep, r, rns in todo:
+            if rns:
+                bar.set_postfix_str(f"{r['task']}:{r['id']}")
+                run_prompt(bench, r, rep, rns, ref, emit)
     except KeyboardInterrupt:
         bar.close()
-        print(f"\ninterrupted: {len(doc['records'])} records saved in {out}; rerun the same command to resume",
-              file=sys.stderr)
+        interrupted(doc, out)
         raise
     bar.close()
+
+
+def run_bench(a) -> dict:
+    from ..models.loading import set_threads
+    from . import ray_shard
+
+    ray_shard.check_ray_args(a)
+    plan = plan_bench(a)
+    threads = ray_shard.worker_cpus(a) if a.ray is not None else set_threads(a.threads)
+    out = Path(a.out)
+    doc = open_results(out, plan.settings, environment(a, threads))
+    if a.ray is not None:
+        ray_shard.run_sharded(a, plan, doc, out)
+        return doc
+    bench = load_bench(a, plan, threads)
+    doc["skipped"] = bench.skipped
+    run_local(bench, doc, out)
     return doc
 
 

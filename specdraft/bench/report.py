@@ -18,6 +18,26 @@ def _steps(recs) -> list[StepRecord]:
     return [StepRecord(s[0], s[1], 0, depth=s[2] if len(s) > 2 else None) for r in recs for s in r.get("steps", [])]
 
 
+def speedup_over(rs: list[dict], base: list[dict]) -> float | None:
+    """metrics.speedup of records ``rs`` over ``base`` on their totals; with records from several
+    Ray workers (bench --ray), per worker (a shard is timed on its own worker only), then the mean
+    over workers weighted by the method's new tokens there."""
+    def tot(recs):
+        return sum(r["new_tokens"] for r in recs), sum(r["wall_s"] for r in recs)
+
+    workers = {r.get("worker") for r in rs + base}
+    if len(workers) <= 1:
+        return speedup(*tot(rs), *tot(base))
+    parts = []
+    for w in workers:
+        mine = [r for r in rs if r.get("worker") == w]
+        s = speedup(*tot(mine), *tot([r for r in base if r.get("worker") == w]))
+        if s is not None:
+            parts.append((tot(mine)[0], s))
+    weight = sum(n for n, _ in parts)
+    return sum(n * s for n, s in parts) / weight if weight else None
+
+
 def aggregate(doc: dict) -> dict:
     recs = doc["records"]
     methods = list(OrderedDict.fromkeys(r["method"] for r in recs))
@@ -42,13 +62,13 @@ def aggregate(doc: dict) -> dict:
     ref = doc.get("settings", {}).get("reference", "plain")
     ref = ref if ref in methods else "plain"
     out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
-           "repeats": len(repeats), "reference": ref, "rows": {}}
+           "repeats": len(repeats), "reference": ref, "rows": {},
+           "workers": sorted({r["worker"] for r in recs if "worker" in r})}
     for m in methods:
         row = {"task_speedup": {}, "task_mat": {}}
         for t in tasks + [None]:
             n, w, rs = tot(m, t)
-            bn, bw, _ = tot(ref, t)
-            sp = speedup(n, w, bn, bw)
+            sp = speedup_over(rs, tot(ref, t)[2])
             mat = mean_accepted_tokens(_steps(rs))
             if t is None:
                 row.update(tokens=n, wall_s=w, tokens_per_s=tokens_per_second(n, w), speedup=sp, mat=mat,
@@ -56,8 +76,8 @@ def aggregate(doc: dict) -> dict:
                            per_position=per_position_acceptance(_steps(rs)),
                            draft_s=sum(r.get("draft_s", 0.0) for r in rs),
                            verify_s=sum(r.get("verify_s", 0.0) for r in rs))
-                row["speedup_vs"] = {b: speedup(n, w, *tot(b)[:2]) for b in OTHER_BASES if b in methods and b != ref}
-                per_rep = [speedup(*tot(m, None, k)[:2], *tot(ref, None, k)[:2]) for k in repeats]
+                row["speedup_vs"] = {b: speedup_over(rs, tot(b)[2]) for b in OTHER_BASES if b in methods and b != ref}
+                per_rep = [speedup_over(tot(m, None, k)[2], tot(ref, None, k)[2]) for k in repeats]
                 per_rep = [x for x in per_rep if x is not None]
                 row["speedup_std"] = statistics.stdev(per_rep) if len(per_rep) > 1 else 0.0
                 checked = [r for r in rs if "exact" in r]
@@ -113,6 +133,7 @@ def markdown(doc: dict, agg: dict) -> str:
         "| method | " + " | ".join(agg["tasks"]) + " | Overall | MAT | tok/s |",
         "|---" * (len(agg["tasks"]) + 4) + "|",
     ]
+    lines[3:3] = worker_lines(doc, agg)
     for m, r in agg["rows"].items():
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
@@ -135,6 +156,19 @@ def markdown(doc: dict, agg: dict) -> str:
     for name, why in doc.get("skipped", {}).items():
         lines.append(f"- {name}: {why}")
     return "\n".join(lines + arm_lines(doc, agg["tasks"])) + "\n"
+
+
+def worker_lines(doc: dict, agg: dict) -> list[str]:
+    """With results from more than one Ray worker: how the speedups combine them."""
+    ws = agg.get("workers", [])
+    if len(ws) < 2:
+        return []
+    info = doc.get("workers", {})
+    where = ", ".join(f"{w} on {info.get(w, {}).get('host', '?')} ({info.get(w, {}).get('threads', '?')} threads)"
+                      for w in ws)
+    return ["", f"Sharded over {len(ws)} Ray workers ({where}): each speedup is computed per worker, on that "
+            "worker's records only (a prompt's methods all ran on one worker), then averaged over the workers, "
+            "weighted by the method's new tokens; tok/s are totals over all workers."]
 
 
 def arm_lines(doc: dict, tasks: list[str]) -> list[str]:

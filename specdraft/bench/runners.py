@@ -143,3 +143,24 @@ class _LlamaModelDraft:
             if len(out) >= self.k:
                 break
         return np.array(out, dtype=np.intc)
+
+
+class PairRunner:
+    """The draft model and the target as two Ray actors (specdraft/overlap.py), drafting while the target
+    verifies (``overlap``) or in turns; greedy only. ``hits`` marks the steps whose drafts were made
+    while the previous step was verified; ``decode_s`` is the wall time after both prefills."""
+
+    kind = "baseline"
+
+    def __init__(self, name: str, pair, overlap: bool):
+        self.name, self.pair, self.overlap = name, pair, overlap
+
+    def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        if not sp.greedy:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{self.name} is greedy only (the overlapped pair verifies by argmax)")
+        r = self.pair.generate(ids, sp.max_new_tokens, overlap=self.overlap)
+        k = self.pair.k
+        return {"token_ids": r.token_ids, "wall_s": r.wall_s, "decode_s": r.decode_s,
+                "steps": [[k, n, k] for n, _ in r.steps], "hits": [h for _, h in r.steps]}
