@@ -15,6 +15,7 @@ compete: ``model_time`` predicts that case from the per-forward costs and the ru
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -69,15 +70,34 @@ class VerifySide(_Side):
 
 
 class DraftSide(_Side):
-    def draft(self, keep: int, feed: list[int], k: int) -> list[int]:
+    """A threaded actor (two calls at once), so that ``stop`` reaches a ``draft`` that is running."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lock = threading.Lock()
+        self.stopped = 0  # drafts of this epoch or earlier stop at their next token
+
+    def stop(self, epoch: int) -> None:
+        self.stopped = max(self.stopped, epoch)
+
+    def draft(self, keep: int, feed: list[int], k: int, epoch: int = 0) -> list[int]:
         """Keep the first ``keep`` cached tokens, feed ``feed``, draft k tokens greedily (the last one is
-        not fed: the next call feeds it or drops it)."""
+        not fed: the next call feeds it or drops it). A stopped epoch's draft returns what it has; one
+        stopped before it began touches nothing."""
+        with self.lock:
+            return self._draft(keep, feed, k, epoch)
+
+    def _draft(self, keep: int, feed: list[int], k: int, epoch: int) -> list[int]:
         rows = self.rows
+        if epoch and self.stopped >= epoch:
+            return []
         if rows.lens[0] > keep:
             rows.truncate(0, keep)
             rows.trim()
         out, x = [], feed
         for _ in range(k):
+            if epoch and self.stopped >= epoch:
+                break
             t = int(rows.forward([x])[0, -1].argmax())
             rows.commit([len(x)])
             out.append(t)
@@ -110,7 +130,9 @@ class OverlapPair:
         self.ray = connect(address)
         self.k, self.threads = k, threads
         self.target = self.ray.remote(num_cpus=threads)(VerifySide).remote(target, dtype, threads)
-        self.drafter = self.ray.remote(num_cpus=threads)(DraftSide).remote(draft, dtype, threads, draft_layers)
+        self.drafter = self.ray.remote(num_cpus=threads, max_concurrency=2)(DraftSide).remote(
+            draft, dtype, threads, draft_layers)
+        self.epoch = 0
         self.eos = self.ray.get(self.target.eos.remote())
 
     def generate(self, ids: list[int], max_new: int, overlap: bool = True) -> PairResult:
@@ -120,24 +142,28 @@ class OverlapPair:
         t1 = time.perf_counter()
         ctx, out, steps = list(ids), [], []
         drafts = get(self.drafter.draft.remote(len(ids) - 1, ctx[-1:], k))
-        dseq = ctx + drafts[:-1]  # what the drafter's cache holds
-        ahead, hit = None, False
+        dseq = ctx + drafts[:-1]  # what the drafter's cache holds (its tail may be shorter after a stop)
+        hit = False
         while True:
             v = self.target.verify.remote(ctx[-1], drafts)
-            ahead = self.drafter.draft.remote(len(dseq), drafts[-1:], k + 1) if overlap else None
+            if overlap:
+                self.epoch += 1
+                ahead = self.drafter.draft.remote(len(dseq), drafts[-1:], k + 1, self.epoch)
+                dseq = dseq + drafts[-1:]
             n, nxt = get(v)
             steps.append((n, hit))
             new = drafts[:n] + [nxt]
             out += new
-            done = len(out) >= max_new or any(t in self.eos for t in new)
-            ahead_tokens = get(ahead) if ahead is not None and (n == k or done) else None
-            hit = ahead_tokens is not None and n == k and nxt == ahead_tokens[0]
-            if ahead is not None:
-                dseq = dseq + drafts[-1:] + (ahead_tokens or [])[:k]  # the ahead call ran in any case
             ctx += new
+            done = len(out) >= max_new or any(t in self.eos for t in new)
+            hit = False
+            if overlap:
+                if n < k or done:  # the guess was wrong (or not needed): stop drafting ahead
+                    self.drafter.stop.remote(self.epoch)
+                ahead_tokens = get(ahead) if n == k or done else []
+                dseq += ahead_tokens[:k]
+                hit = not done and n == k and ahead_tokens[:1] == [nxt]
             if done:
-                if ahead is not None and ahead_tokens is None:
-                    get(ahead)  # the drafter is idle again before the clock stops
                 break
             if hit:
                 drafts = ahead_tokens[1:]
@@ -178,16 +204,22 @@ def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 def model_time(steps: list[tuple[int, bool]], k: int, costs: dict, overlap: bool) -> float:
-    """Predicted decode seconds of a run with this trace of steps, given per-forward ms ``costs``
-    (``OverlapPair.costs``) and processes that do not compete for cores. A step verifies k drafts
-    (the target scores k + 1 tokens); its drafts were made either while the previous step verified
-    (a hit: hidden) or after it (k draft forwards on the critical path). Overlapped, the drafter's
-    k + 1 ahead forwards run beside the verification: the step lasts as long as the longer of them."""
-    verify = costs["target_ms"][k + 1]
-    draft = costs["draft_ms"]
+    """Predicted decode seconds of a run with this trace of (drafts kept, hit) steps, given per-forward
+    ms ``costs`` (``OverlapPair.costs``) and processes that do not compete for cores. A step verifies
+    k drafts (the target scores k + 1 tokens); its drafts were made either while the previous step
+    verified (a hit: hidden) or after it (k draft forwards on the critical path). Overlapped, a step
+    that keeps all k drafts waits for the drafter's k + 1 ahead forwards (the longer of the two); one
+    that keeps fewer stops them, waiting on average half a draft forward if they were still running."""
+    verify, draft = costs["target_ms"][k + 1], costs["draft_ms"]
+    stop_wait = draft / 2 if (k + 1) * draft > verify else 0.0
     ms = 0.0
-    for _, hit in steps:
-        ms += (0.0 if hit else k * draft) + (max(verify, (k + 1) * draft) if overlap else verify) + costs["rtt_ms"]
+    for n, hit in steps:
+        ms += 0.0 if hit else k * draft
+        if not overlap:
+            ms += verify
+        else:
+            ms += max(verify, (k + 1) * draft) if n == k else verify + stop_wait
+        ms += costs["rtt_ms"]
     return ms / 1000
 
 

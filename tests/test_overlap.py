@@ -49,8 +49,9 @@ def test_model_time_adds_up(pair):
     costs = {"target_ms": {4: 10.0}, "draft_ms": 3.0, "rtt_ms": 1.0}
     assert model_time([(3, False)] * 3, 3, costs, overlap=False) == pytest.approx(3 * (9 + 10 + 1) / 1000)
     steps = [(3, False), (3, True), (1, True)]
-    # overlapped: a step lasts max(10, 4 * 3) = 12 ms; the miss adds its 9 ms of drafting
-    assert model_time(steps, 3, costs, overlap=True) == pytest.approx((9 + 3 * (12 + 1)) / 1000)
+    # overlapped: a step keeping all 3 lasts max(10, 4 * 3) = 12 ms; one keeping fewer stops the drafter
+    # (10 + 3 / 2 ms); the first step's drafts (not a hit) add 9 ms
+    assert model_time(steps, 3, costs, overlap=True) == pytest.approx((9 + 12 + 12 + 11.5 + 3) / 1000)
 
 
 def test_cut_like_plain():
