@@ -382,7 +382,11 @@ def cmd_overlap(a) -> int:
     ran = next((m for n, m in settings.get("methods", {}).items() if n in ("pair_overlap", "pair_serial")), None)
     if ran is None:
         raise SpecDraftError(f"{path} has no pair_serial / pair_overlap results")
-    k, threads = ran["k"], ran["threads"]
+    threads = ran["threads"]
+    k = ran["k"] or next((r["steps"][0][0] for r in doc["records"] if r["method"].startswith("pair_") and r["steps"]),
+                         None)  # the k the run measured for itself
+    if k is None:
+        raise SpecDraftError(f"{path} has no pair steps yet")
     pair = OverlapPair(target, draft, settings.get("dtype", "bfloat16"), k, threads=threads, address=a.ray_address,
                        draft_layers=settings.get("draft_layers"))
     apart = a.threads_apart or os.cpu_count()

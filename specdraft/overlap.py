@@ -116,24 +116,26 @@ class PairResult:
 class OverlapPair:
     """A target actor and a draft actor on Ray (a local instance, or the cluster at ``address``), each
     with ``threads`` threads. ``generate(ids, max_new, overlap)``: greedy, token-identical to the
-    target's plain greedy decoding."""
+    target's plain greedy decoding. ``k`` None: measured here by ``ratio_k``."""
 
-    def __init__(self, target: str, draft: str, dtype: str = "bfloat16", k: int = 4, threads: int = 1,
+    def __init__(self, target: str, draft: str, dtype: str = "bfloat16", k: int | None = None, threads: int = 1,
                  address: str | None = None, draft_layers: int | None = None):
         from .models.loading import load_tokenizer
         from .raycluster import connect
 
-        if k < 1:
+        if k is not None and k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
         if load_tokenizer(target).get_vocab() != load_tokenizer(draft).get_vocab():
             raise ConfigError(f"the overlapped pair needs one tokenizer; {draft!r} and {target!r} differ")
         self.ray = connect(address)
-        self.k, self.threads = k, threads
+        self.threads = threads
         self.target = self.ray.remote(num_cpus=threads)(VerifySide).remote(target, dtype, threads)
         self.drafter = self.ray.remote(num_cpus=threads, max_concurrency=2)(DraftSide).remote(
             draft, dtype, threads, draft_layers)
         self.epoch = 0
         self.eos = self.ray.get(self.target.eos.remote())
+        self.k = k or ratio_k(self.costs([2, 3, 4, 5, 6], threads))
+
 
     def generate(self, ids: list[int], max_new: int, overlap: bool = True) -> PairResult:
         get, k = self.ray.get, self.k
@@ -189,6 +191,13 @@ class OverlapPair:
     def close(self) -> None:
         self.ray.kill(self.target)
         self.ray.kill(self.drafter)
+
+
+def ratio_k(costs: dict) -> int:
+    """PEARL's rule for k when nothing is known of acceptance: the drafter's k + 1 ahead tokens should
+    take about as long as verifying k + 1 tokens, so neither side waits for the other on a hit."""
+    fits = [n - 1 for n, ms in costs["target_ms"].items() if n >= 2 and n * costs["draft_ms"] <= 1.15 * ms]
+    return max(fits, default=1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -3,8 +3,9 @@
 import json
 
 import pytest
+import torch
 
-from specdraft.bench import harness, runners
+from specdraft.bench import runners
 from specdraft.bench.report import aggregate
 from conftest import tiny_model_dir
 from specdraft.cli import main
@@ -151,3 +152,27 @@ def test_training_prompts_exclude_the_bench_prompts(tmp_path):
     assert {r["prompt"] for r in got}.isdisjoint({"prompt translation 0", "prompt writing 0"})
     assert "prompt translation 3" in {r["prompt"] for r in got}
     assert write_prompts(str(out), "core18", every=2, dataset=str(ds))["prompts"] == 11
+
+
+def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path):
+    """transformers' UAD (hf_assisted with another tokenizer) prunes its assistant's embeddings in place
+    when sampling; the engine's cross-tokenizer draft_model in the same run must still work."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.models import registry
+
+    d = tmp_path / "tiny_qwen_tok"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, eos_token_id=151643)).save_pretrained(d)
+    for f in registry.pull("qwen2.5-coder-0.5b").iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "chat_template")):
+            shutil.copy(f, d / f.name)
+    out = tmp_path / "uad.json"
+    assert main(["bench", "--target", str(d), "--draft", str(tiny_dir), "--dtype", "float32", "--dataset",
+                 str(dataset), "--max-new-tokens", "6", "--methods", "plain,draft_model,hf_assisted",
+                 "--temperature", "1", "--no-plots", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert {r["method"] for r in recs} == {"plain", "draft_model", "hf_assisted"} and len(recs) == 12

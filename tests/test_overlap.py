@@ -10,7 +10,7 @@ import pytest
 from specdraft.api import SpecDecoder
 from specdraft.errors import ConfigError
 from specdraft.models.hf import HFModel
-from specdraft.overlap import OverlapPair, _cut, model_time
+from specdraft.overlap import OverlapPair, _cut, model_time, ratio_k
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,13 @@ def test_model_time_adds_up(pair):
     # overlapped: a step keeping all 3 lasts max(10, 4 * 3) = 12 ms; one keeping fewer stops the drafter
     # (10 + 3 / 2 ms); the first step's drafts (not a hit) add 9 ms
     assert model_time(steps, 3, costs, overlap=True) == pytest.approx((9 + 12 + 12 + 11.5 + 3) / 1000)
+
+
+def test_ratio_k():
+    costs = {"target_ms": {2: 100.0, 3: 105.0, 4: 110.0, 5: 115.0}, "draft_ms": 40.0}
+    assert ratio_k(costs) == 2  # 3 ahead tokens (120 ms) fit a 3-token verification (105 ms, 15% slack); 4 do not
+    assert ratio_k({**costs, "draft_ms": 90.0}) == 1  # a drafter as slow as the target: the least k
+    assert ratio_k({**costs, "draft_ms": 10.0}) == 4
 
 
 def test_cut_like_plain():

@@ -75,7 +75,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--k", type=int, default=None, help="draft tokens per step for the engine's methods")
+    b.add_argument("--k", type=int, default=None, help="draft tokens per step for the engine's methods (and the "
+                   "pair_* methods; without it they measure one: overlap.ratio_k)")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
@@ -145,7 +146,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
             ks = [int(k) for k in str(a.llama_k if m == "llama_cpp_lookup" else a.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in PAIRS:
-            out.append((m, m, {"k": a.k or 4, "threads": a.pair_threads}))
+            out.append((m, m, {"k": a.k, "threads": a.pair_threads}))  # k None: overlap.ratio_k measures one
         elif m in BASELINES:
             out.append((m, m, None))
         elif m in methods.REGISTRY:

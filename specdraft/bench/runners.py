@@ -50,6 +50,13 @@ class HFRunner:
             from ..errors import ConfigError
 
             raise ConfigError(f"{name} needs a draft model (--draft NAME)")
+        self.assistant = dec.draft.model if dec.draft is not None else None
+        if mode == "assisted" and dec.cross_vocab:
+            import copy
+
+            # transformers' UAD, when sampling, swaps the assistant's embeddings for ones pruned to the shared
+            # vocabulary, in place: on a copy, so the engine's own draft of the same run stays intact
+            self.assistant = copy.deepcopy(dec.draft.model)
 
     @torch.inference_mode()
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
@@ -69,7 +76,7 @@ class HFRunner:
             if sp.seed is not None:
                 torch.manual_seed(sp.seed)
         if self.mode == "assisted":
-            kw["assistant_model"] = self.dec.draft.model  # transformers' default draft schedule
+            kw["assistant_model"] = self.assistant  # transformers' default draft schedule
             if self.dec.cross_vocab:  # Universal Assisted Decoding: transformers re-tokenizes through text
                 kw.update(tokenizer=self.dec.tokenizer, assistant_tokenizer=self.dec.draft.tokenizer)
         elif self.mode == "prompt_lookup":
