@@ -136,7 +136,6 @@ class OverlapPair:
         self.eos = self.ray.get(self.target.eos.remote())
         self.k = k or ratio_k(self.costs([2, 3, 4, 5, 6], threads))
 
-
     def generate(self, ids: list[int], max_new: int, overlap: bool = True) -> PairResult:
         get, k = self.ray.get, self.k
         t0 = time.perf_counter()
