@@ -135,7 +135,6 @@ class OverlapPair:
         self.epoch = 0
         self.eos = self.ray.get(self.target.eos.remote())
         self.k = k or ratio_k(self.costs([2, 3, 4, 5, 6], threads))
-
     def generate(self, ids: list[int], max_new: int, overlap: bool = True) -> PairResult:
         get, k = self.ray.get, self.k
         t0 = time.perf_counter()
@@ -143,14 +142,16 @@ class OverlapPair:
         t1 = time.perf_counter()
         ctx, out, steps = list(ids), [], []
         drafts = get(self.drafter.draft.remote(len(ids) - 1, ctx[-1:], k))
-        dseq = ctx + drafts[:-1]  # what the drafter's cache holds (its tail may be shorter after a stop)
+        # tokens the drafter's cache holds: ctx + all or all but one of the drafts, + what it drafted
+        # ahead, so it agrees with the new ctx up to min(cached, len(ctx) - 1) (a stopped block may hold less)
+        cached = len(ctx) + k - 1
         hit = False
         while True:
             v = self.target.verify.remote(ctx[-1], drafts)
             if overlap:
                 self.epoch += 1
-                ahead = self.drafter.draft.remote(len(dseq), drafts[-1:], k + 1, self.epoch)
-                dseq = dseq + drafts[-1:]
+                ahead = self.drafter.draft.remote(cached, drafts[-1:], k + 1, self.epoch)
+                cached += 1
             n, nxt = get(v)
             steps.append((n, hit))
             new = drafts[:n] + [nxt]
@@ -162,16 +163,16 @@ class OverlapPair:
                 if n < k or done:  # the guess was wrong (or not needed): stop drafting ahead
                     self.drafter.stop.remote(self.epoch)
                 ahead_tokens = get(ahead) if n == k or done else []
-                dseq += ahead_tokens[:k]
+                cached += len(ahead_tokens[:k])
                 hit = not done and n == k and ahead_tokens[:1] == [nxt]
             if done:
                 break
             if hit:
                 drafts = ahead_tokens[1:]
                 continue
-            keep = min(_common_prefix(dseq, ctx), len(ctx) - 1)
+            keep = min(cached, len(ctx) - 1)
             drafts = get(self.drafter.draft.remote(keep, ctx[keep:], k))
-            dseq = ctx + drafts[:-1]
+            cached = len(ctx) + k - 1
         end = time.perf_counter()
         return PairResult(_cut(out, max_new, self.eos), end - t0, end - t1, steps)
 
@@ -197,11 +198,6 @@ def ratio_k(costs: dict) -> int:
     take about as long as verifying k + 1 tokens, so neither side waits for the other on a hit."""
     fits = [n - 1 for n, ms in costs["target_ms"].items() if n >= 2 and n * costs["draft_ms"] <= 1.15 * ms]
     return max(fits, default=1)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:

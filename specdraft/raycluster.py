@@ -13,9 +13,6 @@ import platform
 
 from .errors import SpecDraftError
 
-RAY_VERSION = "2.60.0"  # pinned in requirements-ray.txt; a cluster's nodes must all run this one
-
-
 def require_ray():
     """The ray module, or a SpecDraftError saying how to install it."""
     try:

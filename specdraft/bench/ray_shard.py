@@ -13,6 +13,7 @@ in the local order, so the data file is the one a local run writes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -65,14 +66,20 @@ def _plain_args(a) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v)})
 
 
-def _get(ray, refs):
-    """ray.get, with a worker's SpecDraftError raised here as itself (one line, CLI exit 2)."""
+@contextlib.contextmanager
+def _worker_errors(ray):
+    """A worker's SpecDraftError raised here as itself (one line, CLI exit 2)."""
     try:
-        return ray.get(refs)
+        yield
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, SpecDraftError):
             raise e.cause from None
         raise
+
+
+def _get(ray, refs):
+    with _worker_errors(ray):
+        return ray.get(refs)
 
 
 def start_workers(ray, cls, ids: list[str], cpus: int, *load_args) -> tuple[list, dict]:
@@ -97,16 +104,8 @@ def _drain(ray, actors: list, ordered: bool, fn, jobs):
     from ray.util import ActorPool
 
     pool = ActorPool(actors)
-    it = (pool.map if ordered else pool.map_unordered)(fn, jobs)
-    while True:
-        try:
-            yield next(it)
-        except StopIteration:
-            return
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, SpecDraftError):
-                raise e.cause from None
-            raise
+    with _worker_errors(ray):
+        yield from (pool.map if ordered else pool.map_unordered)(fn, jobs)
 
 
 # --- bench --------------------------------------------------------------------------------------

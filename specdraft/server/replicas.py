@@ -10,7 +10,6 @@ Requests are parsed and checked by the replica: its errors reach the client unch
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import threading
@@ -27,21 +26,20 @@ from ..raycluster import connect
 from .app import drain_check, key_check
 from .protocol import RequestError
 
-log = logging.getLogger("specdraft.server")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
 
 
 class ReplicaServer:
-    """One engine on its own port (a Ray actor: ``ray.remote(ReplicaServer)``). ``bind``: 127.0.0.1 on a
-    local instance, the node's address on a cluster (where the replicas need the API key)."""
+    """One engine on its own port (a Ray actor: ``ray.remote(ReplicaServer)``): on 127.0.0.1 on a
+    ``local`` instance, else on the node's address (where the replicas need the API key)."""
 
-    def __init__(self, args, spec, api_key, pacing, bind: str):
+    def __init__(self, args, spec, api_key, pacing, local: bool):
         import uvicorn
 
         from ..cli import build_server_app
 
         app = build_server_app(args, spec, api_key, pacing)
-        self.host = bind if bind == "127.0.0.1" else _node_ip()
+        self.host = "127.0.0.1" if local else _node_ip()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
@@ -56,11 +54,6 @@ class ReplicaServer:
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def node(self) -> dict:
-        from ..raycluster import node_info
-
-        return node_info()
 
 
 def _node_ip() -> str:
@@ -214,7 +207,7 @@ def start_replicas(a, spec, api_key, pacing) -> FastAPI:
     cpus = a.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // a.replicas)
     a.threads = a.threads or cpus
     actor = ray.remote(num_cpus=cpus)(ReplicaServer)
-    handles = [actor.remote(a, spec, api_key, pacing, "127.0.0.1" if local else "0.0.0.0") for _ in range(a.replicas)]
+    handles = [actor.remote(a, spec, api_key, pacing, local) for _ in range(a.replicas)]
     try:
         urls = ray.get([h.url.remote() for h in handles])
     except Exception as e:  # an actor that failed to load its model: its error, once, then nothing left running
