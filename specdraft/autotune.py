@@ -162,7 +162,8 @@ def main_autotune(a) -> int:
     from .models.loading import set_threads
 
     threads = set_threads(a.threads)
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend)
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend,
+                           draft_backend=a.draft_backend)
     rows = _prompts(a, data)
     sp = SamplingParams(temperature=a.temperature, seed=0 if a.temperature > 0 else None,
                         max_new_tokens=a.max_new_tokens).validate()

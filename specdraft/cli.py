@@ -25,6 +25,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.
                         "compare it with its own plain decoding); same as --target NAME:int4. A draft takes the "
                         "suffix too, and --draft self:int4 is the target's own weights in int4")
     _add_backend_arg(p)
+    _add_draft_backend_arg(p)
+
+
+def _add_draft_backend_arg(p: argparse.ArgumentParser):
+    from .models.backends import BACKENDS
+
+    p.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
+                   help="the draft model's backend (default: --backend's); e.g. llama: a small GGUF draft on "
+                        "llama.cpp for a transformers target (any tokenizer; lossless either way)")
 
 
 def _add_backend_arg(p: argparse.ArgumentParser):
@@ -225,7 +234,8 @@ def cmd_generate(a) -> int:
         Datastore(spec.datastore)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
     dec = SpecDecoder.load(a.target, draft=a.draft if wants_draft else None,
-                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend)
+                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend,
+                           draft_backend=a.draft_backend)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
     if a.json:
         d = out.to_dict()
@@ -327,7 +337,7 @@ def build_server_app(a, spec, api_key, pacing):
     from .server import create_app
 
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
-                           backend=a.backend)
+                           backend=a.backend, draft_backend=a.draft_backend)
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                       timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,

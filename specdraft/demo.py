@@ -18,7 +18,7 @@ def run_demo(a) -> int:
     what = a.dtype if a.backend == "hf" else "GGUF on llama.cpp"
     print(f"loading {a.target} (target) and {a.draft} (draft), {what} ...", file=sys.stderr)
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
-                           backend=a.backend)
+                           backend=a.backend, draft_backend=a.draft_backend)
     print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     # Short prompts: on a 2-core CPU a 700-token Spec-Bench article takes minutes to prefill in bf16.
     rows = data.select(data.load_prompts(), preset="core18")

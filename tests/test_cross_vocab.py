@@ -64,14 +64,37 @@ def test_bridge_intersection(dec):
     assert sorted(zip(b.draft_ids.tolist(), b.target_ids.tolist())) == [(i, i) for i in range(6)]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_is_token_identical(dec, k):
+@pytest.mark.parametrize("extra", [{"k": 1}, {"k": 3}, {"k": 5}, {"k": 5, "confidence_threshold": 0.5},
+                                   {"k": 2, "schedule": "heuristic", "max_k": 8}])
+def test_greedy_is_token_identical(dec, extra):
+    """Every draft length (fixed, heuristic) and the confidence rule, which stops mid-draft after
+    feeding a token it does not keep."""
+    lengths = set()
     for prompt in (PROMPT, [7, 6, 7, 6], [3]):
         sp = {"max_new_tokens": 30, "ignore_eos": True}
         plain = dec.generate(prompt, sampling=sp, spec={"method": "plain"}).token_ids
-        out = dec.generate(prompt, sampling=sp, spec={"method": "draft_model", "k": k})
+        out = dec.generate(prompt, sampling=sp, spec={"method": "draft_model", **extra})
         assert out.token_ids == plain
         assert sum(s.drafted for s in out.stats.steps) > 0
+        lengths |= {s.drafted for s in out.stats.steps}
+    if "confidence_threshold" in extra or "schedule" in extra:
+        assert len(lengths) > 1, lengths  # the rule changed the draft length
+    if "schedule" in extra:
+        assert max(lengths) > extra["k"]  # the heuristic schedule grows past k
+
+
+def test_a_confidence_stop_proposes_a_prefix_of_the_full_draft(dec):
+    """Stopping early (after feeding a token it then drops) proposes the start of the same greedy draft."""
+    from specdraft.config import SamplingParams as SP
+
+    full, cut = [], []
+    for prompt in (PROMPT, [7, 6, 7, 6], [3], [0, 1, 2, 3, 4, 5, 6]):
+        for thr, out in ((0.0, full), (0.5, cut)):
+            d = dec.make_drafter(dec_spec(k=6, confidence_threshold=thr))
+            d.begin(prompt, SP(), torch.Generator())
+            out.append(d.propose(list(prompt), 6).tokens.tolist())
+    assert any(len(c) < len(f) for f, c in zip(full, cut)), (full, cut)
+    assert all(f[: len(c)] == c for f, c in zip(full, cut)), (full, cut)
 
 
 def exact_first_two(target) -> np.ndarray:
@@ -97,11 +120,11 @@ def _unnormalized(orig):
     return q
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_sampling_follows_the_target(dec, broken, monkeypatch):
+@pytest.mark.parametrize("broken,threshold", [(False, 0.0), (False, 0.3), (True, 0.0)])
+def test_sampling_follows_the_target(dec, broken, threshold, monkeypatch):
     if broken:
         monkeypatch.setattr(CrossVocabDrafter, "_intersection_q", _unnormalized(CrossVocabDrafter._intersection_q))
-    drafter = dec.make_drafter(dec_spec(k=3))
+    drafter = dec.make_drafter(dec_spec(k=3, confidence_threshold=threshold))
     counts, drafted, accepted = sample_first_tokens(dec.target, drafter, PROMPT, SAMPLED, 4, 2, 2000, V, 40_000)
     assert 0 < accepted < drafted
     p = fit_pvalue(counts, exact_first_two(dec.target))

@@ -137,3 +137,30 @@ def test_probs_from_logits_truncation():
     assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
     p = probs_from_logits(logits, SamplingParams(temperature=1e-4, top_p=1e-6))
     assert p[0, 0] == 1.0  # always keeps at least one token
+
+
+def _off_by_one(probs, g):
+    """A broken inverse CDF: the index before the right one (lands on the wrong token)."""
+    from specdraft.sampling import sample
+
+    return (sample(probs, g) - 1).clamp_min(0)
+
+
+@pytest.mark.parametrize("sampler,fits", [("sample", True), ("off_by_one", False)])
+def test_sampler_draws_each_row_from_its_distribution(sampler, fits):
+    """sampling.sample (inverse CDF over the running sum) on rows with zero-weight tokens (first, middle
+    and last), unnormalized weights, and a batch of different rows: chi-square per row; a token of
+    weight 0 is never drawn. The broken variant must fail."""
+    from specdraft.sampling import sample
+
+    rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
+                         [3.0, 1.0, 0.0, 0.0, 2.0, 4.0],   # unnormalized
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])  # one possible token, last
+    n = 60_000
+    g = torch.Generator().manual_seed(7)
+    draw = sample if sampler == "sample" else _off_by_one
+    x = draw(rows[:, None, :].expand(3, n, V), g)  # [3, n]
+    assert x.shape == (3, n)
+    pvals = [fit_pvalue(np.bincount(x[r].numpy(), minlength=V), (rows[r] / rows[r].sum()).numpy())
+             for r in range(3)]
+    assert (min(pvals) > 1e-4) == fits, pvals

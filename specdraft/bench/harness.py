@@ -51,6 +51,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--backend", default="hf", choices=("hf", "llama"),
                    help="the engine's model backend; with llama, METHOD runs on the GGUF file and hf:METHOD on "
                         "transformers in the same run")
+    b.add_argument("--draft-backend", default=None, choices=("hf", "llama"),
+                   help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
+                        "transformers copy of the draft")
     b.add_argument("--reference", default="plain",
                    help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
     b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup; a comma list runs each "
@@ -373,7 +376,7 @@ def plan_bench(a) -> Plan:
         raise SpecDraftError("no prompts selected")
     settings = {
         "target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype,
-        "backend": a.backend, "reference": a.reference,
+        "backend": a.backend, "draft_backend": getattr(a, "draft_backend", None), "reference": a.reference,
         "sampling": sp.to_dict(), "chat": not a.no_chat, "repeats": a.repeats,
         "methods": {n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})})
                     for n, k, s in variants},
@@ -386,12 +389,18 @@ def load_bench(a, plan: Plan, threads: int) -> Bench:
     """Load the models, make the runners, and warm each runner up once (not recorded)."""
     from ..api import SpecDecoder
 
+    draft_backend = getattr(a, "draft_backend", None)
     dec = SpecDecoder.load(a.target, draft=plan.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
-                           backend=a.backend)
+                           backend=a.backend, draft_backend=draft_backend)
     hf_dec = dec
-    if a.backend != "hf" and any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in plan.variants):
+    wants_hf = any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in plan.variants)
+    if wants_hf and a.backend != "hf":
         hf_dec = SpecDecoder.load(a.target.partition(":")[0], draft=plan.draft, dtype=a.dtype,  # NAME:TYPE is a GGUF variant
                                   draft_layers=a.draft_layers, threads=threads)
+    elif wants_hf and plan.draft and draft_backend not in (None, "hf"):  # transformers' baselines need its own draft
+        from ..models.loading import load_model
+
+        hf_dec = SpecDecoder(dec.target, load_model(plan.draft, a.dtype, num_layers=a.draft_layers, backend="hf"))
     runners, skipped = make_runners(a, plan.variants, dec, hf_dec, threads)
     bench = Bench(a, plan, dec, hf_dec, runners, skipped)
     # warm-up: every method once on a short generation

@@ -14,7 +14,7 @@ group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -57,6 +57,12 @@ class Drafter:
 
     def new_group(self) -> "DraftGroup":
         raise NotImplementedError(f"{type(self).__name__} sets group_key but makes no group")
+
+
+def confident(threshold: float, step: int, top_prob: Callable[[], torch.Tensor]) -> bool:
+    """SpecConfig.confidence_threshold: from the second draft token on, drafting stops once the draft's
+    top probability falls below the threshold (0: never). ``top_prob`` is computed only when needed."""
+    return threshold <= 0 or step == 0 or float(top_prob()) >= threshold
 
 
 class DraftGroup(Protocol):

@@ -31,7 +31,7 @@ from ..config import SpecConfig
 from ..errors import TokenizerMismatchError
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
-from .base import Drafter
+from .base import Drafter, confident
 
 WINDOW = 8  # draft tokens of context decoded with the draft, to cut the draft's own text out
 # text a draft must write back unchanged (with the target's special tokens) to draft for another tokenizer
@@ -117,12 +117,12 @@ class CrossVocabDrafter(Drafter):
         self.kv.add_rows([[]])
         self.held: list[int] = []  # the draft tokens in the draft's cache
 
-    def _sync(self, tokens: list[int]) -> list[int] | None:
+    def _sync(self, tokens: list[int], k: int) -> list[int] | None:
         """Re-tokenize the target's text for the draft; crop the draft's cache to the common prefix;
         -> the draft tokens to feed (at least one), or None when the draft cannot go on this step."""
         text = self.bridge.target_text(tokens)
         want = self.bridge.draft_tokens(text)
-        if not want or text.endswith("\ufffd") or len(want) + self.cfg.k > self.model.max_context:
+        if not want or text.endswith("\ufffd") or len(want) + k > self.model.max_context:
             return None
         same = next((i for i, (a, b) in enumerate(zip(self.held, want)) if a != b), min(len(self.held), len(want)))
         same = min(same, len(want) - 1)  # the last token is fed again: its logits start the draft
@@ -132,20 +132,24 @@ class CrossVocabDrafter(Drafter):
         return want[same:]
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        k = min(self.cfg.k, max_tokens)
-        feed = self._sync(tokens) if k > 0 else None
+        """k = max_tokens draft tokens (the request's schedule chose it), fewer under the confidence rule."""
+        feed = self._sync(tokens, max_tokens) if max_tokens > 0 else None
         if feed is None:
             return DraftTree.empty()
+        thr = self.cfg.confidence_threshold
+        n_ctx = len(self.held) + len(feed)  # the draft's context; drafted tokens follow it
         drafted, targets, probs = [], [], []
-        for step in range(k):
+        for step in range(max_tokens):
             logits = self.kv.forward([feed], keep=1)[0, -1]
             self.kv.commit([len(feed)])
             self.held += feed
             if self.sp.greedy:
+                if not confident(thr, step, lambda: torch.softmax(logits.float(), -1).max()):
+                    break
                 d = int(logits.argmax())
             else:
                 q = self._intersection_q(logits, tokens + targets)
-                if q is None:
+                if q is None or not confident(thr, step, q.max):
                     break
                 t = int(sample(q, self.gen))
                 probs.append(q)
@@ -157,7 +161,7 @@ class CrossVocabDrafter(Drafter):
             feed = [d]
         if not self.sp.greedy:
             return DraftTree.chain(torch.tensor(targets), torch.stack(probs)) if targets else DraftTree.empty()
-        return self._as_target_chain(drafted, max_tokens)
+        return self._as_target_chain(drafted, n_ctx, max_tokens)
 
     def _intersection_q(self, draft_logits: torch.Tensor, history: list[int]) -> torch.Tensor | None:
         """The draft's distribution over the intersection, on the target's vocabulary, processed and
@@ -170,9 +174,9 @@ class CrossVocabDrafter(Drafter):
             lt = self.processor.process(lt[None], history)[0]
         return probs_from_logits(lt, self.sp) if torch.isfinite(lt).any() else None
 
-    def _as_target_chain(self, drafted: list[int], max_tokens: int) -> DraftTree:
-        """The draft's text after its context, as target tokens (a trailing partial character dropped)."""
-        n_ctx = len(self.held) - (len(drafted) - 1)  # every drafted token but the last was fed
+    def _as_target_chain(self, drafted: list[int], n_ctx: int, max_tokens: int) -> DraftTree:
+        """The draft's text after its context (its first n_ctx held tokens), as target tokens (a trailing
+        partial character dropped)."""
         ctx = self.held[max(0, n_ctx - WINDOW): n_ctx]
         base = self.bridge.d.decode(ctx, skip_special_tokens=False)
         full = self.bridge.d.decode(ctx + drafted, skip_special_tokens=False)

@@ -15,7 +15,7 @@ import torch
 from ..config import SpecConfig
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
-from .base import Drafter
+from .base import Drafter, confident
 from .prompt_lookup import find_candidate
 
 
@@ -136,12 +136,12 @@ class DraftModelGroup:
         if m.processor is not None:  # the history of this draft position: the context + the draft so far
             logits = m.processor.process(logits[None], m.tokens + [int(t) for t in out])[0]
         if m.sp.greedy:
-            if thr > 0 and step > 0 and float(torch.softmax(logits, -1).max()) < thr:
+            if not confident(thr, step, lambda: torch.softmax(logits, -1).max()):
                 return False
             t = logits.argmax(-1)
         else:
             q = probs_from_logits(logits, m.sp)
-            if thr > 0 and step > 0 and float(q.max()) < thr:
+            if not confident(thr, step, q.max):
                 return False
             t = sample(q, m.gen) if proposal is None else _draw_given(q, proposal, m.gen)
             probs.append(q)

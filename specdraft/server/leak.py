@@ -132,7 +132,7 @@ def main_leak(a) -> int:
         raise SpecDraftError(f"--per-class must be >= 10 (5-fold cross-validation), got {a.per_class}")
     texts = passages(a.per_class + 2, Path(a.dataset) if a.dataset else default_dataset())
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, backend=a.backend,
-                           threads=a.threads)
+                           draft_backend=a.draft_backend, threads=a.threads)
     spec = {"method": a.method}
     pacing = StreamPacing(a.chunk, 1.0, a.pad_bytes)  # the interval is set below, after calibration
 
