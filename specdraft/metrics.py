@@ -7,6 +7,8 @@ these functions: the engine's per-request stats, the CLI, the benchmark report a
   tree, position i is depth i + 1 (drafted there = the tree reaches that depth).
 - tokens/s = new tokens / wall seconds.
 - speedup = (tokens / wall of the method) / (tokens / wall of the baseline), on totals.
+- fidelity Z (sampling) = sum over sampled tokens of (log p(x) + H(p)) / sqrt(sum of Var log p), p the
+  target's distribution: about N(0, 1) for a lossless sampler (fidelity.py).
 """
 
 from __future__ import annotations
@@ -146,3 +148,11 @@ class GenerationStats:
         if per_step:
             d["step_records"] = [[s.drafted, s.accepted, s.emitted, s.positions] for s in self.steps]
         return d
+
+
+def fidelity_z(terms: list[dict]) -> float | None:
+    """Z of sampled outputs under the target (fidelity.py: about N(0, 1) when the sampler draws from the
+    target's distribution; |Z| > 5 means it does not), pooled over ``fidelity.output_terms`` dicts."""
+    terms = [t for t in terms if t.get("fid_tokens")]
+    var = sum(t["fid_var"] for t in terms)
+    return sum(t["fid_sum"] for t in terms) / var ** 0.5 if var > 0 else None

@@ -29,6 +29,7 @@ import torch
 from .. import methods
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, SpecDraftError
+from ..fidelity import output_terms
 from . import data
 from .report import render
 
@@ -446,11 +447,13 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
         base = reference_of(rn.name, bench.a.backend)
+        target = (bench.hf_dec if base.startswith(HF) else bench.dec).target
         if rn.name == base and rep == 0:
             ref[base, r["id"]] = res["token_ids"]
         elif sp.greedy and (base, r["id"]) in ref:
-            target = (bench.hf_dec if base.startswith(HF) else bench.dec).target
             rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"], rsp))
+        if not sp.greedy:  # scored after the timed run: is this the target's distribution?
+            rec.update(output_terms(target, ids, res["token_ids"], rsp))
         if schema is not None:
             rec["schema_valid"] = schema_valid(bench.dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema)
         emit(rec)

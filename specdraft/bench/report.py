@@ -7,7 +7,8 @@ import statistics
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
-from ..metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_position_acceptance, speedup, tokens_per_second
+from ..metrics import (StepRecord, acceptance_rate, fidelity_z, mean_accepted_tokens, per_position_acceptance, speedup,
+                       tokens_per_second)
 from .data import TASKS
 
 
@@ -80,6 +81,7 @@ def aggregate(doc: dict) -> dict:
                 per_rep = [speedup_over(tot(m, None, k)[2], tot(ref, None, k)[2]) for k in repeats]
                 per_rep = [x for x in per_rep if x is not None]
                 row["speedup_std"] = statistics.stdev(per_rep) if len(per_rep) > 1 else 0.0
+                row["fidelity_z"] = fidelity_z(rs)
                 checked = [r for r in rs if "exact" in r]
                 row["exact"] = (sum(r["exact"] for r in checked), len(checked)) if checked else None
                 row["mismatches"] = [
@@ -140,13 +142,20 @@ def markdown(doc: dict, agg: dict) -> str:
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
         lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
     bases = [b for b in OTHER_BASES if b in agg["methods"] and b != agg["reference"]]
+    fid = any(r.get("fidelity_z") is not None for r in agg["rows"].values())
     lines += ["", "| method | tok/s | " + "".join(f"vs {_ref_label(b)} | " for b in bases)
-              + "acceptance | draft s | verify s | greedy exact |", "|---" * (6 + len(bases)) + "|"]
+              + "acceptance | draft s | verify s | greedy exact |" + (" fidelity Z |" if fid else ""),
+              "|---" * (6 + len(bases) + fid) + "|"]
     for m, r in agg["rows"].items():
         ex = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]}"
         vs = "".join(f"{_f(r['speedup_vs'].get(b), '{:.2f}x')} | " for b in bases)
         lines.append(f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {vs}"
-                     f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |")
+                     f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |"
+                     + (f" {_f(r['fidelity_z'], '{:+.1f}')} |" if fid else ""))
+    if fid:
+        lines += ["", "Fidelity Z: the target's log-probability of each sampled token against its expectation, pooled "
+                  "(metrics.fidelity_z). About N(0, 1) when a method samples the target's distribution; |Z| > 5 "
+                  "means it does not, and its speed is not a lossless figure."]
     mism = [(m, x) for m, r in agg["rows"].items() for x in r["mismatches"]]
     if mism:
         lines += ["", "Greedy mismatches against plain decoding (first diverging token; the target's top-2 logit "
