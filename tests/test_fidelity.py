@@ -3,7 +3,6 @@ target's distribution (plain, a draft model through rejection sampling), and a l
 not (a sampler at another temperature, one that keeps the draft's tokens unchecked)."""
 
 import pytest
-import torch
 
 from conftest import tiny_llama
 from specdraft.api import SpecDecoder
