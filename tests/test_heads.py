@@ -305,7 +305,7 @@ def smol_heads(tmp_path_factory):
 
 
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
-                  "List three benefits of exercise:", "The quick brown fox", "Translate to German: good morning"]
+                  "Translate to German: good morning"]
 
 
 @pytest.mark.slow
@@ -324,7 +324,7 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
     for p in GREEDY_PROMPTS:
         ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids
         for m, spec in specs.items():
-            if m == "eagle_tree" and p not in GREEDY_PROMPTS[:3]:
+            if m == "eagle_tree" and p not in GREEDY_PROMPTS[:2]:
                 continue  # half the prompts: the tree path is the same for all
             out = dec.generate(p, sampling=sp, spec=spec)
             assert out.token_ids == ref, (m, p)
