@@ -233,7 +233,7 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
     d = SpecDecoder(smol_f32, smol_draft4)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     drafted = 0
-    for p in REAL_PROMPTS[:4] + REAL_PROMPTS[-2:-1]:  # the last one repeats itself: retrieval drafts there
+    for p in REAL_PROMPTS[:4] + REAL_PROMPTS[-2:-1]:  # the second to last repeats itself: retrieval drafts there
         out = d.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == smol_reference[p], p
         drafted += out.stats.drafted

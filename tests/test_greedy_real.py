@@ -17,15 +17,12 @@ PROMPTS = [
     "Write a short story about a robot learning to paint.",
     "Explain how a hash map works, with an example in Python.",
     "List five facts about the Moon.",
-    "Translate to French: The cat sleeps on the warm windowsill.",
     "Summarize: The city council voted on Tuesday to expand the bike lane network, citing safety data "
     "and rising ridership. The plan adds 40 km of protected lanes over three years.",
-    "What is 17 times 23? Show your steps.",
     "Write a Python function that checks whether a string is a palindrome.",
-    "Give me a recipe for pancakes.",
     "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
     "Describe the water cycle to a ten-year-old.",
-]
+]  # 7 prompts (10 before; CI time): the second to last repeats itself (retrieval drafters, test_auto)
 NEW = 40  # every test compares 40 new tokens with the shared reference (conftest.smol_reference)
 
 

@@ -177,11 +177,11 @@ def exact_first_three(target, sp):
     return joint
 
 
-def sample_first_three(target, drafter, sp, max_new):
+def sample_first_three(target, drafter, sp, max_new, n=N):
     """The engine's first step is a plain prefill step (no feature yet); the next step is the first
     drafted one, so tokens 2 and 3 come from the heads' draft and its verification. -> (counts of the
     first three tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
-    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 3, N, V, seed0=20_000)
+    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 3, n, V, seed0=20_000)
 
 
 def broken_topk_as_sampled(q, m, gen):
@@ -283,7 +283,7 @@ def test_broken_eagle_tree_variant_is_detected(tiny_target):
         return [(t, kids[0][1], lp) for t, _, lp in kids]
 
     drafter._children = broken
-    counts, drafted, _ = sample_first_three(tiny_target, drafter, TRUNC, 4)
+    counts, drafted, _ = sample_first_three(tiny_target, drafter, TRUNC, 4, n=3 * N)  # a subtle bug: more samples
     assert drafted > 0
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
 
