@@ -245,5 +245,6 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
     d = load_model(base, dtype, backend="hf")
     d.quantization = quantize_linears(d.model, quant, dense_from=target.model)
     d.name = f"{base}:{quant} (self-draft)"
+    d.prefill_twin = target  # its prefills are the target's dense layers: it may start from the target's cache
     return d
 

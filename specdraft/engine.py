@@ -169,10 +169,11 @@ class Engine:
         for r, w, h in zip(rows, want, self.kv.prefill_hidden):
             r.hidden_prefix = h if w else None
         self.kv.prefill_hidden = []
+        first = len(self.rows)  # the new rows are the cache's last ones
         for key, members in _by_group(rows).items():
             if key not in self.groups:
                 self.groups[key] = members[0].drafter.new_group()
-            self.groups[key].join(members)
+            self.groups[key].join(members, (self.kv, [first + rows.index(m) for m in members]))
         dt = (time.perf_counter() - t0) / len(rows)
         for r in rows:
             r.prefill_s = dt

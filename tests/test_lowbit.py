@@ -79,6 +79,42 @@ def test_quantized_self_draft_is_lossless(kind):
         assert sum(s.accepted for s in steps) / sum(s.drafted for s in steps) > 0.5
 
 
+def self_draft(t: HFModel, kind: str) -> HFModel:
+    """What --draft self:int4 builds (api._self_draft), on a tiny model: prefills through t's dense layers."""
+    m = copy.deepcopy(t.model)
+    quantize_linears(m, kind, dense_from=t.model)
+    d = HFModel(m, None, name=f"{t.name}:{kind}")
+    d.prefill_twin = t
+    return d
+
+
+def test_a_self_draft_starts_from_the_targets_prefill():
+    """The draft's cache of a prompt is a copy of the target's (rows of a batch, left-padded): the draft
+    then scores as it would after its own prefill, never feeds the prompt itself, and greedy output is
+    the dense target's."""
+    t = tiny_llama(vocab=64, hidden=64)
+    d = self_draft(t, "int4-g32")
+    prompts = [[(3 * i + 1) % 64 for i in range(30)], [(5 * i + 2) % 64 for i in range(21)]]
+    src = t.new_rows()
+    src.add_rows(prompts)
+    adopted, own = d.new_rows(), d.new_rows()
+    adopted.adopt_rows(src, [1, 0])
+    own.add_rows(prompts[::-1])
+    assert adopted.lens == own.lens == [21, 30]
+    nxt = [[7, 8], [9, 10]]
+    assert torch.allclose(adopted.forward(nxt), own.forward(nxt), atol=1e-5)
+
+    fed = []
+    forward = d.model.forward
+    d.model.forward = lambda *a, **k: fed.append((k.get("input_ids", a[0] if a else None)).shape[-1]) or forward(*a, **k)
+    dec = SpecDecoder(t, d)
+    sp = {"max_new_tokens": 24, "ignore_eos": True}
+    plain = dec.generate(prompts[0], sampling=sp, spec={"method": "plain"}).token_ids
+    out = dec.generate(prompts[0], sampling=sp, spec={"method": "draft_model", "k": 4})
+    assert out.token_ids == plain and out.stats.accepted > 0
+    assert fed and max(fed) <= 4 + 1, fed  # catch-up feeds only, never the 30-token prompt
+
+
 def test_quantized_target_equals_its_own_plain():
     t = quantized(tiny_llama(vocab=64, hidden=64), "int4-g32")
     dec = SpecDecoder(t, tiny_llama(vocab=64, hidden=64))

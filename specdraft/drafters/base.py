@@ -69,7 +69,9 @@ class DraftGroup(Protocol):
     """Drafts for every row of one engine whose drafter has the same ``group_key``. A row is the
     engine's ``Request`` (``tokens``, ``sp``, ``gen``, ``drafter``)."""
 
-    def join(self, rows: list) -> None: ...
+    def join(self, rows: list, prefix_from: tuple | None = None) -> None:
+        """``prefix_from``: (the target's rows, the rows' indices there), just prefilled, for a group
+        whose model can reuse that cache."""
 
     def leave(self, rows: list) -> None: ...
 

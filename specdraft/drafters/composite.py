@@ -94,8 +94,8 @@ class CompositeGroup:
     def __init__(self, inner):
         self.inner = inner
 
-    def join(self, rows) -> None:
-        self.inner.join(rows)
+    def join(self, rows, prefix_from=None) -> None:
+        self.inner.join(rows, prefix_from)
 
     def leave(self, rows) -> None:
         self.inner.leave(rows)

@@ -51,13 +51,22 @@ class DraftModelDrafter(Drafter):
 class DraftModelGroup:
     def __init__(self, draft, target_vocab: int):
         self.target_vocab = target_vocab
+        self.draft = draft
         self.kv = draft.new_rows()
         self.members: list = []  # engine Requests, in kv row order
         self._base: dict[int, int] = {}  # id(row) -> context length at the last propose
         self._drafted: dict[int, list[int]] = {}  # id(row) -> its last draft
 
-    def join(self, rows) -> None:
-        self.kv.add_rows([[] for _ in rows])
+    def join(self, rows, prefix_from=None) -> None:
+        """``prefix_from``: (the target's rows, each row's index there) just after its prefill. A draft
+        whose prefill computes exactly what the target's did (``prefill_twin``: a self-draft whose
+        prefills run through the target's dense layers) starts from a copy of that cache instead of
+        prefilling the prompt again."""
+        src = prefix_from[0] if prefix_from is not None else None
+        if src is not None and getattr(self.draft, "prefill_twin", None) is getattr(src, "model", None):
+            self.kv.adopt_rows(src, prefix_from[1])
+        else:
+            self.kv.add_rows([[] for _ in rows])
         self.members.extend(rows)
 
     def leave(self, rows) -> None:

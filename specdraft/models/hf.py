@@ -237,6 +237,25 @@ class HFRows:
         self._append(new)
         return list(range(first, self.B))
 
+    @torch.inference_mode()
+    def adopt_rows(self, src: "HFRows", idx: list[int]) -> list[int]:
+        """Append copies of ``src``'s rows ``idx`` (their cached keys and values, holes included), for
+        a model whose forward computes the same keys and values as src's on these tokens (checked by
+        the caller: ``prefill_twin``); returns their indices here."""
+        kvs = [_kv(layer) for layer in src._layers()]
+        if not kvs or any(kv is None for kv in kvs):  # nothing cached yet (one-token prompts)
+            return self.add_rows([[] for _ in idx])
+        new = HFRows(self.model, self.compact_slack)
+        sel = torch.tensor(idx, dtype=torch.long)
+        for i, (k, v) in enumerate(kvs):
+            new.cache.update(k.index_select(0, sel), v.index_select(0, sel), i)
+        new.valid = src.valid[sel].clone()
+        new.lens = [src.lens[i] for i in idx]
+        new.trim()
+        first = self.B
+        self._append(new)
+        return list(range(first, self.B))
+
     def _append(self, other: "HFRows") -> None:
         """Concatenate another HFRows' rows below ours, left-padding the shorter one."""
         L, P, B2 = self.L, other.L, other.B

@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
         return (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()  # the kernels need it; a batch's last rows are strided
         y = _prefill(self, x2)
         if y is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
@@ -99,7 +99,7 @@ class Int4Linear(nn.Module):
         return ((q.to(sz.dtype) - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()  # the kernels need it; a batch's last rows are strided
         y = _prefill(self, x2)
         if y is None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
