@@ -2,7 +2,6 @@
 
 import pytest
 
-from specdraft.api import SpecDecoder
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters import datastore as ds
 from test_greedy_real import PROMPTS
