@@ -129,7 +129,7 @@ def test_cross_tokenizer_draft_greedy_exact(smol_f32, reference):
     assert dec.cross_vocab
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     accepted = 0
-    for p in (PROMPTS[1], PROMPTS[8]):
+    for p in (PROMPTS[1], PROMPTS[-2]):  # code, and text that repeats itself
         out = dec.generate(p, sampling=sp, spec=SpecConfig(method="draft_model", k=3), chat=True)
         assert out.token_ids == reference[p][:24]
         accepted += out.stats.accepted

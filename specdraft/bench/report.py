@@ -101,6 +101,10 @@ def _weights(s: dict) -> str:
     return f"GGUF on {s['backend']} (hf: methods {s['dtype']})"
 
 
+def _draft_on(s: dict) -> str:
+    return f" (draft on {s['draft_backend']})" if s.get("draft_backend") else ""
+
+
 def _ref_label(name: str) -> str:
     return {"plain": "the engine's plain decoding", "hf:plain": "the engine's plain decoding on transformers",
             "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding"}.get(name, name)
@@ -128,8 +132,8 @@ def markdown(doc: dict, agg: dict) -> str:
         f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
         f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}; MAT = mean over steps "
-        f"of (accepted + 1). Backend: {s.get('backend', 'hf')}"
-        + (f" (draft on {s['draft_backend']})" if s.get("draft_backend") else "") + f". {env.get('cpu')}, {env.get('threads')} threads, "
+        f"of (accepted + 1). Backend: {s.get('backend', 'hf')}{_draft_on(s)}. "
+        f"{env.get('cpu')}, {env.get('threads')} threads, "
         f"torch {env.get('torch')}, llama-cpp-python {env.get('llama_cpp_python')}, "
         f"transformers {env.get('transformers')}, commit {str(env.get('git_commit'))[:10]}, {env.get('date')}.",
         "",
