@@ -172,6 +172,8 @@ class CrossVocabDrafter(Drafter):
         lt[b.target_ids] = draft_logits[b.draft_ids]
         if self.processor is not None:
             lt = self.processor.process(lt[None], history)[0]
+        elif len(b.draft_ids):  # unprocessed, the intersection stays finite: no sync to check it
+            return probs_from_logits(lt, self.sp)
         return probs_from_logits(lt, self.sp) if torch.isfinite(lt).any() else None
 
     def _as_target_chain(self, drafted: list[int], n_ctx: int, max_tokens: int) -> DraftTree:
