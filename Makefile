@@ -10,11 +10,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh pyproject.toml
+$(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh specdraft/models/llama_setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
-	scripts/install_llama.sh $(VENV)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	scripts/install_llama.sh $(VENV)
 	touch $@
 
 # Ray, optional (docs/scale.md): serve --replicas, bench --ray, train --ray, overlapped draft/verify.

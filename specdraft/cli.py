@@ -275,6 +275,12 @@ def cmd_tune_skip(a) -> int:
     return main_tune_skip(a)
 
 
+def cmd_doctor(a) -> int:
+    from .doctor import main_doctor
+
+    return main_doctor(a)
+
+
 def cmd_costs(a) -> int:
     from .bench.costs import main_costs
 
@@ -424,6 +430,13 @@ def cmd_loadtest(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    dr = sub.add_parser("doctor", help="start here: this CPU, what works on it, which backend and method to pick")
+    dr.add_argument("--model", default=None, help="the model whose cost curves are measured (default: the Qwen "
+                    "1.5B target if pulled, else SmolLM2)")
+    dr.add_argument("--no-costs", action="store_true", help="skip the cost curves (a few seconds to a minute)")
+    dr.add_argument("--threads", type=int, default=None)
+    dr.set_defaults(fn=cmd_doctor)
 
     m = sub.add_parser("models", help="list or pull the known models")
     m.add_argument("action", choices=["list", "pull", "quantize"])

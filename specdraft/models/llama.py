@@ -82,6 +82,31 @@ def _make_quiet_log():
 _quiet_log = _make_quiet_log()  # a module global: llama.cpp keeps the pointer
 
 
+def safe_extra_bufts(path: Path, name: str) -> bool:
+    """Whether this model may load with llama.cpp's extra buffer types (AMX, repacked weights) on this
+    build and CPU, from the probe (llama_probe.py): never load a configuration that crashed there."""
+    from .llama_probe import probe_record
+
+    if os.environ.get("SPECDRAFT_LLAMA_PROBE", "1") == "0":  # the operator vouches for this build
+        return True
+    rec = probe_record(path)
+    if rec["extra_bufts"] is None:
+        raise ConfigError(f"llama.cpp cannot decode multi-token batches of {name} on this CPU (a probe "
+                          f"{rec['default']} with its default buffers, {rec['fallback']} without them); "
+                          "`make setup` rebuilds it for this CPU, or use --backend hf")
+    if not rec["extra_bufts"] and name not in _warned:
+        _warned.add(name)
+        import sys
+
+        print(f"[specdraft] llama.cpp's default weight buffers crash on this CPU (a probe {rec['default']}); "
+              f"loading {name} without its extra buffer types (slower batches; `make setup` rebuilds llama.cpp "
+              "without the feature that crashes)", file=sys.stderr)
+    return bool(rec["extra_bufts"])
+
+
+_warned: set[str] = set()
+
+
 def threads() -> int:
     """The thread count llama.cpp uses: torch's (``set_threads`` / the tests' SPECDRAFT_THREADS)."""
     return max(1, torch.get_num_threads())
@@ -98,6 +123,7 @@ class LlamaModel:
         if not path.is_file():
             raise ModelFileError(f"GGUF file {path} not found")
         mp = ll.llama_model_default_params()
+        self.extra_bufts = mp.use_extra_bufts = safe_extra_bufts(path, name or path.stem)
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {path}: not a valid GGUF model file (corrupt or truncated?)")

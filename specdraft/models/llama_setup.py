@@ -1,0 +1,137 @@
+"""``make setup``'s llama.cpp step: build llama-cpp-python for this CPU and prove it decodes here.
+
+No binary wheel of the pinned version exists for Linux x86_64, so it is built from source for this
+CPU and cached under ``$SPECDRAFT_HOME/llama-wheels/<pin and CPU flags>/<variant>/``. A build is
+installed only after the probe (llama_probe.py, a child process) decoded batches of 1, 2, 8 and 32
+tokens on SmolLM2 with it. If the child dies, the next variant is built, without the feature that
+killed it, AMX first:
+
+- ``native``: GGML_NATIVE (everything this CPU has);
+- ``no-amx``: every feature of this CPU named explicitly, AMX off (ggml's AMX buffers segfault on
+  batches of 2+ tokens with 0.3.36 on an Intel Xeon with AMX);
+- ``no-avx512``: AVX2 kernels only.
+
+The variant that worked is recorded beside the wheels, so the next setup on this CPU goes straight to
+it; the installed one is recorded in the venv, so a later ``make setup`` with nothing new does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .llama_probe import cpu_flags, probe_record
+
+# (variant, CPU flags it needs to be worth trying, CMake options beyond the CPU's own)
+VARIANTS = [("native", (), None), ("no-amx", ("amx_tile",), {"amx"}), ("no-avx512", ("avx512f",), {"amx", "avx512"})]
+CMAKE_OPTION = {"avx": "AVX", "avx2": "AVX2", "avx_vnni": "AVX_VNNI", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
+                "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+                "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE", "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16"}
+BUILD_MINUTES = 6  # measured on 2 cores (4.5-6 min)
+
+
+def pin() -> str:
+    req = Path(__file__).resolve().parents[2] / "requirements-llama.txt"
+    return next(ln.replace(" ", "") for ln in req.read_text().splitlines() if ln.startswith("llama-cpp-python"))
+
+
+def cmake_args(off: set[str] | None) -> str:
+    """GGML_NATIVE for the native variant; otherwise each feature of this CPU on, those in ``off`` off."""
+    base = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    if off is None:
+        return f"-DGGML_NATIVE=ON {base}"
+    have, off_prefixes = set(cpu_flags()), tuple(off)
+    opts = [f"-DGGML_{opt}={'ON' if flag in have and not flag.startswith(off_prefixes) else 'OFF'}"
+            for flag, opt in CMAKE_OPTION.items()]
+    return " ".join(["-DGGML_NATIVE=OFF", *opts, base])
+
+
+def build_wheel(variant: str, off: set[str] | None, out: Path) -> Path:
+    """Build the pinned sdist into ``out`` (minutes), printing progress with an ETA meanwhile."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CMAKE_ARGS": cmake_args(off), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-cache-dir", "-w", str(out), pin()]
+    log = out / "build.log"
+    t0 = time.time()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        print(f"[specdraft] building {pin()} for this CPU ({variant}), about {BUILD_MINUTES} min on 2 cores",
+              file=sys.stderr)
+        while True:
+            try:
+                p.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                el = time.time() - t0
+                print(f"[specdraft]   {el / 60:.1f} min, about {max(BUILD_MINUTES - el / 60, 0.5):.0f} min left",
+                      file=sys.stderr)
+    if p.returncode != 0:
+        sys.exit(f"error: building {pin()} ({variant}) failed; see {log}")
+    return next(out.glob("llama_cpp_python-*.whl"))
+
+
+def install(wheel: Path) -> None:
+    """Replace whatever build is installed by ``wheel`` (its dependencies too, where missing)."""
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "uninstall", "-q", "-y", "llama-cpp-python"], check=True, capture_output=True)
+    subprocess.run([*pip, "install", "-q", str(wheel)], check=True)
+
+
+def cache_root() -> Path:
+    home = Path(os.environ.get("SPECDRAFT_HOME", Path.home() / ".cache" / "specdraft"))
+    key = hashlib.sha256(f"{pin()} {' '.join(cpu_flags())}".encode()).hexdigest()[:16]
+    return home / "llama-wheels" / key
+
+
+def probe_model() -> Path:
+    from .registry import gguf_path, pull
+
+    pull("smollm2-135m")
+    return gguf_path("smollm2-135m")
+
+
+def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=probe_model) -> str:
+    """Install a llama.cpp build that decodes multi-token batches here; -> the variant installed."""
+    root = cache_root()
+    chosen = root / "works"
+    if venv_marker.exists() and chosen.exists() and venv_marker.read_text() == chosen.read_text():
+        return chosen.read_text()
+    have = set(cpu_flags())
+    start = chosen.read_text() if chosen.exists() else "native"
+    names = [v[0] for v in VARIANTS]
+    model = None
+    for variant, needs, off in VARIANTS[names.index(start):]:
+        if not set(needs) <= have:
+            continue
+        wheels = sorted((root / variant).glob("llama_cpp_python-*.whl"))
+        install(wheels[0] if wheels else build(variant, off, root / variant))
+        model = model or probe_model()
+        rec = probe_record(model, fresh=True)
+        if rec["extra_bufts"]:
+            chosen.write_text(variant)
+            venv_marker.write_text(variant)
+            print(f"[specdraft] llama.cpp ({variant} build) {rec['default']} on SmolLM2", file=sys.stderr)
+            return variant
+        if not rec["crashed"]:
+            sys.exit(f"error: llama.cpp's {variant} build does not run here (a probe {rec['default']}); see above")
+        print(f"[specdraft] llama.cpp's {variant} build crashed on this CPU (a probe {rec['default']}); "
+              "building it again without " + ("AMX" if variant == "native" else "AVX-512"), file=sys.stderr)
+    sys.exit("error: no llama.cpp build decodes multi-token batches on this CPU; the llama backend is unavailable "
+             "(--backend hf works); the probe's outcomes are under " + str(root))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("venv", nargs="?", default=".venv")
+    a = ap.parse_args(argv)
+    setup(Path(a.venv) / ".specdraft-llama")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
