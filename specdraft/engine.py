@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
-from .errors import ConfigError, ContextLengthError, SpecDraftError
+from .errors import ConfigError, ContextLengthError
 from .metrics import GenerationStats, StepRecord
 from .policy import BatchRule, DraftLength
 from .processors import RequestProcessor, logprob_entries
@@ -123,17 +123,17 @@ class Engine:
 
     def add_many(self, items: list[tuple]) -> list:
         """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length]) at once, prefilled
-        together in one forward. Returns, per item, its Request or the SpecDraftError that refused it."""
+        together in one forward. Returns, per item, its Request or the exception that refused it."""
         rows, out = [], []
         for item in items:
             try:
                 rows.append(self._new_request(*item))
                 out.append(rows[-1])
-            except SpecDraftError as e:
+            except Exception as e:  # this item's own setup (its sampling, its drafter's begin): it alone fails
                 out.append(e)
         if rows:
             self._prefill(rows)
-        if len(items) == 1 and isinstance(out[0], SpecDraftError):
+        if len(items) == 1 and isinstance(out[0], Exception):
             raise out[0]
         return out
 
@@ -318,7 +318,7 @@ class Engine:
         logits = logits.to(torch.float32, copy=True)
         for r in todo:
             m = drafts[r].size + 1
-            out = self._guard([rows[r]], rows[r].processor.process, logits[r, :m], rows[r].tokens, drafts[r])
+            out = self._guard([rows[r]], _processed, rows[r].processor, logits[r, :m], rows[r].tokens, drafts[r])
             if out is not None:
                 logits[r, :m] = out
         return logits
@@ -387,6 +387,16 @@ class Engine:
         if finish is not None:
             self._finish(row, finish)
         return finish is not None
+
+
+def _processed(processor: RequestProcessor, logits: torch.Tensor, history: list[int], draft: DraftTree) -> torch.Tensor:
+    """A row's processed logits; a position where processing left no token (greedy would emit the masked
+    token 0, sampling would draw from NaN) fails the row with a clear error instead."""
+    out = processor.process(logits, history, draft)
+    if not bool((out > float("-inf")).any(-1).all()):
+        raise ConfigError("no token is allowed here: the request's constraints (grammar, min_tokens, logit_bias) "
+                          "rule out every token")
+    return out
 
 
 def _slots(keep) -> list[int]:
@@ -483,7 +493,7 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
             admit, waiting = waiting[:room], waiting[room:]
             items = [(job[0], job[1], job[2], None, i, job[3] if len(job) > 3 else None) for i, job in admit]
             for r in eng.add_many(items):
-                if isinstance(r, SpecDraftError):
+                if isinstance(r, Exception):
                     raise r
         for row in eng.step():
             if row.error is not None:

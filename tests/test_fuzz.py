@@ -40,7 +40,7 @@ BODY_LEVEL = ("the request body",)  # errors about the body as a whole name no f
 def server():
     with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
                         max_queue=64, timeout_s=30, max_batch=4, default_max_tokens=4) as (url, app):
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url, timeout=30, headers={"Content-Type": "application/json"}) as c:
             yield c
 
 

@@ -155,7 +155,7 @@ def test_error_responses_through_openai_client(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt="x")
     assert e.value.code == "model_not_found"
-    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=60)
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
 
 
