@@ -210,11 +210,13 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One decoding step for every row; returns the rows that finished (already removed)."""
+        shed = self._shed()
         rows = self.rows
         if not rows:
-            return []
+            return shed
         t0 = time.perf_counter()
         drafts, draft_s = self._draft(rows)
+        drafts = self._fit(drafts)
         t1 = time.perf_counter()
         logits = self._process(rows, drafts, self._score(rows, drafts))
         n_acc, new, keep = self._verify(rows, drafts, logits)
@@ -233,7 +235,38 @@ class Engine:
         self.last_step_s = time.perf_counter() - t0
         finished = [rows[r] for r in done]
         self._drop(done)
-        return finished
+        return shed + finished
+
+    def _shed(self) -> list[Request]:
+        """Rows a shared, full cache cannot feed even their pending token this step leave first, the last
+        joined first, each with its own error: the others decode on (llama.cpp: rows share n_ctx cells)."""
+        room = self.kv.draft_room()
+        over = 0 if room is None else len(self.rows) - room[1]
+        gone = self.rows[len(self.rows) - over:] if over > 0 else []
+        for row in gone:
+            row.error = ContextLengthError("the model's context (shared by the requests decoding together) is "
+                                           "full; retry when fewer requests run")
+            self._finish(row, "error")
+        if gone:
+            self._drop(list(range(len(self.rows) - len(gone), len(self.rows))))
+        return gone
+
+    def _fit(self, drafts: list[DraftTree]) -> list[DraftTree]:
+        """Drafts cut to what a shared, bounded cache can take this step (``SequenceRows.draft_room``): the
+        free cells beyond the pending tokens and, for token trees, the spare sequence ids. A cut draft keeps
+        its first nodes (ancestor-closed), as if its drafter had stopped early, so verification stays exact."""
+        room = self.kv.draft_room()
+        if room is None:
+            return drafts
+        seqs, cells = room[0], room[1] - len(drafts)
+        out = []
+        for d in drafts:
+            d = d.first(max(cells, 0))
+            while d.extra_leaves() > seqs:
+                d = d.first(d.size // 2)
+            seqs, cells = seqs - d.extra_leaves(), cells - d.size
+            out.append(d)
+        return out
 
     @staticmethod
     def _guard(rows: list[Request], fn, *args, default=None):
