@@ -10,7 +10,7 @@ from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..engine import Engine
 from ..errors import SpecDraftError
 from ..policy import BatchRule
-from .scheduler import BaseWorker, log
+from .scheduler import BaseWorker, log, make_drafter
 
 
 class BatchWorker(BaseWorker):
@@ -49,7 +49,7 @@ class BatchWorker(BaseWorker):
         items = []
         for job in jobs:
             try:
-                items.append((job.prompt_ids, job.sampling, self.decoder.make_drafter(job.spec), wrap(job), job,
+                items.append((job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), wrap(job), job,
                               self.decoder.draft_length(job.spec)))
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):

@@ -124,7 +124,7 @@ def _spec(body: dict, default: SpecConfig, resources: dict | None = None) -> Spe
     try:
         return SpecConfig.from_dict(d)
     except ConfigError as e:
-        raise RequestError(f"spec: {e}", param=_spec_param(str(e))) from None
+        raise RequestError(f"spec: {e}", param=spec_param(str(e))) from None
 
 
 def _resource(field: str, name, resources: dict):
@@ -142,7 +142,7 @@ def _resource(field: str, name, resources: dict):
 SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig))
 
 
-def _spec_param(message: str) -> str:
+def spec_param(message: str) -> str:
     """``spec.<field>`` for the first SpecConfig field a validation message names (else ``spec``)."""
     hits = [(m.start(), f) for f in SPEC_FIELDS for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
     return f"spec.{min(hits)[1]}" if hits else "spec"

@@ -28,6 +28,19 @@ class QueueFull(Exception):
     pass
 
 
+def make_drafter(decoder, spec):
+    """The request's drafter; what its spec asks that this decoder cannot make (an unknown auto arm, a
+    datastore that does not load) is a 400 naming the spec field."""
+    from .protocol import RequestError, spec_param
+
+    try:
+        return decoder.make_drafter(spec)
+    except RequestError:
+        raise
+    except SpecDraftError as e:
+        raise RequestError(f"spec: {e}", param=spec_param(str(e))) from None
+
+
 def shutdown_error():
     from .protocol import RequestError
 
@@ -239,7 +252,7 @@ class SingleWorker(BaseWorker):
                 return job.on_emit(new, logprobs)
 
             try:
-                drafter = dec.make_drafter(job.spec)
+                drafter = make_drafter(dec, job.spec)
                 res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
                                dec.draft_length(job.spec), on_emit=on_emit)
                 self.metrics.observe_result(res.stats)
