@@ -275,3 +275,69 @@ def test_spec_caches_are_bounded():
     for i in range(80):
         dec.policy_for(SpecConfig(method="prompt_lookup", schedule="cost_aware", typical_delta=float(i)))
     assert len(dec._policies) <= 64
+
+
+@pytest.fixture(scope="module")
+def small_llama(smol_gguf):
+    """SmolLM2 Q4_1 on llama.cpp with a 256-cell context shared by all rows."""
+    pytest.importorskip("llama_cpp")
+    from specdraft.models.llama import LlamaModel
+
+    return LlamaModel(smol_gguf.path, smol_gguf.tokenizer, n_ctx=256)
+
+
+def test_llama_failed_prefill_leaves_no_phantom_row(small_llama):
+    """Item 3: a prefill refused for a full context kept its sequence id and length; the next row then
+    decoded in that empty sequence, without its own prompt (wrong output, silently)."""
+    from specdraft.errors import ContextLengthError
+
+    prompt = small_llama.tokenize("The capital of France is", special=False)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = generate(small_llama, NoDrafter(), prompt, sp).token_ids
+    eng = Engine(small_llama)
+    eng.add([5] * 200, SamplingParams(max_new_tokens=8, ignore_eos=True), NoDrafter())
+    with pytest.raises(ContextLengthError):
+        eng.kv.add_rows([[7] * 120])  # 200 + 120 cells > 256
+    assert eng.kv.B == 1 and eng.kv.draft_room()[0] == 255
+    eng.cancel(eng.rows[0])
+    row = eng.add(prompt, sp, NoDrafter())
+    while eng.rows:
+        eng.step()
+    assert row.result.token_ids == alone
+
+
+class Wide(NoDrafter):
+    """Drafts a flat tree of ``n`` leaves (children of the pending token) whenever it may draft."""
+
+    name = "wide"
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def propose(self, tokens, max_tokens):
+        from specdraft.tree import DraftTree
+
+        if max_tokens < 1:
+            return DraftTree.empty()
+        return DraftTree(torch.arange(self.n) % 1000 + 100, torch.full((self.n,), -1, dtype=torch.long))
+
+
+def test_llama_trees_fit_the_free_sequences_and_cells(small_llama):
+    """Item 8: trees with more leaves than free sequence ids raised inside the shared forward and failed
+    every row; a request exactly filling the context failed because its tree needed cells beyond it.
+    (Prompts without a near-tie in their first tokens: a tree's cache holes move llama.cpp's logits a little.)"""
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [small_llama.tokenize(p, special=False) for p in ("One two three", "The capital of France is")]
+    alone = [generate(small_llama, NoDrafter(), p, sp).token_ids for p in prompts]
+    eng = Engine(small_llama)
+    rows = [eng.add(p, sp, Wide(150)) for p in prompts]  # 300 leaves: more than the 256 sequence ids
+    while eng.rows:
+        eng.step()
+    assert [r.error for r in rows] == [None, None] and [r.result.token_ids for r in rows] == alone
+    prompt = (prompts[0] * 80)[:240]
+    full = SamplingParams(max_new_tokens=256 - len(prompt), ignore_eos=True)  # prompt + output = the context
+    eng = Engine(small_llama)
+    row = eng.add(prompt, full, Wide(40))
+    while eng.rows:
+        eng.step()
+    assert row.error is None and len(row.result.token_ids) == 256 - len(prompt)
