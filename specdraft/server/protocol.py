@@ -144,6 +144,7 @@ SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig))
 
 def spec_param(message: str) -> str:
     """``spec.<field>`` for the first SpecConfig field a validation message names (else ``spec``)."""
+    message = message.split("; valid fields")[0]  # (the list of every field names them all)
     hits = [(m.start(), f) for f in SPEC_FIELDS for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
     return f"spec.{min(hits)[1]}" if hits else "spec"
 
