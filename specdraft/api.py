@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
 from .config import SamplingParams, SpecConfig
 from .engine import GenerationResult, generate
@@ -39,14 +40,15 @@ class SpecDecoder:
                 self.vocab_bridge()  # built now: a draft that cannot write the target's text is refused here
         self.tokenizer = target.tokenizer
         self.eos_ids = target.eos_token_ids()
-        self._policies: dict[str, CostAwarePolicy] = {}
+        # caches keyed by request-chosen specs hold at most CACHE_ENTRIES each (least recently used leave)
+        self._policies: OrderedDict[str, CostAwarePolicy] = OrderedDict()
         self._costs: dict[int, float] = {}  # n tokens scored -> seconds (cost_curve)
         self._draft_costs: dict[int, float] = {}  # the same for the draft model
-        self._arm_memory: dict = {}  # auto's per-arm measurements, per spec
+        self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
         self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
-        self._recycle_tables: dict = {}  # top_k -> Token Recycling's AdjacencyTable
+        self._recycle_tables: OrderedDict = OrderedDict()  # top_k -> Token Recycling's AdjacencyTable
         self._tok_hash: str | None = None
-        self._views: dict[tuple[int, ...], HFModel] = {}  # layer_skip / early_exit views of the target
+        self._views: OrderedDict[tuple[int, ...], HFModel] = OrderedDict()  # layer_skip / early_exit views
         self._heads: dict[tuple[str, str], object] = {}  # (head dir, method) -> loaded Medusa / EAGLE head
 
     def head(self, spec: SpecConfig):
@@ -77,9 +79,7 @@ class SpecDecoder:
         if spec.schedule != "cost_aware" or spec.method == "plain":
             return None
         key = json.dumps(spec.to_dict(), sort_keys=True)
-        if key not in self._policies:
-            self._policies[key] = CostAwarePolicy(spec.k, costs=self.cost_curve(spec.k + 1))
-        return self._policies[key]
+        return _cached(self._policies, key, lambda: CostAwarePolicy(spec.k, costs=self.cost_curve(spec.k + 1)))
 
     def cost_curve(self, n_max: int) -> dict[int, float]:
         """Seconds of one target forward scoring n = 1..n_max tokens on this machine: measured once per
@@ -97,7 +97,7 @@ class SpecDecoder:
         from .drafters.auto import ArmMemory
 
         key = json.dumps(spec.to_dict(), sort_keys=True)
-        return self._arm_memory.setdefault(key, ArmMemory())
+        return _cached(self._arm_memory, key, ArmMemory)
 
     @classmethod
     def load(
@@ -166,9 +166,8 @@ class SpecDecoder:
         """Token Recycling's adjacency table: one per decoder and top_k, recycled across requests."""
         from .drafters.token_recycling import AdjacencyTable
 
-        if top_k not in self._recycle_tables:
-            self._recycle_tables[top_k] = AdjacencyTable(self.target.vocab_size, top_k)
-        return self._recycle_tables[top_k]
+        return _cached(self._recycle_tables, top_k, lambda: AdjacencyTable(self.target.vocab_size, top_k),
+                       RECYCLE_TABLES)
 
     def self_draft(self, spec: SpecConfig) -> HFModel:
         """The target's own layers as a draft (shared weights): early exit or layer skipping."""
@@ -182,10 +181,7 @@ class SpecDecoder:
 
             skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
             keep = skip_to_keep(n, skip)
-        key = tuple(keep)
-        if key not in self._views:
-            self._views[key] = layer_view(self.target, keep)
-        return self._views[key]
+        return _cached(self._views, tuple(keep), lambda: layer_view(self.target, keep))
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -215,6 +211,22 @@ class SpecDecoder:
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer,
                         self.draft_length(sc), on_emit=on_emit)
+
+
+CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
+RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at once
+
+
+def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
+    """``cache[key]``, made by ``make()`` when missing; the least recently used entries leave past ``limit``
+    (specs come from clients: an unbounded cache would grow with every distinct one)."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
 
 
 COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)

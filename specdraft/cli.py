@@ -334,7 +334,23 @@ def _serve_settings(a):
                               locked=a.stream_mode == "fixed-only")
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
+    a.resources = parse_resources(a.resource)
     return spec, api_key, pacing
+
+
+def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
+    """--resource FIELD:NAME=PATH, repeated -> {field: {name: path}} (server/protocol.py reads it)."""
+    from .config import PATH_FIELDS
+
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        field, _, rest = item.partition(":")
+        name, _, path = rest.partition("=")
+        if field not in PATH_FIELDS or not name or not path:
+            raise SpecDraftError(f"--resource must be FIELD:NAME=PATH with FIELD one of {', '.join(PATH_FIELDS)}, "
+                                 f"got {item!r}")
+        out.setdefault(field, {})[name] = path
+    return out
 
 
 def build_server_app(a, spec, api_key, pacing):
@@ -349,7 +365,8 @@ def build_server_app(a, spec, api_key, pacing):
                       timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
                       batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
                       max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
-                      stream_mode="normal" if a.stream_mode == "normal" else "fixed")
+                      stream_mode="normal" if a.stream_mode == "normal" else "fixed",
+                      resources=getattr(a, "resources", None), allowed_hosts=tuple(a.allowed_host) + (a.host,))
 
 
 def cmd_serve(a) -> int:
@@ -544,6 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "local Ray instance)")
     s.add_argument("--replica-cpus", type=int, default=None,
                    help="CPUs (torch threads) per replica (default: the cluster's CPUs / --replicas)")
+    s.add_argument("--resource", action="append", default=[], metavar="FIELD:NAME=PATH",
+                   help="a file a request's spec may name by NAME (FIELD: head, datastore, skip_config or autotune; "
+                        "repeatable); requests never name paths")
+    s.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="without an API key, a Host header the server answers besides loopback names (repeatable)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=cmd_serve)
 

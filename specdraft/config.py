@@ -32,6 +32,17 @@ SPEC_OFF_AT = 8
 GREEDY_BELOW = 1e-5
 
 LOSSY_RULES = ("typical",)
+# SpecConfig fields that name a file or directory: a server takes them from its operator only (by name)
+PATH_FIELDS = ("skip_config", "datastore", "head", "autotune")
+
+# Upper bounds on what one request may ask a drafter to hold (a server takes specs from clients): a
+# draft at most MAX_DRAFT deep (the cost-aware schedule times a forward of k + 1 tokens), a token tree
+# of at most MAX_TREE_NODES nodes (its attention mask is nodes^2; llama.cpp gives each leaf one of its
+# 256 sequence ids), Token Recycling's table at most MAX_RECYCLE_TOPK successors per token ([V, top_k]).
+MAX_DRAFT = 64
+MAX_TREE_NODES = 256
+MAX_RECYCLE_TOPK = 16
+MAX_NGRAM = 32
 
 
 # --- constraints: each is called as check(name, value) and returns the (normalized) value or raises --
@@ -130,27 +141,37 @@ class IntList:
     min: int | None = 1
     nonempty: bool = True
     what: str = ""
+    max: int | None = None  # each integer's bound
+    max_len: int | None = None
 
     def __call__(self, name, v):
         if isinstance(v, tuple):
             v = list(v)
         if (not isinstance(v, list) or (self.nonempty and not v)
-                or not all(_is_int(b) and (self.min is None or b >= self.min) for b in v)):
-            kind = "integers" + (f" >= {self.min}" if self.min is not None else "")
+                or not all(_is_int(b) and (self.min is None or b >= self.min) and (self.max is None or b <= self.max)
+                           for b in v)):
+            kind = ("integers" + (f" >= {self.min}" if self.min is not None else "") if self.max is None
+                    else f"integers in [{self.min}, {self.max}]")
             raise ConfigError(f"{name} must be a {'non-empty ' if self.nonempty else ''}list of {kind}"
                               f"{f' ({self.what})' if self.what else ''}, got {v!r}")
+        if self.max_len is not None and len(v) > self.max_len:
+            raise ConfigError(f"{name} has {len(v)} entries; at most {self.max_len}")
         return v
 
 
 @dataclass(frozen=True)
 class StrList:
-    """A list of non-empty strings (a single string becomes a list of one)."""
+    """A list of non-empty strings (a single string becomes a list of one), at most ``max_len``."""
+
+    max_len: int | None = None
 
     def __call__(self, name, v):
         if isinstance(v, str):
             v = [v]
         if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
             raise ConfigError(f"{name} must be a list of non-empty strings, got {v!r}")
+        if self.max_len is not None and len(v) > self.max_len:
+            raise ConfigError(f"{name} has {len(v)} entries; at most {self.max_len}")
         return v
 
 
@@ -184,7 +205,8 @@ class TokenBias:
             raise ConfigError(f"{name} must be an object mapping token ids to biases, got {v!r}")
         out = {}
         for k, b in v.items():
-            tid = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+            # ASCII digits only: "²".isdigit() is True, yet int("²") raises (found by tests/test_fuzz.py)
+            tid = int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k
             if not _is_int(tid) or tid < 0:
                 raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {k!r}")
             out[tid] = Number(min=-100, max=100)(f"{name}[{k}]", b)
@@ -235,6 +257,9 @@ class Choices:
     def __call__(self, name, v):
         if v is not None:
             check_choices(v)
+            if len(v) > MAX_TREE_NODES or max(len(c) for c in v) > MAX_DRAFT:
+                raise ConfigError(f"{name} makes a tree of {len(v)} nodes, {max(len(c) for c in v)} deep; at most "
+                                  f"{MAX_TREE_NODES} nodes, {MAX_DRAFT} deep")
         return v
 
 
@@ -458,47 +483,49 @@ class SpecConfig:
     """
 
     method: str = _f("draft_model", Choice(REGISTRY, what="method"))
-    k: int = _f(4, Int(min=1, what="draft tokens per step"))
+    k: int = _f(4, Int(min=1, max=MAX_DRAFT, what="draft tokens per step"))
     schedule: str = _f("constant", Choice(SCHEDULES, what="schedule"))
-    max_k: int = _f(16, Int())
+    max_k: int = _f(16, Int(max=MAX_DRAFT))
     confidence_threshold: float = _f(0.0, Number(min=0, max=1, max_open=True))
-    min_ngram: int = _f(1, Int())
-    max_ngram: int = _f(3, Int())
-    branches: int = _f(1, Int(min=1, note="1 = a chain"))
+    min_ngram: int = _f(1, Int(max=MAX_NGRAM))
+    max_ngram: int = _f(3, Int(max=MAX_NGRAM))
+    branches: int = _f(1, Int(min=1, max=32, note="1 = a chain"))
     tree: str = _f("chain", Choice(ALL_TREES, what="tree"))
     # tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees),
     # where a forward costs about linear in the tokens it scores; chain stays the default there
-    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1))
+    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1), TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
     tree_choices: list[list[int]] | None = _f(None, Choices())
-    tree_budget: int = _f(6, Int(min=1))
-    tree_topk: int = _f(2, Int(min=1))
-    exit_layer: int = _f(0, Int(min=0, note="layers the early-exit draft runs; 0 = unset"))
-    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices"))
+    tree_budget: int = _f(6, Int(min=1, max=MAX_TREE_NODES))
+    tree_topk: int = _f(2, Int(min=1, max=16))
+    exit_layer: int = _f(0, Int(min=0, max=4096, note="layers the early-exit draft runs; 0 = unset"))
+    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices", max_len=4096))
     skip_config: str | None = _f(None, OptStr("a path"))
     # suffix
-    max_spec_factor: float = _f(1.0, Number(min=0, min_open=True))
+    max_spec_factor: float = _f(1.0, Number(min=0, max=1000, min_open=True))
     min_token_prob: float = _f(0.1, Number(min=0, max=1))
-    tree_nodes: int = _f(24, Int(min=1, what="draft tree node budget"))
-    max_occurrences: int = _f(256, Int(min=1))
+    tree_nodes: int = _f(24, Int(min=1, max=MAX_TREE_NODES, what="draft tree node budget"))
+    max_occurrences: int = _f(256, Int(min=1, max=65536))
     datastore: str | None = _f(None, OptStr("a path"), used_by=lambda: ("suffix",))
     # token_recycling
-    recycle_branching: list[int] = _f([4, 2, 2, 1], IntList(min=1, what="children per node at each depth"),
-                                      TreeSize(max_depth=64, max_nodes=4096))
+    recycle_branching: list[int] = _f([4, 2, 2, 1], IntList(min=1, max=MAX_RECYCLE_TOPK,
+                                                            what="children per node at each depth"),
+                                      TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
     # lookahead
-    lookahead_window: int = _f(4, Int(min=1, what="W"))
-    lookahead_ngram: int = _f(3, Int(min=2, what="N"))
-    lookahead_max_ngrams: int = _f(4, Int(min=1, what="G"))
+    lookahead_window: int = _f(4, Int(min=1, max=MAX_DRAFT, what="W"))
+    lookahead_ngram: int = _f(3, Int(min=2, max=MAX_NGRAM, what="N"))
+    lookahead_max_ngrams: int = _f(4, Int(min=1, max=MAX_DRAFT, what="G"))
     # hybrid (retrieval when its match is long, the draft model otherwise) and auto's retrieval arms
-    retrieval_k: int = _f(16, Int(min=1, what="depth of retrieval drafts"), used_by=lambda: ("hybrid", "auto"))
-    hybrid_min_match: int = _f(4, Int(min=1, what="suffix match length from which retrieval drafts"),
+    retrieval_k: int = _f(16, Int(min=1, max=MAX_DRAFT, what="depth of retrieval drafts"),
+                          used_by=lambda: ("hybrid", "auto"))
+    hybrid_min_match: int = _f(4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"),
                                used_by=lambda: ("hybrid", "auto"))
     hybrid_merge: bool = _f(False, Bool(), used_by=lambda: ("hybrid",))
     # cascade: prompt lookup proposes up to cascade_k tokens per draft-model forward, the draft model checks them
-    cascade_k: int = _f(4, Int(min=1), used_by=lambda: ("cascade",))
+    cascade_k: int = _f(4, Int(min=1, max=MAX_DRAFT), used_by=lambda: ("cascade",))
     # auto: the arms it chooses among (method names; empty = every one this decoder can run) and the
     # autotune file with their priors (None = the file `specdraft autotune` wrote for this target, draft,
     # backend and CPU, if any; "off" = none, online calibration only)
-    auto_arms: list[str] = _f([], StrList(), used_by=lambda: ("auto",))
+    auto_arms: list[str] = _f([], StrList(max_len=64), used_by=lambda: ("auto",))
     autotune: str | None = _f(None, OptStr("a path"), used_by=lambda: ("auto",))
     # medusa / eagle: the trained head's directory (specdraft train); its type and target are checked
     # when it is loaded (heads.load_head), not here
@@ -514,6 +541,12 @@ class SpecConfig:
         (lambda s: s.max_k >= s.k, lambda s: f"max_k must be >= k, got max_k={s.max_k} < k={s.k}"),
         (lambda s: 1 <= s.min_ngram <= s.max_ngram,
          lambda s: f"need 1 <= min_ngram <= max_ngram, got min_ngram={s.min_ngram}, max_ngram={s.max_ngram}"),
+        (lambda s: s.branches * s.k <= MAX_TREE_NODES,
+         lambda s: f"branches ({s.branches}) x k ({s.k}) makes a tree of more than {MAX_TREE_NODES} nodes"),
+        # lookahead's tree: a Jacobi window of W columns and G pooled n-grams, N - 1 levels each
+        (lambda s: (s.lookahead_window + s.lookahead_max_ngrams) * (s.lookahead_ngram - 1) <= MAX_TREE_NODES,
+         lambda s: f"lookahead_window ({s.lookahead_window}) + lookahead_max_ngrams ({s.lookahead_max_ngrams}), times "
+                   f"lookahead_ngram - 1 ({s.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes"),
         (lambda s: s.tree == "chain" or s.schedule == "constant",
          lambda s: f"tree={s.tree!r} needs schedule 'constant', got {s.schedule!r}"),
     )

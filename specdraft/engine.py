@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
-from .errors import ConfigError, ContextLengthError, SpecDraftError
+from .errors import ConfigError, ContextLengthError
 from .metrics import GenerationStats, StepRecord
 from .policy import BatchRule, DraftLength
 from .processors import RequestProcessor, logprob_entries
@@ -123,17 +123,17 @@ class Engine:
 
     def add_many(self, items: list[tuple]) -> list:
         """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length]) at once, prefilled
-        together in one forward. Returns, per item, its Request or the SpecDraftError that refused it."""
+        together in one forward. Returns, per item, its Request or the exception that refused it."""
         rows, out = [], []
         for item in items:
             try:
                 rows.append(self._new_request(*item))
                 out.append(rows[-1])
-            except SpecDraftError as e:
+            except Exception as e:  # this item's own setup (its sampling, its drafter's begin): it alone fails
                 out.append(e)
         if rows:
             self._prefill(rows)
-        if len(items) == 1 and isinstance(out[0], SpecDraftError):
+        if len(items) == 1 and isinstance(out[0], Exception):
             raise out[0]
         return out
 
@@ -210,11 +210,13 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One decoding step for every row; returns the rows that finished (already removed)."""
+        shed = self._shed()
         rows = self.rows
         if not rows:
-            return []
+            return shed
         t0 = time.perf_counter()
         drafts, draft_s = self._draft(rows)
+        drafts = self._fit(drafts)
         t1 = time.perf_counter()
         logits = self._process(rows, drafts, self._score(rows, drafts))
         n_acc, new, keep = self._verify(rows, drafts, logits)
@@ -233,7 +235,38 @@ class Engine:
         self.last_step_s = time.perf_counter() - t0
         finished = [rows[r] for r in done]
         self._drop(done)
-        return finished
+        return shed + finished
+
+    def _shed(self) -> list[Request]:
+        """Rows a shared, full cache cannot feed even their pending token this step leave first, the last
+        joined first, each with its own error: the others decode on (llama.cpp: rows share n_ctx cells)."""
+        room = self.kv.draft_room()
+        over = 0 if room is None else len(self.rows) - room[1]
+        gone = self.rows[len(self.rows) - over:] if over > 0 else []
+        for row in gone:
+            row.error = ContextLengthError("the model's context (shared by the requests decoding together) is "
+                                           "full; retry when fewer requests run")
+            self._finish(row, "error")
+        if gone:
+            self._drop(list(range(len(self.rows) - len(gone), len(self.rows))))
+        return gone
+
+    def _fit(self, drafts: list[DraftTree]) -> list[DraftTree]:
+        """Drafts cut to what a shared, bounded cache can take this step (``SequenceRows.draft_room``): the
+        free cells beyond the pending tokens and, for token trees, the spare sequence ids. A cut draft keeps
+        its first nodes (ancestor-closed), as if its drafter had stopped early, so verification stays exact."""
+        room = self.kv.draft_room()
+        if room is None:
+            return drafts
+        seqs, cells = room[0], room[1] - len(drafts)
+        out = []
+        for d in drafts:
+            d = d.first(max(cells, 0))
+            while d.extra_leaves() > seqs:
+                d = d.first(d.size // 2)
+            seqs, cells = seqs - d.extra_leaves(), cells - d.size
+            out.append(d)
+        return out
 
     @staticmethod
     def _guard(rows: list[Request], fn, *args, default=None):
@@ -318,7 +351,7 @@ class Engine:
         logits = logits.to(torch.float32, copy=True)
         for r in todo:
             m = drafts[r].size + 1
-            out = self._guard([rows[r]], rows[r].processor.process, logits[r, :m], rows[r].tokens, drafts[r])
+            out = self._guard([rows[r]], _processed, rows[r].processor, logits[r, :m], rows[r].tokens, drafts[r])
             if out is not None:
                 logits[r, :m] = out
         return logits
@@ -387,6 +420,16 @@ class Engine:
         if finish is not None:
             self._finish(row, finish)
         return finish is not None
+
+
+def _processed(processor: RequestProcessor, logits: torch.Tensor, history: list[int], draft: DraftTree) -> torch.Tensor:
+    """A row's processed logits; a position where processing left no token (greedy would emit the masked
+    token 0, sampling would draw from NaN) fails the row with a clear error instead."""
+    out = processor.process(logits, history, draft)
+    if not bool((out > float("-inf")).any(-1).all()):
+        raise ConfigError("no token is allowed here: the request's constraints (grammar, min_tokens, logit_bias) "
+                          "rule out every token")
+    return out
 
 
 def _slots(keep) -> list[int]:
@@ -483,7 +526,7 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
             admit, waiting = waiting[:room], waiting[room:]
             items = [(job[0], job[1], job[2], None, i, job[3] if len(job) > 3 else None) for i, job in admit]
             for r in eng.add_many(items):
-                if isinstance(r, SpecDraftError):
+                if isinstance(r, Exception):
                     raise r
         for row in eng.step():
             if row.error is not None:

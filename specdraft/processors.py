@@ -189,15 +189,19 @@ class RequestProcessor:
                 x = x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
         if sp.logit_bias:
             x[:, self.bias_ids] += self.bias
+        if self.constraint is not None:
+            for slot, allowed in self._masks(history, parents, tokens):
+                x[slot].masked_fill_(~allowed, float("-inf"))
         if sp.min_tokens:
             depth = torch.zeros(len(x), dtype=torch.long)
             if tree is not None and tree.size:
                 depth[1:] = tree.depths()
             early = (len(history) - self.prompt_len + depth) < sp.min_tokens
-            x[early[:, None] & _onehot_rows(self.eos, self.V)] = float("-inf")
-        if self.constraint is not None:
-            for slot, allowed in self._masks(history, parents, tokens):
-                x[slot].masked_fill_(~allowed, float("-inf"))
+            eos = _onehot_rows(self.eos, self.V)
+            # a grammar whose document is complete allows only EOS: it ends the output before min_tokens
+            # (masking EOS there would leave no token at all)
+            other = (x.masked_fill(eos, float("-inf")) > float("-inf")).any(-1)
+            x[(early & other)[:, None] & eos] = float("-inf")
         return x
 
     def _path_counts(self, parents: list[int], tokens: list[int], tree) -> torch.Tensor:

@@ -82,6 +82,20 @@ class DraftTree:
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         return DraftTree(self.tokens[keep], parents, probs)
 
+    def extra_leaves(self) -> int:
+        """Leaves beyond the first (0 for a chain or an empty tree): a token tree's extra sequences on llama.cpp."""
+        if self.size == 0:
+            return 0
+        has_child = torch.zeros(self.size, dtype=torch.bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        return int((~has_child).sum()) - 1
+
+    def first(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes (topological order keeps every kept node's ancestors): a smaller draft of
+        the same candidates, as if the drafter had stopped after them."""
+        keep = torch.arange(self.size) < n
+        return self if bool(keep.all()) else self.subset(keep)
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for node -1, the root)."""
         path, par = [], self.parents.tolist()

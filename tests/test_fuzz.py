@@ -3,9 +3,17 @@
 nested objects, unknown fields; mostly on top of a valid request so that the checks past the first
 one are reached too), plus hostile raw bodies (invalid UTF-8, deep nesting, a 50 MB body, a prompt of
 a million tokens). Every answer must be a 2xx or a 4xx, never a 5xx or a hang, and every 400 about a
-request field must name it."""
+request field must name it.
 
+The ``spec`` object (issue 29): every SpecConfig field with wrong types, huge values, file paths and
+method / tree / schedule names, alone and next to a normal request decoding concurrently in the same
+batch (the normal one's text must equal decoding alone); on SmolLM2, structured-output constraints that
+dead-end (a grammar complete before min_tokens) next to a normal request."""
+
+import dataclasses
 import json
+import os
+import threading
 from collections import Counter
 
 import httpx
@@ -14,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_util import running_server
+from specdraft.config import SpecConfig
+from specdraft.methods import REGISTRY
 from test_server_fast import tiny_pair
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -40,7 +50,7 @@ BODY_LEVEL = ("the request body",)  # errors about the body as a whole name no f
 def server():
     with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
                         max_queue=64, timeout_s=30, max_batch=4, default_max_tokens=4) as (url, app):
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url, timeout=60, headers={"Content-Type": "application/json"}) as c:
             yield c
 
 
@@ -58,6 +68,8 @@ def check(r: httpx.Response) -> None:
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if r.status_code == 400 and not err["message"].startswith(BODY_LEVEL):
         assert err["param"], err
+        if err["message"].startswith("spec"):
+            assert err["param"].startswith("spec"), err
 
 
 @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -104,3 +116,135 @@ def test_size_limits(server):
     assert r.json()["error"]["param"] == "prompt"
     r = server.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})  # still serving
     assert r.status_code == 200
+
+
+# --- the spec object (issue 29) -------------------------------------------------------------------------
+SPEC_FIELDS = [f.name for f in dataclasses.fields(SpecConfig)]
+SPEC_JUNK = st.one_of(
+    JUNK, st.sampled_from([0, 1, 2, 16, 64, 65, 256, 257, 300, 4096, 10**30, -10**30, 1e300]),
+    st.sampled_from(["/dev/zero", "/etc/hostname", "/bin/ls", "/no/such/file", ".", "off", "medusa"]),
+    st.lists(st.sampled_from([0, 1, 2, 3, 16, 17, 300, 4096]), max_size=5),
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=6),
+    st.sampled_from(list(REGISTRY) + ["chain", "static", "dynamic", "constant", "heuristic", "cost_aware", "typical"]),
+)
+PLAUSIBLE = st.fixed_dictionaries({}, optional={  # valid-looking settings, so that decoding is reached too
+    "k": st.integers(1, 8), "schedule": st.sampled_from(["constant", "cost_aware"]), "branches": st.integers(1, 4),
+    "tree": st.sampled_from(["chain", "static", "dynamic"]), "recycle_branching": st.just([3, 2]),
+    "lookahead_window": st.integers(1, 6), "exit_layer": st.integers(1, 2), "skip_layers": st.just([1])})
+SPECS = st.builds(lambda m, ok, extra: {"method": m, **ok, **extra}, st.sampled_from(list(REGISTRY)), PLAUSIBLE,
+                  st.one_of(st.just({}), st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_JUNK, max_size=4)))
+SPEC_STATUS = Counter()
+NORMAL = {"prompt": [1, 2, 3, 1, 2, 3, 1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(spec=SPECS, max_tokens=st.integers(1, 4), temperature=st.sampled_from([0, 1.0]))
+def test_fuzz_spec(server, spec, max_tokens, temperature):
+    r = server.post("/v1/completions", content=json.dumps({"prompt": [1, 2, 3, 1, 2], "max_tokens": max_tokens,
+                                                           "temperature": temperature, "spec": spec}))
+    SPEC_STATUS["alone", r.status_code] += 1
+    check(r)
+
+
+@pytest.fixture(scope="module")
+def normal_text(server):
+    return server.post("/v1/completions", content=json.dumps(NORMAL)).json()["choices"][0]["text"]
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(spec=SPECS, stream=st.booleans())
+def test_fuzz_spec_next_to_a_normal_request(server, normal_text, spec, stream):
+    """A hostile spec and a normal request sent together (same batch): the normal one decodes exactly as alone."""
+    out = {}
+
+    def send(name, body):
+        out[name] = server.post("/v1/completions", content=json.dumps(body))
+
+    ts = [threading.Thread(target=send, args=("hostile", {"prompt": [4, 5, 4, 5], "max_tokens": 4, "spec": spec,
+                                                          "stream": stream, "temperature": 0.7})),
+          threading.Thread(target=send, args=("normal", NORMAL))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    SPEC_STATUS["pair", out["hostile"].status_code] += 1
+    check(out["hostile"])
+    assert out["normal"].status_code == 200 and out["normal"].json()["choices"][0]["text"] == normal_text
+
+
+def test_fuzz_spec_reached_decoding():
+    """Not vacuous: generated specs both decode and get refused."""
+    assert SPEC_STATUS["alone", 200] >= 50 and SPEC_STATUS["alone", 400] >= 100, SPEC_STATUS
+    assert SPEC_STATUS["pair", 200] >= 10, SPEC_STATUS
+    print("spec fuzz statuses:", dict(SPEC_STATUS))
+
+
+# every field x every hostile value, each under the method that reads the field, with and without the
+# cost-aware schedule (which timed a (k + 1)-token forward for any k)
+FIELD_METHOD = {"lookahead": "lookahead", "recycle": "token_recycling", "tree_": "draft_model", "branches": "prompt_lookup",
+                "skip_": "layer_skip", "exit_layer": "early_exit", "head": "medusa", "datastore": "suffix",
+                "tree_nodes": "suffix", "max_occurrences": "suffix", "min_token_prob": "suffix",
+                "max_spec_factor": "suffix", "retrieval_k": "hybrid", "hybrid_": "hybrid", "cascade_k": "cascade",
+                "auto_arms": "auto", "autotune": "auto", "confidence_threshold": "draft_model"}
+HOSTILE = [10**30, -1, 0, 65, 300, 4096, 1e300, True, None, "", "x", {}, [4096], [300, 300], [[0]] * 300,
+           "/dev/zero", "/etc/hostname", "/no/such/file", "FIFO"]
+
+
+def test_spec_field_sweep(server, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for field in SPEC_FIELDS:
+        method = next((m for prefix, m in FIELD_METHOD.items() if field.startswith(prefix)), "prompt_lookup")
+        for value in HOSTILE:
+            value = str(fifo) if value == "FIFO" else value
+            for extra in ({}, {"schedule": "cost_aware"}, {"tree": "dynamic"}):
+                spec = {"method": method, **extra, field: value}
+                r = server.post("/v1/completions", content=json.dumps({"prompt": [1, 2, 3, 1, 2], "max_tokens": 2,
+                                                                       "spec": spec}))
+                SPEC_STATUS["sweep", r.status_code] += 1
+                check(r)
+    assert SPEC_STATUS["sweep", 200] >= 40 and SPEC_STATUS["sweep", 400] >= 1000, SPEC_STATUS
+    print("spec sweep statuses:", {k: v for k, v in SPEC_STATUS.items() if k[0] == "sweep"})
+
+
+DEAD_ENDS = st.fixed_dictionaries(
+    {"guided_choice": st.sampled_from([["yes", "no"], ["a"], ["maybe", "yes"]]), "min_tokens": st.integers(0, 6),
+     "max_tokens": st.integers(1, 6), "temperature": st.sampled_from([0, 0.7, 1.5])},
+    optional={"logit_bias": st.sampled_from([{"2": -100}, {"2": 100}, {"²": 5}]), "seed": st.integers(0, 3),
+              "spec": st.sampled_from([{"method": "prompt_lookup"}, {"method": "suffix"}, {"method": "lookahead"},
+                                       {"method": "token_recycling"}]),
+              "ignore_eos": st.booleans(), "stream": st.booleans()})
+
+
+@pytest.fixture(scope="module")
+def smol_server(smol_f32):
+    from specdraft.api import SpecDecoder
+
+    with running_server(SpecDecoder(smol_f32, None), model_name="smol", max_batch=4, timeout_s=120,
+                        default_spec={"method": "prompt_lookup"}) as (url, app):
+        with httpx.Client(base_url=url, timeout=120, headers={"Content-Type": "application/json"}) as c:
+            normal = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            want = c.post("/v1/completions", json=normal).json()["choices"][0]["text"]
+            yield c, normal, want
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=DEAD_ENDS)
+def test_fuzz_dead_end_constraints_on_smol(smol_server, body):
+    """Constraints that leave no token (a choice complete before min_tokens, EOS biased away) next to a
+    normal request: never a 5xx, and the normal request's text is unchanged."""
+    c, normal, want = smol_server
+    out = {}
+
+    def send(name, b):
+        out[name] = c.post("/v1/completions", content=json.dumps(b))
+
+    ts = [threading.Thread(target=send, args=("hostile", {"prompt": "Is the sky blue? Answer:", **body})),
+          threading.Thread(target=send, args=("normal", normal))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    SPEC_STATUS["dead_end", out["hostile"].status_code] += 1
+    check(out["hostile"])
+    assert out["normal"].json()["choices"][0]["text"] == want

@@ -326,7 +326,8 @@ def test_server_on_the_backend(dec):
 
     from server_util import running_server
 
-    with running_server(dec, default_spec={"method": "suffix"}, max_batch=2) as (url, _):
+    with running_server(dec, default_spec={"method": "suffix"}, max_batch=2,
+                        resources={"head": {"x": "/no/head"}}) as (url, _):  # a head the operator named "x"
         body = {"model": "smol", "prompt": "Count: one, two, three,", "max_tokens": 8, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

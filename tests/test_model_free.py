@@ -277,12 +277,12 @@ def test_greedy_exact_on_tiny_model(tmp_path):
 
 def test_spec_config_validation():
     for d, msg in [
-        ({"method": "suffix", "max_spec_factor": 0}, "max_spec_factor must be > 0"),
+        ({"method": "suffix", "max_spec_factor": 0}, r"max_spec_factor must be in \(0, 1000\]"),
         ({"method": "suffix", "min_token_prob": 1.5}, r"min_token_prob must be in \[0, 1\]"),
         ({"method": "suffix", "tree_nodes": 0}, "tree_nodes"),
         ({"method": "prompt_lookup", "datastore": "x"}, "datastore is used by method 'suffix' only"),
         ({"method": "token_recycling", "recycle_branching": [4, 0]}, "recycle_branching must be"),
-        ({"method": "token_recycling", "recycle_branching": [16, 16, 16]}, "at most 4096"),
+        ({"method": "token_recycling", "recycle_branching": [16, 16, 16]}, "at most 256"),
         ({"method": "lookahead", "lookahead_ngram": 1}, "lookahead_ngram"),
         ({"method": "lookahead", "lookahead_window": 0}, "lookahead_window"),
     ]:

@@ -128,8 +128,8 @@ def test_streaming_wire_format_and_text(server, ref_dec):
      "response_format", "json_schema"),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format must be"),
     ({"prompt": "x", "guided_regex": "a", "guided_json": {}}, "guided_regex", "set one structured-output constraint"),
-    ({"prompt": "x", "spec": {"method": "medusa"}}, "spec", "method 'medusa' needs head=DIR"),
-    ({"prompt": "x", "spec": {"k": 0}}, "spec", "k (draft tokens per step) must be >= 1"),
+    ({"prompt": "x", "spec": {"method": "medusa"}}, "spec.method", "method 'medusa' needs head=DIR"),
+    ({"prompt": "x", "spec": {"k": 0}}, "spec.k", "k (draft tokens per step) must be >= 1"),
     ({"prompt": "x", "spec": {"kk": 1}}, "spec", "unknown SpecConfig field(s) ['kk']"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ({}, "prompt", "missing required parameter: prompt"),
@@ -155,7 +155,7 @@ def test_error_responses_through_openai_client(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt="x")
     assert e.value.code == "model_not_found"
-    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=60)
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
 
 

@@ -103,7 +103,7 @@ def test_errors(tiny_server):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]}, timeout=60)
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": [1], "spec": {"method": "nope"}}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "unknown method" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec.method" and "unknown method" in r.json()["error"]["message"]
     tree = {"prompt": [1, 2, 1], "max_tokens": 3, "spec": {"method": "prompt_lookup", "branches": 2}, "temperature": 0.5}
     r = httpx.post(url + "/v1/completions", json=tree, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # trees batch too
@@ -155,6 +155,9 @@ def tiny_heads(tiny_server, tmp_path_factory):
     dirs = train_tiny_heads(dec.target, out, [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7, 1, 7], [2, 9, 4, 2]], n_heads=2)
     other = tiny_llama(vocab=16, seed=7)  # same shapes, other weights: its head must not fit this target
     dirs["other"] = train_tiny_heads(other, out / "other", [[1, 2, 3]], steps=1, n_heads=2)["medusa"]
+    dirs["missing"] = out / "no_such_head"
+    # a request names heads by the names the operator configured (as `serve --resource head:NAME=PATH` does)
+    app.state.resources["head"] = {name: str(d) for name, d in dirs.items()}
     return dirs
 
 
@@ -165,7 +168,7 @@ def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
     """Both schedulers serve Medusa and EAGLE (the batch one batches them: per-row drafters on their
     rows' features); concurrent greedy requests equal plain decoding."""
     url, app, dec, kind = tiny_server
-    spec = {**spec, "head": str(tiny_heads[spec["method"]])}
+    spec = {**spec, "head": spec["method"]}  # the configured name
     out, refs = _three_concurrent_greedy(url, dec, spec, 8)
     assert [o["choices"][0]["text"] for o in out] == refs
     assert all(o["usage"]["method"] == spec["method"] for o in out)
@@ -174,13 +177,14 @@ def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
 def test_bad_head_is_a_400_on_spec(tiny_server, tiny_heads):
     url, app, dec, kind = tiny_server
     body = {"prompt": [1, 2, 3], "max_tokens": 3}
-    cases = [({"method": "medusa", "head": str(tiny_heads["other"])}, "LM head weights differ"),
-             ({"method": "eagle", "head": str(tiny_heads["medusa"])}, "is a medusa head"),
-             ({"method": "medusa", "head": str(tiny_heads["medusa"]) + "_nope"}, "not found")]
-    for spec, fragment in cases:
+    cases = [({"method": "medusa", "head": "other"}, "LM head weights differ", "spec"),
+             ({"method": "eagle", "head": "medusa"}, "is a medusa head", "spec"),
+             ({"method": "medusa", "head": "missing"}, "not found", "spec"),
+             ({"method": "medusa", "head": str(tiny_heads["medusa"])}, "may not name a file path", "spec.head")]
+    for spec, fragment, param in cases:
         r = httpx.post(url + "/v1/completions", json={**body, "spec": spec}, timeout=60)
         err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "spec" and fragment in err["message"], err
+        assert r.status_code == 400 and err["param"] == param and fragment in err["message"], err
 
 
 def test_concurrent_and_cancelled(tiny_server):

@@ -57,16 +57,22 @@ def test_paced_regroups_into_fixed_chunks_on_ticks(delay_s):
     assert times[-1] - times[0] < (len(times) - 1) * p.interval_s + 0.1, times
 
 
-def test_paced_passes_errors_at_once():
+def test_paced_sends_errors_on_the_grid_after_buffered_tokens():
+    """An error is paced like the end: the tokens buffered before it go out first, in chunks on ticks,
+    then the error on the next tick (its time must not tell when a step failed)."""
     async def source():
-        yield "tokens", ([1, 2], None)
+        yield "tokens", ([1, 2, 3, 4, 5], None)
         yield "error", "boom"
 
     async def collect():
-        return [kind async for kind, _ in paced(source(), StreamPacing(4, 10.0))]
+        t0 = time.monotonic()
+        return [(time.monotonic() - t0, kind, p) async for kind, p in paced(source(), StreamPacing(2, 0.05), t0)]
 
-    t0 = time.monotonic()
-    assert asyncio.run(collect()) == ["error"] and time.monotonic() - t0 < 5
+    out = asyncio.run(collect())
+    assert [(k, p if k == "error" else p[0]) for _, k, p in out] == [
+        ("tokens", [1, 2]), ("tokens", [3, 4]), ("tokens", [5]), ("error", "boom")]
+    gaps = [b[0] - a[0] for a, b in zip(out, out[1:])]
+    assert all(g >= 0.045 for g in gaps), gaps
 
 
 def test_padding_makes_equal_sizes():

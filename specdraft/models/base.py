@@ -63,6 +63,12 @@ class SequenceRows(Protocol):
         """Release cache space no row uses any more."""
         ...
 
+    def draft_room(self) -> tuple[int, int] | None:
+        """What one forward may feed beyond the rows' pending tokens, when the cache is shared and bounded:
+        (spare sequence ids for a token tree's extra leaves, free cells for every row's fed tokens
+        together), or None when it bounds neither (the engine fits drafts to it: engine.Engine._fit)."""
+        ...
+
 
 class TargetModel(Protocol):
     name: str

@@ -392,6 +392,10 @@ class HFRows:
             self.valid[r, slots[n:]] = False
             self.lens[r] = n
 
+    def draft_room(self) -> None:
+        """Each row's cache grows as needed: no shared bound on a forward's feed."""
+        return None
+
     @torch.inference_mode()
     def trim(self) -> None:
         """Drop leading and trailing columns that no row uses."""

@@ -287,16 +287,20 @@ class LlamaRows:
             self.model.enable_hidden_capture()
         if len(prefixes) > len(self.free):
             raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
+        new = [self.free.pop() for _ in prefixes]
+        items = [(t, i, (s,), None) for s, p in zip(new, prefixes) for i, t in enumerate(p)]
+        try:
+            for at in range(0, len(items), N_BATCH):  # no logits: the loop never reads a prefill's
+                self._decode_items(items[at: at + N_BATCH])
+        except BaseException:  # (context full): no trace of these rows, or a later row would inherit their cells
+            for s in new:
+                self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
+                self.free.append(s)
+            raise
         first = self.B
-        for p in prefixes:
-            self.seq.append(self.free.pop())
-            self.lens.append(0)
+        self.seq += new
+        self.lens += [len(p) for p in prefixes]
         self.prefill_hidden = [None] * len(prefixes)
-        items = [(t, i, (self.seq[first + r],), None) for r, p in enumerate(prefixes) for i, t in enumerate(p)]
-        for at in range(0, len(items), N_BATCH):  # no logits: the loop never reads a prefill's
-            self._decode_items(items[at: at + N_BATCH])
-        for r, p in enumerate(prefixes):
-            self.lens[first + r] = len(p)
         return list(range(first, self.B))
 
     def remove_rows(self, idx: list[int]) -> None:
@@ -312,6 +316,13 @@ class LlamaRows:
                 hidden: bool = False) -> torch.Tensor:
         if hidden:
             self.model.enable_hidden_capture()
+        try:
+            return self._forward(seqs, keep, trees)
+        except BaseException:  # a failed feed leaves no cells and holds no spare sequences
+            self._drop_feed()
+            raise
+
+    def _forward(self, seqs, keep, trees) -> torch.Tensor:
         N = max(max((len(s) for s in seqs), default=0), 1)
         first_out = N - keep if keep else 0  # fed index of the first position whose logits are returned
         items = []  # (token, position, sequence ids, (row, column) of its logits or None)
@@ -325,7 +336,9 @@ class LlamaRows:
             for i, tok in enumerate(s):
                 items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
                               (r, i - first_out) if i >= first_out else None))
-        n_out = N - first_out
+        return self._feed(items, N, N - first_out)
+
+    def _feed(self, items: list, N: int, n_out: int) -> torch.Tensor:
         whole = self.B == 1 and len(items) == N <= N_BATCH  # a single row's feed in one decode
         out = None if whole else torch.zeros(self.B, n_out, self.V)
         for at in range(0, len(items), N_BATCH):  # a long catch-up feed takes several decodes
@@ -337,6 +350,20 @@ class LlamaRows:
                 return torch.from_numpy(src.copy()).view(1, n_out, self.V)
             out[torch.tensor([w[0] for w in where]), torch.tensor([w[1] for w in where])] = torch.from_numpy(src)
         return out
+
+    def _drop_feed(self) -> None:
+        """Undo a forward that failed part way: cells past each row's length, the spare tree sequences."""
+        for r, s in enumerate(self.seq):
+            self.ll.llama_memory_seq_rm(self.mem, s, self.lens[r], -1)
+        for tree in self._tree_seqs:
+            for x in tree[1] if tree is not None else ():
+                self.ll.llama_memory_seq_rm(self.mem, x, -1, -1)
+                self.free.append(x)
+        self._tree_seqs = []
+
+    def draft_room(self) -> tuple[int, int]:
+        """(spare sequence ids, free cells): the rows' committed tokens hold distinct cells of n_ctx."""
+        return len(self.free), self.model.n_ctx - sum(self.lens)
 
     def _decode_items(self, items: list) -> list:
         """One ``llama_decode`` of at most N_BATCH (token, position, sequence ids, logits slot or None)

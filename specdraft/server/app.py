@@ -69,11 +69,11 @@ class _JobStream(StreamingResponse):
             self._on_close()
 
 
-async def _read_json(request: Request, limit: int):
-    """The body as JSON, or a RequestError: 413 past ``limit`` bytes (checked on the declared length, then
-    while reading a chunked body), 400 for invalid UTF-8 / JSON or nesting too deep to parse."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or a 413 RequestError past ``limit`` bytes (checked on the declared length, then while
+    reading a chunked body)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {limit}",
                            status=413, code="body_too_large")
     raw = bytearray()
@@ -81,8 +81,15 @@ async def _read_json(request: Request, limit: int):
         raw += chunk
         if len(raw) > limit:
             raise RequestError(f"the request body exceeds {limit} bytes", status=413, code="body_too_large")
+    return bytes(raw)
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, or a RequestError: 413 past ``limit`` bytes, 400 for invalid UTF-8 / JSON or
+    nesting too deep to parse."""
+    raw = await read_body(request, limit)
     try:
-        return json.loads(bytes(raw).decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise RequestError("the request body is not valid UTF-8") from None
     except json.JSONDecodeError:
@@ -112,21 +119,68 @@ def _unauthorized(message: str) -> JSONResponse:
     return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+def key_problem(request: Request, api_key: str) -> str | None:
+    """Why ``request`` does not carry ``Authorization: Bearer <api_key>`` (compared in constant time), or None."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    if not auth:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return "invalid API key"
+    return None
+
+
 def key_check(api_key: str, open_metrics: bool = False):
     """An HTTP middleware: every path but /health (and /metrics with ``open_metrics``) needs
-    ``Authorization: Bearer <api_key>``, compared in constant time; otherwise 401 in OpenAI's shape."""
-    want = api_key.encode()
+    ``Authorization: Bearer <api_key>``; otherwise 401 in OpenAI's shape. (/health answers without it,
+    but only whether the server is up: see ``health_details``.)"""
     open_paths = OPEN_PATHS + (("/metrics",) if open_metrics else ())
 
     async def check(request: Request, call_next):
         if request.url.path in open_paths:
             return await call_next(request)
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if not auth:
-            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), want):
-            return _unauthorized("invalid API key")
+        problem = key_problem(request, api_key)
+        if problem:
+            return _unauthorized(problem)
+        return await call_next(request)
+
+    return check
+
+
+def health_details(request: Request, api_key: str | None, hidden: bool = False) -> bool:
+    """Whether /health may tell ``request`` more than up / draining: queue, rows and cache length move with
+    each step's accepted drafts. With an API key, only to its holders; without one, unless ``hidden``
+    (a fixed-only server hides acceptance from everyone)."""
+    return key_problem(request, api_key) is None if api_key else not hidden
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def _host_name(host: str) -> str:
+    if host.startswith("["):  # [::1]:8000
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def origin_check(allowed_hosts: tuple[str, ...]):
+    """An HTTP middleware for a server without an API key: a browser page must not reach it. A POST must be
+    ``Content-Type: application/json`` (a cross-site form or simple request cannot send that without a
+    CORS preflight, which this server never grants), and the Host header must name an allowed host, so a
+    DNS-rebinding page (Host: its own domain) is refused."""
+    allowed = {h.lower() for h in allowed_hosts}
+
+    async def check(request: Request, call_next):
+        host = _host_name(request.headers.get("host", "").lower())
+        if host not in allowed:
+            e = RequestError(f"the Host header {host!r} is not one this server answers to", status=421,
+                             code="misdirected_request")
+            return JSONResponse(e.body(), status_code=421)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.method == "POST" and ctype != "application/json":
+            e = RequestError(f"the request body must be sent as Content-Type: application/json, got {ctype or 'none'!r}",
+                             status=415, code="unsupported_media_type")
+            return JSONResponse(e.body(), status_code=415)
         return await call_next(request)
 
     return check
@@ -149,19 +203,24 @@ def drain_check(app: FastAPI):
 
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is parsed
+STUCK_AFTER_S = 300.0  # one engine step running longer than this makes /health say the worker is stuck
 
 
 def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
                timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
                batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False,
                max_body_bytes: int = MAX_BODY_BYTES, stream_mode: str = "normal",
-               stream_pacing: StreamPacing | None = None) -> FastAPI:
+               stream_pacing: StreamPacing | None = None, resources: dict | None = None,
+               allowed_hosts: tuple[str, ...] = (), stuck_after_s: float = STUCK_AFTER_S) -> FastAPI:
     """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
     more runs the continuous batch engine (BatchWorker) with up to that many rows. ``api_key``: every
     endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token.
     ``max_body_bytes``: larger request bodies get a 413. ``stream_mode``: a stream's mode when the request
     names none ("normal" or "fixed", server/pacing.py); ``stream_pacing``: the fixed mode's chunk, cadence,
-    padding, and whether requests must use it."""
+    padding, and whether requests must use it. ``resources``: {spec field naming a file (config.PATH_FIELDS):
+    {name: path}}, what a request's spec may name (by name; never a path). Without an API key, requests must
+    be JSON and name a loopback host or one of ``allowed_hosts`` (``origin_check``). /health answers 503 when
+    the worker died or one step has run ``stuck_after_s``."""
     if stream_mode not in STREAM_MODES:
         raise ValueError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
     pacing = stream_pacing or StreamPacing()
@@ -186,7 +245,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     app.middleware("http")(drain_check(app))
     if api_key:  # added last, so it runs first: nothing about the server is told to a caller without the key
         app.middleware("http")(key_check(api_key, open_metrics))
+    else:
+        app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
     app.state.worker = worker
+    app.state.resources = {k: dict(v) for k, v in (resources or {}).items()}
     app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
     tok = decoder.tokenizer
@@ -221,7 +283,8 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             return _error(e)
         try:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
-                              default_spec=default_spec, default_max_tokens=default_max_tokens)
+                              default_spec=default_spec, default_max_tokens=default_max_tokens,
+                              resources=app.state.resources)
             m = registered(p.spec.method)
             if decoder.backend not in m.backends:
                 raise RequestError(f"spec.method {m.name!r} is not available on the {decoder.backend} backend this "
@@ -230,11 +293,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             if needs == "draft_model" and decoder.draft is None:
                 raise RequestError(f"spec.method {p.spec.method!r} needs a draft model; this server was started "
                                    "without --draft (use prompt_lookup or plain)", param="spec")
-            try:
+            try:  # in a thread: loading an operator's head or skip config must not stall the event loop
                 if needs == "layer_view":  # the layer view must exist for this target
-                    decoder.self_draft(p.spec)
+                    await asyncio.to_thread(decoder.self_draft, p.spec)
                 elif needs == "head":  # the head must load, be of the method's type and match this target
-                    decoder.head(p.spec)
+                    await asyncio.to_thread(decoder.head, p.spec)
             except SpecDraftError as e:
                 raise RequestError(f"spec: {e}", param="spec") from None
             p.stream_mode = p.stream_mode or stream_mode
@@ -250,18 +313,21 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         except QueueFull as e:
             count(endpoint, "rejected").inc()
             return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"))
-        rb = ResponseBuilder(chat, model_name, tok)
+        fixed = p.stream_mode == "fixed"
+        rb = ResponseBuilder(chat, model_name, tok, hide_acceptance=fixed)
         method = p.spec.method
         if p.stream:
             state = {"status": "cancelled"}
             return _JobStream(stream(job, request, rb, p, state, method), job, worker,
                               lambda: count(endpoint, state["status"]).inc(), media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            while True:
-                kind, payload = await next_event(job, request, watch_disconnect=True)
+        try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
+            events = job_events(job, request, watch_disconnect=True)
+            async for kind, payload in (paced(events, app.state.stream_pacing, job.t_arrive) if fixed else events):
                 if kind == "done":
                     break
+                if kind == "timeout":
+                    raise _Timeout()
                 if kind == "error":
                     e = _engine_error(payload)
                     count(endpoint, "error" if e.status >= 500 else "invalid").inc()
@@ -287,11 +353,11 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         count(endpoint, "ok").inc()
         return JSONResponse(rb.full(res.text or "", res.stats, method, res.logprobs))
 
-    async def job_events(job: Job, request: Request):
+    async def job_events(job: Job, request: Request, watch_disconnect: bool = False):
         """The job's events, ending with its first non-"tokens" one; a timeout is ("timeout", None)."""
         while True:
             try:
-                kind, payload = await next_event(job, request, watch_disconnect=False)
+                kind, payload = await next_event(job, request, watch_disconnect)
             except _Timeout:
                 yield "timeout", None
                 return
@@ -348,9 +414,13 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                                             "max_model_len": decoder.target.max_context}]}
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
-                "rss_mb": _rss_mb()}
+    async def health(request: Request):
+        state = app.state.worker.health(stuck_after_s)
+        body = {"status": "ok" if state == "ok" else f"worker {state}"}
+        if health_details(request, api_key, hidden=app.state.stream_pacing.locked):
+            body.update({"model": model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
+                         "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")
     async def prom():

@@ -10,7 +10,7 @@ from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..engine import Engine
 from ..errors import SpecDraftError
 from ..policy import BatchRule
-from .scheduler import BaseWorker, log
+from .scheduler import BaseWorker, log, make_drafter
 
 
 class BatchWorker(BaseWorker):
@@ -49,9 +49,11 @@ class BatchWorker(BaseWorker):
         items = []
         for job in jobs:
             try:
-                items.append((job.prompt_ids, job.sampling, self.decoder.make_drafter(job.spec), wrap(job), job,
+                items.append((job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), wrap(job), job,
                               self.decoder.draft_length(job.spec)))
-            except SpecDraftError as e:
+            except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
+                if not isinstance(e, SpecDraftError):
+                    log.exception("making the drafter of request %s failed", job.id)
                 job.fail(e)
         if not items:
             return
@@ -65,6 +67,18 @@ class BatchWorker(BaseWorker):
         for it, r in zip(items, out):
             if isinstance(r, Exception):
                 it[4].fail(r)
+
+    def _reset(self, err: Exception) -> None:
+        """Fail every running request with ``err`` and start over with an empty batch."""
+        for row in list(self.engine.rows):
+            row.tag.fail(err)
+        self.engine = Engine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer, rule=self.engine.rule)
+        with self.cv:
+            self._n_rows = 0
+            self._update_gauges()
+
+    def _recover(self):
+        self._reset(RuntimeError("the batch worker failed while running this request"))
 
     def _loop(self):
         eng = self.engine
@@ -96,15 +110,16 @@ class BatchWorker(BaseWorker):
                 continue
             try:
                 t0 = time.perf_counter()
+                self.busy_since = time.monotonic()
                 finished = eng.step()
                 self.metrics.step_latency.observe(time.perf_counter() - t0)
-            except Exception as e:  # a bug: fail every running request, start over with an empty batch
+            except Exception as e:  # a bug in the shared work: fail every running request, start over
                 log.exception("batch step failed")
-                for row in list(eng.rows):
-                    row.tag.fail(e if isinstance(e, SpecDraftError) else e)
-                self.engine = eng = Engine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer,
-                                           rule=eng.rule)
+                self._reset(e)
+                eng = self.engine
                 continue
+            finally:
+                self.busy_since = None
             for row in finished:
                 if row.error is not None:  # this request's own work failed; the other rows decode on
                     log.error("request %s failed", row.tag.id, exc_info=row.error)

@@ -68,9 +68,9 @@ def _on_grid(t0: float, t: float, interval: float) -> float:
 async def paced(events: AsyncIterator[tuple], p: StreamPacing, t0: float | None = None) -> AsyncIterator[tuple]:
     """Regroup a job's ("tokens", (ids, logprob entries)) events into ``p.chunk_tokens``-token events,
     one per tick of ``p.interval_s`` from one interval after the first tokens, on the grid of ticks
-    from ``t0`` (the request's arrival, ``time.monotonic()``; default now), with ("keepalive", None) on ticks with nothing to send. The final
-    event ("done") comes on the tick after the last tokens; an error, timeout or cancellation comes at
-    once (the stream is over anyway)."""
+    from ``t0`` (the request's arrival, ``time.monotonic()``; default now), with ("keepalive", None) on
+    ticks with nothing to send. The final event ("done", or an error or timeout) comes on the tick after
+    the last buffered tokens: an error's time must not tell when a step failed either."""
     loop = asyncio.get_running_loop()  # its clock is time.monotonic()
     t0 = loop.time() if t0 is None else t0
     ids: list[int] = []
@@ -92,10 +92,7 @@ async def paced(events: AsyncIterator[tuple], p: StreamPacing, t0: float | None 
                         if payload[1] is not None:
                             lps = (lps or []) + payload[1]
                         continue
-                    if kind != "done":
-                        yield kind, payload
-                        return
-                    end = (kind, payload)
+                    end = (kind, payload)  # done, error or timeout: after the buffered tokens, on a tick
                     tick = tick or loop.time()
                     continue
             else:

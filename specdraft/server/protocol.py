@@ -16,11 +16,12 @@ naming them rather than being silently ignored.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from ..config import SamplingParams, SpecConfig
+from ..config import PATH_FIELDS, SamplingParams, SpecConfig
 from ..errors import ConfigError, ContextLengthError, SpecDraftError
 from ..engine import check_fits
 from ..processors import RequestProcessor
@@ -105,13 +106,17 @@ def _check_types(body: dict) -> None:
                            param="stream_mode")
 
 
-def _spec(body: dict, default: SpecConfig) -> SpecConfig:
+def _spec(body: dict, default: SpecConfig, resources: dict | None = None) -> SpecConfig:
+    """The request's ``spec`` merged over the server's default. Fields naming files take only the names
+    of ``resources`` ({field: {name: path}}, the operator's, from the server's start): a request never
+    names a path (a FIFO or /dev/zero would block the server; error messages would tell which files exist)."""
     s = body.get("spec")
     if s is None:
         return default
     if not isinstance(s, dict):
         raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
                            code="invalid_type")
+    s = {k: (_resource(k, v, resources or {}) if k in PATH_FIELDS else v) for k, v in s.items()}
     d = default.to_dict()
     if "k" in s and "max_k" not in s:
         d["max_k"] = max(d["max_k"], s["k"]) if _is_int(s["k"]) else d["max_k"]
@@ -119,7 +124,29 @@ def _spec(body: dict, default: SpecConfig) -> SpecConfig:
     try:
         return SpecConfig.from_dict(d)
     except ConfigError as e:
-        raise RequestError(f"spec: {e}", param="spec") from None
+        raise RequestError(f"spec: {e}", param=spec_param(str(e))) from None
+
+
+def _resource(field: str, name, resources: dict):
+    """The path the operator configured under ``name`` for a path field (None and autotune's "off" pass)."""
+    if name is None or (field == "autotune" and name == "off"):
+        return name
+    table = resources.get(field) or {}
+    if isinstance(name, str) and name in table:
+        return table[name]
+    names = ", ".join(map(repr, sorted(table))) or "none are configured"
+    raise RequestError(f"spec.{field} must name a {field} this server was started with ({names}); a request may "
+                       "not name a file path", param=f"spec.{field}")
+
+
+SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig))
+
+
+def spec_param(message: str) -> str:
+    """``spec.<field>`` for the first SpecConfig field a validation message names (else ``spec``)."""
+    message = message.split("; valid fields")[0]  # (the list of every field names them all)
+    hits = [(m.start(), f) for f in SPEC_FIELDS for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
+    return f"spec.{min(hits)[1]}" if hits else "spec"
 
 
 CHARS_PER_TOKEN = 32  # a text longer than the context x this cannot fit: refused before tokenizing it
@@ -246,7 +273,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
-                  default_max_tokens: int) -> ParsedRequest:
+                  default_max_tokens: int, resources: dict | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -306,28 +333,27 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     except ContextLengthError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
                            code="context_length_exceeded") from None
-    spec = _spec(body, default_spec)
+    spec = _spec(body, default_spec, resources)
     so = body.get("stream_options") or {}
     return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat,
                          body.get("stream_mode"))
 
 
-def usage(stats, method: str) -> dict:
+def usage(stats, method: str, hide_acceptance: bool = False) -> dict:
+    """OpenAI's usage plus this request's speculation; ``hide_acceptance`` (fixed streams) leaves out
+    everything that counts steps or accepted drafts (the side channel fixed mode closes)."""
     u = {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        # extensions: speculative decoding of this request
-        "method": method,
-        "steps": len(stats.steps),
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "mean_accepted_tokens": stats.mat,
-        "acceptance_rate": stats.acceptance_rate,
+        "method": method,  # extensions: speculative decoding of this request
     }
+    if not hide_acceptance:
+        u.update({"steps": len(stats.steps), "drafted": stats.drafted, "accepted": stats.accepted,
+                  "mean_accepted_tokens": stats.mat, "acceptance_rate": stats.acceptance_rate})
     if getattr(stats, "lossy", None):  # an opt-in lossy verification rule made this output
         u["lossy"] = stats.lossy
-    if getattr(stats, "arms", None):  # a composite drafter (auto, hybrid): steps per arm it drafted with
+    if getattr(stats, "arms", None) and not hide_acceptance:  # a composite drafter (auto, hybrid): steps per arm
         u["arms"] = stats.arms
     if getattr(stats, "reproducible", None) is not None:  # seeded sampling: does the seed pin the tokens
         u["reproducible"] = stats.reproducible
@@ -339,8 +365,9 @@ def finish_reason(stats) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, chat: bool, model: str, tokenizer=None):
+    def __init__(self, chat: bool, model: str, tokenizer=None, hide_acceptance: bool = False):
         self.chat = chat
+        self.hide_acceptance = hide_acceptance  # fixed mode: usage without steps and acceptance
         self.model = model
         self.tok = tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -359,7 +386,7 @@ class ResponseBuilder:
         else:
             d = self._base("text_completion")
             d["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": fr}]
-        d["usage"] = usage(stats, method)
+        d["usage"] = usage(stats, method, self.hide_acceptance)
         return d
 
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False,
@@ -400,7 +427,7 @@ class ResponseBuilder:
     def usage_chunk(self, stats, method: str) -> dict:
         d = self._base("chat.completion.chunk" if self.chat else "text_completion")
         d["choices"] = []
-        d["usage"] = usage(stats, method)
+        d["usage"] = usage(stats, method, self.hide_acceptance)
         return d
 
 

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import SpecDraftError
 from ..raycluster import connect
-from .app import drain_check, key_check
+from .app import LOOPBACK_HOSTS, MAX_BODY_BYTES, drain_check, health_details, key_check, origin_check, read_body
 from .protocol import RequestError
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
@@ -121,8 +121,9 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: bool = False,
-                 on_stop=None) -> FastAPI:
-    """The one endpoint in front of the replicas at ``urls``."""
+                 on_stop=None, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The one endpoint in front of the replicas at ``urls``: the same key, origin and body-size rules as a
+    replica, checked before a body is held in memory or relayed."""
     router = Router(urls)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
 
@@ -139,14 +140,20 @@ def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: b
     app.middleware("http")(drain_check(app))
     if api_key:
         app.middleware("http")(key_check(api_key, open_metrics))
+    else:
+        app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def relay(request: Request):
+        try:
+            content = await read_body(request, max_body_bytes)
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         i = router.acquire()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         try:
             up = await client.send(client.build_request(request.method, urls[i] + request.url.path,
-                                                        headers=headers, content=await request.body()), stream=True)
+                                                        headers=headers, content=content), stream=True)
         except httpx.HTTPError as e:
             router.release(i)
             return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
@@ -176,13 +183,16 @@ def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: b
         return await asyncio.gather(*(one(u) for u in urls))
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         answers = await replica_get("/health")
         replicas = [{"replica": i, "url": u, "running": router.running[i], "routed": router.routed[i],
                      **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"})}
                     for i, (u, r) in enumerate(zip(urls, answers))]
         ok = all(r["status"] == "ok" for r in replicas)
-        return JSONResponse({"status": "ok" if ok else "degraded", "replicas": replicas}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "degraded"}
+        if health_details(request, api_key):  # replica addresses and loads: the key's holders only
+            body["replicas"] = replicas
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -218,7 +228,8 @@ def start_replicas(a, spec, api_key, pacing) -> FastAPI:
     def stop():
         for h in handles:
             ray.kill(h)
-    front = create_front(urls, api_key=api_key, open_metrics=a.metrics_open, on_stop=stop)
+    front = create_front(urls, api_key=api_key, open_metrics=a.metrics_open, on_stop=stop,
+                         max_body_bytes=int(a.max_body_mb * (1 << 20)), allowed_hosts=tuple(a.allowed_host) + (a.host,))
     front.state.replicas = handles
     return front
 

@@ -28,6 +28,19 @@ class QueueFull(Exception):
     pass
 
 
+def make_drafter(decoder, spec):
+    """The request's drafter; what its spec asks that this decoder cannot make (an unknown auto arm, a
+    datastore that does not load) is a 400 naming the spec field."""
+    from .protocol import RequestError, spec_param
+
+    try:
+        return decoder.make_drafter(spec)
+    except RequestError:
+        raise
+    except SpecDraftError as e:
+        raise RequestError(f"spec: {e}", param=spec_param(str(e))) from None
+
+
 def shutdown_error():
     from .protocol import RequestError
 
@@ -97,7 +110,9 @@ class BaseWorker:
         self.waiting: deque[Job] = deque()
         self.cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self.busy_since: float | None = None  # monotonic time the current step (or request) began, None: idle
+        self.restarts = 0  # loops restarted after an exception escaped them
+        self._thread = threading.Thread(target=self._supervise, name=type(self).__name__, daemon=True)
 
     def start(self):
         self._thread.start()
@@ -113,6 +128,32 @@ class BaseWorker:
             self.cv.notify_all()
         self._cancel_running("shutdown")
         self._thread.join(timeout)
+
+    def _supervise(self) -> None:
+        """The thread's body: the loop, restarted after anything that escapes it (the rows it held are
+        failed by ``_recover``), so no request can stop the worker for good."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                log.exception("the %s worker's loop failed; its running requests fail, the loop restarts", self.kind)
+                self.restarts += 1
+                self.busy_since = None
+                try:
+                    self._recover()
+                except Exception:
+                    log.exception("recovering the worker failed")
+
+    def health(self, stuck_after_s: float) -> str:
+        """"ok", "dead" (the thread ended while the server runs) or "stuck" (one step has run for more than
+        ``stuck_after_s``), for /health."""
+        if not self._thread.is_alive() and not self._stop:
+            return "dead"
+        t = self.busy_since
+        if t is not None and time.monotonic() - t > stuck_after_s:
+            return "stuck"
+        return "ok"
 
     def _update_gauges(self):
         self.metrics.queue_depth.set(len(self.waiting))
@@ -165,6 +206,9 @@ class BaseWorker:
 
     def _cancel_running(self, reason: str) -> None: ...
 
+    def _recover(self) -> None:
+        """After the loop failed: fail what it was running, so that it can start over."""
+
     def _loop(self) -> None: ...
 
 
@@ -196,8 +240,10 @@ class SingleWorker(BaseWorker):
                 self.current = job
                 self._update_gauges()
             last = [time.perf_counter()]
+            self.busy_since = time.monotonic()
 
             def on_emit(new, logprobs=None, job=job):
+                self.busy_since = time.monotonic()  # progress: a step ended (the watchdog times single steps)
                 now = time.perf_counter()
                 self.metrics.step_latency.observe(now - last[0])
                 last[0] = now
@@ -206,7 +252,7 @@ class SingleWorker(BaseWorker):
                 return job.on_emit(new, logprobs)
 
             try:
-                drafter = dec.make_drafter(job.spec)
+                drafter = make_drafter(dec, job.spec)
                 res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
                                dec.draft_length(job.spec), on_emit=on_emit)
                 self.metrics.observe_result(res.stats)
@@ -217,6 +263,12 @@ class SingleWorker(BaseWorker):
                 log.exception("request %s failed", job.id)
                 job.fail(e)
             finally:
+                self.busy_since = None
                 with self.cv:
                     self.current = None
                     self._update_gauges()
+
+    def _recover(self):
+        job, self.current = self.current, None
+        if job is not None and not job.done.is_set():
+            job.fail(RuntimeError("the worker failed while running this request"))

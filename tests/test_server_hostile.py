@@ -1,0 +1,343 @@
+"""Issue 29's regression tests: a bad or unlucky request hurts only itself. Each test failed before its
+fix (the item it guards is named): bounded spec fields named in the 400 (1, 9), a worker thread that
+cannot die and a /health that says when it did (1), constraints that rule out every token (2), request
+paths (4), fixed-only leaks (5), /health without the key (6), logit_bias "²" (7), llama.cpp tree room (8)
+and the keyless server's origin checks."""
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import tiny_llama
+from server_util import running_server
+from specdraft.api import SpecDecoder, _cached
+from specdraft.config import SamplingParams, SpecConfig
+from specdraft.drafters.base import NoDrafter
+from specdraft.engine import Engine, generate
+from specdraft.errors import SpecDraftError
+from specdraft.sampling import sample
+from specdraft.server.pacing import StreamPacing
+from specdraft.server.scheduler import BaseWorker
+from test_server_fast import StubTok, tiny_pair
+
+JSON = {"Content-Type": "application/json"}
+BODY = {"prompt": [1, 2, 3, 1, 2], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def batch_server():
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
+                        max_batch=4, timeout_s=60) as (url, app):
+        yield url, app
+
+
+def post(url, body, path="/v1/completions", **kw):
+    return httpx.post(url + path, json=body, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("spec,param", [
+    ({"method": "prompt_lookup", "schedule": "cost_aware", "k": 10**30}, "spec.k"),  # item 1: killed the worker
+    ({"method": "lookahead", "lookahead_window": 300, "lookahead_ngram": 300}, "spec.lookahead_window"),
+    ({"method": "lookahead", "lookahead_window": 60, "lookahead_max_ngrams": 60, "lookahead_ngram": 8},
+     "spec.lookahead_window"),
+    ({"method": "token_recycling", "recycle_branching": [4096]}, "spec.recycle_branching"),
+    ({"method": "prompt_lookup", "branches": 300}, "spec.branches"),
+    ({"method": "prompt_lookup", "branches": 20, "k": 20}, "spec.branches"),
+    ({"method": "draft_model", "tree": "static", "tree_branching": [300]}, "spec.tree_branching"),
+    ({"method": "draft_model", "tree": "dynamic", "tree_topk": 10**6}, "spec.tree_topk"),
+    ({"method": "draft_model", "tree": "dynamic", "tree_budget": 10**6}, "spec.tree_budget"),
+    ({"method": "suffix", "tree_nodes": 10**9}, "spec.tree_nodes"),
+    ({"method": "cascade", "cascade_k": 10**9}, "spec.cascade_k"),
+    ({"method": "hybrid", "retrieval_k": 10**9}, "spec.retrieval_k"),
+])
+def test_unbounded_spec_fields_are_400s_naming_the_field(batch_server, spec, param):
+    """Items 1 and 9: every size a client picks is bounded; the 400 names the field; the worker lives on."""
+    url, app = batch_server
+    r = post(url, {**BODY, "spec": spec})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert post(url, BODY).status_code == 200
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_logit_bias_superscript_digit_is_a_400(batch_server):
+    """Item 7: "²".isdigit() is True but int("²") raises: it was a 500."""
+    r = post(batch_server[0], {**BODY, "logit_bias": {"²": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_a_drafter_bug_fails_its_request_only_and_the_loop_survives(batch_server, monkeypatch):
+    """Item 1's root: an exception other than SpecDraftError while admitting a request (the cost curve's
+    TypeError) escaped the batch worker's loop; its thread died and every later request hung."""
+    url, app = batch_server
+    worker = app.state.worker
+    real = worker.decoder.make_drafter
+
+    def make(spec):
+        if spec.k == 3:
+            raise TypeError("injected")
+        return real(spec)
+
+    monkeypatch.setattr(worker.decoder, "make_drafter", make)
+    r = post(url, {**BODY, "spec": {"method": "prompt_lookup", "k": 3}})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error" and "Traceback" not in r.text
+    assert post(url, BODY).status_code == 200
+    # anything escaping the loop itself: the loop restarts, later requests are served
+    real_take, calls = worker._take, []
+
+    def take(block):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected into the loop")
+        return real_take(block)
+
+    monkeypatch.setattr(worker, "_take", take)
+    restarts = worker.restarts
+    assert post(url, BODY).status_code == 200 and worker.restarts == restarts + 1
+    assert worker._thread.is_alive()
+
+
+def test_health_reports_a_dead_or_stuck_worker():
+    """A watchdog: /health is not ok when the worker thread ended or one step runs too long."""
+
+    class Ends(BaseWorker):
+        kind = "test"
+
+        def num_running(self):
+            return 0
+
+        def _loop(self):
+            return
+
+    class Metrics:
+        class _G:
+            def set(self, v):
+                pass
+        queue_depth = running = _G()
+
+    w = Ends(None, Metrics(), 4).start()
+    w._thread.join(5)
+    assert w.health(60) == "dead"
+    t = tiny_llama(vocab=16)
+    t.tokenizer = StubTok()
+    with running_server(SpecDecoder(t, None), stuck_after_s=0.5) as (url, app):
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        app.state.worker.busy_since = time.monotonic() - 1  # one step "running" for a second
+        r = httpx.get(url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "worker stuck"
+        app.state.worker.busy_since = None
+
+
+def test_health_without_the_key_says_only_up():
+    """Item 6: queue, rows and cache_len move with each step's accepted drafts: the key's holders only
+    (and nobody's on a fixed-only server without a key)."""
+    t = tiny_llama(vocab=16)
+    t.tokenizer = StubTok()
+    dec = SpecDecoder(t, None)
+    with running_server(dec, api_key="k3y", max_batch=2) as (url, app):
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        h = httpx.get(url + "/health", headers={"Authorization": "Bearer k3y"}, timeout=10).json()
+        assert h["status"] == "ok" and "cache_len" in h and "running" in h
+    with running_server(dec, max_batch=2, stream_pacing=StreamPacing(locked=True)) as (url, app):
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_fixed_only_hides_acceptance_and_paces_plain_answers():
+    """Item 5: in fixed mode a non-streamed answer leaves on the stream's grid, and no usage (streamed
+    or not) counts steps or accepted drafts."""
+    pacing = StreamPacing(chunk_tokens=4, interval_s=0.2, pad_bytes=0, locked=True)
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 4},
+                        stream_pacing=pacing) as (url, app):
+        t0 = time.monotonic()
+        r = post(url, {**BODY, "max_tokens": 8})
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and took >= 0.35, took  # 8 tokens = 2 chunks: ticks 1 and 2, then the end
+        u = r.json()["usage"]
+        assert u["completion_tokens"] == 8 and not {"steps", "drafted", "accepted", "acceptance_rate"} & set(u)
+        with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+                **BODY, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            raw = s.read().decode()
+        usage = [json.loads(e[6:])["usage"] for e in raw.split("\n\n") if e.startswith("data: {") and '"usage"' in e]
+        assert usage and not {"steps", "drafted", "accepted"} & set(usage[-1])
+
+
+def test_request_paths_are_refused_without_opening_them(batch_server, tmp_path):
+    """Item 4: a FIFO named by spec.skip_config froze the event loop (and /health); error messages told
+    which files exist. A request names only what the operator configured, by name."""
+    url, app = batch_server
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for spec in [{"method": "layer_skip", "skip_config": str(fifo)}, {"method": "suffix", "datastore": "/etc"},
+                 {"method": "medusa", "head": "/etc/hostname"}, {"method": "auto", "autotune": "/dev/zero"}]:
+        r = post(url, {**BODY, "spec": spec})
+        field = next(k for k in spec if k != "method")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == f"spec.{field}" and "may not name a file path" in err["message"]
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_keyless_server_takes_json_from_its_own_host_only(batch_server):
+    """Suspected item: a keyless loopback server took cross-site form posts (any Content-Type) and any
+    Host (DNS rebinding)."""
+    url = batch_server[0]
+    raw = json.dumps(BODY)
+    assert httpx.post(url + "/v1/completions", content=raw, headers=JSON, timeout=30).status_code == 200
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(url + "/v1/completions", content=raw, headers={**JSON, "Host": "evil.example:80"}, timeout=30)
+    assert r.status_code == 421
+
+
+def test_replica_front_limits_the_body_before_relaying():
+    """Suspected item: the replica front read any body whole (only replicas enforced the limit)."""
+    from fastapi.testclient import TestClient
+
+    from specdraft.server.replicas import create_front
+
+    front = create_front(["http://127.0.0.1:9"], max_body_bytes=1000, allowed_hosts=("testserver",))
+    with TestClient(front) as c:
+        r = c.post("/v1/completions", content=b"x" * 5000, headers=JSON)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert c.get("/health").json().keys() == {"status"} or "replicas" in c.get("/health").json()
+
+
+def test_sample_refuses_rows_without_a_token():
+    """Item 2: sample() returned V (out of range) for a NaN row and 0 for an all-zero one."""
+    for bad in (torch.full((1, 5), float("nan")), torch.zeros(1, 5), torch.tensor([[0.2, float("inf"), 0, 0, 0]])):
+        with pytest.raises(SpecDraftError, match="no token can be sampled"):
+            sample(bad, torch.Generator().manual_seed(0))
+    assert int(sample(torch.tensor([[0.0, 1.0, 0.0]]), None)) == 1
+
+
+def test_a_row_whose_constraints_leave_no_token_fails_alone():
+    """Item 2, in the engine: a row whose processing masks every token finishes "error" with a clear
+    message; the other row's tokens equal decoding alone."""
+    target = tiny_llama(vocab=8)
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    bad_sp = SamplingParams(max_new_tokens=6, ignore_eos=True, logit_bias={1: 1.0})
+    alone = generate(target, NoDrafter(), [1, 2, 3], sp, eos_ids=set()).token_ids
+    eng = Engine(target, eos_ids=set())
+    good = eng.add([1, 2, 3], sp, NoDrafter())
+    bad = eng.add([4, 5], bad_sp, NoDrafter())
+    bad.processor.process = lambda x, history, tree=None: torch.full_like(x, float("-inf"))
+    while eng.rows:
+        eng.step()
+    assert good.result.token_ids == alone
+    assert bad.finish == "error" and "rule out every token" in str(bad.error)
+
+
+def test_grammar_complete_before_min_tokens_ends_with_eos(smol_f32):
+    """Item 2 on SmolLM2: a choice completes in fewer tokens than min_tokens. Greedy emitted a token the
+    grammar forbids ([94, 95, 0, 0, 0, 0, 2]), sampling drew from NaN and failed the whole batch. Now the
+    complete grammar ends the output (EOS wins over min_tokens), next to a normal request that decodes
+    exactly as alone."""
+    with running_server(SpecDecoder(smol_f32, None), model_name="smol", max_batch=4,
+                        default_spec={"method": "prompt_lookup"}, timeout_s=120) as (url, app):
+        base = {"prompt": "Answer yes or no: is the sky blue?", "guided_choice": ["yes", "no"], "min_tokens": 6,
+                "max_tokens": 8}
+        normal = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        want = post(url, normal).json()["choices"][0]["text"]
+        out = {}
+
+        def send(name, body):
+            out[name] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        ts = [threading.Thread(target=send, args=a) for a in
+              [("greedy", {**base, "temperature": 0}), ("sampled", {**base, "temperature": 1.0, "seed": 1}),
+               ("normal", normal)]]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        for name in ("greedy", "sampled"):
+            r = out[name]
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] in ("yes", "no") and r.json()["choices"][0]["finish_reason"] == "stop"
+        assert out["normal"].json()["choices"][0]["text"] == want
+        h = httpx.get(url + "/health", timeout=10).json()
+        assert h["running"] == 0 and h["batch_rows"] == 0
+
+
+def test_spec_caches_are_bounded():
+    """Item 9: per-spec caches (cost-aware policies, auto's memories, Token Recycling tables) were kept
+    forever, one per distinct client spec."""
+    from collections import OrderedDict
+
+    cache = OrderedDict()
+    for i in range(100):
+        _cached(cache, i, lambda: object(), limit=8)
+    assert list(cache) == list(range(92, 100))
+    dec = SpecDecoder(tiny_llama(vocab=16), None)
+    for i in range(80):
+        dec.policy_for(SpecConfig(method="prompt_lookup", schedule="cost_aware", typical_delta=float(i)))
+    assert len(dec._policies) <= 64
+
+
+@pytest.fixture(scope="module")
+def small_llama(smol_gguf):
+    """SmolLM2 Q4_1 on llama.cpp with a 256-cell context shared by all rows."""
+    pytest.importorskip("llama_cpp")
+    from specdraft.models.llama import LlamaModel
+
+    return LlamaModel(smol_gguf.path, smol_gguf.tokenizer, n_ctx=256)
+
+
+def test_llama_failed_prefill_leaves_no_phantom_row(small_llama):
+    """Item 3: a prefill refused for a full context kept its sequence id and length; the next row then
+    decoded in that empty sequence, without its own prompt (wrong output, silently)."""
+    from specdraft.errors import ContextLengthError
+
+    prompt = small_llama.tokenize("The capital of France is", special=False)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = generate(small_llama, NoDrafter(), prompt, sp).token_ids
+    eng = Engine(small_llama)
+    eng.add([5] * 200, SamplingParams(max_new_tokens=8, ignore_eos=True), NoDrafter())
+    with pytest.raises(ContextLengthError):
+        eng.kv.add_rows([[7] * 120])  # 200 + 120 cells > 256
+    assert eng.kv.B == 1 and eng.kv.draft_room()[0] == 255
+    eng.cancel(eng.rows[0])
+    row = eng.add(prompt, sp, NoDrafter())
+    while eng.rows:
+        eng.step()
+    assert row.result.token_ids == alone
+
+
+class Wide(NoDrafter):
+    """Drafts a flat tree of ``n`` leaves (children of the pending token) whenever it may draft."""
+
+    name = "wide"
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def propose(self, tokens, max_tokens):
+        from specdraft.tree import DraftTree
+
+        if max_tokens < 1:
+            return DraftTree.empty()
+        return DraftTree(torch.arange(self.n) % 1000 + 100, torch.full((self.n,), -1, dtype=torch.long))
+
+
+def test_llama_trees_fit_the_free_sequences_and_cells(small_llama):
+    """Item 8: trees with more leaves than free sequence ids raised inside the shared forward and failed
+    every row; a request exactly filling the context failed because its tree needed cells beyond it.
+    (Prompts without a near-tie in their first tokens: a tree's cache holes move llama.cpp's logits a little.)"""
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [small_llama.tokenize(p, special=False) for p in ("One two three", "The capital of France is")]
+    alone = [generate(small_llama, NoDrafter(), p, sp).token_ids for p in prompts]
+    eng = Engine(small_llama)
+    rows = [eng.add(p, sp, Wide(150)) for p in prompts]  # 300 leaves: more than the 256 sequence ids
+    while eng.rows:
+        eng.step()
+    assert [r.error for r in rows] == [None, None] and [r.result.token_ids for r in rows] == alone
+    prompt = (prompts[0] * 80)[:240]
+    full = SamplingParams(max_new_tokens=256 - len(prompt), ignore_eos=True)  # prompt + output = the context
+    eng = Engine(small_llama)
+    row = eng.add(prompt, full, Wide(40))
+    while eng.rows:
+        eng.step()
+    assert row.error is None and len(row.result.token_ids) == 256 - len(prompt)
