@@ -33,6 +33,7 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         # mass strictly before each token; drop tokens once top_p is already covered (keeps >= 1)
         before = torch.cumsum(sp_sorted, dim=-1) - sp_sorted
         drop_sorted = before >= sp.top_p
+        drop_sorted[..., 0] = False  # the top token always stays (a top_p below float32's range rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if sp.min_p > 0:  # keep tokens at least min_p times as likely as the most likely one (keeps >= 1)

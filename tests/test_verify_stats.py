@@ -137,6 +137,8 @@ def test_probs_from_logits_truncation():
     assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
     p = probs_from_logits(logits, SamplingParams(temperature=1e-4, top_p=1e-6))
     assert p[0, 0] == 1.0  # always keeps at least one token
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=7.4e-244))  # 0.0 in float32 (the fuzzer's)
+    assert p[0, 0] == 1.0
 
 
 def _off_by_one(probs, g):
