@@ -87,16 +87,18 @@ def test_a_drafter_bug_fails_its_request_only_and_the_loop_survives(batch_server
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error" and "Traceback" not in r.text
     assert post(url, BODY).status_code == 200
     # anything escaping the loop itself: the loop restarts, later requests are served
-    real_take, calls = worker._take, []
+    real_admit, calls = worker._admit, []
 
-    def take(block):
-        if not calls:
+    def admit(jobs):
+        if not calls:  # fail with jobs taken from the queue and not admitted yet
             calls.append(1)
             raise RuntimeError("injected into the loop")
-        return real_take(block)
+        return real_admit(jobs)
 
-    monkeypatch.setattr(worker, "_take", take)
+    monkeypatch.setattr(worker, "_admit", admit)
     restarts = worker.restarts
+    # the request the loop held when it failed fails with it (it must not hang); the next one is served
+    assert post(url, BODY).status_code == 500
     assert post(url, BODY).status_code == 200 and worker.restarts == restarts + 1
     assert worker._thread.is_alive()
 

@@ -23,6 +23,7 @@ class BatchWorker(BaseWorker):
         self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer,
                              rule=BatchRule(spec_shrink_at, spec_off_at))
         self._n_rows = 0
+        self._taken: list = []  # jobs the loop took from the queue and has not admitted yet
 
     def num_running(self) -> int:
         return self._n_rows
@@ -78,12 +79,16 @@ class BatchWorker(BaseWorker):
             self._update_gauges()
 
     def _recover(self):
-        self._reset(RuntimeError("the batch worker failed while running this request"))
+        err = RuntimeError("the batch worker failed while running this request")
+        for job in self._taken:  # taken from the queue, not yet admitted: no row holds them
+            job.fail(err)
+        self._taken = []
+        self._reset(err)
 
     def _loop(self):
         eng = self.engine
         while True:
-            jobs = []
+            jobs = self._taken = []
             while eng.num_rows + len(jobs) < self.max_batch:
                 job = self._take(block=eng.num_rows == 0 and not jobs)
                 if job is None:
@@ -91,6 +96,7 @@ class BatchWorker(BaseWorker):
                 jobs.append(job)
             if jobs:
                 self._admit(jobs)
+            self._taken = []
             with self.cv:
                 self._n_rows = eng.num_rows
                 self._update_gauges()
