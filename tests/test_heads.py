@@ -304,8 +304,7 @@ def smol_heads(tmp_path_factory):
     return medusa, eagle
 
 
-GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
-                  "Translate to German: good morning"]
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
 
 @pytest.mark.slow
