@@ -151,22 +151,27 @@ def normal_text(server):
     return server.post("/v1/completions", content=json.dumps(NORMAL)).json()["choices"][0]["text"]
 
 
+def send_together(client, bodies: dict, timeout: float) -> dict:
+    """POST each named body to /v1/completions at once (one thread each: they share a batch); -> responses."""
+    out = {}
+
+    def send(name, body):
+        out[name] = client.post("/v1/completions", content=json.dumps(body))
+
+    ts = [threading.Thread(target=send, args=item) for item in bodies.items()]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    return out
+
+
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(spec=SPECS, stream=st.booleans())
 def test_fuzz_spec_next_to_a_normal_request(server, normal_text, spec, stream):
     """A hostile spec and a normal request sent together (same batch): the normal one decodes exactly as alone."""
-    out = {}
-
-    def send(name, body):
-        out[name] = server.post("/v1/completions", content=json.dumps(body))
-
-    ts = [threading.Thread(target=send, args=("hostile", {"prompt": [4, 5, 4, 5], "max_tokens": 4, "spec": spec,
-                                                          "stream": stream, "temperature": 0.7})),
-          threading.Thread(target=send, args=("normal", NORMAL))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    out = send_together(server, {"hostile": {"prompt": [4, 5, 4, 5], "max_tokens": 4, "spec": spec, "stream": stream,
+                                             "temperature": 0.7}, "normal": NORMAL}, timeout=60)
     SPEC_STATUS["pair", out["hostile"].status_code] += 1
     check(out["hostile"])
     assert out["normal"].status_code == 200 and out["normal"].json()["choices"][0]["text"] == normal_text
@@ -234,17 +239,7 @@ def test_fuzz_dead_end_constraints_on_smol(smol_server, body):
     """Constraints that leave no token (a choice complete before min_tokens, EOS biased away) next to a
     normal request: never a 5xx, and the normal request's text is unchanged."""
     c, normal, want = smol_server
-    out = {}
-
-    def send(name, b):
-        out[name] = c.post("/v1/completions", content=json.dumps(b))
-
-    ts = [threading.Thread(target=send, args=("hostile", {"prompt": "Is the sky blue? Answer:", **body})),
-          threading.Thread(target=send, args=("normal", normal))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
+    out = send_together(c, {"hostile": {"prompt": "Is the sky blue? Answer:", **body}, "normal": normal}, timeout=120)
     SPEC_STATUS["dead_end", out["hostile"].status_code] += 1
     check(out["hostile"])
     assert out["normal"].json()["choices"][0]["text"] == want
