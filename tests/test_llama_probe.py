@@ -92,11 +92,12 @@ def test_a_server_serves_with_the_fallback(gguf, fresh_probe_cache, monkeypatch)
         assert r.json()["usage"]["completion_tokens"] == 12
 
 
-def fake_setup(tmp_path, monkeypatch, gguf, crashing: set[str]):
+def fake_setup(tmp_path, monkeypatch, gguf, crashing: set[str], clang: bool = False):
     """setup() with the CMake build and pip install faked: 'installing' a variant named in
     ``crashing`` makes the probe's child crash on multi-token batches, as AMX does on a real Xeon."""
     built, installed = [], []
     monkeypatch.setattr(llama_setup, "cpu_flags", lambda: ["avx", "avx2", "avx512f", "amx_tile", "amx_int8"])
+    monkeypatch.setattr(llama_setup.shutil, "which", lambda name: f"/usr/bin/{name}" if clang else None)
     monkeypatch.setattr(llama_setup, "cache_root", lambda: tmp_path / "wheels")
     monkeypatch.setattr(llama_probe, "cache_dir", lambda: tmp_path / "probe")
 
@@ -122,18 +123,25 @@ def test_setup_rebuilds_without_amx_and_remembers(gguf, tmp_path, monkeypatch, c
     assert built == [("native", None), ("no-amx", {"amx"})]
     err = capsys.readouterr().err
     assert ("llama.cpp's native build crashed on this CPU (a probe killed by SIGSEGV at a batch of 2 tokens); "
-            "building it again without AMX") in err
+            "trying the next build (without AMX)") in err
     assert "llama.cpp (no-amx build) decoded batches of 1, 2, 8, 32 tokens on SmolLM2" in err
     assert run() == "no-amx" and len(built) == 2  # the venv has it: nothing to do
     (tmp_path / "venv-marker").unlink()  # a new venv on this CPU: the working wheel, no build, no native
     assert run() == "no-amx" and len(built) == 2 and installed[-1] == "no-amx"
 
 
+def test_setup_builds_amx_with_clang_where_clang_is_installed(gguf, tmp_path, monkeypatch, capsys):
+    run, built, _ = fake_setup(tmp_path, monkeypatch, gguf, crashing={"native"}, clang=True)
+    assert run() == "amx-clang" and built == [("native", None), ("amx-clang", set())]
+    assert "trying the next build (with clang and ggml's AMX kernels)" in capsys.readouterr().err
+
+
 def test_setup_fails_clearly_when_nothing_decodes(gguf, tmp_path, monkeypatch):
-    run, built, _ = fake_setup(tmp_path, monkeypatch, gguf, crashing={"native", "no-amx", "no-avx512"})
+    run, built, _ = fake_setup(tmp_path, monkeypatch, gguf, crashing={"native", "amx-clang", "no-amx", "no-avx512"},
+                               clang=True)
     with pytest.raises(SystemExit, match="no llama.cpp build decodes multi-token batches on this CPU"):
         run()
-    assert [b[0] for b in built] == ["native", "no-amx", "no-avx512"]
+    assert [b[0] for b in built] == ["native", "amx-clang", "no-amx", "no-avx512"]
 
 
 def test_cmake_args_name_every_feature(monkeypatch):

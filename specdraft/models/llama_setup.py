@@ -7,6 +7,8 @@ tokens on SmolLM2 with it. If the child dies, the next variant is built, without
 killed it, AMX first:
 
 - ``native``: GGML_NATIVE (everything this CPU has);
+- ``amx-clang``: on AMX CPUs where clang is installed: clang, every feature named, ggml's AMX kernels
+  (GCC 12 miscompiles their tile configuration: see AMX_MACROS);
 - ``no-amx``: every feature of this CPU named explicitly, AMX off (ggml's AMX buffers segfault on
   batches of 2+ tokens with 0.3.36 on an Intel Xeon with AMX);
 - ``no-avx512``: AVX2 kernels only.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,8 +30,13 @@ from pathlib import Path
 
 from .llama_probe import cpu_flags, probe_record
 
-# (variant, CPU flags it needs to be worth trying, CMake options beyond the CPU's own)
-VARIANTS = [("native", (), None), ("no-amx", ("amx_tile",), {"amx"}), ("no-avx512", ("avx512f",), {"amx", "avx512"})]
+# (variant, CPU flags it needs to be worth trying, feature groups turned off: None = GGML_NATIVE)
+VARIANTS = [("native", (), None), ("amx-clang", ("amx_int8",), set()), ("no-amx", ("amx_tile",), {"amx"}),
+            ("no-avx512", ("avx512f",), {"amx", "avx512"})]
+# GCC 12's _tile_loadconfig declares an 8-byte read of the 64-byte tile config, so the optimizer may drop
+# ggml's stores to the rest of it and ldtilecfg faults (docs/benchmarks.md). clang compiles it right but
+# spells the macro __AMXINT8__ where ggml tests __AMX_INT8__: the amx-clang variant defines ggml's names.
+AMX_MACROS = "-D__AMX_INT8__=1 -D__AMX_TILE__=1"
 CMAKE_OPTION = {"avx": "AVX", "avx2": "AVX2", "avx_vnni": "AVX_VNNI", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
                 "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
                 "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE", "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16"}
@@ -55,6 +63,8 @@ def build_wheel(variant: str, off: set[str] | None, out: Path) -> Path:
     """Build the pinned sdist into ``out`` (minutes), printing progress with an ETA meanwhile."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CMAKE_ARGS": cmake_args(off), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    if variant == "amx-clang":
+        env.update(CC="clang", CXX="clang++", CFLAGS=AMX_MACROS, CXXFLAGS=AMX_MACROS)
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-cache-dir", "-w", str(out), pin()]
     log = out / "build.log"
     t0 = time.time()
@@ -95,6 +105,21 @@ def probe_model() -> Path:
     return gguf_path("smollm2-135m")
 
 
+def viable(name: str, needs: tuple, have: set[str]) -> bool:
+    """Worth building here: the CPU has what the variant is for (and clang is installed for amx-clang)."""
+    return set(needs) <= have and (name != "amx-clang" or shutil.which("clang++") is not None)
+
+
+def next_try(variant: str, have: set[str]) -> str:
+    """What the variant after ``variant`` changes, in words, for the one line setup prints."""
+    names = [v[0] for v in VARIANTS]
+    for name, needs, _ in VARIANTS[names.index(variant) + 1:]:
+        if viable(name, needs, have):
+            return {"amx-clang": "with clang and ggml's AMX kernels", "no-amx": "without AMX",
+                    "no-avx512": "without AVX-512"}[name]
+    return "none left"
+
+
 def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=probe_model) -> str:
     """Install a llama.cpp build that decodes multi-token batches here; -> the variant installed."""
     root = cache_root()
@@ -106,7 +131,7 @@ def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=pro
     names = [v[0] for v in VARIANTS]
     model = None
     for variant, needs, off in VARIANTS[names.index(start):]:
-        if not set(needs) <= have:
+        if not viable(variant, needs, have):
             continue
         wheels = sorted((root / variant).glob("llama_cpp_python-*.whl"))
         install(wheels[0] if wheels else build(variant, off, root / variant))
@@ -120,7 +145,7 @@ def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=pro
         if not rec["crashed"]:
             sys.exit(f"error: llama.cpp's {variant} build does not run here (a probe {rec['default']}); see above")
         print(f"[specdraft] llama.cpp's {variant} build crashed on this CPU (a probe {rec['default']}); "
-              "building it again without " + ("AMX" if variant == "native" else "AVX-512"), file=sys.stderr)
+              f"trying the next build ({next_try(variant, have)})", file=sys.stderr)
     sys.exit("error: no llama.cpp build decodes multi-token batches on this CPU; the llama backend is unavailable "
              "(--backend hf works); the probe's outcomes are under " + str(root))
 
