@@ -93,8 +93,7 @@ class DraftTree:
     def first(self, n: int) -> "DraftTree":
         """The first ``n`` nodes (topological order keeps every kept node's ancestors): a smaller draft of
         the same candidates, as if the drafter had stopped after them."""
-        keep = torch.arange(self.size) < n
-        return self if bool(keep.all()) else self.subset(keep)
+        return self if n >= self.size else self.subset(torch.arange(self.size) < n)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for node -1, the root)."""

@@ -58,7 +58,9 @@ def build_id() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDRAFT_HOME", Path.home() / ".cache" / "specdraft")) / "llama-probe"
+    from .registry import home  # the parent's only: the child runs this file as a script
+
+    return home() / "llama-probe"
 
 
 # --- the child ---------------------------------------------------------------------------------

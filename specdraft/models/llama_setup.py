@@ -93,9 +93,10 @@ def install(wheel: Path) -> None:
 
 
 def cache_root() -> Path:
-    home = Path(os.environ.get("SPECDRAFT_HOME", Path.home() / ".cache" / "specdraft"))
+    from .registry import home
+
     key = hashlib.sha256(f"{pin()} {' '.join(cpu_flags())}".encode()).hexdigest()[:16]
-    return home / "llama-wheels" / key
+    return home() / "llama-wheels" / key
 
 
 def probe_model() -> Path:
