@@ -492,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(c)
     c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
     c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
-                   help="hf backend: also (or only, without 'none') weight-only int8 / int4[-gN] copies, per dtype")
+                   help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
+                        "(weight-only) or w8a8 (int8 activations too, oneDNN)")
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)

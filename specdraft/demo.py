@@ -22,7 +22,7 @@ def same_as_plain(target, prompt_ids: list[int], plain: list[int], got: list[int
     gap = d.get("top2_gap")
     if gap is None:
         return f"goes on past plain's {len(plain)} tokens: a bug"
-    bound = near_tie_bound(getattr(target, "backend", "hf"), target.dtype)
+    bound = near_tie_bound(target)
     verdict = "a near-tie" if gap < bound else "NOT a near-tie: a bug"
     return f"departs from plain at token {d['first_divergence']}, top-2 gap {gap:.3f}: {verdict}"
 

@@ -27,11 +27,13 @@ class Backend:
 
 
 def _load_hf(name_or_path: str, dtype, num_layers: int | None):
-    """``NAME:int8`` / ``NAME:int4[-gN]`` loads NAME with weight-only low-bit linear layers (lowbit.py)."""
+    """``NAME:int8`` / ``NAME:int4[-gN]`` / ``NAME:w8a8`` loads NAME with low-bit linear layers (lowbit.py)."""
     from .loading import load_hf
-    from .lowbit import parse_quant, quantize_linears
+    from .lowbit import is_quant_suffix, parse_quant, quantize_linears
 
-    base, _, quant = name_or_path.rpartition(":") if ":int" in name_or_path else (name_or_path, "", "")
+    base, _, quant = name_or_path.rpartition(":")
+    if not (quant.startswith("int") or is_quant_suffix(quant)):  # "int..." suffixes get parse_quant's error
+        base, quant = name_or_path, ""
     if quant:
         parse_quant(quant)  # a bad suffix fails before the weights load
     m = load_hf(base, dtype, num_layers)

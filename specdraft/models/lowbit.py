@@ -1,11 +1,15 @@
-"""Weight-only int8 / int4 linear layers for the transformers backend: ``NAME:int8``, ``NAME:int4``
-(group size 128) or ``NAME:int4-g64`` loads NAME and swaps every ``nn.Linear`` for one of these.
+"""Low-bit linear layers for the transformers backend: ``NAME:int8``, ``NAME:int4`` (group size 128),
+``NAME:int4-g64`` (weight-only) or ``NAME:w8a8`` (int8 weights and dynamic int8 activations) loads
+NAME and swaps every ``nn.Linear`` for one of these.
 
 The kernels are torch's own CPU ones (``aten._weight_int8pack_mm``: per-output-channel int8;
 ``aten._weight_int4pack_mm_for_cpu``: asymmetric int4 with a scale and zero per group of input
 channels). torchao 0.18 was tried first (docs/design.md): its int8 weight-only config was slower
 than bf16 here, and its int4 config needs ``mslk``, which has no CPU build. Activations stay in the
-model's dtype.
+model's dtype, except for ``w8a8``: its rows are quantized at each call and multiplied in int8 by
+oneDNN (``onednn.qlinear_pointwise``: AMX tiles or AVX-512 VNNI), which reads the weight's bytes once
+for all rows, so a forward of 16 tokens costs little more than one (the verification path of
+docs/benchmarks.md, "Cost curves of the low-bit paths").
 
 A quantized model is a different model: its greedy output is compared with its own plain decoding.
 """
@@ -13,6 +17,7 @@ A quantized model is a different model: its greedy output is compared with its o
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,19 +33,31 @@ GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 # weight dequantized on the fly (about 20 ms per matrix), from DEQUANTIZE_FROM rows.
 SHARED_DENSE_FROM = 16
 DEQUANTIZE_FROM = 512
-QUANT_RE = re.compile(r"^int(8|4)(?:-g(\d+))?$")
+QUANT_RE = re.compile(r"^(?:int(8|4)(?:-g(\d+))?|(w8a8))$")
 
 
-def parse_quant(q: str) -> tuple[int, int]:
-    """"int8" -> (8, 0); "int4" -> (4, 128); "int4-g64" -> (4, 64)."""
+class Quant(NamedTuple):
+    bits: int  # of the weights
+    group: int  # input channels per int4 scale; 0: one scale per output channel
+    dynamic: bool = False  # activations quantized to int8 at each call (w8a8)
+
+
+def parse_quant(q: str) -> Quant:
+    """"int8" -> (8, 0); "int4" -> (4, 128); "int4-g64" -> (4, 64); "w8a8" -> (8, 0, dynamic)."""
     m = QUANT_RE.match(q)
     if not m or (m.group(1) == "8" and m.group(2)):
-        raise ConfigError(f"unknown weight quantization {q!r} on the hf backend; use int8, int4 or int4-gN "
-                          "(N: the group size, 32, 64, 128 or 256; e.g. int4-g64)")
+        raise ConfigError(f"unknown weight quantization {q!r} on the hf backend; use int8, int4, int4-gN "
+                          "(N: the group size, 32, 64, 128 or 256; e.g. int4-g64) or w8a8")
+    if m.group(3):
+        return Quant(8, 0, True)
     bits, group = int(m.group(1)), int(m.group(2) or (DEFAULT_GROUP if m.group(1) == "4" else 0))
     if bits == 4 and group not in GROUPS:
         raise ConfigError(f"the int4 group size must be one of {', '.join(map(str, GROUPS))}, got {group}")
-    return bits, group
+    return Quant(bits, group)
+
+
+def is_quant_suffix(q: str) -> bool:
+    return bool(QUANT_RE.match(q))
 
 
 class Int8Linear(nn.Module):
@@ -66,6 +83,29 @@ class Int8Linear(nn.Module):
         if y is None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class W8A8Linear(Int8Linear):
+    """Int8Linear whose input rows are quantized too (one symmetric scale per row, at each call), so
+    the product runs on oneDNN's int8 matmul with a prepacked weight."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin)
+        # opaque and oneDNN's own layout: a plain attribute, not a buffer (it never moves devices)
+        self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [1, self.in_features])
+        self.register_buffer("scales_f32", self.scales.float())
+        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        row_scale = (x2.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
+        # uint8 with zero point 128: oneDNN's one-row int8 kernel is 5x slower on signed inputs here
+        xq = torch.round(x2 / row_scale).add_(128).to(torch.uint8)  # |x / scale| <= 127 by construction
+        # x_scale 1 and the row scales applied after: oneDNN takes one activation scale per call
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        y = (y * row_scale).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -131,16 +171,20 @@ def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None 
     -> {"bits", "group", "layers", "groups_used"}. ``dense_from``: a model of the same structure and
     weights that stays in memory (the target, when ``model`` is its copy drafting for it): prefills
     use its dense layers, so drafting costs no slow low-bit prefill."""
-    bits, group = parse_quant(quant)
+    bits, group, dynamic = parse_quant(quant)
     if next(model.parameters()).device.type != "cpu":
         raise ConfigError("int8 / int4 weights use torch's CPU kernels; load the model on the CPU")
+    if dynamic and not torch.backends.mkldnn.is_available():
+        raise ConfigError("w8a8 needs torch's oneDNN (mkldnn) kernels, which this torch build lacks; use int8 or int4")
     dense = dict(dense_from.named_modules()) if dense_from is not None else {}
     used, count = set(), 0
     for pname, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if bits == 8:
+            if dynamic:
+                new = W8A8Linear(child)
+            elif bits == 8:
                 new = Int8Linear(child)
             else:
                 g = _group_for(child.in_features, group)
@@ -151,5 +195,5 @@ def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None 
                 new.dense_source = (src,)  # a tuple: not registered as a submodule of this model
             setattr(parent, name, new)
             count += 1
-    return {"bits": bits, "group": group, "layers": count, "groups_used": sorted(used),
+    return {"bits": bits, "group": group, "dynamic": dynamic, "layers": count, "groups_used": sorted(used),
             "shares_dense_prefill": bool(dense)}
