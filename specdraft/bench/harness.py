@@ -63,7 +63,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    help="pair_serial / pair_overlap: threads of each of the two actors (draft, target)")
     b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft (a comma list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
-                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend)")
+                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend), or "
+                   "llama_cpp@MODEL (llama.cpp's plain decoding of another GGUF, e.g. the Q4_K_M file beside a "
+                   "NAME:Q4_0 target)")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
                    "and 'variants' {name: SpecConfig}")
     b.add_argument("--dataset", default=None)
@@ -146,6 +148,8 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
             out.append((m, spec.method, spec))
         elif m in named:
             out.append((m, named[m].method, named[m]))
+        elif m.startswith("llama_cpp@"):  # llama.cpp's plain decoding of another GGUF (e.g. the Q4_K_M file)
+            out.append((m, "llama_cpp", {"model": m.split("@", 1)[1]}))
         elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
             ks = [int(k) for k in str(a.llama_k if m == "llama_cpp_lookup" else a.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
@@ -288,13 +292,21 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
                 if mode == "draft" and not a.draft:
                     raise ConfigError("llama_cpp_draft needs --draft NAME")
                 draft = str(resolve_gguf(a.draft)[0]) if mode == "draft" else None
-                k = spec["k"] if spec else 10
-                gguf_of = a.target.rsplit(":", 1)[0] if ":int" in a.target else a.target  # NAME:int4 is an hf copy
+                k = (spec or {}).get("k", 10)
+                gguf_of = (spec or {}).get("model") or _gguf_name(a.target)
                 runners.append(LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k))
             except (ImportError, SpecDraftError) as e:
                 skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)
     return runners, skipped
+
+
+def _gguf_name(target: str) -> str:
+    """The GGUF llama.cpp's baselines decode for ``target``: NAME:int4 / NAME:w8a8 are hf copies of NAME."""
+    from ..models.lowbit import is_quant_suffix
+
+    base, _, suffix = target.rpartition(":")
+    return base if base and is_quant_suffix(suffix) else target
 
 
 def _read_schema(path: str) -> dict:

@@ -15,6 +15,12 @@ from .data import TASKS
 OTHER_BASES = ("plain", "hf:plain", "hf_generate", "llama_cpp")  # extra speedup columns, when in the run
 
 
+def other_bases(methods) -> list[str]:
+    """The plain decoders in the run, the speedup columns besides the reference's (llama_cpp@MODEL:
+    llama.cpp's plain decoding of another GGUF)."""
+    return [b for b in methods if b in OTHER_BASES or b.startswith("llama_cpp@")]
+
+
 def _steps(recs) -> list[StepRecord]:
     return [StepRecord(s[0], s[1], 0, depth=s[2] if len(s) > 2 else None) for r in recs for s in r.get("steps", [])]
 
@@ -77,7 +83,7 @@ def aggregate(doc: dict) -> dict:
                            per_position=per_position_acceptance(_steps(rs)),
                            draft_s=sum(r.get("draft_s", 0.0) for r in rs),
                            verify_s=sum(r.get("verify_s", 0.0) for r in rs))
-                row["speedup_vs"] = {b: speedup_over(rs, tot(b)[2]) for b in OTHER_BASES if b in methods and b != ref}
+                row["speedup_vs"] = {b: speedup_over(rs, tot(b)[2]) for b in other_bases(methods) if b != ref}
                 per_rep = [speedup_over(tot(m, None, k)[2], tot(ref, None, k)[2]) for k in repeats]
                 per_rep = [x for x in per_rep if x is not None]
                 row["speedup_std"] = statistics.stdev(per_rep) if len(per_rep) > 1 else 0.0
@@ -145,7 +151,7 @@ def markdown(doc: dict, agg: dict) -> str:
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
         lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
-    bases = [b for b in OTHER_BASES if b in agg["methods"] and b != agg["reference"]]
+    bases = [b for b in other_bases(agg["methods"]) if b != agg["reference"]]
     fid = any(r.get("fidelity_z") is not None for r in agg["rows"].values())
     lines += ["", "| method | tok/s | " + "".join(f"vs {_ref_label(b)} | " for b in bases)
               + "acceptance | draft s | verify s | greedy exact |" + (" fidelity Z |" if fid else ""),
