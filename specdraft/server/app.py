@@ -301,6 +301,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     else:
         app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
     app.state.worker = worker
+    app.state.default_spec = default_spec
     app.state.resources = {k: dict(v) for k, v in (resources or {}).items()}
     app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
