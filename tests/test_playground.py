@@ -148,6 +148,16 @@ def test_race_marks_identical_greedy_texts(browser, server):
     if shot:
         b.set_window_size(1000, 760)
         b.save_screenshot(shot)
+    # at phone width the columns stack and nothing scrolls sideways
+    b.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": 360, "height": 800, "deviceScaleFactor": 1,
+                                                            "mobile": True})
+    try:
+        assert b.execute_script("return [innerWidth, document.documentElement.scrollWidth]") == [360, 360]
+        left = [b.execute_script(f"return document.getElementById('{c}').getBoundingClientRect().left")
+                for c in ("col-main", "col-plain")]
+        assert left[0] == left[1]  # one above the other
+    finally:
+        b.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_bad_request_shows_the_servers_error(browser, server):
