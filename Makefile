@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ray models demo test test-fast bench heads clean
+.PHONY: setup setup-ray setup-browser models demo test test-fast bench heads clean
 
 setup: $(STAMP)
 
@@ -35,9 +35,13 @@ demo: models
 	$(PY) -m specdraft.cli demo
 	$(PY) -m specdraft.cli demo --backend llama
 
+# Chromium and its driver for the playground's browser test (apt, only when missing: scripts/install_browser.sh).
+setup-browser:
+	scripts/install_browser.sh
+
 # Two workers (pytest-xdist), each test file on one of them (module fixtures load once): the tests run
 # on one thread each (tests/conftest.py), so the second core was idle. pytest exits 5 when no test ran.
-test: models setup-ray
+test: models setup-ray setup-browser
 	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=25
 
 test-fast: setup

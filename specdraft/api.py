@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 
-from .config import SamplingParams, SpecConfig
+from .config import DEFAULT_METHOD, SamplingParams, SpecConfig, fallback_method, spec_with_default, with_method
 from .engine import GenerationResult, generate
 from .errors import ConfigError, TokenizerMismatchError
 from .methods import method, methods_on
@@ -141,6 +142,20 @@ class SpecDecoder:
         drafter.lossy = spec.lossy_rule()
         return drafter
 
+    def usable(self, spec: SpecConfig) -> SpecConfig:
+        """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
+        autotune file), ``spec`` with ``fallback_method`` instead (logged), so a command naming no method
+        never fails on auto. Call it only for a method the user did not name."""
+        if spec.method != DEFAULT_METHOD:
+            return spec
+        try:
+            self.make_drafter(spec)
+            return spec
+        except ConfigError as e:
+            fb = fallback_method(self.draft is not None)
+            logging.getLogger("specdraft").warning("method auto cannot run here (%s); using %s", e, fb)
+            return with_method(spec, fb)
+
     def draft_length(self, spec: SpecConfig) -> DraftLength:
         """A request's draft-length policy for ``spec.schedule`` (cost-aware measurements are shared by
         the requests of this decoder with the same spec)."""
@@ -204,10 +219,12 @@ class SpecDecoder:
         chat: bool = False,
         on_emit=None,
     ) -> GenerationResult:
+        """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         sp = SamplingParams.from_dict(sampling)
-        sc = SpecConfig.from_dict(spec)
-        if spec is None and self.draft is None:
-            sc = SpecConfig(method="prompt_lookup")
+        if spec is None or (isinstance(spec, dict) and "method" not in spec):
+            sc = self.usable(spec_with_default(spec, self.draft is not None))
+        else:
+            sc = SpecConfig.from_dict(spec)
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer,
                         self.draft_length(sc), on_emit=on_emit)

@@ -54,7 +54,8 @@ def _method_name(name: str) -> str:
 
 def _add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--method", default=None, type=_method_name, choices=tuple(methods.REGISTRY), metavar="METHOD",
-                   help=f"one of: {methods.help_text()}")
+                   help=f"default auto (it picks per request and step among those this setup can run); one of: "
+                        f"{methods.help_text()}")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--schedule", default=None, choices=methods.SCHEDULES,
                    help="draft length per step (default constant k; cost_aware measures when speculation pays)")
@@ -95,8 +96,10 @@ def _add_sampling_args(p: argparse.ArgumentParser):
     c.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to this Lark grammar")
 
 
-def spec_from_args(a, default_method: str) -> "SpecConfig":
-    from .config import SpecConfig
+def spec_from_args(a) -> "SpecConfig":
+    """The spec of --config and the spec flags; naming no method (--method or the config's), ``auto``
+    (config.spec_with_default; ``a.method_defaulted`` is set, for SpecDecoder.usable once models load)."""
+    from .config import spec_with_default
 
     d = {}
     if a.config:
@@ -114,7 +117,7 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
     if getattr(a, "datastore", None):
         d["datastore"] = a.datastore
         d.setdefault("method", "suffix")
-    d.setdefault("method", default_method)
+    a.method_defaulted = "method" not in d
     if a.k is not None:
         d["k"] = a.k
         d.setdefault("max_k", max(16, a.k))
@@ -130,7 +133,7 @@ def spec_from_args(a, default_method: str) -> "SpecConfig":
         d["head"] = a.head
     if getattr(a, "lossy", None):
         d["lossy"] = a.lossy
-    return SpecConfig.from_dict(d)
+    return spec_with_default(d, has_draft=bool(getattr(a, "draft", None)))
 
 
 def sampling_from_args(a) -> "SamplingParams":
@@ -226,7 +229,7 @@ def cmd_generate(a) -> int:
     from .api import SpecDecoder
 
     sp = sampling_from_args(a)
-    spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
+    spec = spec_from_args(a)
     needs = _check_before_loading(spec, a)
     if spec.datastore:  # fail on a missing or corrupt store before loading any model
         from .drafters.datastore import Datastore
@@ -236,6 +239,8 @@ def cmd_generate(a) -> int:
     dec = SpecDecoder.load(a.target, draft=a.draft if wants_draft else None,
                            dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend,
                            draft_backend=a.draft_backend)
+    if a.method_defaulted:
+        spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
     if a.json:
         d = out.to_dict()
@@ -307,7 +312,7 @@ def cmd_batchbench(a) -> int:
 
 def _serve_settings(a):
     """serve's options checked before anything loads: (spec, api key, stream pacing)."""
-    spec = spec_from_args(a, default_method="draft_model" if a.draft else "prompt_lookup")
+    spec = spec_from_args(a)
     _check_before_loading(spec, a)
     if a.max_queue < 1:
         raise SpecDraftError(f"--max-queue must be >= 1, got {a.max_queue}")
@@ -360,6 +365,8 @@ def build_server_app(a, spec, api_key, pacing):
 
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
                            backend=a.backend, draft_backend=a.draft_backend)
+    if getattr(a, "method_defaulted", False):
+        spec = dec.usable(spec)
     batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
     return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
                       timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
@@ -381,7 +388,8 @@ def cmd_serve(a) -> int:
     else:
         app = build_server_app(a, spec, api_key, pacing)
         what = f"max batch {a.max_batch}"
-    print(f"serving {a.name or a.target} ({spec.method}, {what}) on http://{a.host}:{a.port}", file=sys.stderr)
+    method = getattr(app.state, "default_spec", spec).method  # what runs when a request names none
+    print(f"serving {a.name or a.target} ({method}, {what}) on http://{a.host}:{a.port}", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0
 

@@ -562,8 +562,7 @@ class SpecConfig:
     def _check_method(self) -> None:
         m = REGISTRY[self.method]
         for f in dataclasses.fields(self):  # fields only some methods read, set for another method
-            users = f.metadata["used_by"]() if f.metadata.get("used_by") else None
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            users, default = _users(f), _default(f)
             if users is not None and getattr(self, f.name) != default and self.method not in users:
                 who = f"method {users[0]!r}" if len(users) == 1 else f"methods {_and(users)}"
                 raise ConfigError(f"{f.name} is used by {who} only, not {self.method!r}")
@@ -603,3 +602,39 @@ class SpecConfig:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+
+def _users(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The methods that read a SpecConfig field (None: every method)."""
+    return f.metadata["used_by"]() if f.metadata.get("used_by") else None
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def with_method(spec: SpecConfig, method: str) -> SpecConfig:
+    """``spec`` with another method; the fields only other methods read go back to their defaults."""
+    reset = {f.name: _default(f) for f in dataclasses.fields(spec) if _users(f) is not None and method not in _users(f)}
+    return SpecConfig.from_dict({**spec.to_dict(), **reset, "method": method})
+
+
+DEFAULT_METHOD = "auto"  # what runs when no method is named: the library, `specdraft generate` and `serve`
+
+
+def fallback_method(has_draft: bool) -> str:
+    """The method that runs when ``auto`` cannot (the default before auto was): the draft model when
+    there is one, else prompt lookup (model-free, runs everywhere)."""
+    return "draft_model" if has_draft else "prompt_lookup"
+
+
+def spec_with_default(d: dict | None, has_draft: bool) -> SpecConfig:
+    """A SpecConfig dict that names no method -> ``auto``; when its other fields rule auto out (a token
+    tree, a schedule auto does not take), ``fallback_method``, for which such fields were written."""
+    d = dict(d or {})
+    if "method" in d:
+        return SpecConfig.from_dict(d)
+    try:
+        return SpecConfig.from_dict({**d, "method": DEFAULT_METHOD})
+    except ConfigError:
+        return SpecConfig.from_dict({**d, "method": fallback_method(has_draft)})

@@ -494,13 +494,16 @@ class _StopChecker:
 
 # --- entry points -----------------------------------------------------------------------------------
 def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
-             tokenizer=None, length: DraftLength | None = None, on_emit=None) -> GenerationResult:
+             tokenizer=None, length: DraftLength | None = None, on_emit=None, on_admit=None) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
     after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
     when the request asks for logprobs); returning True cancels the request (finish_reason
-    "cancelled")."""
+    "cancelled"). ``on_admit(row)`` (optional) sees the row once prefilled: its ``stats.steps`` gains the
+    step's StepRecord before each ``on_emit``."""
     eng = Engine(target, eos_ids, tokenizer)
     row = eng.add(prompt_ids, sp, drafter, on_emit, length=length)
+    if on_admit is not None:
+        on_admit(row)
     while eng.rows:
         eng.step()
     if row.error is not None:

@@ -69,8 +69,11 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     for f in tmp_path.glob("r_*"):
         f.unlink()
     assert main(["bench", "report", str(out)]) == 0
-    md = capsys.readouterr().out
+    cap = capsys.readouterr()
+    md = cap.out
     assert "| method | mt_bench | summarization | qa | Overall | MAT | tok/s |" in md
+    # it ends by naming where everything is
+    assert f"report: {tmp_path / 'r_report.md'}" in cap.err and f"{tmp_path / 'r_speedup.png'}" in cap.err
     assert "draft_model[k=3]" in md and "hf_generate" in md
     for suffix in ("_report.md", "_speedup.png", "_acceptance.png", "_sweep.png"):
         assert (tmp_path / f"r{suffix}").stat().st_size > 0

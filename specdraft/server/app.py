@@ -1,5 +1,5 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
-/health, /metrics. Request handlers only parse, admit and relay; decoding runs on the worker thread."""
+/v1/specdraft/methods, /health, /metrics, and the playground page at / (server/playground.html). Request handlers only parse, admit and relay; decoding runs on the worker thread."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import SpecConfig
 from ..errors import SpecDraftError
-from ..methods import method as registered, methods_on
+from ..methods import REGISTRY, method as registered, methods_on
 from .metrics import ServerMetrics
-from .protocol import RequestError, ResponseBuilder, TextStream, finish_reason, parse_request
+from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
 from .scheduler import Job, QueueFull, SingleWorker, shutdown_error
 
@@ -111,7 +111,8 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-OPEN_PATHS = ("/health",)  # answered without an API key (load balancers' probes)
+OPEN_PATHS = ("/health", "/")  # answered without an API key (load balancers' probes; the static playground page,
+# which asks for the key and sends it with its own requests)
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -131,7 +132,7 @@ def key_problem(request: Request, api_key: str) -> str | None:
 
 
 def key_check(api_key: str, open_metrics: bool = False):
-    """An HTTP middleware: every path but /health (and /metrics with ``open_metrics``) needs
+    """An HTTP middleware: every path but /health, / (and /metrics with ``open_metrics``) needs
     ``Authorization: Bearer <api_key>``; otherwise 401 in OpenAI's shape. (/health answers without it,
     but only whether the server is up: see ``health_details``.)"""
     open_paths = OPEN_PATHS + (("/metrics",) if open_metrics else ())
@@ -202,6 +203,58 @@ def drain_check(app: FastAPI):
     return check
 
 
+def check_method(decoder, spec: SpecConfig) -> str | None:
+    """A RequestError (param ``spec``) when this decoder cannot run ``spec.method`` (its backend, a draft
+    model it lacks); else the method's ``needs`` (a head or a layer view is loaded by the caller)."""
+    m = registered(spec.method)
+    if decoder.backend not in m.backends:
+        raise RequestError(f"spec.method {m.name!r} is not available on the {decoder.backend} backend this "
+                           f"server runs; methods there: {', '.join(methods_on(decoder.backend))}", param="spec")
+    if m.needs == "draft_model" and decoder.draft is None:
+        raise RequestError(f"spec.method {spec.method!r} needs a draft model; this server was started "
+                           "without --draft (use auto, prompt_lookup or plain)", param="spec")
+    return m.needs
+
+
+def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resources: dict) -> dict:
+    """GET /v1/specdraft/methods: every registered method (auto first), whether a request's
+    ``{"spec": {"method": NAME}}`` runs here (else why not), and its knobs (trees, schedules)."""
+    names = ["auto"] + [n for n in REGISTRY if n != "auto"]
+    data = []
+    for name in names:
+        m = registered(name)
+        try:
+            check_method(decoder, spec_over({"method": name}, default_spec, resources))
+            reason = None
+        except RequestError as e:
+            reason = e.message
+        data.append({"id": name, "object": "method", "summary": m.summary, "needs": m.needs,
+                     "available": reason is None, "reason": reason, "trees": list(m.trees),
+                     "schedules": list(m.schedules), "backends": list(m.backends)})
+    d = default_spec.to_dict()
+    return {"object": "list", "model": model_name, "backend": decoder.backend,
+            "draft": getattr(decoder.draft, "name", None),
+            "default_spec": {k: d[k] for k in ("method", "k", "max_k", "schedule", "tree")}, "data": data}
+
+
+PLAYGROUND = "playground.html"  # package data beside this module: one static page, no build step
+
+
+def add_playground(app: FastAPI) -> None:
+    """GET /: the playground page (server/playground.html), read once. It holds nothing secret: with an API
+    key it asks for the key and sends it as a Bearer token with its own requests."""
+    from importlib.resources import files
+
+    page = files(__package__).joinpath(PLAYGROUND).read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return Response(page, media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                                 "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                            "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is parsed
 STUCK_AFTER_S = 300.0  # one engine step running longer than this makes /health say the worker is stuck
 
@@ -248,6 +301,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     else:
         app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
     app.state.worker = worker
+    app.state.default_spec = default_spec
     app.state.resources = {k: dict(v) for k, v in (resources or {}).items()}
     app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
@@ -285,14 +339,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
                               default_spec=default_spec, default_max_tokens=default_max_tokens,
                               resources=app.state.resources)
-            m = registered(p.spec.method)
-            if decoder.backend not in m.backends:
-                raise RequestError(f"spec.method {m.name!r} is not available on the {decoder.backend} backend this "
-                                   f"server runs; methods there: {', '.join(methods_on(decoder.backend))}", param="spec")
-            needs = m.needs  # what the method needs must exist before admission
-            if needs == "draft_model" and decoder.draft is None:
-                raise RequestError(f"spec.method {p.spec.method!r} needs a draft model; this server was started "
-                                   "without --draft (use prompt_lookup or plain)", param="spec")
+            needs = check_method(decoder, p.spec)  # what the method needs must exist before admission
             try:  # in a thread: loading an operator's head or skip config must not stall the event loop
                 if needs == "layer_view":  # the layer view must exist for this target
                     await asyncio.to_thread(decoder.self_draft, p.spec)
@@ -304,6 +351,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             if app.state.stream_pacing.locked and p.stream_mode != "fixed":
                 raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "
                                    "accepted); leave stream_mode out or set it to \"fixed\"", param="stream_mode")
+            if p.include_steps and p.stream_mode == "fixed":
+                raise RequestError("stream_options.include_steps shows what speculation accepted, which stream_mode "
+                                   "\"fixed\" hides; leave one out", param="stream_options.include_steps")
         except RequestError as e:
             count(endpoint, "invalid").inc()
             return _error(e)
@@ -370,15 +420,17 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse
         done_line = pad("data: [DONE]\n\n", pacing.pad_bytes) if fixed else "data: [DONE]\n\n"
         ts = TextStream(tok, p.sampling.stop)
+        trace = StepTrace(tok) if p.include_steps else None
         if rb.chat:
             yield sse(rb.chunk(None, first=True))
         events = job_events(job, request)
         async for kind, payload in (paced(events, pacing, job.t_arrive) if fixed else events):
             if kind == "tokens":
-                new, lps = payload
+                new, lps, at = payload[0], payload[1], ts.sent
                 delta = ts.push(new)
-                if delta or lps or fixed:  # logprobs go with the step that made their tokens, text or not yet
-                    yield sse(rb.chunk(delta, logprobs=lps))
+                steps = trace.step(new, payload[2], lps, at, delta) if trace else None
+                if delta or lps or fixed or trace:  # logprobs go with the step that made their tokens, text or not yet
+                    yield sse(rb.chunk(delta, logprobs=lps, steps=steps))
             elif kind == "keepalive":
                 yield keepalive(pacing.pad_bytes)
             elif kind in ("timeout", "error"):
@@ -395,7 +447,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                         yield sse(e.body()) + done_line
                     return
                 # one write: the end of a stream shows as one event, whatever it carries
-                yield (sse(rb.chunk(ts.push([], final=True) or None, finish=finish_reason(res.stats)))
+                at = ts.sent
+                last = ts.push([], final=True)
+                steps = trace.tail(at, last) if trace else None
+                yield (sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
                        + (sse(rb.usage_chunk(res.stats, method)) if p.include_usage else "") + done_line)
                 state["status"] = "ok"
                 return
@@ -412,6 +467,12 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdraft",
                                             "max_model_len": decoder.target.max_context}]}
+
+    @app.get("/v1/specdraft/methods")
+    async def methods():
+        return methods_listing(decoder, model_name, default_spec, app.state.resources)
+
+    add_playground(app)
 
     @app.get("/health")
     async def health(request: Request):

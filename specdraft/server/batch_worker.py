@@ -68,6 +68,8 @@ class BatchWorker(BaseWorker):
         for it, r in zip(items, out):
             if isinstance(r, Exception):
                 it[4].fail(r)
+            else:
+                it[4].admitted(r)
 
     def _reset(self, err: Exception) -> None:
         """Fail every running request with ``err`` and start over with an empty batch."""

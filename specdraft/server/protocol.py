@@ -10,12 +10,14 @@ default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_op
 (``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark), ``guided_choice``, or one
 ``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
 SpecConfig object merged over the server's default), ``stream_mode`` (``"normal"`` or ``"fixed"``,
-server/pacing.py). Parameters this server cannot honour get a 400
+server/pacing.py), ``stream_options.include_steps`` (each chunk of a stream gains a ``specdraft`` object:
+the step's draft and acceptance and the origin of every token, see ``StepTrace``). Parameters this server cannot honour get a 400
 naming them rather than being silently ignored.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 import uuid
@@ -62,6 +64,7 @@ class ParsedRequest:
     include_usage: bool
     chat: bool
     stream_mode: str | None = None  # None: the server's default (server/pacing.py)
+    include_steps: bool = False  # stream_options.include_steps: per-step speculation in each chunk (StepTrace)
 
 
 def _is_int(v) -> bool:
@@ -100,6 +103,12 @@ def _check_types(body: dict) -> None:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise RequestError("stream_options must be an object", param="stream_options", code="invalid_type")
+    steps = (so or {}).get("include_steps")
+    if steps is not None and not isinstance(steps, bool):
+        raise RequestError(f"stream_options.include_steps must be a boolean, got {steps!r}",
+                           param="stream_options.include_steps", code="invalid_type")
+    if steps and not body.get("stream"):
+        raise RequestError("stream_options.include_steps needs \"stream\": true", param="stream_options.include_steps")
     mode = body.get("stream_mode")
     if mode is not None and mode not in STREAM_MODES:
         raise RequestError(f"stream_mode must be one of {', '.join(map(repr, STREAM_MODES))}, got {mode!r}",
@@ -107,12 +116,14 @@ def _check_types(body: dict) -> None:
 
 
 def _spec(body: dict, default: SpecConfig, resources: dict | None = None) -> SpecConfig:
-    """The request's ``spec`` merged over the server's default. Fields naming files take only the names
+    s = body.get("spec")
+    return default if s is None else spec_over(s, default, resources)
+
+
+def spec_over(s, default: SpecConfig, resources: dict | None = None) -> SpecConfig:
+    """A request's ``spec`` merged over the server's default. Fields naming files take only the names
     of ``resources`` ({field: {name: path}}, the operator's, from the server's start): a request never
     names a path (a FIFO or /dev/zero would block the server; error messages would tell which files exist)."""
-    s = body.get("spec")
-    if s is None:
-        return default
     if not isinstance(s, dict):
         raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
                            code="invalid_type")
@@ -336,7 +347,7 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     spec = _spec(body, default_spec, resources)
     so = body.get("stream_options") or {}
     return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat,
-                         body.get("stream_mode"))
+                         body.get("stream_mode"), bool(so.get("include_steps", False)))
 
 
 def usage(stats, method: str, hide_acceptance: bool = False) -> dict:
@@ -390,7 +401,7 @@ class ResponseBuilder:
         return d
 
     def chunk(self, delta: str | None, finish: str | None = None, first: bool = False,
-              logprobs: list | None = None) -> dict:
+              logprobs: list | None = None, steps: dict | None = None) -> dict:
         lp = self.logprobs(logprobs)
         if self.chat:
             d = self._base("chat.completion.chunk")
@@ -401,6 +412,8 @@ class ResponseBuilder:
         else:
             d = self._base("text_completion")
             d["choices"] = [{"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}]
+        if steps is not None:  # stream_options.include_steps (StepTrace): an extension field, beside OpenAI's
+            d["specdraft"] = steps
         return d
 
     def logprobs(self, entries: list | None) -> dict | None:
@@ -457,3 +470,53 @@ class TextStream:
         delta = t[self.sent:]
         self.sent = max(self.sent, len(t))
         return delta
+
+
+class StepTrace:
+    """``stream_options.include_steps``: what each step drafted and accepted, and which characters of the
+    streamed text each token made, so that a client can colour every token by its origin. ``step`` gives a
+    chunk's ``specdraft`` object: ``step`` {n, drafted, accepted, emitted, arm} (``arm``: what drafted
+    it under auto / hybrid, else null), ``tokens`` (this step's, each {index, step, position, accepted,
+    arm[, logprob]}: ``accepted`` true for a draft the target accepted, false for the target's own token)
+    and ``pieces``: [text, token index] pairs that split the chunk's text exactly (text held back by
+    the stream, e.g. half a UTF-8 character, comes with a later chunk, still under its own token)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.ends: list[int] = []  # characters of the decoded output through each token
+        self.n = 0
+
+    def step(self, new: list[int], rec, logprobs: list | None, start: int, delta: str) -> dict:
+        """After a step: ``rec`` its StepRecord (None if unknown), ``delta`` the chunk's text from char ``start``."""
+        self.n += 1
+        acc = rec.accepted if rec is not None else 0
+        arm = getattr(rec, "arm", None)
+        tokens = []
+        for j, t in enumerate(new):  # one decode per emitted token (not per vocabulary entry)
+            self.ids.append(int(t))
+            end = len(self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
+            self.ends.append(max(end, self.ends[-1] if self.ends else 0))
+            tok = {"index": len(self.ids) - 1, "step": self.n, "position": j, "accepted": j < acc, "arm": arm}
+            if logprobs is not None and j < len(logprobs):
+                tok["logprob"] = logprobs[j]["logprob"]
+            tokens.append(tok)
+        step = None if rec is None else {"n": self.n, "drafted": rec.drafted, "accepted": rec.accepted,
+                                         "emitted": rec.emitted, "arm": arm}
+        return {"step": step, "tokens": tokens, "pieces": self.pieces(start, delta)}
+
+    def pieces(self, start: int, delta: str) -> list:
+        """``delta`` (the text from char ``start``) cut at the tokens' ends: [[text, token index], ...]."""
+        out, at, stop = [], start, start + len(delta)
+        i = bisect.bisect_right(self.ends, start)
+        while at < stop:
+            end = min(self.ends[i], stop) if i < len(self.ends) - 1 else stop  # the last token takes the rest
+            if end > at:
+                out.append([delta[at - start:end - start], min(i, len(self.ends) - 1)])
+                at = end
+            i += 1
+        return out
+
+    def tail(self, start: int, delta: str) -> dict:
+        """The stream's last chunk: the text released at the end, under its tokens."""
+        return {"step": None, "tokens": [], "pieces": self.pieces(start, delta)}

@@ -23,7 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import SpecDraftError
 from ..raycluster import connect
-from .app import LOOPBACK_HOSTS, MAX_BODY_BYTES, drain_check, health_details, key_check, origin_check, read_body
+from .app import (LOOPBACK_HOSTS, MAX_BODY_BYTES, add_playground, drain_check, health_details, key_check, origin_check,
+                  read_body)
 from .protocol import RequestError
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
@@ -173,6 +174,8 @@ def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: b
     app.post("/v1/completions")(relay)
     app.post("/v1/chat/completions")(relay)
     app.get("/v1/models")(relay)
+    app.get("/v1/specdraft/methods")(relay)
+    add_playground(app)
 
     async def replica_get(path: str):
         async def one(u):

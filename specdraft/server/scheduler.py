@@ -64,6 +64,10 @@ class Job:
         self.done = threading.Event()
         self.result = None
         self._last_emit = None
+        self.steps: list | None = None  # the row's StepRecords (engine), once admitted: each step's is posted
+
+    def admitted(self, row) -> None:
+        self.steps = row.stats.steps
 
     def post(self, kind: str, payload=None) -> None:
         if self.loop is None:
@@ -87,7 +91,8 @@ class Job:
         if self.t_first is None:
             self.t_first = time.monotonic()
         if new:
-            self.post("tokens", ([int(t) for t in new], logprobs))
+            step = self.steps[-1] if self.steps else None
+            self.post("tokens", ([int(t) for t in new], logprobs, step))
         if self.expired():
             self.cancel("timeout")
         return self.cancelled.is_set()
@@ -254,7 +259,7 @@ class SingleWorker(BaseWorker):
             try:
                 drafter = make_drafter(dec, job.spec)
                 res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
-                               dec.draft_length(job.spec), on_emit=on_emit)
+                               dec.draft_length(job.spec), on_emit=on_emit, on_admit=job.admitted)
                 self.metrics.observe_result(res.stats)
                 job.finish(res)
             except SpecDraftError as e:
