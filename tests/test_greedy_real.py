@@ -134,3 +134,22 @@ def test_cross_tokenizer_draft_greedy_exact(smol_f32, reference):
         assert out.token_ids == reference[p][:24]
         accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_two_level_draft_on_the_targets_own_gguf_greedy_exact(smol_f32, smol_gguf, reference):
+    """Issue 31's arrangement on SmolLM2: the float32 target drafted by its own 4-bit file (the weights
+    its dense copy was made from, ``self:Q4_1``) on llama.cpp, with prompt lookup proposing for that
+    draft (cascade: two levels); and the draft alone. Output = the float32 target's greedy output."""
+    from specdraft.api import _self_draft
+
+    draft = _self_draft(smol_f32, "smollm2-135m", "Q4_1", "float32", "llama")
+    assert str(draft.path) == str(smol_gguf.path)  # the pulled file itself, not a requantized one
+    dec = SpecDecoder(smol_f32, draft)
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    accepted = drafted = 0
+    for p in (PROMPTS[1], PROMPTS[-2]):
+        for spec in (SpecConfig(method="cascade", k=5, cascade_k=3), SpecConfig(method="draft_model", k=5)):
+            out = dec.generate(p, sampling=sp, spec=spec, chat=True)
+            assert out.token_ids == reference[p], f"{spec.method} diverged on {p!r}"
+            accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+    assert accepted > 0.5 * drafted  # a 4-bit copy of the same weights drafts well

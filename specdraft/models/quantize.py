@@ -42,8 +42,11 @@ def check_type(qtype: str) -> int:
 
 
 def variant_path(base: str, qtype: str) -> Path:
-    """The registered file of ``base:qtype`` (size-checked)."""
+    """The registered file of ``base:qtype`` (size-checked); the pulled file itself when ``qtype`` is its
+    own type (qwen2.5-coder-1.5b:Q4_K_M, smollm2-135m:Q4_1: the weights the dense copies came from)."""
     check_type(qtype)
+    if registry.get_spec(base).gguf_name.lower().endswith(f"{qtype.lower()}.gguf"):
+        return registry.gguf_path(base)
     rec = _index().get(f"{base}:{qtype}")
     if rec is None:
         raise ModelFileError(f"no {qtype} variant of {base}; make it with `specdraft models quantize {base} --type {qtype}`")
