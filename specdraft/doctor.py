@@ -94,7 +94,10 @@ def check_models(r: Report) -> list[str]:
     return ready
 
 
-def measure_curves(r: Report, model: str, backends: list[str]) -> dict[str, dict[int, float]]:
+PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "llama")}  # label: (suffix, backend)
+
+
+def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[int, float]]:
     from .bench.costs import measure_costs
     from .errors import SpecDraftError
     from .models.loading import load_model
@@ -102,11 +105,11 @@ def measure_curves(r: Report, model: str, backends: list[str]) -> dict[str, dict
     curves = {}
     r.say("costs", f"ms per forward of {' / '.join(map(str, TOKENS))} tokens, {model}, 60-token context "
                    "(ratio to one token)")
-    for b in backends:
-        label = "llama gguf" if b == "llama" else "hf bf16"
+    for label in labels:
+        suffix, b = PATHS[label]
         t0 = time.time()
         try:
-            m = load_model(model, "bfloat16", backend=b)
+            m = load_model(model + suffix, "bfloat16", backend=b)
             measure_costs(m, [1, 16], repeats=2)  # the first forwards of a process pay for kernel set-up
             c = measure_costs(m, list(TOKENS), repeats=3)
         except (SpecDraftError, RuntimeError, OSError) as e:
@@ -128,7 +131,7 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
     fast = min(curves, key=lambda k: curves[k][1])
     c = curves[fast]
     r8 = c[8] / c[1]
-    backend = "llama" if fast.startswith("llama") else "hf --dtype bfloat16"
+    backend = {"llama gguf": "llama", "hf w8a8": f"hf --target NAME:w8a8"}.get(fast, "hf --dtype bfloat16")
     why = (f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, "
            + ("so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
               "(code edits, repeated text) and decodes plainly elsewhere" if r8 > 2 else
@@ -138,6 +141,10 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
     if bf and fast != "hf bf16":
         r.say("", f"full-precision answers: --backend hf --dtype bfloat16 --draft self:int4 (scoring 8 tokens "
                   f"costs {bf[8] / bf[1]:.2f}x one in bf16; its one token costs {bf[1] / c[1]:.1f}x {fast}'s)")
+    w8 = curves.get("hf w8a8")
+    if w8 and fast != "hf w8a8":
+        r.say("", f"flat verification at 8-bit bytes: --backend hf --target NAME:w8a8 (8 tokens cost {w8[8] / w8[1]:.2f}x "
+                  f"one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long")
 
 
 def main_doctor(a) -> int:
@@ -153,6 +160,6 @@ def main_doctor(a) -> int:
     llama_ok = check_llama(r, gguf)
     model = a.model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
     if not a.no_costs and model:
-        recommend(r, measure_curves(r, model, ["hf"] + (["llama"] if llama_ok else [])))
+        recommend(r, measure_curves(r, model, ["hf bf16", "hf w8a8"] + (["llama gguf"] if llama_ok else [])))
     print(f"{'status':8s} " + ("ok" if not r.problems else f"{len(r.problems)} problem(s): " + "; ".join(r.problems)))
     return 1 if r.problems else 0
