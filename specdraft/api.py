@@ -84,7 +84,7 @@ class SpecDecoder:
 
     def cost_curve(self, n_max: int) -> dict[int, float]:
         """Seconds of one target forward scoring n = 1..n_max tokens on this machine: measured once per
-        decoder at ``COST_POINTS`` (about 3 forwards each; ``bench/costs.measure_costs``), linear in
+        decoder at ``COST_POINTS`` (about 3 forwards each; ``costs.measure_costs``), linear in
         between, extended when a spec needs a longer one. The cost-aware schedule and ``auto`` start
         from the real curve of this CPU and backend."""
         return _curve(self.target, self._costs, n_max)
@@ -252,7 +252,7 @@ COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     """{n: seconds} for n = 1..n_max, measuring the points of ``COST_POINTS`` up to n_max (and n_max)
     that ``measured`` lacks, interpolating linearly between them."""
-    from .bench.costs import measure_costs
+    from .costs import measure_costs
 
     points = sorted({n for n in COST_POINTS if n <= n_max} | {n_max})
     missing = [n for n in points if n not in measured]

@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from . import prompts
 from .config import SamplingParams, SpecConfig
 from .errors import ConfigError, SpecDraftError
 from .methods import method
@@ -39,7 +40,7 @@ def slug(s: str | None) -> str:
 
 
 def cpu_key() -> str:
-    from .bench.costs import cpu_name
+    from .costs import cpu_name
 
     return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
 
@@ -157,14 +158,13 @@ def main_autotune(a) -> int:
     from tqdm import tqdm
 
     from .api import SpecDecoder
-    from .bench import data
-    from .bench.costs import cpu_name
+    from .costs import cpu_name
     from .models.loading import set_threads
 
     threads = set_threads(a.threads)
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend,
                            draft_backend=a.draft_backend)
-    rows = _prompts(a, data)
+    rows = _prompts(a)
     sp = SamplingParams(temperature=a.temperature, seed=0 if a.temperature > 0 else None,
                         max_new_tokens=a.max_new_tokens).validate()
     cands = candidates(dec)
@@ -224,15 +224,15 @@ def table(tried: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _prompts(a, data) -> list[dict]:
+def _prompts(a) -> list[dict]:
     if a.prompts:
-        rows = data.load_prompts(a.prompts)[: a.n]
+        rows = prompts.load_prompts(a.prompts)[: a.n]
     else:  # Spec-Bench's last prompt of each task (core18 takes the first ones) and the last code edits:
         # a mix where different methods win
         by_task: dict = {}
-        for r in data.load_prompts(None):
+        for r in prompts.load_prompts(None):
             by_task[r["task"]] = r
-        edits = data.load_prompts(data.preset_dataset("code_edit"))
+        edits = prompts.load_prompts(prompts.preset_dataset("code_edit"))
         rows = (list(by_task.values()) + edits[-max(2, a.n - len(by_task)):])[: a.n]
     if not rows:
         raise SpecDraftError("no calibration prompts")

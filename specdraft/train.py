@@ -125,7 +125,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
             print(f"reusing cached training data {f} ({len(blob['seqs'])} sequences)", file=sys.stderr)
             return blob["seqs"], blob["meta"]
         print(f"cached data {f} was made with {blob.get('meta')}; regenerating for {want}", file=sys.stderr)
-    from .bench.data import load_prompts
+    from .prompts import load_prompts
 
     rows = load_prompts(data_path)
     if max_prompts:

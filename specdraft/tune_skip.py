@@ -67,9 +67,9 @@ def estimate(alpha: float, frac: float, costs: dict[int, float], max_k: int) -> 
 
 
 def tuning_prompts(dec, n_per_task: int, dataset: str | None = None) -> list[tuple[str, list[int]]]:
-    from .bench import data
+    from . import prompts
 
-    rows = data.load_prompts(dataset)
+    rows = prompts.load_prompts(dataset)
     by_task: dict[str, list[dict]] = {}
     for r in rows:
         by_task.setdefault(r["task"], []).append(r)
@@ -100,7 +100,7 @@ def main_tune_skip(a) -> int:
     from tqdm import tqdm
 
     from .api import SpecDecoder
-    from .bench.costs import measure_costs
+    from .costs import measure_costs
     from .config import SamplingParams, SpecConfig
     from .models.views import layer_view
 

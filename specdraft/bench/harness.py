@@ -30,7 +30,7 @@ from .. import methods
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, SpecDraftError
 from ..fidelity import output_terms
-from . import data
+from .. import prompts as data
 from .report import render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
@@ -192,7 +192,7 @@ def environment(a, threads: int) -> dict:
         except Exception:
             return None
 
-    from .costs import cpu_name
+    from ..costs import cpu_name
 
     try:
         from importlib.metadata import version
