@@ -20,7 +20,7 @@ from .errors import ConfigError, TokenizerMismatchError
 from .methods import method, methods_on
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
-from .models.views import layer_view, skip_to_keep
+from .models.views import layer_view, load_skip_config, skip_to_keep
 from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
@@ -192,8 +192,6 @@ class SpecDecoder:
                 raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
             keep = list(range(spec.exit_layer))
         else:
-            from .tune_skip import load_skip_config
-
             skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
             keep = skip_to_keep(n, skip)
         return _cached(self._views, tuple(keep), lambda: layer_view(self.target, keep))

@@ -10,7 +10,8 @@ own, such as suffix or token_recycling, list only "chain": ``tree`` selects a mo
 hidden features or its layers need transformers ("hf").
 ``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
-Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
+Factories import their drafter lazily, so importing the registry stays cheap. The table itself,
+``REGISTRY``, lives in config.py (below the drafters) so that SpecConfig validation reads it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-ALL_TREES = ("chain", "static", "dynamic")
-SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
+from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig, methods_needing
+
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
 BOTH = ("hf", "llama")  # the model backends (models/backends.py)
@@ -127,15 +128,13 @@ def retrieval_spec(spec):
     """The suffix drafter's config inside a hybrid or auto spec (``retrieval_k`` deep)."""
     import dataclasses
 
-    from .config import SpecConfig
-
     keep = ("min_ngram", "max_ngram", "max_spec_factor", "min_token_prob", "tree_nodes", "max_occurrences", "datastore")
     d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name in keep}
     return SpecConfig(method="suffix", k=spec.retrieval_k, max_k=max(spec.retrieval_k, 16), **d)
 
 
 def _auto(dec, spec):
-    from .autotune import build_auto
+    from .arms import build_auto
 
     return build_auto(dec, spec)
 
@@ -152,7 +151,7 @@ def _eagle(dec, spec):
     return EagleDrafter(dec.target, dec.head(spec), spec)
 
 
-REGISTRY: dict[str, Method] = {m.name: m for m in [
+REGISTRY.update({m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
     Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=BOTH),
@@ -178,7 +177,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
            needs="head", trees=("chain", "static")),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
            needs="head", trees=ALL_TREES),
-]}
+]})
 
 METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY
 
@@ -193,10 +192,6 @@ def method(name: str) -> Method:
 
 def methods_on(backend: str) -> tuple[str, ...]:
     return tuple(m.name for m in REGISTRY.values() if backend in m.backends)
-
-
-def methods_needing(need: str) -> tuple[str, ...]:
-    return tuple(m.name for m in REGISTRY.values() if m.needs == need)
 
 
 def help_text() -> str:

@@ -88,7 +88,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
-    from .ray_shard import add_ray_args
+    from ..raycluster import add_ray_args
 
     add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "

@@ -488,3 +488,21 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def build_server_app(a, spec, api_key, pacing):
+    """Loads the models and returns the FastAPI app of one engine, from `specdraft serve`'s arguments
+    (a replica's too: server/replicas.py)."""
+    from ..api import SpecDecoder
+
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
+                           backend=a.backend, draft_backend=a.draft_backend)
+    if getattr(a, "method_defaulted", False):
+        spec = dec.usable(spec)
+    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
+    return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
+                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
+                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
+                      max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
+                      stream_mode="normal" if a.stream_mode == "normal" else "fixed",
+                      resources=getattr(a, "resources", None), allowed_hosts=tuple(a.allowed_host) + (a.host,))
