@@ -17,10 +17,10 @@ from collections import OrderedDict
 from .config import DEFAULT_METHOD, SamplingParams, SpecConfig, fallback_method, spec_with_default, with_method
 from .engine import GenerationResult, generate
 from .errors import ConfigError, TokenizerMismatchError
-from .methods import method, methods_on
+from .methods import method
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
-from .models.views import layer_view, load_skip_config, skip_to_keep
+from .models.views import layer_view
 from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
@@ -135,9 +135,9 @@ class SpecDecoder:
         rule (``drafter.lossy``, None unless ``spec.lossy`` is set), which verification reads."""
         spec.validate()
         m = method(spec.method)
-        if self.backend not in m.backends:
-            raise ConfigError(f"method {m.name!r} is not available on the {self.backend} backend; methods there: "
-                              f"{', '.join(methods_on(self.backend))}")
+        problem = m.unavailable(self.backend, self.draft is not None)
+        if problem:
+            raise ConfigError(problem)
         drafter = m.make(self, spec)
         drafter.lossy = spec.lossy_rule()
         return drafter
@@ -184,16 +184,9 @@ class SpecDecoder:
         return _cached(self._recycle_tables, top_k, lambda: AdjacencyTable(self.target.vocab_size, top_k),
                        RECYCLE_TABLES)
 
-    def self_draft(self, spec: SpecConfig) -> HFModel:
-        """The target's own layers as a draft (shared weights): early exit or layer skipping."""
-        n = self.target.num_layers
-        if spec.method == "early_exit":
-            if spec.exit_layer >= n:
-                raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
-            keep = list(range(spec.exit_layer))
-        else:
-            skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
-            keep = skip_to_keep(n, skip)
+    def layer_view(self, keep) -> HFModel:
+        """The target's layers ``keep`` as a draft (shared weights, cached): early exit or layer skipping."""
+        keep = list(keep)
         return _cached(self._views, tuple(keep), lambda: layer_view(self.target, keep))
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -69,7 +69,7 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
         arms = []
         for name, d in DEFAULT_ARMS.items():
             m = REGISTRY[d["method"]]
-            if dec.backend not in m.backends or (m.needs == "draft_model" and dec.draft is None):
+            if m.unavailable(dec.backend, dec.draft is not None):
                 continue
             fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
             arms.append((name, SpecConfig.from_dict(fields), None))

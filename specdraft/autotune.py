@@ -42,8 +42,7 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
             c["draft_model[static 2-1-1]"] = {"method": "draft_model", "tree": "static", "tree_branching": [2, 1, 1]}
     out = {}
     for n, d in c.items():
-        m = method(d["method"])
-        if dec.backend in m.backends and (m.needs != "draft_model" or dec.draft is not None):
+        if method(d["method"]).unavailable(dec.backend, dec.draft is not None) is None:
             out[n] = SpecConfig.from_dict(d)
     return out
 

@@ -184,13 +184,11 @@ def _check_before_loading(spec, a) -> str | None:
     """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
     model, or a head of the method's type. Returns the need."""
     m = methods.method(spec.method)
-    backend = getattr(a, "backend", "hf")
-    if backend not in m.backends:
-        raise SpecDraftError(f"method {m.name!r} is not available on the {backend} backend; methods there: "
-                             f"{', '.join(methods.methods_on(backend))}")
+    problem = m.unavailable(getattr(a, "backend", "hf"), bool(a.draft),
+                            no_draft=f"--method {m.name} needs --draft NAME")
+    if problem:
+        raise SpecDraftError(problem)
     needs = m.needs
-    if needs == "draft_model" and not a.draft:
-        raise SpecDraftError(f"--method {spec.method} needs --draft NAME")
     if needs == "head":
         from .heads import read_head_config
 
