@@ -75,13 +75,12 @@ def _plain(dec, spec):
     return NoDrafter()
 
 
-def _model_drafter(draft, dec, spec, cascade: bool = False):
-    """A chain or token tree drafted by a model (a draft model or a view of the target's layers);
-    ``cascade``: prompt lookup proposes for the draft model (chains only)."""
+def _model_drafter(draft, dec, spec):
+    """A chain or token tree drafted by a model (a draft model or a view of the target's layers)."""
     if spec.tree == "chain":
         from .drafters.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter(draft, spec, dec.target.vocab_size, cascade=cascade)
+        return DraftModelDrafter(draft, spec, dec.target.vocab_size)
     if not hasattr(draft, "view"):
         raise ConfigError(f"a token tree drafted by a model needs a transformers draft (tree={spec.tree!r}); "
                           f"the {draft.backend} backend's draft drafts chains (tree='chain')")
@@ -90,21 +89,17 @@ def _model_drafter(draft, dec, spec, cascade: bool = False):
     return DraftTreeDrafter(draft.view(), spec, dec.target.vocab_size)  # its own cache, shared weights
 
 
-def _draft_model(dec, spec, cascade: bool = False):
+def _draft_model(dec, spec):
     bridge = dec.vocab_bridge()
     if bridge is None:
-        return _model_drafter(dec.draft_model(), dec, spec, cascade)
+        return _model_drafter(dec.draft_model(), dec, spec)
     from .drafters.cross_vocab import CrossVocabDrafter
 
-    if spec.tree != "chain" or cascade:
+    if spec.tree != "chain" or spec.method == "cascade":
         raise ConfigError(f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
                           f"method 'draft_model' or 'hybrid' with tree 'chain' (got method {spec.method!r}, "
                           f"tree {spec.tree!r})")
     return CrossVocabDrafter(dec.draft, bridge, spec, dec.target.vocab_size)
-
-
-def _cascade(dec, spec):
-    return _draft_model(dec, spec, cascade=True)
 
 
 def _first_layers(dec, spec):
@@ -212,7 +207,7 @@ REGISTRY.update({m.name: m for m in [
     Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
            _hybrid, needs="draft_model", trees=ALL_TREES, backends=BOTH),
     Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
-           _cascade, needs="draft_model", schedules=MODEL_SCHEDULES, backends=BOTH),
+           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=BOTH),
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
            _auto, backends=BOTH, uses_draft=True),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,

@@ -35,10 +35,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft_model"
 
-    def __init__(self, model, cfg: SpecConfig, target_vocab: int, cascade: bool = False):
+    def __init__(self, model, cfg: SpecConfig, target_vocab: int):
         self.model = model  # a TargetModel (models/base.py) of the draft
         self.cfg = cfg
-        self.cascade = cascade  # prompt lookup proposes for the draft model (method 'cascade')
         self.target_vocab = target_vocab
         self.group_key = ("draft_model", id(getattr(model, "model", model)))
 
@@ -130,7 +129,7 @@ class DraftModelGroup:
         draft so far, for the draft model to check; room is left for the draft's own next token."""
         cfg = m.drafter.cfg
         n = min(cfg.cascade_k, cap - len(out) - 1)
-        if not m.drafter.cascade or n <= 0:
+        if cfg.method != "cascade" or n <= 0:
             return []
         ctx = np.asarray(m.tokens + [int(t) for t in out], dtype=np.int64)
         return find_candidate(ctx, cfg.min_ngram, cfg.max_ngram, n).tolist()
