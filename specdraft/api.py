@@ -17,10 +17,10 @@ from collections import OrderedDict
 from .config import DEFAULT_METHOD, SamplingParams, SpecConfig, fallback_method, spec_with_default, with_method
 from .engine import GenerationResult, generate
 from .errors import ConfigError, TokenizerMismatchError
-from .methods import method, methods_on
+from .methods import method
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, load_model, set_threads
-from .models.views import layer_view, skip_to_keep
+from .models.views import layer_view
 from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
@@ -84,7 +84,7 @@ class SpecDecoder:
 
     def cost_curve(self, n_max: int) -> dict[int, float]:
         """Seconds of one target forward scoring n = 1..n_max tokens on this machine: measured once per
-        decoder at ``COST_POINTS`` (about 3 forwards each; ``bench/costs.measure_costs``), linear in
+        decoder at ``COST_POINTS`` (about 3 forwards each; ``costs.measure_costs``), linear in
         between, extended when a spec needs a longer one. The cost-aware schedule and ``auto`` start
         from the real curve of this CPU and backend."""
         return _curve(self.target, self._costs, n_max)
@@ -135,9 +135,9 @@ class SpecDecoder:
         rule (``drafter.lossy``, None unless ``spec.lossy`` is set), which verification reads."""
         spec.validate()
         m = method(spec.method)
-        if self.backend not in m.backends:
-            raise ConfigError(f"method {m.name!r} is not available on the {self.backend} backend; methods there: "
-                              f"{', '.join(methods_on(self.backend))}")
+        problem = m.unavailable(self.backend, self.draft is not None)
+        if problem:
+            raise ConfigError(problem)
         drafter = m.make(self, spec)
         drafter.lossy = spec.lossy_rule()
         return drafter
@@ -184,18 +184,9 @@ class SpecDecoder:
         return _cached(self._recycle_tables, top_k, lambda: AdjacencyTable(self.target.vocab_size, top_k),
                        RECYCLE_TABLES)
 
-    def self_draft(self, spec: SpecConfig) -> HFModel:
-        """The target's own layers as a draft (shared weights): early exit or layer skipping."""
-        n = self.target.num_layers
-        if spec.method == "early_exit":
-            if spec.exit_layer >= n:
-                raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
-            keep = list(range(spec.exit_layer))
-        else:
-            from .tune_skip import load_skip_config
-
-            skip = spec.skip_layers or load_skip_config(spec.skip_config, self.target)
-            keep = skip_to_keep(n, skip)
+    def layer_view(self, keep) -> HFModel:
+        """The target's layers ``keep`` as a draft (shared weights, cached): early exit or layer skipping."""
+        keep = list(keep)
         return _cached(self._views, tuple(keep), lambda: layer_view(self.target, keep))
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -252,7 +243,7 @@ COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     """{n: seconds} for n = 1..n_max, measuring the points of ``COST_POINTS`` up to n_max (and n_max)
     that ``measured`` lacks, interpolating linearly between them."""
-    from .bench.costs import measure_costs
+    from .costs import measure_costs
 
     points = sorted({n for n in COST_POINTS if n <= n_max} | {n_max})
     missing = [n for n in points if n not in measured]

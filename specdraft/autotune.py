@@ -1,5 +1,5 @@
-"""Choosing how to draft for a target, draft, backend and machine: the arms of ``method="auto"`` and
-``specdraft autotune``, which measures them on sample prompts and writes what it found.
+"""``specdraft autotune``: measures the drafting configurations a target, draft, backend and machine can
+run on sample prompts and writes what it found, the arms that ``method="auto"`` reads (arms.py).
 
 The autotune file (JSON; by default ``$SPECDRAFT_HOME/autotune/<target>__<draft>__<backend>__<cpu>.json``,
 where ``auto`` finds it by itself):
@@ -13,105 +13,15 @@ where ``auto`` finds it by itself):
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 
+from . import prompts
+from .arms import DEFAULT_ARMS, default_path, uses_model
 from .config import SamplingParams, SpecConfig
-from .errors import ConfigError, SpecDraftError
+from .errors import SpecDraftError
 from .methods import method
-
-# auto's arms when no autotune file is there: cheap retrieval, the draft model, and the hybrid of both
-# (each only where the decoder can run it); plain is always an arm
-DEFAULT_ARMS = {
-    "prompt_lookup": {"method": "prompt_lookup", "k": 8, "min_ngram": 2, "max_ngram": 4},
-    "suffix": {"method": "suffix", "k": 16, "tree_nodes": 16},
-    "draft_model": {"method": "draft_model"},
-    "hybrid": {"method": "hybrid"},
-}
-ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
-
-
-def slug(s: str | None) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", s or "none")
-
-
-def cpu_key() -> str:
-    from .bench.costs import cpu_name
-
-    return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
-
-
-def default_path(dec) -> Path:
-    from .models.registry import home
-
-    t = dec.target
-    d = dec.draft
-    name = lambda m: None if m is None else getattr(m, "name", None) or getattr(m, "path", None)  # noqa: E731
-    dtype = str(getattr(getattr(t, "model", None), "dtype", "")).replace("torch.", "")  # hf: costs depend on it
-    return home() / "autotune" / f"{slug(name(t))}__{slug(name(d))}__{dec.backend}{dtype}__{cpu_key()}.json"
-
-
-def load_file(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"autotune file {p} not found (write one with `specdraft autotune ... -o {p}`)")
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"autotune file {p} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("arms"), list) or not doc["arms"]:
-        raise ConfigError(f"autotune file {p} has no 'arms' list (was it written by `specdraft autotune`?)")
-    return doc
-
-
-def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None]]:
-    """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
-    can run; ``spec.auto_arms`` keeps the named ones."""
-    found = default_path(dec)
-    path = spec.autotune or (found if found.is_file() else None)
-    if path == "off":  # online calibration only, whatever file exists
-        path = None
-    if path is not None:
-        arms = [(a["name"], SpecConfig.from_dict(a["spec"]), a) for a in load_file(path)["arms"]]
-    else:
-        passed = {f: getattr(spec, f) for f in ARM_FIELDS}
-        arms = []
-        for name, d in DEFAULT_ARMS.items():
-            m = method(d["method"])
-            if dec.backend not in m.backends or (m.needs == "draft_model" and dec.draft is None):
-                continue
-            fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
-            arms.append((name, SpecConfig.from_dict(fields), None))
-    if spec.auto_arms:
-        unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
-        if unknown:
-            raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
-        arms = [a for a in arms if a[0] in spec.auto_arms]
-    arms = [a for a in arms if a[1].method != "plain"]
-    if any(s.method == "auto" for _, s, _ in arms):
-        raise ConfigError("an auto arm cannot itself be 'auto'")
-    return [("plain", SpecConfig(method="plain"), None)] + arms
-
-
-def build_auto(dec, spec: SpecConfig):
-    """The AutoDrafter for ``spec`` on decoder ``dec`` (arms, this machine's step costs, shared memory)."""
-    from .drafters.auto import Arm, AutoDrafter, Evidence, StepCosts
-
-    arms_specs = _arm_specs(dec, spec)
-    uses_draft = any(_uses_model(s) for _, s, _ in arms_specs)
-    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None)
-    arms = []
-    for name, s, prior in arms_specs:
-        ev = None
-        if prior is not None and prior.get("mat"):
-            steps = 8.0
-            ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
-                                                                           prior.get("model_tokens", 0.0)))
-        arms.append(Arm(name, dec.make_drafter(s), ev, _uses_model(s)))
-    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
 
 
 # --- specdraft autotune ------------------------------------------------------------------------------
@@ -132,8 +42,7 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
             c["draft_model[static 2-1-1]"] = {"method": "draft_model", "tree": "static", "tree_branching": [2, 1, 1]}
     out = {}
     for n, d in c.items():
-        m = method(d["method"])
-        if dec.backend in m.backends and (m.needs != "draft_model" or dec.draft is not None):
+        if method(d["method"]).unavailable(dec.backend, dec.draft is not None) is None:
             out[n] = SpecConfig.from_dict(d)
     return out
 
@@ -157,14 +66,13 @@ def main_autotune(a) -> int:
     from tqdm import tqdm
 
     from .api import SpecDecoder
-    from .bench import data
-    from .bench.costs import cpu_name
+    from .costs import cpu_name
     from .models.loading import set_threads
 
     threads = set_threads(a.threads)
     dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend,
                            draft_backend=a.draft_backend)
-    rows = _prompts(a, data)
+    rows = _prompts(a)
     sp = SamplingParams(temperature=a.temperature, seed=0 if a.temperature > 0 else None,
                         max_new_tokens=a.max_new_tokens).validate()
     cands = candidates(dec)
@@ -187,7 +95,7 @@ def main_autotune(a) -> int:
             out = dec.generate(ids[i], sampling=sp, spec=s)
             runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s,
                             "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
-                            "model_tokens": sum(st.drafted for st in out.stats.steps) if _uses_model(s) else 0})
+                            "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(s) else 0})
     base = summarize(runs["plain"], {})
     tried = [{"name": n, "spec": compact(cands[n]), **summarize(runs[n], base)} for n in cands]
     tried.sort(key=lambda t: -(t["speedup"] or 0))
@@ -211,10 +119,6 @@ def compact(spec: SpecConfig) -> dict:
     return {k: v for k, v in spec.to_dict().items() if k == "method" or v != default[k]}
 
 
-def _uses_model(s: SpecConfig) -> bool:
-    return method(s.method).needs == "draft_model"
-
-
 def table(tried: list[dict]) -> str:
     lines = ["| configuration | speedup | tokens/s | MAT | acceptance | target tokens / step |", "|---|---|---|---|---|---|"]
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -224,15 +128,15 @@ def table(tried: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _prompts(a, data) -> list[dict]:
+def _prompts(a) -> list[dict]:
     if a.prompts:
-        rows = data.load_prompts(a.prompts)[: a.n]
+        rows = prompts.load_prompts(a.prompts)[: a.n]
     else:  # Spec-Bench's last prompt of each task (core18 takes the first ones) and the last code edits:
         # a mix where different methods win
         by_task: dict = {}
-        for r in data.load_prompts(None):
+        for r in prompts.load_prompts(None):
             by_task[r["task"]] = r
-        edits = data.load_prompts(data.preset_dataset("code_edit"))
+        edits = prompts.load_prompts(prompts.preset_dataset("code_edit"))
         rows = (list(by_task.values()) + edits[-max(2, a.n - len(by_task)):])[: a.n]
     if not rows:
         raise SpecDraftError("no calibration prompts")

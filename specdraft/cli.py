@@ -184,13 +184,11 @@ def _check_before_loading(spec, a) -> str | None:
     """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
     model, or a head of the method's type. Returns the need."""
     m = methods.method(spec.method)
-    backend = getattr(a, "backend", "hf")
-    if backend not in m.backends:
-        raise SpecDraftError(f"method {m.name!r} is not available on the {backend} backend; methods there: "
-                             f"{', '.join(methods.methods_on(backend))}")
+    problem = m.unavailable(getattr(a, "backend", "hf"), bool(a.draft),
+                            no_draft=f"--method {m.name} needs --draft NAME")
+    if problem:
+        raise SpecDraftError(problem)
     needs = m.needs
-    if needs == "draft_model" and not a.draft:
-        raise SpecDraftError(f"--method {spec.method} needs --draft NAME")
     if needs == "head":
         from .heads import read_head_config
 
@@ -358,26 +356,9 @@ def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def build_server_app(a, spec, api_key, pacing):
-    """Loads the models and returns the FastAPI app of one engine (a replica's too: server/replicas.py)."""
-    from .api import SpecDecoder
-    from .server import create_app
-
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
-                           backend=a.backend, draft_backend=a.draft_backend)
-    if getattr(a, "method_defaulted", False):
-        spec = dec.usable(spec)
-    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
-    return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
-                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
-                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
-                      max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
-                      stream_mode="normal" if a.stream_mode == "normal" else "fixed",
-                      resources=getattr(a, "resources", None), allowed_hosts=tuple(a.allowed_host) + (a.host,))
-
-
 def cmd_serve(a) -> int:
     spec, api_key, pacing = _serve_settings(a)
+    from .server.app import build_server_app
     from .server.graceful import serve
 
     if a.replicas > 1 or a.ray_address:

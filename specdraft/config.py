@@ -6,7 +6,8 @@ benchmark and the server all take the same object.
 Validation is declarative: each field carries its constraint (``field(metadata={"check": ...})``,
 small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, ...), one generic loop
 (``_check_fields``) applies them, then a short list of cross-field rules, then the method's own rules,
-read from the method registry (``specdraft.methods``). Validation reads no files: a head's type and
+read from the method registry: the table ``REGISTRY`` below, which ``specdraft.methods`` fills (its
+entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
 target, a datastore's vocabulary or a skip config are checked when they are loaded.
 """
 
@@ -19,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import ConfigError
-from .methods import ALL_TREES, REGISTRY, SCHEDULES, methods_needing
+
+ALL_TREES = ("chain", "static", "dynamic")
+SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
+# name -> methods.Method: filled by specdraft.methods, which specdraft/__init__ imports before any use
+REGISTRY: dict[str, Any] = {}
+
+
+def methods_needing(need: str) -> tuple[str, ...]:
+    return tuple(m.name for m in REGISTRY.values() if m.needs == need)
 
 # Defaults measured for the Qwen2.5-Coder 1.5B + 0.5B pair in float32 on this project's 2-core CPU
 # (`specdraft batchbench`, docs/server.md#measured-crossover-qwen-pair): relative to plain decoding at the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .bench import data
+from . import prompts as data
 from .config import SamplingParams, SpecConfig
 from .metrics import GenerationStats, near_tie_bound, speedup
 

@@ -39,7 +39,7 @@ def check_cpu_and_torch(r: Report, threads: int) -> None:
 
     import torch
 
-    from .bench.costs import cpu_name
+    from .costs import cpu_name
     from .models.llama_probe import cpu_flags
 
     r.say("cpu", f"{cpu_name().split(' (')[0]}, {os.cpu_count()} cores; {isa_summary(cpu_flags())}")
@@ -98,7 +98,7 @@ PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "
 
 
 def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[int, float]]:
-    from .bench.costs import measure_costs
+    from .costs import measure_costs
     from .errors import SpecDraftError
     from .models.loading import load_model
 

@@ -29,7 +29,7 @@ from .metrics import GenerationStats, StepRecord
 from .policy import BatchRule, DraftLength
 from .processors import RequestProcessor, logprob_entries
 from .sampling import make_generator
-from .tree import DraftTree
+from .tree import DraftTree, feed_mask
 from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
 
 
@@ -328,7 +328,7 @@ class Engine:
         """The target's forward over every row's pending token + draft; each drafter observes its own
         row's logits [k + 1, V] (and features, when it wants them)."""
         seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
-        trees = [None if d.is_chain() else _tree_feed(d) for d in drafts]
+        trees = [None if d.is_chain() else feed_mask(d) for d in drafts]
         want = [row.drafter.wants_hidden for row in rows]
         logits = self.kv.forward(seqs, trees=trees, hidden=any(want))  # [B, N, V]
         hidden, self.kv.last_hidden = self.kv.last_hidden, None
@@ -444,16 +444,6 @@ def _by_group(rows: list[Request]) -> dict:
         if r.drafter.group_key is not None:
             out.setdefault(r.drafter.group_key, []).append(r)
     return out
-
-
-def _tree_feed(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
-    itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
-    n = tree.size
-    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    allow[:, 0] = True
-    allow[1:, 1:] = tree.ancestors()
-    return allow, torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
 
 
 def _cut_at_stop(new: list[int], eos: set[int], remaining: int) -> tuple[list[int], str | None]:

@@ -10,7 +10,10 @@ own, such as suffix or token_recycling, list only "chain": ``tree`` selects a mo
 hidden features or its layers need transformers ("hf").
 ``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
-Factories import their drafter lazily, so importing the registry stays cheap and cycle-free.
+``load_resource``: (decoder, spec) -> the shared resource its drafter reads (a layer view, a head), loaded
+and cached by the decoder; the server loads it before admitting a request.
+Factories import their drafter lazily, so importing the registry stays cheap. The table itself,
+``REGISTRY``, lives in config.py (below the drafters) so that SpecConfig validation reads it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-ALL_TREES = ("chain", "static", "dynamic")
-SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
+from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig, methods_needing
+from .errors import ConfigError
+
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
 BOTH = ("hf", "llama")  # the model backends (models/backends.py)
@@ -37,6 +41,19 @@ class Method:
     backends: tuple[str, ...] = ("hf",)
     uses_draft: bool = False  # uses a draft model when one is given, works without (auto)
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
+    load_resource: Callable | None = None  # (decoder, spec) -> a layer view, a head: loaded before the drafter
+
+    def unavailable(self, backend: str, has_draft: bool, subject: str = "method", where: str = "",
+                    no_draft: str | None = None) -> str | None:
+        """Why this method cannot run on a decoder of ``backend`` with (or without) a draft model, or None.
+        The caller words it: ``subject`` and ``where`` frame the backend message, ``no_draft`` replaces
+        the draft one."""
+        if backend not in self.backends:
+            return (f"{subject} {self.name!r} is not available on the {backend} backend{where}; methods there: "
+                    f"{', '.join(methods_on(backend))}")
+        if self.needs == "draft_model" and not has_draft:
+            return no_draft or f"{subject} {self.name!r} needs a draft model (pass draft=NAME / --draft NAME)"
+        return None
 
 
 def _needs_exit_layer(spec):
@@ -65,8 +82,6 @@ def _model_drafter(draft, dec, spec):
 
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
     if not hasattr(draft, "view"):
-        from .errors import ConfigError
-
         raise ConfigError(f"a token tree drafted by a model needs a transformers draft (tree={spec.tree!r}); "
                           f"the {draft.backend} backend's draft drafts chains (tree='chain')")
     from .drafters.draft_tree import DraftTreeDrafter
@@ -79,7 +94,6 @@ def _draft_model(dec, spec):
     if bridge is None:
         return _model_drafter(dec.draft_model(), dec, spec)
     from .drafters.cross_vocab import CrossVocabDrafter
-    from .errors import ConfigError
 
     if spec.tree != "chain" or spec.method == "cascade":
         raise ConfigError(f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
@@ -88,8 +102,30 @@ def _draft_model(dec, spec):
     return CrossVocabDrafter(dec.draft, bridge, spec, dec.target.vocab_size)
 
 
-def _self_draft(dec, spec):
-    return _model_drafter(dec.self_draft(spec), dec, spec)
+def _first_layers(dec, spec):
+    n = dec.target.num_layers
+    if spec.exit_layer >= n:
+        raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
+    return dec.layer_view(range(spec.exit_layer))
+
+
+def _kept_layers(dec, spec):
+    from .models.views import load_skip_config, skip_to_keep
+
+    skip = spec.skip_layers or load_skip_config(spec.skip_config, dec.target)
+    return dec.layer_view(skip_to_keep(dec.target.num_layers, skip))
+
+
+def _early_exit(dec, spec):
+    return _model_drafter(_first_layers(dec, spec), dec, spec)
+
+
+def _layer_skip(dec, spec):
+    return _model_drafter(_kept_layers(dec, spec), dec, spec)
+
+
+def _head(dec, spec):
+    return dec.head(spec)
 
 
 def _prompt_lookup(dec, spec):
@@ -127,15 +163,13 @@ def retrieval_spec(spec):
     """The suffix drafter's config inside a hybrid or auto spec (``retrieval_k`` deep)."""
     import dataclasses
 
-    from .config import SpecConfig
-
     keep = ("min_ngram", "max_ngram", "max_spec_factor", "min_token_prob", "tree_nodes", "max_occurrences", "datastore")
     d = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name in keep}
     return SpecConfig(method="suffix", k=spec.retrieval_k, max_k=max(spec.retrieval_k, 16), **d)
 
 
 def _auto(dec, spec):
-    from .autotune import build_auto
+    from .arms import build_auto
 
     return build_auto(dec, spec)
 
@@ -152,7 +186,7 @@ def _eagle(dec, spec):
     return EagleDrafter(dec.target, dec.head(spec), spec)
 
 
-REGISTRY: dict[str, Method] = {m.name: m for m in [
+REGISTRY.update({m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
     Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=BOTH),
@@ -160,10 +194,12 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
            _draft_model,
            needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=BOTH),
     Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=BOTH),
-    Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _self_draft,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set),
-    Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _self_draft,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer),
+    Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _layer_skip,
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set,
+           load_resource=_kept_layers),
+    Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
+           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
+           load_resource=_first_layers),
     Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix, backends=BOTH),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
            backends=BOTH),
@@ -175,17 +211,15 @@ REGISTRY: dict[str, Method] = {m.name: m for m in [
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
            _auto, backends=BOTH, uses_draft=True),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
-           needs="head", trees=("chain", "static")),
+           needs="head", trees=("chain", "static"), load_resource=_head),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
-           needs="head", trees=ALL_TREES),
-]}
+           needs="head", trees=ALL_TREES, load_resource=_head),
+]})
 
 METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY
 
 
 def method(name: str) -> Method:
-    from .errors import ConfigError
-
     if name not in REGISTRY:
         raise ConfigError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
     return REGISTRY[name]
@@ -193,10 +227,6 @@ def method(name: str) -> Method:
 
 def methods_on(backend: str) -> tuple[str, ...]:
     return tuple(m.name for m in REGISTRY.values() if backend in m.backends)
-
-
-def methods_needing(need: str) -> tuple[str, ...]:
-    return tuple(m.name for m in REGISTRY.values() if m.needs == need)
 
 
 def help_text() -> str:

@@ -41,8 +41,8 @@ class _Side:
         self.rows.add_rows([prefix])
 
     def costs(self, ns: list[int], threads: int) -> dict[int, float]:
-        """ms per forward of n tokens (bench/costs.py), on ``threads`` threads for this measurement."""
-        from .bench.costs import measure_costs
+        """ms per forward of n tokens (specdraft/costs.py), on ``threads`` threads for this measurement."""
+        from .costs import measure_costs
         from .models.loading import set_threads
 
         set_threads(threads)

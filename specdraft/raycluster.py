@@ -4,14 +4,17 @@ train --ray, the overlapped draft/verify pair; docs/scale.md).
 Ray is an optional dependency (requirements-ray.txt, ``make setup-ray``); everything else runs
 without it. ``connect`` starts a local Ray instance (``address`` None or "local") or joins a running
 cluster ("auto" or "HOST:PORT" as ``ray start --head`` prints it). Every node of a cluster needs
-specdraft and its models installed at the same paths (docs/scale.md)."""
+specdraft and its models installed at the same paths (docs/scale.md). ``bench --ray`` and ``train --ray``
+shard prompts over worker actors: their options, CPUs and start / stop are below."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
-from .errors import SpecDraftError
+from .errors import ConfigError, SpecDraftError
+
 
 def require_ray():
     """The ray module, or a SpecDraftError saying how to install it."""
@@ -43,7 +46,7 @@ def connect(address: str | None = None, num_cpus: int | None = None):
 
 def node_info() -> dict:
     """Where this process runs: recorded with every result a Ray worker produces."""
-    from .bench.costs import cpu_name
+    from .costs import cpu_name
 
     return {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count()}
 
@@ -51,3 +54,85 @@ def node_info() -> dict:
 def cluster_cpus() -> int:
     """CPUs the connected cluster has in all."""
     return int(require_ray().cluster_resources().get("CPU", 0))
+
+
+# --- worker actors (bench --ray, train --ray) -------------------------------------------------
+def add_ray_args(p, ray_help: str) -> None:
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help=ray_help)
+    p.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                   help="with --ray: worker actors (default: the cluster's CPUs // --ray-worker-cpus, at least 1)")
+    p.add_argument("--ray-worker-cpus", type=int, default=None, metavar="C",
+                   help="with --ray: CPUs each worker reserves = its torch thread count (default: --threads, else 1)")
+
+
+def check_ray_args(a) -> None:
+    """Option errors before anything loads; with --ray, Ray must be installed."""
+    if a.ray is None:
+        if a.ray_workers is not None or a.ray_worker_cpus is not None:
+            raise ConfigError("--ray-workers / --ray-worker-cpus need --ray")
+        return
+    if a.ray_workers is not None and a.ray_workers < 1:
+        raise ConfigError(f"--ray-workers must be >= 1, got {a.ray_workers}")
+    if a.ray_worker_cpus is not None and a.ray_worker_cpus < 1:
+        raise ConfigError(f"--ray-worker-cpus must be >= 1, got {a.ray_worker_cpus}")
+    require_ray()
+
+
+def worker_cpus(a) -> int:
+    return a.ray_worker_cpus or a.threads or 1
+
+
+def start_ray(a, jobs: int):
+    """Connect; -> (ray, workers): --ray-workers, else the cluster's CPUs // CPUs per worker, at
+    most one per job. A local instance gets at least the CPUs the options ask for."""
+    cpus = worker_cpus(a)
+    local = a.ray in ("local", "")
+    want = (a.ray_workers or 1) * cpus
+    ray = connect(a.ray, num_cpus=max(os.cpu_count() or 1, want) if local else None)
+    total = cluster_cpus()
+    n = min(a.ray_workers or max(1, total // cpus), jobs)
+    if n * cpus > total:  # the actors would wait for CPUs forever
+        raise SpecDraftError(f"{n} Ray worker(s) x {cpus} CPU(s) need {n * cpus} CPUs; the cluster has {total}")
+    return ray, n
+
+
+@contextlib.contextmanager
+def _worker_errors(ray):
+    """A worker's SpecDraftError raised here as itself (one line, CLI exit 2)."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, SpecDraftError):
+            raise e.cause from None
+        raise
+
+
+def _get(ray, refs):
+    with _worker_errors(ray):
+        return ray.get(refs)
+
+
+def start_workers(ray, cls, ids: list[str], cpus: int, *load_args) -> tuple[list, dict]:
+    """One actor of ``cls`` per id, each reserving ``cpus`` CPUs; -> (actors, {id: its load() info})."""
+    remote = ray.remote(cls)
+    actors = [remote.options(num_cpus=cpus).remote(wid) for wid in ids]
+    try:
+        infos = _get(ray, [act.load.remote(*load_args) for act in actors])
+    except BaseException:
+        stop_workers(ray, actors)
+        raise
+    return actors, dict(zip(ids, infos))
+
+
+def stop_workers(ray, actors: list) -> None:
+    for act in actors:
+        ray.kill(act)
+
+
+def drain(ray, actors: list, ordered: bool, fn, jobs):
+    """ActorPool.map(_unordered), with workers' errors translated as in _get."""
+    from ray.util import ActorPool
+
+    pool = ActorPool(actors)
+    with _worker_errors(ray):
+        yield from (pool.map if ordered else pool.map_unordered)(fn, jobs)

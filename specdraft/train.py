@@ -4,7 +4,7 @@
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
    one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
-   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (bench/ray_shard.py).
+   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (data_builder below, raycluster.py).
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
      positions of the answer (t >= n_prompt - 1);
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import raycluster
 from .errors import ConfigError, SpecDraftError
 from .heads import EagleHead, MedusaHeads, embed_of, lm_head_of, read_head_config, save_head, target_signature
 
@@ -95,7 +96,7 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     than one prompt at a time on a CPU; padding can flip a near-tie, which is harmless for training
     data); an answer ends after the first EOS. Prompts longer than ``max_prompt_tokens`` are skipped.
     Then one forward per sequence gives the features (final-norm outputs) at every position.
-    ``train --ray`` answers the same batches on Ray workers (bench/ray_shard.data_builder)."""
+    ``train --ray`` answers the same batches on Ray workers (data_builder)."""
     batch = batch or DATA_BATCH
     encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
     seqs = []
@@ -113,7 +114,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
                        max_prompts: int | None, max_prompt_tokens: int | None = None,
                        build=build_data) -> tuple[list[dict], dict]:
     """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
-    bench.ray_shard.data_builder's), saved in DIR/data.pt."""
+    data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
     want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
             "max_prompts": max_prompts}
@@ -125,7 +126,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
             print(f"reusing cached training data {f} ({len(blob['seqs'])} sequences)", file=sys.stderr)
             return blob["seqs"], blob["meta"]
         print(f"cached data {f} was made with {blob.get('meta')}; regenerating for {want}", file=sys.stderr)
-    from .bench.data import load_prompts
+    from .prompts import load_prompts
 
     rows = load_prompts(data_path)
     if max_prompts:
@@ -145,6 +146,55 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     torch.save({"meta": want, "seqs": seqs, "stats": meta}, out / (DATA_FILE + ".tmp"))
     (out / (DATA_FILE + ".tmp")).replace(f)
     return seqs, want
+
+
+# --- train --ray ----------------------------------------------------------------------------------
+class DataWorker:
+    """A Ray actor: the target, loaded once; answers batches of prompts for the training data."""
+
+    def __init__(self, wid: str):
+        self.wid = wid
+
+    def load(self, target: str, threads: int) -> dict:
+        from .api import SpecDecoder
+
+        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads)
+        return {**raycluster.node_info(), "threads": threads}
+
+    def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:
+        return self.wid, answer_batch(self.dec, chunk, max_new_tokens)
+
+
+def data_builder(a):
+    """build_data's stand-in for ``train --ray``: the same batches, answered on Ray workers."""
+
+    def build(dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None):
+        encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
+        chunks = [encoded[i: i + DATA_BATCH] for i in range(0, len(encoded), DATA_BATCH)]
+        if not chunks:
+            return []
+        ray, n = raycluster.start_ray(a, len(chunks))
+        cpus = raycluster.worker_cpus(a)
+        actors, infos = raycluster.start_workers(ray, DataWorker, [f"w{i}" for i in range(n)], cpus, a.target, cpus)
+        count = dict.fromkeys(infos, 0)
+        seqs = []
+        bar = _tqdm(total=len(encoded), desc="target answers (ray)", unit="prompt")
+        try:
+            for wid, got in raycluster.drain(ray, actors, True,
+                                             lambda act, c: act.answer.remote(c, max_new_tokens), chunks):
+                seqs += got
+                count[wid] += 1
+                if hasattr(bar, "update"):
+                    bar.update(len(got))
+        finally:
+            raycluster.stop_workers(ray, actors)
+            if hasattr(bar, "close"):
+                bar.close()
+        print("training data on Ray: " + ", ".join(f"{w} on {infos[w]['host']}: {count[w]} batch(es)" for w in infos),
+              file=sys.stderr)
+        return seqs
+
+    return build
 
 
 # --- batches -----------------------------------------------------------------------------------
@@ -203,11 +253,10 @@ def top_token_ids(seqs: list[dict], n: int, vocab: int) -> torch.Tensor:
 # --- training ----------------------------------------------------------------------------------
 def train_main(a) -> int:
     from .api import SpecDecoder
-    from .bench import ray_shard
 
     kind = a.kind
     out = Path(a.output)
-    ray_shard.check_ray_args(a)
+    raycluster.check_ray_args(a)
     if a.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {a.steps}")
     if a.batch_size < 1:
@@ -234,7 +283,7 @@ def train_main(a) -> int:
     target = dec.target
     for p in target.model.parameters():
         p.requires_grad_(False)
-    build = ray_shard.data_builder(a) if a.ray is not None else build_data
+    build = data_builder(a) if a.ray is not None else build_data
     seqs, data_meta = load_or_build_data(dec, out, a.data, a.target, a.max_new_tokens, not a.no_chat, a.max_prompts,
                                          a.max_prompt_tokens, build)
     H, V = int(target.config.hidden_size), target.vocab_size
@@ -349,9 +398,7 @@ def add_train_args(t) -> None:
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--seed", type=int, default=0)
-    from .bench.ray_shard import add_ray_args
-
-    add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
+    raycluster.add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
                  "prompts sharded over them in batches, each worker loading the target once; the data is "
                  "gathered here and saved as usual, and training runs here. No value: a local Ray instance; "
                  "else a cluster address (auto, HOST:PORT); write --ray=ADDRESS, or --ray after KIND")

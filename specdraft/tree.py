@@ -104,6 +104,16 @@ class DraftTree:
         return path[::-1]
 
 
+def feed_mask(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
+    itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
+    n = tree.size
+    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allow[:, 0] = True
+    allow[1:, 1:] = tree.ancestors()
+    return allow, torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+
+
 def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     """One tree holding both (nodes of ``b`` with the same parent and token as a node of ``a`` merge
     into it); ``a``'s nodes keep their indices. Deterministic candidates only (no draft_probs)."""

@@ -28,27 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, SpecDraftError
-
-
-def load_skip_config(path: str | None, target) -> list[int]:
-    if not path:
-        raise ConfigError("layer_skip needs skip_layers or skip_config")
-    try:
-        d = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read skip_config {path}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"skip_config {path} is not valid JSON: {e}") from e
-    if not isinstance(d, dict) or not isinstance(d.get("skip_layers"), list):
-        raise ConfigError(f"skip_config {path} has no 'skip_layers' list (make one with `specdraft tune-skip`)")
-    n = d.get("num_layers")
-    if n is not None and n != target.num_layers:
-        raise ConfigError(f"skip_config {path} was tuned for a {n}-layer model; this target has {target.num_layers} layers")
-    if not d["skip_layers"]:
-        raise ConfigError(f"skip_config {path} skips no layer: tune-skip found no set that pays on the machine it "
-                          "ran on; use another method, or set skip_layers yourself")
-    return [int(i) for i in d["skip_layers"]]
+from .errors import SpecDraftError
 
 
 def expected_mat(alpha: float, k: int) -> float:
@@ -67,9 +47,9 @@ def estimate(alpha: float, frac: float, costs: dict[int, float], max_k: int) -> 
 
 
 def tuning_prompts(dec, n_per_task: int, dataset: str | None = None) -> list[tuple[str, list[int]]]:
-    from .bench import data
+    from . import prompts
 
-    rows = data.load_prompts(dataset)
+    rows = prompts.load_prompts(dataset)
     by_task: dict[str, list[dict]] = {}
     for r in rows:
         by_task.setdefault(r["task"], []).append(r)
@@ -100,7 +80,7 @@ def main_tune_skip(a) -> int:
     from tqdm import tqdm
 
     from .api import SpecDecoder
-    from .bench.costs import measure_costs
+    from .costs import measure_costs
     from .config import SamplingParams, SpecConfig
     from .models.views import layer_view
 

@@ -241,7 +241,7 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
 
 
 def test_bench_mixed_preset_and_arm_table():
-    from specdraft.bench import data
+    from specdraft import prompts as data
     from specdraft.bench.report import arm_lines
 
     rows = data.preset_rows("core18+code_edit")

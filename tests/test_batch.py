@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.engine import Engine, _tree_feed, generate, generate_batch
+from specdraft.engine import Engine, generate, generate_batch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.models.hf import HFModel
 from specdraft.policy import BatchRule
+from specdraft.tree import feed_mask
 
 V = 16
 PROMPTS = [[1, 2, 3, 1, 2], [5], [7, 7, 7, 7, 7, 7, 7, 3, 4], [2, 9, 4, 2, 9], [11, 12, 13, 14, 15, 11, 12, 13],
@@ -267,7 +268,7 @@ def test_batchkv_tree_feed_keeps_only_the_path(pair):
     kv = target.new_rows()
     kv.add_rows([[1, 2, 3], [4, 5]])
     tree = DraftTree(torch.tensor([6, 7, 8, 9]), torch.tensor([-1, -1, 1, 2]))  # path 7 -> 8 -> 9
-    kv.forward([[4] + tree.tokens.tolist(), [6]], trees=[_tree_feed(tree), None])
+    kv.forward([[4] + tree.tokens.tolist(), [6]], trees=[feed_mask(tree), None])
     kv.commit([[0, 2, 3, 4], 1])
     assert kv.lens == [7, 3]
     got = kv.forward([[10], [11]])[:, 0]

@@ -145,7 +145,7 @@ def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
 
 def test_training_prompts_exclude_the_bench_prompts(tmp_path):
     from specdraft.bench.corpus import write_prompts
-    from specdraft.bench.data import load_prompts
+    from specdraft.prompts import load_prompts
 
     ds = spec_bench_like(tmp_path)
     out = tmp_path / "train.jsonl"

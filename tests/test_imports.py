@@ -1,4 +1,5 @@
-"""No module-level import cycles inside specdraft, and every module imports on its own.
+"""No module-level import cycles inside specdraft, every module imports on its own, and layers import
+downward only, inside functions included (LAYERS, docs/design.md "Architecture at a glance").
 
 The graph: an edge a -> b for each ``import`` / ``from ... import`` of a specdraft module that runs when
 a is imported (module top level, including ``if``/``try`` blocks but not ``if TYPE_CHECKING:``; imports
@@ -75,6 +76,118 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+# Bottom to top: a module may import from its own layer and the layers below, never from one above,
+# at module level or inside a function. A name covers itself and its submodules (the longest one wins),
+# but "specdraft" is the package's __init__ only.
+LAYERS = [
+    ("base", ["specdraft.errors", "specdraft.jsonl"]),
+    ("values", ["specdraft.config", "specdraft.sampling", "specdraft.tree", "specdraft.treeshape", "specdraft.verify",
+                "specdraft.metrics", "specdraft.processors", "specdraft.policy", "specdraft.fidelity"]),
+    ("models", ["specdraft.models", "specdraft.heads"]),
+    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.raycluster"]),
+    ("drafters", ["specdraft.drafters"]),
+    ("engine", ["specdraft.engine"]),
+    ("methods", ["specdraft.methods", "specdraft.arms"]),
+    ("api", ["specdraft.api", "specdraft"]),
+    ("tools", ["specdraft.autotune", "specdraft.tune_skip", "specdraft.train", "specdraft.overlap", "specdraft.doctor"]),
+    ("bench", ["specdraft.bench"]),
+    ("server", ["specdraft.server"]),
+    ("front", ["specdraft.demo", "specdraft.cli"]),
+]
+
+
+# Cycles left inside one layer (each pair calls into the other at run time: the bench dispatches
+# --ray to ray_shard whose workers run the bench's per-prompt code; load_model dispatches to the backend
+# table whose hf entry loads through loading.py). A new cycle fails test_no_new_import_cycles.
+KNOWN_CYCLES = [{"specdraft.models.backends", "specdraft.models.loading"},
+                {"specdraft.bench.harness", "specdraft.bench.ray_shard"}]
+
+
+def layer_of(mod: str) -> int:
+    best = (-1, -1)  # (length of the matching name, layer)
+    for i, (_, names) in enumerate(LAYERS):
+        for n in names:
+            if (mod == n or (n != "specdraft" and mod.startswith(n + "."))) and len(n) > best[0]:
+                best = (len(n), i)
+    return best[1]
+
+
+def _every_import(tree: ast.Module):
+    """(import node, inside a function?) for every import anywhere in the module, but those under
+    ``if TYPE_CHECKING:`` (type hints only: they never run)."""
+    stack = [(n, False) for n in tree.body]
+    while stack:
+        node, in_fn = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, in_fn
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            stack.extend((c, in_fn) for c in node.orelse)
+            continue
+        in_fn = in_fn or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        stack.extend((c, in_fn) for c in ast.iter_child_nodes(node))
+
+
+def _targets(mod: str, node, mods) -> list[str]:
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        base = _resolve(mod, node, mods)
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    return [t for t in targets if t in mods and t != mod]
+
+
+def import_edges() -> list[tuple[str, str, bool]]:
+    """(importer, imported, inside a function?) for every import of a specdraft module, at any depth."""
+    mods = _modules()
+    edges = []
+    for mod, path in mods.items():
+        for node, in_fn in _every_import(ast.parse(path.read_text(), str(path))):
+            edges += [(mod, t, in_fn) for t in _targets(mod, node, mods)]
+    return edges
+
+
+def full_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in _modules()}
+    for a, b, _ in import_edges():
+        graph[a].add(b)
+    return graph
+
+
+def upward_edges() -> list[str]:
+    return sorted({f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+                   for a, b, _ in import_edges() if layer_of(b) > layer_of(a)})
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(m):
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in graph[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            group = set()
+            while not group or group_top != m:
+                group_top = stack.pop()
+                group.add(group_top)
+            if len(group) > 1:
+                found.append(group)
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     color = {m: 0 for m in graph}  # 0 new, 1 on the stack, 2 done
     path: list[str] = []
@@ -112,6 +225,28 @@ def test_no_module_level_import_cycles():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _modules() if layer_of(m) < 0] == []
+
+
+def test_layers_import_downward_only_inside_functions_too():
+    assert upward_edges() == []
+
+
+def test_no_new_import_cycles():
+    assert [sorted(c) for c in cycles(full_graph()) if c not in KNOWN_CYCLES] == []
+
+
+def test_the_checker_sees_imports_in_functions_and_skips_type_only_ones():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+                     "def f():\n    g = lambda: __import__('x')\n    import b\nimport c\n")
+    assert sorted((n.names[0].name, in_fn) for n, in_fn in _every_import(tree)) == [
+        ("TYPE_CHECKING", False), ("b", True), ("c", False)]
+    assert cycles({"a": {"b"}, "b": {"a", "c"}, "c": set()}) == [{"a", "b"}]
+    assert layer_of("specdraft.drafters.suffix") == layer_of("specdraft.drafters") < layer_of("specdraft.engine")
+    assert layer_of("specdraft.unlisted") == -1
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():

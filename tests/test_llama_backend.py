@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from specdraft.config import SamplingParams, SpecConfig
-from specdraft.engine import _tree_feed, generate, generate_batch
-from specdraft.tree import DraftTree
+from specdraft.engine import generate, generate_batch
+from specdraft.tree import DraftTree, feed_mask
 
 pytest.importorskip("llama_cpp", reason="the llama backend needs llama-cpp-python (make setup builds it)")
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_tree_nodes_and_accepted_path(smol_gguf, ids):
     tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
     rows = t.new_rows()
     rows.add_rows([p[:-1]])
-    lg = rows.forward([[p[-1]] + tokens], trees=[_tree_feed(tree)])[0]
+    lg = rows.forward([[p[-1]] + tokens], trees=[feed_mask(tree)])[0]
     for i in range(len(tokens)):
         path, j = [], i
         while j >= 0:
@@ -101,7 +101,7 @@ def test_wrong_attention_is_caught(smol_gguf, ids):
     t, p = smol_gguf, ids[0]
     ref = plain_tokens(t, p, 3)
     tree = DraftTree(torch.tensor([ref[0], 7, ref[1]]), torch.tensor([-1, -1, 0]))
-    allow, off = _tree_feed(tree)
+    allow, off = feed_mask(tree)
     allow[3, 1], allow[3, 2] = False, True  # node 2 attends to node 1 instead of its parent node 0
     rows = t.new_rows()
     rows.add_rows([p[:-1]])

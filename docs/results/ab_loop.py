@@ -62,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, a.before)
     import specdraft
-    from specdraft.bench import data
+    from specdraft import prompts as data
     from specdraft.models.loading import load_model, set_threads
 
     old = importlib.import_module("specdraft_before")

@@ -35,7 +35,7 @@ $H --methods plain,prompt_lookup_ca,draft_model_k3,static_2-1-1,searched_tree,hy
 import argparse, json
 from specdraft.api import SpecDecoder
 from specdraft.autotune import _prompts, _tree_search
-from specdraft.bench import data
+from specdraft import prompts as data
 from specdraft.config import SamplingParams
 rows = _prompts(argparse.Namespace(prompts=None, n=6), data)
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype="bfloat16")

@@ -166,7 +166,7 @@ def main_batchbench(a) -> int:
     from ..engine import generate_batch
     from ..config import SamplingParams, SpecConfig
     from ..methods import method
-    from .data import load_prompts
+    from ..prompts import load_prompts
 
     sizes = _ints(a.batch_sizes, "batch-sizes")
     if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:

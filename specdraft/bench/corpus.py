@@ -21,13 +21,13 @@ import glob
 import json
 import sysconfig
 
-from . import data
+from .. import prompts
 
 
 def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int = 25_000_000,
                  dataset: str | None = None) -> dict:
-    rows = data.load_prompts(dataset)
-    excluded = {r["id"] for r in data.select(rows, preset=exclude_preset)} if exclude_preset else set()
+    rows = prompts.load_prompts(dataset)
+    excluded = {r["id"] for r in prompts.select(rows, preset=exclude_preset)} if exclude_preset else set()
     n_docs = chars = 0
     with open(out, "w") as f:
         def put(text: str) -> None:
@@ -53,8 +53,8 @@ def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int
 
 def write_prompts(out: str, exclude_preset: str | None = "core18", every: int = 1,
                   dataset: str | None = None) -> dict:
-    rows = data.load_prompts(dataset)
-    excluded = {r["id"] for r in data.select(rows, preset=exclude_preset)} if exclude_preset else set()
+    rows = prompts.load_prompts(dataset)
+    excluded = {r["id"] for r in prompts.select(rows, preset=exclude_preset)} if exclude_preset else set()
     keep = [r for r in rows if r["id"] not in excluded][:: max(every, 1)]
     with open(out, "w") as f:
         for r in keep:

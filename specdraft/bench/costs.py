@@ -1,52 +1,12 @@
-"""``specdraft costs``: what one target forward costs for n new tokens on a cached context.
-
-This is the number that decides whether speculation can pay on a machine: a step that scores k + 1
-tokens must cost well under k + 1 single-token steps.
+"""``specdraft costs``: what one target forward costs for n new tokens on a cached context, per
+backend, weights and draft shape (the measurement is ``specdraft.costs``).
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
-import torch
-
-
-def random_tree(n: int, g: torch.Generator):
-    """A tree of n nodes with random parents (each node's parent is an earlier node or the root)."""
-    from ..tree import DraftTree
-
-    parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
-    return DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-
-
-def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tree: bool = False) -> dict[int, float]:
-    """Median milliseconds of a forward of n tokens after a ``context``-token cache, per n, through the
-    model interface (any backend: ``SequenceRows.forward`` as the decode loop calls it). With
-    ``tree``, the n tokens are one pending token plus a random (n - 1)-node tree, scored with the
-    tree attention mask and depth positions, as the engine scores token trees."""
-    from ..engine import _tree_feed
-
-    g = torch.Generator().manual_seed(0)
-    vocab = min(model.vocab_size, 1000)
-    ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
-    rows = model.new_rows()
-    rows.add_rows([ctx])
-    out = {}
-    for n in ns:
-        x = torch.randint(0, vocab, (n,), generator=g).tolist()
-        trees = [_tree_feed(random_tree(n - 1, g))] if tree and n > 1 else None
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            rows.forward([x], trees=trees)
-            dt = time.perf_counter() - t0
-            rows.commit([0])  # drop what was scored: the next forward sees the same context
-            if i:  # the first one warms up
-                times.append(dt)
-        out[n] = 1000 * statistics.median(times)
-    return out
+from ..costs import cpu_name, measure_costs
 
 
 def main_costs(a) -> int:
@@ -90,20 +50,6 @@ def main_costs(a) -> int:
     for dtype, c in rows:
         print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.2f}x)" for n in ns) + " |")
     return 0
-
-
-def cpu_name() -> str:
-    """The CPU model and whether it has AVX-512 / AVX512_BF16 (the cost curve depends on them)."""
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        import platform
-
-        return platform.processor() or "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    isa = "AVX-512 + AVX512_BF16" if "avx512_bf16" in flags else ("AVX-512" if "avx512f" in flags else "AVX2 only")
-    return f"{name} ({isa})"
 
 
 def plot_costs(rows, path: str, title: str) -> None:

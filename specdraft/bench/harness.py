@@ -30,7 +30,7 @@ from .. import methods
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError, SpecDraftError
 from ..fidelity import output_terms
-from . import data
+from .. import prompts as data
 from .report import render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
@@ -88,7 +88,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
-    from .ray_shard import add_ray_args
+    from ..raycluster import add_ray_args
 
     add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
@@ -192,7 +192,7 @@ def environment(a, threads: int) -> dict:
         except Exception:
             return None
 
-    from .costs import cpu_name
+    from ..costs import cpu_name
 
     try:
         from importlib.metadata import version

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..metrics import (StepRecord, acceptance_rate, fidelity_z, mean_accepted_tokens, per_position_acceptance, speedup,
                        tokens_per_second)
-from .data import TASKS
+from ..prompts import TASKS
 
 
 OTHER_BASES = ("plain", "hf:plain", "hf_generate", "llama_cpp")  # extra speedup columns, when in the run

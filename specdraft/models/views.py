@@ -13,6 +13,8 @@ layers fill their usual slots and skipped ones stay empty (crop / gather skip em
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
 
@@ -52,3 +54,24 @@ def skip_to_keep(num_layers: int, skip: list[int]) -> list[int]:
     if not keep:
         raise ConfigError("skip_layers skips every layer; keep at least one")
     return keep
+
+
+def load_skip_config(path: str | None, target) -> list[int]:
+    """The skip_layers of a file written by `specdraft tune-skip` (tune_skip.py), checked against ``target``."""
+    if not path:
+        raise ConfigError("layer_skip needs skip_layers or skip_config")
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read skip_config {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"skip_config {path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict) or not isinstance(d.get("skip_layers"), list):
+        raise ConfigError(f"skip_config {path} has no 'skip_layers' list (make one with `specdraft tune-skip`)")
+    n = d.get("num_layers")
+    if n is not None and n != target.num_layers:
+        raise ConfigError(f"skip_config {path} was tuned for a {n}-layer model; this target has {target.num_layers} layers")
+    if not d["skip_layers"]:
+        raise ConfigError(f"skip_config {path} skips no layer: tune-skip found no set that pays on the machine it "
+                          "ran on; use another method, or set skip_layers yourself")
+    return [int(i) for i in d["skip_layers"]]

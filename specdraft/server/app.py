@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import SpecConfig
 from ..errors import SpecDraftError
-from ..methods import REGISTRY, method as registered, methods_on
+from ..methods import REGISTRY, method as registered
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
@@ -203,17 +203,17 @@ def drain_check(app: FastAPI):
     return check
 
 
-def check_method(decoder, spec: SpecConfig) -> str | None:
+def check_method(decoder, spec: SpecConfig):
     """A RequestError (param ``spec``) when this decoder cannot run ``spec.method`` (its backend, a draft
-    model it lacks); else the method's ``needs`` (a head or a layer view is loaded by the caller)."""
+    model it lacks); else the method's registry entry (its ``load_resource`` is run by the caller)."""
     m = registered(spec.method)
-    if decoder.backend not in m.backends:
-        raise RequestError(f"spec.method {m.name!r} is not available on the {decoder.backend} backend this "
-                           f"server runs; methods there: {', '.join(methods_on(decoder.backend))}", param="spec")
-    if m.needs == "draft_model" and decoder.draft is None:
-        raise RequestError(f"spec.method {spec.method!r} needs a draft model; this server was started "
-                           "without --draft (use auto, prompt_lookup or plain)", param="spec")
-    return m.needs
+    problem = m.unavailable(decoder.backend, decoder.draft is not None, subject="spec.method",
+                            where=" this server runs",
+                            no_draft=f"spec.method {m.name!r} needs a draft model; this server was started "
+                                     "without --draft (use auto, prompt_lookup or plain)")
+    if problem:
+        raise RequestError(problem, param="spec")
+    return m
 
 
 def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resources: dict) -> dict:
@@ -339,12 +339,10 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
                               default_spec=default_spec, default_max_tokens=default_max_tokens,
                               resources=app.state.resources)
-            needs = check_method(decoder, p.spec)  # what the method needs must exist before admission
+            m = check_method(decoder, p.spec)  # what the method needs must exist before admission
             try:  # in a thread: loading an operator's head or skip config must not stall the event loop
-                if needs == "layer_view":  # the layer view must exist for this target
-                    await asyncio.to_thread(decoder.self_draft, p.spec)
-                elif needs == "head":  # the head must load, be of the method's type and match this target
-                    await asyncio.to_thread(decoder.head, p.spec)
+                if m.load_resource is not None:  # a layer view of this target; a head of the method's type for it
+                    await asyncio.to_thread(m.load_resource, decoder, p.spec)
             except SpecDraftError as e:
                 raise RequestError(f"spec: {e}", param="spec") from None
             p.stream_mode = p.stream_mode or stream_mode
@@ -488,3 +486,21 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def build_server_app(a, spec, api_key, pacing):
+    """Loads the models and returns the FastAPI app of one engine, from `specdraft serve`'s arguments
+    (a replica's too: server/replicas.py)."""
+    from ..api import SpecDecoder
+
+    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
+                           backend=a.backend, draft_backend=a.draft_backend)
+    if getattr(a, "method_defaulted", False):
+        spec = dec.usable(spec)
+    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
+    return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
+                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
+                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
+                      max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
+                      stream_mode="normal" if a.stream_mode == "normal" else "fixed",
+                      resources=getattr(a, "resources", None), allowed_hosts=tuple(a.allowed_host) + (a.host,))

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ..bench.costs import cpu_name
+from ..costs import cpu_name
 from ..errors import SpecDraftError
 from .pacing import StreamPacing
 
@@ -121,7 +121,7 @@ def calibrate_interval(url: str, bodies: list[dict], chunk: int, margin: float) 
 
 def main_leak(a) -> int:
     from ..api import SpecDecoder
-    from ..bench.data import default_dataset
+    from ..prompts import default_dataset
     from .local import serve_in_thread
 
     try:

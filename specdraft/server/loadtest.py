@@ -17,26 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
-import numpy as np
-
 from ..errors import SpecDraftError
 from ..metrics import mean_accepted_tokens_from_totals
+from .client import PROMPTS, pct, send
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_REQUESTS = 1000
 MAX_CONCURRENCY = 64
-
-PROMPTS = [
-    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n",
-    "The history of the Roman Empire begins with",
-    "Here is a list of the first twenty even numbers: 2, 4, 6, 8, 10,",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "Summarize: The cat sat on the mat. The cat was happy. The mat was red. Summary: The cat",
-    "Q: What is the boiling point of water at sea level?\nA:",
-    "import json\n\ndef load_config(path):\n    with open(path) as f:\n",
-    "Once upon a time, in a small village by the sea, there lived",
-]
-
 
 def check_url(url: str) -> str:
     u = urlparse(url)
@@ -58,46 +45,6 @@ def parse_levels(s: str) -> list[int]:
     return levels
 
 
-def send(client, body: dict, cut_after: int | None = None) -> dict:
-    """One request to /v1/completions, streamed or not (``body["stream"]``): ok, latency, ttft (a
-    non-streamed request's is its latency), text, tokens, usage; or ok False with the error.
-    ``cut_after``: close the connection after that many stream chunks (a client disconnecting)."""
-    import httpx
-
-    t0 = time.perf_counter()
-    first, text, chunks, usage = None, [], 0, None
-    try:
-        if not body.get("stream"):
-            r = client.post("/v1/completions", json=body)
-            if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            d = r.json()
-            text, usage = [d["choices"][0]["text"]], d["usage"]
-        else:
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    d = json.loads(line[6:])
-                    if "error" in d:
-                        return {"ok": False, "error": d["error"]["message"]}
-                    chunks += 1
-                    if cut_after is not None and chunks >= cut_after:
-                        return {"ok": False, "cut": True, "error": "disconnected on purpose"}
-                    if d.get("choices") and d["choices"][0].get("text"):
-                        first = first or time.perf_counter()
-                        text.append(d["choices"][0]["text"])
-                    usage = d.get("usage") or usage
-    except httpx.HTTPError as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    end = time.perf_counter()
-    return {"ok": True, "start": t0, "end": end, "latency": end - t0, "ttft": (first or end) - t0,
-            "text": "".join(text), "tokens": usage["completion_tokens"] if usage else None, "usage": usage}
-
-
 def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float,
                 headers: dict | None = None) -> dict:
     import httpx
@@ -114,11 +61,6 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict |
         return r
     n = r["tokens"]
     return {**r, "tpot": (r["latency"] - r["ttft"]) / (n - 1) if n > 1 else None}
-
-
-def _pct(xs, q):
-    xs = [x for x in xs if x is not None]
-    return float(np.percentile(xs, q)) if xs else None
 
 
 def run_level(url, model, conc, n_requests, max_tokens, spec, deadline, headers=None) -> dict:
@@ -147,8 +89,8 @@ def run_level(url, model, conc, n_requests, max_tokens, spec, deadline, headers=
         "concurrency": conc, "requests": n_requests, "ok": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if not r["ok"]), None),
         "wall_s": wall, "output_tokens": tokens, "throughput_tok_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": _pct([r["ttft"] for r in ok], 50), "ttft_p99_s": _pct([r["ttft"] for r in ok], 99),
-        "tpot_p50_s": _pct([r["tpot"] for r in ok], 50), "tpot_p99_s": _pct([r["tpot"] for r in ok], 99),
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 50), "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": pct([r["tpot"] for r in ok], 50), "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
         "drafted": drafted, "accepted": acc, "steps": steps,
         "mean_accepted_tokens": mean_accepted_tokens_from_totals(acc, steps),
     }

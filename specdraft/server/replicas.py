@@ -1,7 +1,7 @@
 """``specdraft serve --replicas N``: N engine replicas behind one OpenAI-compatible endpoint.
 
 Each replica is a Ray actor holding its own model and engine (the same FastAPI app as a single server,
-cli.build_server_app) behind its own uvicorn on its node. The front (this module's app, in the
+app.build_server_app) behind its own uvicorn on its node. The front (this module's app, in the
 ``serve`` process) sends each request to the replica with the fewest running requests and relays the
 response bytes as they arrive, so a stream stays on its replica from the first byte to ``[DONE]``.
 Requests are parsed and checked by the replica: its errors reach the client unchanged.
@@ -37,7 +37,7 @@ class ReplicaServer:
     def __init__(self, args, spec, api_key, pacing, local: bool):
         import uvicorn
 
-        from ..cli import build_server_app
+        from .app import build_server_app
 
         app = build_server_app(args, spec, api_key, pacing)
         self.host = "127.0.0.1" if local else _node_ip()

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .loadtest import PROMPTS, _pct, send
+from .client import PROMPTS, pct, send
 
 MAX_TOKENS = (8, 16, 32, 64)
 
@@ -59,9 +59,9 @@ def mixed_level(client_for, conc: int, n: int, methods: list[str], seed: int, le
     tokens = sum(r["tokens"] or 0 for r in ok)
     row = {"concurrency": conc, "requests": n, "completed": len(ok), "errored": n - len(ok),
            "first_error": next((r.get("error") for r in out if not r["ok"]), None), "wall_s": wall,
-           "tokens_per_s": tokens / wall, "latency_p50_s": _pct([r["latency"] for r in ok], 50),
-           "latency_p99_s": _pct([r["latency"] for r in ok], 99), "ttft_p50_s": _pct([r["ttft"] for r in ok], 50),
-           "ttft_p99_s": _pct([r["ttft"] for r in ok], 99)}
+           "tokens_per_s": tokens / wall, "latency_p50_s": pct([r["latency"] for r in ok], 50),
+           "latency_p99_s": pct([r["latency"] for r in ok], 99), "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
+           "ttft_p99_s": pct([r["ttft"] for r in ok], 99)}
     return row, list(zip(bodies, out))
 
 

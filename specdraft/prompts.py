@@ -1,4 +1,5 @@
-"""Benchmark prompts: Spec-Bench's question.jsonl, or any jsonl with a prompt/turns field."""
+"""Prompts: Spec-Bench's question.jsonl, or any jsonl with a prompt/turns field, and the presets shipped
+in specdraft/bench/ (the bench, autotune, tune-skip, training data and the demo read them here)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from ..errors import SpecDraftError
-from ..jsonl import iter_jsonl
+from .errors import SpecDraftError
+from .jsonl import iter_jsonl
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+BENCH_FILES = Path(__file__).with_name("bench")  # the prompt and schema files shipped
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
@@ -28,12 +30,12 @@ def default_dataset() -> Path:
 # Presets with a prompt file of their own (--preset NAME, whatever --dataset says): code_edit = 9 prompts
 # that rewrite a given snippet (type hints, renames, docstrings, SQL and text fixes), the repetitive
 # workload users run locally, where most of the answer copies the prompt.
-PRESET_FILES = {"code_edit": Path(__file__).with_name("code_edit.jsonl")}
+PRESET_FILES = {"code_edit": BENCH_FILES / "code_edit.jsonl"}
 
 
 # structured: Spec-Bench's first 4 prompts of each task, each wrapped in an instruction to describe it as
 # JSON (STRUCTURED_SCHEMA: its task, language, a summary and keywords); run with --json-schema that file.
-STRUCTURED_SCHEMA = Path(__file__).with_name("structured_schema.json")
+STRUCTURED_SCHEMA = BENCH_FILES / "structured_schema.json"
 STRUCTURED_INSTRUCTION = (
     "Read the request below; do not answer it. Reply with one JSON object only, with the keys \"task\" (one of "
     "writing, translation, summarization, question, math, coding, other), \"language\" (the request's language), "

@@ -1,0 +1,107 @@
+"""The arms of ``method="auto"``: the autotune file's (written by ``specdraft autotune``, autotune.py), or
+DEFAULT_ARMS that the decoder can run, and ``build_auto``, the auto entry's factory in the registry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from .config import REGISTRY, SpecConfig
+from .errors import ConfigError
+
+# auto's arms when no autotune file is there: cheap retrieval, the draft model, and the hybrid of both
+# (each only where the decoder can run it); plain is always an arm
+DEFAULT_ARMS = {
+    "prompt_lookup": {"method": "prompt_lookup", "k": 8, "min_ngram": 2, "max_ngram": 4},
+    "suffix": {"method": "suffix", "k": 16, "tree_nodes": 16},
+    "draft_model": {"method": "draft_model"},
+    "hybrid": {"method": "hybrid"},
+}
+ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
+
+
+def slug(s: str | None) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", s or "none")
+
+
+def cpu_key() -> str:
+    from .costs import cpu_name
+
+    return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
+
+
+def default_path(dec) -> Path:
+    from .models.registry import home
+
+    t = dec.target
+    d = dec.draft
+    name = lambda m: None if m is None else getattr(m, "name", None) or getattr(m, "path", None)  # noqa: E731
+    dtype = str(getattr(getattr(t, "model", None), "dtype", "")).replace("torch.", "")  # hf: costs depend on it
+    return home() / "autotune" / f"{slug(name(t))}__{slug(name(d))}__{dec.backend}{dtype}__{cpu_key()}.json"
+
+
+def load_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"autotune file {p} not found (write one with `specdraft autotune ... -o {p}`)")
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"autotune file {p} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("arms"), list) or not doc["arms"]:
+        raise ConfigError(f"autotune file {p} has no 'arms' list (was it written by `specdraft autotune`?)")
+    return doc
+
+
+def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None]]:
+    """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
+    can run; ``spec.auto_arms`` keeps the named ones."""
+    found = default_path(dec)
+    path = spec.autotune or (found if found.is_file() else None)
+    if path == "off":  # online calibration only, whatever file exists
+        path = None
+    if path is not None:
+        arms = [(a["name"], SpecConfig.from_dict(a["spec"]), a) for a in load_file(path)["arms"]]
+    else:
+        passed = {f: getattr(spec, f) for f in ARM_FIELDS}
+        arms = []
+        for name, d in DEFAULT_ARMS.items():
+            m = REGISTRY[d["method"]]
+            if m.unavailable(dec.backend, dec.draft is not None):
+                continue
+            fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
+            arms.append((name, SpecConfig.from_dict(fields), None))
+    if spec.auto_arms:
+        unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
+        if unknown:
+            raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
+        arms = [a for a in arms if a[0] in spec.auto_arms]
+    arms = [a for a in arms if a[1].method != "plain"]
+    if any(s.method == "auto" for _, s, _ in arms):
+        raise ConfigError("an auto arm cannot itself be 'auto'")
+    return [("plain", SpecConfig(method="plain"), None)] + arms
+
+
+def build_auto(dec, spec: SpecConfig):
+    """The AutoDrafter for ``spec`` on decoder ``dec`` (arms, this machine's step costs, shared memory)."""
+    from .drafters.auto import Arm, AutoDrafter, Evidence, StepCosts
+
+    arms_specs = _arm_specs(dec, spec)
+    uses_draft = any(uses_model(s) for _, s, _ in arms_specs)
+    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None)
+    arms = []
+    for name, s, prior in arms_specs:
+        ev = None
+        if prior is not None and prior.get("mat"):
+            steps = 8.0
+            ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
+                                                                           prior.get("model_tokens", 0.0)))
+        arms.append(Arm(name, dec.make_drafter(s), ev, uses_model(s)))
+    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
+
+
+
+def uses_model(s: SpecConfig) -> bool:
+    return REGISTRY[s.method].needs == "draft_model"
