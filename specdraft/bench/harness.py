@@ -268,9 +268,9 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
     for name, kind, spec in variants:
         if kind in methods.REGISTRY:
             d = hf_dec if name.startswith(HF) else dec
-            if d.backend not in methods.method(kind).backends:
-                raise ConfigError(f"method {kind!r} is not available on the {d.backend} backend; methods there: "
-                                  f"{', '.join(methods.methods_on(d.backend))} (or {HF}{kind} for transformers)")
+            why = methods.method(kind).unavailable(d.backend, has_draft=True)  # a missing draft: make_drafter's error
+            if why:
+                raise ConfigError(f"{why} (or {HF}{kind} for transformers)")
             runners.append(EngineRunner(name, d, spec))
         elif kind == "hf_generate":
             runners.append(HFRunner(name, hf_dec, "plain"))
