@@ -146,15 +146,18 @@ class SpecDecoder:
         """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
         autotune file), ``spec`` with ``fallback_method`` instead (logged), so a command naming no method
         never fails on auto. Call it only for a method the user did not name."""
-        if spec.method != DEFAULT_METHOD:
-            return spec
+        return spec if spec.method != DEFAULT_METHOD else self._usable_drafter(spec)[0]
+
+    def _usable_drafter(self, spec: SpecConfig):
+        """(usable(spec), its drafter): the drafter that decided it, so that it is not made twice."""
         try:
-            self.make_drafter(spec)
-            return spec
+            return spec, self.make_drafter(spec)
         except ConfigError as e:
-            fb = fallback_method(self.draft is not None)
-            logging.getLogger("specdraft").warning("method auto cannot run here (%s); using %s", e, fb)
-            return with_method(spec, fb)
+            if spec.method != DEFAULT_METHOD:
+                raise
+            fb = with_method(spec, fallback_method(self.draft is not None))
+            logging.getLogger("specdraft").warning("method auto cannot run here (%s); using %s", e, fb.method)
+            return fb, self.make_drafter(fb)
 
     def draft_length(self, spec: SpecConfig) -> DraftLength:
         """A request's draft-length policy for ``spec.schedule`` (cost-aware measurements are shared by
@@ -213,12 +216,13 @@ class SpecDecoder:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         sp = SamplingParams.from_dict(sampling)
         if spec is None or (isinstance(spec, dict) and "method" not in spec):
-            sc = self.usable(spec_with_default(spec, self.draft is not None))
+            sc, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
         else:
             sc = SpecConfig.from_dict(spec)
+            drafter = self.make_drafter(sc)
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, self.make_drafter(sc), ids, sp, self.eos_ids, self.tokenizer,
-                        self.draft_length(sc), on_emit=on_emit)
+        return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(sc),
+                        on_emit=on_emit)
 
 
 CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)

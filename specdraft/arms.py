@@ -102,6 +102,5 @@ def build_auto(dec, spec: SpecConfig):
     return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
 
 
-
 def uses_model(s: SpecConfig) -> bool:
     return REGISTRY[s.method].needs == "draft_model"

@@ -131,7 +131,7 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
     fast = min(curves, key=lambda k: curves[k][1])
     c = curves[fast]
     r8 = c[8] / c[1]
-    backend = {"llama gguf": "llama", "hf w8a8": f"hf --target NAME:w8a8"}.get(fast, "hf --dtype bfloat16")
+    backend = {"llama gguf": "llama", "hf w8a8": "hf --target NAME:w8a8"}.get(fast, "hf --dtype bfloat16")
     why = (f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, "
            + ("so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
               "(code edits, repeated text) and decodes plainly elsewhere" if r8 > 2 else

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig, methods_needing
+from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
 from .errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES

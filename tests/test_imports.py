@@ -176,9 +176,8 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
                 low[m] = min(low[m], index[n])
         if low[m] == index[m]:
             group = set()
-            while not group or group_top != m:
-                group_top = stack.pop()
-                group.add(group_top)
+            while m not in group:
+                group.add(stack.pop())
             if len(group) > 1:
                 found.append(group)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .. import methods
-from ..config import SamplingParams, SpecConfig
+from .. import methods, raycluster
+from ..config import SamplingParams, SpecConfig, methods_needing
 from ..errors import ConfigError, SpecDraftError
 from ..fidelity import output_terms
 from .. import prompts as data
@@ -88,9 +88,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
-    from ..raycluster import add_ray_args
-
-    add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
+    raycluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
                  "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
                  "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS")
@@ -383,7 +381,7 @@ def plan_bench(a) -> Plan:
                       for _, k, _ in variants)
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not a.draft:
-        raise ConfigError(f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
+        raise ConfigError(f"{' / '.join(methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
     rows = data.preset_rows(a.preset, a.dataset, a.tasks.split(",") if a.tasks else None, a.n_per_task)
     if not rows:
         raise SpecDraftError("no prompts selected")
@@ -506,9 +504,9 @@ def run_bench(a) -> dict:
     from ..models.loading import set_threads
     from . import ray_shard
 
-    ray_shard.check_ray_args(a)
+    raycluster.check_ray_args(a)
     plan = plan_bench(a)
-    threads = ray_shard.worker_cpus(a) if a.ray is not None else set_threads(a.threads)
+    threads = raycluster.worker_cpus(a) if a.ray is not None else set_threads(a.threads)
     out = Path(a.out)
     doc = open_results(out, plan.settings, environment(a, threads))
     if a.ray is not None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .. import raycluster
-from ..raycluster import check_ray_args, worker_cpus  # noqa: F401 (harness.py reads them here)
+from ..raycluster import worker_cpus
 
 
 def _plain_args(a) -> argparse.Namespace:

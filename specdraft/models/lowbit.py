@@ -100,7 +100,7 @@ class W8A8Linear(Int8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
         row_scale = (x2.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
-        # uint8 with zero point 128: oneDNN's one-row int8 kernel is 5x slower on signed inputs here
+        # uint8 with zero point 128: oneDNN's one-row kernel is 5x slower on signed inputs (docs/results/w8a8)
         xq = torch.round(x2 / row_scale).add_(128).to(torch.uint8)  # |x / scale| <= 127 by construction
         # x_scale 1 and the row scales applied after: oneDNN takes one activation scale per call
         y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points,
