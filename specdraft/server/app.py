@@ -52,6 +52,20 @@ def _engine_error(err: Exception) -> RequestError:
                         type="server_error", code="internal_error")
 
 
+class _Outcome:
+    """A streamed request's outcome, counted once: when its last event is written (so a client that has read
+    the whole answer finds it in /metrics), or else when the stream closes (client gone, cancelled)."""
+
+    def __init__(self, count):
+        self.status, self._count, self._counted = "cancelled", count, False
+
+    def settle(self, status: str | None = None) -> None:
+        self.status = status or self.status
+        if not self._counted:
+            self._counted = True
+            self._count(self.status).inc()
+
+
 class _JobStream(StreamingResponse):
     """A stream that, however it ends (finished, client gone, even before its first chunk), cancels
     its job if still unfinished and counts the request's outcome."""
@@ -365,9 +379,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
         rb = ResponseBuilder(chat, model_name, tok, hide_acceptance=fixed)
         method = p.spec.method
         if p.stream:
-            state = {"status": "cancelled"}
-            return _JobStream(stream(job, request, rb, p, state, method), job, worker,
-                              lambda: count(endpoint, state["status"]).inc(), media_type="text/event-stream",
+            outcome = _Outcome(lambda status: count(endpoint, status))
+            return _JobStream(stream(job, request, rb, p, outcome, method), job, worker,
+                              outcome.settle, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
             events = job_events(job, request, watch_disconnect=True)
@@ -413,7 +427,7 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
             if kind != "tokens":
                 return
 
-    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, state: dict, method: str):
+    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, outcome: _Outcome, method: str):
         fixed, pacing = p.stream_mode == "fixed", app.state.stream_pacing
         sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse
         done_line = pad("data: [DONE]\n\n", pacing.pad_bytes) if fixed else "data: [DONE]\n\n"
@@ -433,13 +447,13 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                 yield keepalive(pacing.pad_bytes)
             elif kind in ("timeout", "error"):
                 e = _timeout_error(timeout_s) if kind == "timeout" else _engine_error(payload)
-                state["status"] = "timeout" if kind == "timeout" else "error" if e.status >= 500 else "invalid"
+                outcome.settle("timeout" if kind == "timeout" else "error" if e.status >= 500 else "invalid")
                 yield sse(e.body()) + done_line
                 return
             else:
                 res = payload
                 if res.stats.finish_reason == "cancelled":
-                    state["status"] = "timeout" if job.cancel_reason == "timeout" else "cancelled"
+                    outcome.settle("timeout" if job.cancel_reason == "timeout" else "cancelled")
                     if job.cancel_reason in ("timeout", "shutdown"):
                         e = _timeout_error(timeout_s) if job.cancel_reason == "timeout" else shutdown_error()
                         yield sse(e.body()) + done_line
@@ -448,9 +462,9 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
                 at = ts.sent
                 last = ts.push([], final=True)
                 steps = trace.tail(at, last) if trace else None
+                outcome.settle("ok")
                 yield (sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
                        + (sse(rb.usage_chunk(res.stats, method)) if p.include_usage else "") + done_line)
-                state["status"] = "ok"
                 return
 
     @app.post("/v1/completions")
