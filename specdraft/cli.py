@@ -483,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
                    help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
                         "(weight-only) or w8a8 (int8 activations too, oneDNN)")
+    c.add_argument("--draft", default=None, metavar="NAME[:TYPE]",
+                   help="also measure this draft model and print, per k, what a step costs in plain target tokens "
+                        "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)")
+    _add_draft_backend_arg(c)
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)

@@ -121,6 +121,25 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
     assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
 
 
+def test_costs_command_with_a_draft(tiny_dir, capsys, tmp_path):
+    js = tmp_path / "c.json"
+    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3,8", "--repeats", "1",
+                 "--draft", str(tiny_dir), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "| draft " in out and "| k | step ms | plain target tokens it costs |" in out
+    assert json.loads(js.read_text())["draft"]["ms"].keys() == {"1", "3", "8"}
+
+
+def test_break_even_acceptance():
+    from specdraft.bench.costs import break_even_acceptance, chain_tokens
+
+    assert chain_tokens(0.0, 4) == 1 and chain_tokens(1.0, 4) == 5 and chain_tokens(0.5, 1) == 1.5
+    assert abs(break_even_acceptance(1.5, 1) - 0.5) < 1e-6  # one draft token, accepted half the time
+    assert break_even_acceptance(6.0, 4) is None  # a step of 4 drafts can never yield 6 tokens
+    alpha = break_even_acceptance(3.0, 6)
+    assert abs(chain_tokens(alpha, 6) - 3.0) < 1e-6
+
+
 def spec_bench_like(tmp_path):
     """40 prompts, 5 in each of 8 categories (covering the core18 preset), as a question.jsonl."""
     cats = ["translation", "summarization", "qa", "math_reasoning", "rag", "writing", "coding", "reasoning"]
