@@ -349,3 +349,28 @@ def test_demo_names_a_divergence_with_its_gap(smol_gguf, ids):
     assert msg.startswith(f"departs from plain at token 3, top-2 gap {gap:.3f}: ")
     assert msg.endswith("a near-tie" if gap < NEAR_TIE else "NOT a near-tie: a bug")
     assert same_as_plain(smol_gguf, ids[0], plain, plain + [7]) == "goes on past plain's 6 tokens: a bug"
+
+
+def test_ggml_runs_on_a_thread_of_its_own_where_the_build_needs_it(smol_gguf, ids, monkeypatch):
+    """On AMX builds ggml's work leaves the caller's thread (torch's oneDNN would disturb its tile
+    configuration there); forced on here, decoding is unchanged and runs on that thread."""
+    import threading
+
+    from specdraft.models import llama as L
+
+    ref = plain_tokens(smol_gguf, ids[0], 6)
+    seen = []
+    real = L.on_ggml_thread
+
+    def spy(fn, *args):
+        seen.append(real(lambda: threading.current_thread().name))
+        return real(fn, *args)
+
+    monkeypatch.setenv("SPECDRAFT_LLAMA_THREAD", "1")
+    L._ggml_thread.cache_clear()
+    monkeypatch.setattr(L, "on_ggml_thread", spy)
+    try:
+        assert plain_tokens(smol_gguf, ids[0], 6) == ref
+    finally:
+        L._ggml_thread.cache_clear()  # the next test decides afresh (from the build)
+    assert seen and all(name.startswith("ggml") for name in seen)

@@ -120,6 +120,11 @@ class LlamaCppRunner:
                          flash_attn=True, draft_model=draft, logits_all=draft is not None, verbose=False)
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        from ..models.llama import on_ggml_thread
+
+        return on_ggml_thread(self._run, ids, sp)  # beside torch's AMX matmuls, ggml's need a thread of their own
+
+    def _run(self, ids: list[int], sp: SamplingParams) -> dict:
         t0 = time.perf_counter()
         new = []
         self.llm.reset()

@@ -26,7 +26,9 @@ divergence reported with the target's top-2 logit gap (tests/test_llama_backend.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,26 @@ N_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
 # bit-identical logits to n single-token steps on SmolLM2 Q4_1, and without it 2 tokens already
 # differed by up to 3 logits; Q4_K_M's repacked kernels differ from 4 tokens on either way.
 FLASH_ATTN = int(os.environ.get("SPECDRAFT_LLAMA_FA", "-1"))
+
+
+@functools.cache
+def _ggml_thread() -> ThreadPoolExecutor | None:
+    """The one thread that runs ggml's work, where the build has AMX kernels (None elsewhere).
+
+    ggml's AMX kernels load their tile configuration once per thread and assume it stays; oneDNN (torch's
+    bf16 and int8 matmuls on AMX) reconfigures and releases the tiles of the thread it runs on, so a later
+    ggml tile instruction there faults (SIGILL at ``tilezero``: a bf16 target with a llama.cpp draft on
+    the amx-clang build). On a thread of its own ggml's configuration is never disturbed.
+    SPECDRAFT_LLAMA_THREAD=1 / 0 forces it on / off."""
+    forced = os.environ.get("SPECDRAFT_LLAMA_THREAD")
+    amx = b"AMX_INT8 = 1" in lib().llama_print_system_info() if forced is None else forced == "1"
+    return ThreadPoolExecutor(1, thread_name_prefix="ggml") if amx else None
+
+
+def on_ggml_thread(fn, *args):
+    """``fn(*args)``, on ggml's own thread where the build needs one (``_ggml_thread``)."""
+    pool = _ggml_thread()
+    return fn(*args) if pool is None else pool.submit(fn, *args).result()
 
 
 def lib():
@@ -274,7 +296,7 @@ class LlamaRows:
         b.n_tokens = i + 1
 
     def _decode(self, b) -> None:
-        rc = self.ll.llama_decode(self.ctx, b)
+        rc = on_ggml_thread(self.ll.llama_decode, self.ctx, b)
         if rc == 1:
             raise ContextLengthError(f"the llama.cpp context of {self.model.n_ctx} tokens (all rows together) is full; "
                                      "raise SPECDRAFT_LLAMA_CTX or admit fewer requests at once")
