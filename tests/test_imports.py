@@ -87,7 +87,7 @@ LAYERS = [
     ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.raycluster"]),
     ("drafters", ["specdraft.drafters"]),
     ("engine", ["specdraft.engine"]),
-    ("methods", ["specdraft.methods", "specdraft.arms"]),
+    ("methods", ["specdraft.methods", "specdraft.arms", "specdraft.flags"]),
     ("api", ["specdraft.api", "specdraft"]),
     ("tools", ["specdraft.autotune", "specdraft.tune_skip", "specdraft.train", "specdraft.overlap", "specdraft.doctor"]),
     ("bench", ["specdraft.bench"]),

@@ -30,7 +30,7 @@ def front():
     ray = connect(None, num_cpus=2)
     a = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--dtype", "float32", "--replicas", "2",
                                    "--max-batch", "4"])
-    app = start_replicas(a, *_serve_settings(a))
+    app = start_replicas(*_serve_settings(a))
     try:
         with app_in_thread(app) as url:
             yield url

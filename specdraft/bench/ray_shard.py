@@ -11,17 +11,10 @@ cluster are raycluster.py's."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from .. import raycluster
-from ..raycluster import worker_cpus
-
-
-def _plain_args(a) -> argparse.Namespace:
-    """The options without the CLI's handler function (workers need only the values)."""
-    return argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v)})
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -31,39 +24,40 @@ class BenchWorker:
     def __init__(self, wid: str):
         self.wid = wid
 
-    def load(self, a, plan, threads: int) -> dict:
+    def load(self, plan, threads: int) -> dict:
         from .harness import load_bench
 
-        self.bench = load_bench(a, plan, threads)
+        self.bench = load_bench(plan, threads)
         return {**raycluster.node_info(), "threads": threads, "skipped": self.bench.skipped}
 
     def run(self, r: dict, done: set, ref: dict) -> tuple[str, list[dict]]:
         from .harness import run_prompt
 
         recs: list[dict] = []
-        for rep in range(self.bench.a.repeats):
+        for rep in range(self.bench.plan.opts.repeats):
             rns = [rn for rn in self.bench.runners if (r["id"], rn.name, rep) not in done]
             if rns:
                 run_prompt(self.bench, r, rep, rns, ref, recs.append)
         return self.wid, recs
 
 
-def run_sharded(a, plan, doc: dict, out: Path) -> None:
+def run_sharded(plan, doc: dict, out: Path) -> None:
     """The prompts not yet in ``doc``, sharded over Ray workers; ``doc`` is saved after each prompt."""
     from tqdm import tqdm
 
     from .harness import _save, done_keys, interrupted, reference_outputs
 
     done, ref = done_keys(doc["records"]), reference_outputs(doc["records"])
-    keys = [(n, rep) for n in plan.settings["methods"] for rep in range(a.repeats)]
+    keys = [(n, rep) for n in plan.settings["methods"] for rep in range(plan.opts.repeats)]
     jobs = [r for r in plan.rows if any((r["id"], n, rep) not in done for n, rep in keys)]
     if not jobs:
         return
-    ray, n = raycluster.start_ray(a, len(jobs))
+    ray_opts = plan.opts.ray_options()
+    ray, n = ray_opts.start(len(jobs))
     workers = doc.setdefault("workers", {})
     ids = [f"w{len(workers) + i}" for i in range(n)]  # new ids on every run, so resumed runs stay apart
-    cpus = worker_cpus(a)
-    actors, infos = raycluster.start_workers(ray, BenchWorker, ids, cpus, _plain_args(a), plan, cpus)
+    cpus = ray_opts.cpus
+    actors, infos = raycluster.start_workers(ray, BenchWorker, ids, cpus, plan, cpus)
     for wid, info in infos.items():
         doc["skipped"].update(info.pop("skipped"))
         workers[wid] = info

@@ -6,6 +6,6 @@
 - ``app``: the FastAPI application.
 """
 
-from .app import create_app
+from .app import ServerSettings, create_app
 
-__all__ = ["create_app"]
+__all__ = ["ServerSettings", "create_app"]

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 
 import httpx
 from fastapi import FastAPI, Request
@@ -34,12 +35,12 @@ class ReplicaServer:
     """One engine on its own port (a Ray actor: ``ray.remote(ReplicaServer)``): on 127.0.0.1 on a
     ``local`` instance, else on the node's address (where the replicas need the API key)."""
 
-    def __init__(self, args, spec, api_key, pacing, local: bool):
+    def __init__(self, models, settings, method_defaulted: bool, local: bool):
         import uvicorn
 
         from .app import build_server_app
 
-        app = build_server_app(args, spec, api_key, pacing)
+        app = build_server_app(models, settings, method_defaulted)
         self.host = "127.0.0.1" if local else _node_ip()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,106 +122,133 @@ def _unavailable(message: str) -> JSONResponse:
     return JSONResponse(e.body(), status_code=503)
 
 
+class _Front:
+    """What the front's handlers read (``app.state.front``): the replicas, the router, the HTTP client."""
+
+    def __init__(self, urls: list[str], api_key: str | None, max_body_bytes: int):
+        self.urls, self.api_key, self.max_body_bytes = urls, api_key, max_body_bytes
+        self.router = Router(urls)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def replica_get(self, path: str) -> list:
+        """GET ``path`` of every replica (None where one did not answer)."""
+        async def one(u):
+            try:
+                return await self.client.get(u + path, headers=self.auth, timeout=10)
+            except httpx.HTTPError:
+                return None
+        return await asyncio.gather(*(one(u) for u in self.urls))
+
+
 def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: bool = False,
                  on_stop=None, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """The one endpoint in front of the replicas at ``urls``: the same key, origin and body-size rules as a
     replica, checked before a body is held in memory or relayed."""
-    router = Router(urls)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+    front = _Front(urls, api_key, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await client.aclose()
+        await front.client.aclose()
         if on_stop:
             on_stop()
 
     app = FastAPI(title="specdraft replicas", lifespan=lifespan)
     app.state.draining = False
-    app.state.worker = router
+    app.state.worker = front.router
+    app.state.front = front
     app.middleware("http")(drain_check(app))
     if api_key:
         app.middleware("http")(key_check(api_key, open_metrics))
     else:
         app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    async def relay(request: Request):
-        try:
-            content = await read_body(request, max_body_bytes)
-        except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        i = router.acquire()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        try:
-            up = await client.send(client.build_request(request.method, urls[i] + request.url.path,
-                                                        headers=headers, content=content), stream=True)
-        except httpx.HTTPError as e:
-            router.release(i)
-            return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
-
-        async def body():
-            try:
-                async for chunk in up.aiter_raw():
-                    yield chunk
-            finally:  # the client left or the replica finished: either way the replica's slot is free
-                await up.aclose()
-                router.release(i)
-
-        out = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
-        out["X-Specdraft-Replica"] = str(i)
-        return StreamingResponse(body(), status_code=up.status_code, headers=out)
-
     app.post("/v1/completions")(relay)
     app.post("/v1/chat/completions")(relay)
     app.get("/v1/models")(relay)
     app.get("/v1/specdraft/methods")(relay)
     add_playground(app)
-
-    async def replica_get(path: str):
-        async def one(u):
-            try:
-                return await client.get(u + path, headers=auth, timeout=10)
-            except httpx.HTTPError:
-                return None
-        return await asyncio.gather(*(one(u) for u in urls))
-
-    @app.get("/health")
-    async def health(request: Request):
-        answers = await replica_get("/health")
-        replicas = [{"replica": i, "url": u, "running": router.running[i], "routed": router.routed[i],
-                     **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"})}
-                    for i, (u, r) in enumerate(zip(urls, answers))]
-        ok = all(r["status"] == "ok" for r in replicas)
-        body = {"status": "ok" if ok else "degraded"}
-        if health_details(request, api_key):  # replica addresses and loads: the key's holders only
-            body["replicas"] = replicas
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics():
-        answers = await replica_get("/metrics")
-        return Response(merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
-                        media_type=CONTENT_TYPE_LATEST)
-
+    app.get("/health")(front_health)
+    app.get("/metrics")(front_metrics)
     return app
 
 
-def start_replicas(a, spec, api_key, pacing) -> FastAPI:
-    """Starts ``a.replicas`` ReplicaServer actors on Ray (a local instance or ``a.ray_address``) and returns
-    the front app. On a cluster the replicas listen on their nodes' addresses, so they need an API key."""
-    local = a.ray_address in (None, "", "local")
-    if not local and not api_key and not a.insecure:
+async def relay(request: Request):
+    """The request to the least busy replica; its response relayed as it arrives."""
+    front = request.app.state.front
+    router, client = front.router, front.client
+    try:
+        content = await read_body(request, front.max_body_bytes)
+    except RequestError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+    i = router.acquire()
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    try:
+        up = await client.send(client.build_request(request.method, front.urls[i] + request.url.path,
+                                                    headers=headers, content=content), stream=True)
+    except httpx.HTTPError as e:
+        router.release(i)
+        return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
+
+    async def body():
+        try:
+            async for chunk in up.aiter_raw():
+                yield chunk
+        finally:  # the client left or the replica finished: either way the replica's slot is free
+            await up.aclose()
+            router.release(i)
+
+    out = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
+    out["X-Specdraft-Replica"] = str(i)
+    return StreamingResponse(body(), status_code=up.status_code, headers=out)
+
+
+async def front_health(request: Request):
+    front = request.app.state.front
+    router = front.router
+    answers = await front.replica_get("/health")
+    replicas = [{"replica": i, "url": u, "running": router.running[i], "routed": router.routed[i],
+                 **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"})}
+                for i, (u, r) in enumerate(zip(front.urls, answers))]
+    ok = all(r["status"] == "ok" for r in replicas)
+    body = {"status": "ok" if ok else "degraded"}
+    if health_details(request, front.api_key):  # replica addresses and loads: the key's holders only
+        body["replicas"] = replicas
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def front_metrics(request: Request):
+    answers = await request.app.state.front.replica_get("/metrics")
+    return Response(merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """``specdraft serve --replicas N``'s options."""
+    replicas: int = 1
+    ray_address: str | None = None  # None / "local": a local Ray instance
+    replica_cpus: int | None = None  # default: the cluster's CPUs / replicas
+    insecure: bool = False  # replicas on a cluster without an API key
+
+
+def start_replicas(models, settings, opts: ReplicaOptions, method_defaulted: bool = False) -> FastAPI:
+    """Starts ``opts.replicas`` ReplicaServer actors on Ray (a local instance or ``opts.ray_address``), each the
+    server of ``models`` and ``settings`` (app.build_server_app), and returns the front app. On a cluster the
+    replicas listen on their nodes' addresses, so they need an API key."""
+    local = opts.ray_address in (None, "", "local")
+    if not local and not settings.api_key and not opts.insecure:
         raise SpecDraftError("replicas on a Ray cluster listen on their nodes' addresses: set --api-key KEY (or "
                              "SPECDRAFT_API_KEY), or pass --insecure")
-    if a.replica_cpus is not None and a.replica_cpus < 1:
-        raise SpecDraftError(f"--replica-cpus must be >= 1, got {a.replica_cpus}")
+    if opts.replica_cpus is not None and opts.replica_cpus < 1:
+        raise SpecDraftError(f"--replica-cpus must be >= 1, got {opts.replica_cpus}")
     # a local instance offers at least one CPU per replica, so no replica waits forever for a CPU
-    ray = connect(a.ray_address, None if not local else max(os.cpu_count(), a.replicas * (a.replica_cpus or 1)))
-    cpus = a.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // a.replicas)
-    a.threads = a.threads or cpus
+    ray = connect(opts.ray_address,
+                  None if not local else max(os.cpu_count(), opts.replicas * (opts.replica_cpus or 1)))
+    cpus = opts.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // opts.replicas)
+    models = replace(models, threads=models.threads or cpus)
     actor = ray.remote(num_cpus=cpus)(ReplicaServer)
-    handles = [actor.remote(a, spec, api_key, pacing, local) for _ in range(a.replicas)]
+    handles = [actor.remote(models, settings, method_defaulted, local) for _ in range(opts.replicas)]
     try:
         urls = ray.get([h.url.remote() for h in handles])
     except Exception as e:  # an actor that failed to load its model: its error, once, then nothing left running
@@ -231,8 +259,8 @@ def start_replicas(a, spec, api_key, pacing) -> FastAPI:
     def stop():
         for h in handles:
             ray.kill(h)
-    front = create_front(urls, api_key=api_key, open_metrics=a.metrics_open, on_stop=stop,
-                         max_body_bytes=int(a.max_body_mb * (1 << 20)), allowed_hosts=tuple(a.allowed_host) + (a.host,))
+    front = create_front(urls, api_key=settings.api_key, open_metrics=settings.open_metrics, on_stop=stop,
+                         max_body_bytes=settings.max_body_bytes, allowed_hosts=settings.allowed_hosts)
     front.state.replicas = handles
     return front
 
