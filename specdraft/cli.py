@@ -247,7 +247,7 @@ def _server_settings(a, spec, api_key: str | None, pacing):
 
 
 def _replica_options(a):
-    from .server.replicas import ReplicaOptions
+    from .scale.replicas import ReplicaOptions
 
     return settings_from_args(ReplicaOptions, a)
 
@@ -273,7 +273,7 @@ def cmd_serve(a) -> int:
     from .server.graceful import serve
 
     if replicas.replicas > 1 or replicas.ray_address:
-        from .server.replicas import start_replicas
+        from .scale.replicas import start_replicas
 
         app = start_replicas(models, server, replicas, defaulted)
         what = f"{a.replicas} replicas on Ray"
@@ -323,25 +323,26 @@ def cmd_tune_skip(a) -> int:
 
 
 def cmd_train(a) -> int:
+    from .scale.shard import data_builder
     from .train import TrainOptions, train_main
 
-    return train_main(settings_from_args(TrainOptions, a))
+    return train_main(settings_from_args(TrainOptions, a), ray_builder=data_builder)
 
 
 def cmd_overlap(a) -> int:
-    from .overlap import OverlapOptions, main_overlap
+    from .scale.overlap import OverlapOptions, main_overlap
 
     return main_overlap(settings_from_args(OverlapOptions, a))
 
 
 def cmd_leak(a) -> int:
-    from .server.leak import LeakOptions, main_leak
+    from .tools.leak import LeakOptions, main_leak
 
     return main_leak(settings_from_args(LeakOptions, a, models=models_from_args(a)))
 
 
 def cmd_loadtest(a) -> int:
-    from .server.loadtest import LoadtestOptions, main_loadtest
+    from .tools.loadtest import LoadtestOptions, main_loadtest
 
     return main_loadtest(settings_from_args(LoadtestOptions, a))
 
@@ -360,8 +361,9 @@ def cmd_autotune(a) -> int:
 
 def cmd_bench(a) -> int:
     from .bench.harness import BenchOptions, main_bench
+    from .scale.shard import run_sharded
 
-    return main_bench(settings_from_args(BenchOptions, a))
+    return main_bench(settings_from_args(BenchOptions, a), run_sharded)
 
 
 # --- the parsers of the commands run here ------------------------------------------------------------
@@ -448,9 +450,10 @@ def _add_serve_parser(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import autotune, demo, doctor, overlap, train, tune_skip
+    from . import autotune, demo, doctor, train, tune_skip
     from .bench import batchbench, costs, harness
-    from .server import leak, loadtest
+    from .scale import overlap
+    from .tools import leak, loadtest
 
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -4,7 +4,7 @@
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
    one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
-   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (data_builder below, raycluster.py).
+   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (scale/shard.py's data_builder).
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
      positions of the answer (t >= n_prompt - 1);
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import raycluster
+from .scale import cluster
 from .errors import ConfigError, SpecDraftError
 from .heads import EagleHead, MedusaHeads, embed_of, lm_head_of, read_head_config, save_head, target_signature
 
@@ -97,7 +97,7 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     than one prompt at a time on a CPU; padding can flip a near-tie, which is harmless for training
     data); an answer ends after the first EOS. Prompts longer than ``max_prompt_tokens`` are skipped.
     Then one forward per sequence gives the features (final-norm outputs) at every position.
-    ``train --ray`` answers the same batches on Ray workers (data_builder)."""
+    ``train --ray`` answers the same batches on Ray workers (scale/shard.py's data_builder)."""
     batch = batch or DATA_BATCH
     encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
     seqs = []
@@ -115,7 +115,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
                        max_prompts: int | None, max_prompt_tokens: int | None = None,
                        build=build_data) -> tuple[list[dict], dict]:
     """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
-    data_builder's), saved in DIR/data.pt."""
+    scale/shard.py's data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
     want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
             "max_prompts": max_prompts}
@@ -147,55 +147,6 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     torch.save({"meta": want, "seqs": seqs, "stats": meta}, out / (DATA_FILE + ".tmp"))
     (out / (DATA_FILE + ".tmp")).replace(f)
     return seqs, want
-
-
-# --- train --ray ----------------------------------------------------------------------------------
-class DataWorker:
-    """A Ray actor: the target, loaded once; answers batches of prompts for the training data."""
-
-    def __init__(self, wid: str):
-        self.wid = wid
-
-    def load(self, target: str, threads: int) -> dict:
-        from .api import SpecDecoder
-
-        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads)
-        return {**raycluster.node_info(), "threads": threads}
-
-    def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:
-        return self.wid, answer_batch(self.dec, chunk, max_new_tokens)
-
-
-def data_builder(ray_opts: raycluster.RayOptions, target: str):
-    """build_data's stand-in for ``train --ray``: the same batches, answered on Ray workers."""
-
-    def build(dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None):
-        encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
-        chunks = [encoded[i: i + DATA_BATCH] for i in range(0, len(encoded), DATA_BATCH)]
-        if not chunks:
-            return []
-        ray, n = ray_opts.start(len(chunks))
-        cpus = ray_opts.cpus
-        actors, infos = raycluster.start_workers(ray, DataWorker, [f"w{i}" for i in range(n)], cpus, target, cpus)
-        count = dict.fromkeys(infos, 0)
-        seqs = []
-        bar = _tqdm(total=len(encoded), desc="target answers (ray)", unit="prompt")
-        try:
-            for wid, got in raycluster.drain(ray, actors, True,
-                                             lambda act, c: act.answer.remote(c, max_new_tokens), chunks):
-                seqs += got
-                count[wid] += 1
-                if hasattr(bar, "update"):
-                    bar.update(len(got))
-        finally:
-            raycluster.stop_workers(ray, actors)
-            if hasattr(bar, "close"):
-                bar.close()
-        print("training data on Ray: " + ", ".join(f"{w} on {infos[w]['host']}: {count[w]} batch(es)" for w in infos),
-              file=sys.stderr)
-        return seqs
-
-    return build
 
 
 # --- batches -----------------------------------------------------------------------------------
@@ -278,8 +229,8 @@ class TrainOptions:
     ray_worker_cpus: int | None = None
     command: str | None = None  # recorded in the head's config (default: this process's command line)
 
-    def ray_options(self) -> raycluster.RayOptions:
-        return raycluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
+    def ray_options(self) -> cluster.RayOptions:
+        return cluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
 
 
 def add_parser(sub):
@@ -305,7 +256,7 @@ def add_parser(sub):
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--seed", type=int, default=0)
-    raycluster.add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
+    cluster.add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
                  "prompts sharded over them in batches, each worker loading the target once; the data is "
                  "gathered here and saved as usual, and training runs here. No value: a local Ray instance; "
                  "else a cluster address (auto, HOST:PORT); write --ray=ADDRESS, or --ray after KIND")
@@ -399,17 +350,21 @@ def eagle_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions
     return head, loss
 
 
-def train_main(opts: TrainOptions) -> int:
+def train_main(opts: TrainOptions, ray_builder=None) -> int:
+    """``ray_builder(ray options, target)``: build_data's stand-in for --ray (scale/shard.py's data_builder,
+    which the CLI passes: the scale package sits above this module)."""
     from .api import SpecDecoder
 
     opts, saved = check_options(opts)
+    if opts.ray is not None and ray_builder is None:
+        raise ConfigError("--ray needs the Ray data builder: train_main(opts, scale.shard.data_builder)")
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
     dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads)
     target = dec.target
     for p in target.model.parameters():
         p.requires_grad_(False)
-    build = data_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
+    build = ray_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
     seqs, data_meta = load_or_build_data(dec, out, opts.data, opts.target, opts.max_new_tokens, not opts.no_chat,
                                          opts.max_prompts, opts.max_prompt_tokens, build)
     head, loss = (medusa_setup if opts.kind == "medusa" else eagle_setup)(target, seqs, saved, opts)

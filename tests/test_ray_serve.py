@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser
 from specdraft.models.hf import HFModel
-from specdraft.raycluster import connect
+from specdraft.scale.cluster import connect
+from specdraft.scale.replicas import start_replicas
+from specdraft.server.front import Router, merge_metrics
 from specdraft.server.local import app_in_thread
-from specdraft.server.replicas import Router, merge_metrics, start_replicas
 
 pytestmark = pytest.mark.slow
 

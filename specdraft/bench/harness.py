@@ -8,7 +8,7 @@
 - greedy outputs are compared with the engine's plain decoding; each mismatch records the first
   diverging position and the target's top-2 logit gap there (near-tie or bug?).
 
-``--ray`` shards the prompts over Ray workers (ray_shard.py); each runs ``run_prompt`` as a local run does.
+``--ray`` shards the prompts over Ray workers (scale/shard.py); each runs ``run_prompt`` as a local run does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .. import methods, raycluster
+from .. import methods
+from ..scale import cluster
 from ..config import SamplingParams, SpecConfig, methods_needing
 from ..errors import ConfigError, SpecDraftError
 from ..fidelity import output_terms
@@ -76,8 +77,8 @@ class BenchOptions:
     ray_workers: int | None = None
     ray_worker_cpus: int | None = None
 
-    def ray_options(self) -> raycluster.RayOptions:
-        return raycluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
+    def ray_options(self) -> cluster.RayOptions:
+        return cluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
 
 
 def add_parser(sub):
@@ -130,7 +131,7 @@ def add_parser(sub):
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
-    raycluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
+    cluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
                  "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
                  "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS")
@@ -321,7 +322,7 @@ def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tup
             runners.append(HFRunner(name, hf_dec, "prompt_lookup"))
         elif kind in PAIRS:
             if pair is None:  # one pair of actors serves both modes
-                from ..overlap import OverlapPair
+                from ..scale.overlap import OverlapPair
 
                 pair = OverlapPair(opts.target, opts.draft, opts.dtype, spec["k"], spec["threads"], draft_layers=opts.draft_layers)
             runners.append(PairRunner(name, pair, kind == "pair_overlap"))
@@ -546,10 +547,10 @@ def run_local(bench: Bench, doc: dict, out: Path) -> None:
     bar.close()
 
 
-def run_bench(opts: BenchOptions) -> tuple[dict, BenchOptions]:
-    """-> (the results document, the options with --config's applied)."""
+def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]:
+    """-> (the results document, the options with --config's applied). ``run_sharded(plan, doc, out)`` runs
+    a --ray plan (scale/shard.py's, which the CLI passes: the scale package sits above this module)."""
     from ..models.loading import set_threads
-    from . import ray_shard
 
     opts.ray_options().check()
     plan = plan_bench(opts)
@@ -558,7 +559,9 @@ def run_bench(opts: BenchOptions) -> tuple[dict, BenchOptions]:
     out = Path(opts.out)
     doc = open_results(out, plan.settings, environment(opts.dtype, threads))
     if opts.ray is not None:
-        ray_shard.run_sharded(plan, doc, out)
+        if run_sharded is None:
+            raise ConfigError("--ray needs the Ray runner: run_bench(opts, scale.shard.run_sharded)")
+        run_sharded(plan, doc, out)
         return doc, opts
     bench = load_bench(plan, threads)
     doc["skipped"] = bench.skipped
@@ -566,7 +569,7 @@ def run_bench(opts: BenchOptions) -> tuple[dict, BenchOptions]:
     return doc, opts
 
 
-def main_bench(opts: BenchOptions) -> int:
+def main_bench(opts: BenchOptions, run_sharded=None) -> int:
     if opts.action == "report":
         path = Path(opts.results or opts.out)
         if not path.exists():
@@ -574,7 +577,7 @@ def main_bench(opts: BenchOptions) -> int:
         doc = json.loads(path.read_text())
     else:
         t0 = time.time()
-        doc, opts = run_bench(opts)
+        doc, opts = run_bench(opts, run_sharded)
         path = Path(opts.out)
         print(f"bench finished in {time.time() - t0:.0f}s", file=sys.stderr)
     md = render(doc, path, plots=not opts.no_plots)

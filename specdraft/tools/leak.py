@@ -159,8 +159,8 @@ def calibrate_interval(url: str, bodies: list[dict], chunk: int, margin: float) 
 
 def main_leak(opts: LeakOptions) -> int:
     from ..prompts import default_dataset
-    from .local import serve_in_thread
-    from .pacing import StreamPacing
+    from ..server.local import serve_in_thread
+    from ..server.pacing import StreamPacing
 
     try:
         import sklearn  # noqa: F401

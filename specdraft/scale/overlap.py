@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, SpecDraftError
+from ..errors import ConfigError, SpecDraftError
 
 
 class _Side:
     """One model and one sequence's KV state, in its own process (a Ray actor)."""
 
     def __init__(self, name: str, dtype: str, threads: int, num_layers: int | None = None):
-        from .models.loading import load_model, set_threads
+        from ..models.loading import load_model, set_threads
 
         set_threads(threads)
         self.threads = threads
@@ -45,8 +45,8 @@ class _Side:
 
     def costs(self, ns: list[int], threads: int) -> dict[int, float]:
         """ms per forward of n tokens (specdraft/costs.py), on ``threads`` threads for this measurement."""
-        from .costs import measure_costs
-        from .models.loading import set_threads
+        from ..costs import measure_costs
+        from ..models.loading import set_threads
 
         set_threads(threads)
         try:
@@ -64,7 +64,7 @@ class _Side:
 class VerifySide(_Side):
     def verify(self, pending: int, drafts: list[int]) -> tuple[int, int]:
         """(drafts kept, the target's next token); the cache keeps pending + the kept drafts."""
-        from .verify import greedy_verify
+        from ..verify import greedy_verify
 
         logits = self.rows.forward([[pending] + drafts])
         n, nxt = greedy_verify(torch.tensor([drafts]), logits)
@@ -123,8 +123,8 @@ class OverlapPair:
 
     def __init__(self, target: str, draft: str, dtype: str = "bfloat16", k: int | None = None, threads: int = 1,
                  address: str | None = None, draft_layers: int | None = None):
-        from .models.loading import load_tokenizer
-        from .raycluster import connect
+        from ..models.loading import load_tokenizer
+        from .cluster import connect
 
         if k is not None and k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
@@ -235,7 +235,7 @@ def explain(doc: dict, costs_here: dict, costs_apart: dict, k: int) -> dict:
     records: the model with ``costs_here`` (the actors' own thread counts, as they ran) should match
     the measured decode time; with ``costs_apart`` (each process on a machine of its own) it predicts
     the speedup over plain decoding there (plain = one target forward per token at those costs)."""
-    from .metrics import speedup
+    from ..metrics import speedup
 
     out = {"k": k, "costs_here": costs_here, "costs_apart": costs_apart, "methods": {}}
     for method, overlap in (("pair_serial", False), ("pair_overlap", True)):
