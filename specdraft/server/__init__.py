@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the specdraft engine (``specdraft serve``).
 
 - ``protocol``: OpenAI request bodies -> SamplingParams / SpecConfig, responses and stream chunks;
-- ``scheduler``: the worker that runs requests (one at a time, or the continuous batch engine: ``batch_worker``);
+- ``batch_worker`` (+ ``scheduler``): the one worker that runs requests, up to ``max_batch`` rows together
+  (one at a time with ``max_batch`` 1);
 - ``metrics``: Prometheus metrics (prometheus_client);
 - ``app``: the FastAPI application (``create_app(decoder, ServerSettings)``);
 - ``front``: the routing front of ``serve --replicas`` (the replicas themselves: scale/replicas.py).

@@ -23,7 +23,8 @@ from ..methods import REGISTRY, method as registered
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
-from .scheduler import Job, QueueFull, SingleWorker, shutdown_error
+from .batch_worker import BatchWorker
+from .scheduler import Job, QueueFull, shutdown_error
 
 log = logging.getLogger("specdraft.server")
 
@@ -280,9 +281,8 @@ class ServerSettings:
     """What one server serves and how (``specdraft serve`` builds it from its flags; the tests pass these
     fields to server.local.serve_in_thread).
 
-    ``max_batch`` 1 runs requests one at a time (SingleWorker); more runs the continuous batch engine
-    (BatchWorker) with up to that many rows, its draft length halved from ``spec_shrink_at`` rows and
-    speculation off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
+    ``max_batch``: the rows the worker (BatchWorker) decodes together, 1 = one request at a time; with more,
+    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
     ``open_metrics``) requires it as a Bearer token. ``max_body_bytes``: larger request bodies get a 413.
     ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
     ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.
@@ -328,14 +328,10 @@ def _serving(request: Request) -> _Serving:
     return request.app.state.serving
 
 
-def make_worker(decoder, metrics: ServerMetrics, settings: ServerSettings):
-    """The scheduler of ``settings.max_batch`` rows (not started)."""
-    if settings.max_batch > 1:
-        from .batch_worker import BatchWorker
-
-        return BatchWorker(decoder, metrics, settings.max_queue, max_batch=settings.max_batch,
-                           spec_shrink_at=settings.spec_shrink_at, spec_off_at=settings.spec_off_at)
-    return SingleWorker(decoder, metrics, settings.max_queue)
+def make_worker(decoder, metrics: ServerMetrics, settings: ServerSettings) -> BatchWorker:
+    """The worker of ``settings.max_batch`` rows (not started)."""
+    return BatchWorker(decoder, metrics, settings.max_queue, max_batch=settings.max_batch,
+                       spec_shrink_at=settings.spec_shrink_at, spec_off_at=settings.spec_off_at)
 
 
 def create_app(decoder, settings: ServerSettings) -> FastAPI:
