@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from .config import DEFAULT_METHOD, SamplingParams, SpecConfig, fallback_method, spec_with_default, with_method
 from .engine import GenerationResult, generate
@@ -242,6 +244,24 @@ def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
 
 
 COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The models a command loads (the CLI's --target, --draft, --draft-layers, --dtype, --threads,
+    --backend, --draft-backend): ``load()`` is ``SpecDecoder.load`` with them."""
+    target: str
+    draft: str | None = None
+    draft_layers: int | None = None
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    backend: str = "hf"
+    draft_backend: str | None = None
+
+    def load(self, **override) -> SpecDecoder:
+        """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``)."""
+        return SpecDecoder.load(**{**dataclasses.asdict(self), **override})
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:

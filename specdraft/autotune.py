@@ -15,13 +15,45 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import prompts
+from .api import ModelSettings
 from .arms import DEFAULT_ARMS, default_path, uses_model
 from .config import SamplingParams, SpecConfig
 from .errors import SpecDraftError
+from .flags import add_model_args
 from .methods import method
+
+
+@dataclass(frozen=True)
+class AutotuneOptions:
+    """``specdraft autotune``'s flags."""
+    models: ModelSettings
+    prompts: str | None = None  # calibration prompts jsonl (default: _prompts' mix)
+    n: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    only: str | None = None  # a comma list of configuration names or methods
+    arms: int = 3
+    no_tree_search: bool = False
+    out: str | None = None  # default: where method=auto looks for it (arms.default_path)
+
+
+def add_parser(sub):
+    at = sub.add_parser("autotune", help="measure drafting configurations here; write the best (and method=auto's arms)")
+    add_model_args(at)
+    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's last prompt "
+                    "per task + the last code edits)")
+    at.add_argument("--n", type=int, default=8, help="calibration prompts")
+    at.add_argument("--max-new-tokens", type=int, default=64)
+    at.add_argument("--temperature", type=float, default=0.0, help="calibrate for this temperature (seed 0)")
+    at.add_argument("--only", default=None, help="comma list: try only these configurations (names or methods)")
+    at.add_argument("--arms", type=int, default=3, help="how many of the best configurations method=auto chooses among")
+    at.add_argument("--no-tree-search", action="store_true", help="skip the hardware-aware tree search")
+    at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
+    return at
 
 
 # --- specdraft autotune ------------------------------------------------------------------------------
@@ -62,55 +94,60 @@ def summarize(records: list[dict], base: dict) -> dict:
             "model_tokens": sum(r["model_tokens"] for r in records) / n}
 
 
-def main_autotune(a) -> int:
-    from tqdm import tqdm
-
-    from .api import SpecDecoder
+def main_autotune(opts: AutotuneOptions) -> int:
     from .costs import cpu_name
     from .models.loading import set_threads
 
-    threads = set_threads(a.threads)
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, threads=threads, backend=a.backend,
-                           draft_backend=a.draft_backend)
-    rows = _prompts(a)
-    sp = SamplingParams(temperature=a.temperature, seed=0 if a.temperature > 0 else None,
-                        max_new_tokens=a.max_new_tokens).validate()
+    threads = set_threads(opts.models.threads)
+    dec = opts.models.load(threads=threads, draft_layers=None)  # (autotune has always measured the whole draft)
+    rows = _prompts(opts.prompts, opts.n)
+    sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
+                        max_new_tokens=opts.max_new_tokens).validate()
     cands = candidates(dec)
-    if a.only:
-        keep = [x.strip() for x in a.only.split(",") if x.strip()]
-        cands = {n: s for n, s in cands.items() if n == "plain" or n.split("[")[0] in keep or n in keep}
+    if opts.only:
+        keep = [x.strip() for x in opts.only.split(",") if x.strip()]
+        cands = {n: spec for n, spec in cands.items() if n == "plain" or n.split("[")[0] in keep or n in keep}
     ids = [dec.encode(r["prompt"], chat=True) for r in rows]
     tree = None
-    if dec.draft is not None and hasattr(dec.draft, "view") and not dec.cross_vocab and not a.no_tree_search:
+    if dec.draft is not None and hasattr(dec.draft, "view") and not dec.cross_vocab and not opts.no_tree_search:
         tree = _tree_search(dec, ids, sp)
         cands["draft_model[searched tree]"] = SpecConfig.from_dict(tree["spec"])
     print(f"autotune: {len(cands)} configurations x {len(ids)} prompts x {sp.max_new_tokens} tokens on {cpu_name()}",
           file=sys.stderr)
-    runs = {n: [] for n in cands}
-    warm = SamplingParams(**{**sp.to_dict(), "max_new_tokens": 8})
-    for s in cands.values():
-        dec.generate(ids[0], sampling=warm, spec=s)
-    for i in tqdm(range(len(ids)), desc="autotune", unit="prompt", file=sys.stderr, dynamic_ncols=True):
-        for n, s in cands.items():  # interleaved: every configuration on prompt i, then prompt i + 1
-            out = dec.generate(ids[i], sampling=sp, spec=s)
-            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s,
-                            "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
-                            "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(s) else 0})
+    runs = run_candidates(dec, cands, ids, sp)
     base = summarize(runs["plain"], {})
     tried = [{"name": n, "spec": compact(cands[n]), **summarize(runs[n], base)} for n in cands]
     tried.sort(key=lambda t: -(t["speedup"] or 0))
-    doc = {"target": a.target, "draft": a.draft, "backend": dec.backend, "cpu": cpu_name(), "threads": threads,
-           "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
+    doc = {"target": opts.models.target, "draft": opts.models.draft, "backend": dec.backend, "cpu": cpu_name(),
+           "threads": threads, "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
            "arms": [{k: t[k] for k in ("name", "spec", "mat", "scored", "model_tokens", "speedup")}
-                    for t in tried if t["name"] != "plain" and (t["speedup"] or 0) > 0][: a.arms],
+                    for t in tried if t["name"] != "plain" and (t["speedup"] or 0) > 0][: opts.arms],
            "tried": tried, "tree": tree}
-    out = Path(a.out) if a.out else default_path(dec)
+    out = Path(opts.out) if opts.out else default_path(dec)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(table(tried))
     print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
-          + ("" if a.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
+          + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
     return 0
+
+
+def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: SamplingParams) -> dict[str, list]:
+    """Every configuration once on a short warm-up, then interleaved: every configuration on prompt i, then
+    prompt i + 1. -> {name: one record per prompt}."""
+    from tqdm import tqdm
+
+    runs = {n: [] for n in cands}
+    warm = SamplingParams(**{**sp.to_dict(), "max_new_tokens": 8})
+    for spec in cands.values():
+        dec.generate(ids[0], sampling=warm, spec=spec)
+    for i in tqdm(range(len(ids)), desc="autotune", unit="prompt", file=sys.stderr, dynamic_ncols=True):
+        for n, spec in cands.items():
+            out = dec.generate(ids[i], sampling=sp, spec=spec)
+            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s,
+                            "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
+                            "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(spec) else 0})
+    return runs
 
 
 def compact(spec: SpecConfig) -> dict:
@@ -128,16 +165,16 @@ def table(tried: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _prompts(a) -> list[dict]:
-    if a.prompts:
-        rows = prompts.load_prompts(a.prompts)[: a.n]
+def _prompts(path: str | None, n: int) -> list[dict]:
+    if path:
+        rows = prompts.load_prompts(path)[:n]
     else:  # Spec-Bench's last prompt of each task (core18 takes the first ones) and the last code edits:
         # a mix where different methods win
         by_task: dict = {}
         for r in prompts.load_prompts(None):
             by_task[r["task"]] = r
         edits = prompts.load_prompts(prompts.preset_dataset("code_edit"))
-        rows = (list(by_task.values()) + edits[-max(2, a.n - len(by_task)):])[: a.n]
+        rows = (list(by_task.values()) + edits[-max(2, n - len(by_task)):])[:n]
     if not rows:
         raise SpecDraftError("no calibration prompts")
     return rows

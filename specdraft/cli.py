@@ -1,99 +1,38 @@
-"""Command line: ``specdraft models list|pull``, ``specdraft generate``, ``specdraft demo``,
-``specdraft bench``, ``specdraft train medusa|eagle``. Errors in user input print one line ``error: ...`` and exit 2."""
+"""Command line: ``specdraft doctor``, ``models list|pull|quantize``, ``generate``, ``datastore build``, ``demo``,
+``costs``, ``tune-skip``, ``train medusa|eagle``, ``serve``, ``overlap``, ``leak``, ``loadtest``, ``batchbench``,
+``autotune``, ``bench``. Errors in user input print one line ``error: ...`` and exit 2.
+
+The parsed flags (an argparse namespace) stay in this module: each command gets typed settings built here
+(api.ModelSettings, SpecConfig, SamplingParams, server.app.ServerSettings, a tool's ``...Options``). The
+tools add their own subcommand parsers (``add_parser(subparsers)`` in their modules, with the shared flags
+of flags.py); ``generate``, ``serve``, ``models`` and ``datastore`` are parsed and run here."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from . import methods
-from .config import LOSSY_RULES, SPEC_OFF_AT, SPEC_SHRINK_AT
+from .api import ModelSettings
+from .config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from .errors import SpecDraftError
+from .flags import add_model_args, add_sampling_args, add_spec_args
 
 
-def _add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.5b", default_draft=None):
-    p.add_argument("--target", default=default_target, help="model name, transformers directory or .gguf file")
-    p.add_argument("--draft", default=default_draft, help="draft model (needed by --method draft_model)")
-    p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype on the hf backend (a GGUF file carries its own on the llama backend)")
-    p.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
-    p.add_argument("--quantize", default=None, metavar="int8|int4[-gN]",
-                   help="hf backend: weight-only int8 / int4 linear layers for the target (a different model: "
-                        "compare it with its own plain decoding); same as --target NAME:int4. A draft takes the "
-                        "suffix too, and --draft self:int4 is the target's own weights in int4")
-    _add_backend_arg(p)
-    _add_draft_backend_arg(p)
+# --- flags -> typed settings ----------------------------------------------------------------------
+def settings_from_args(cls, a, **given):
+    """``cls`` (a command's typed settings: a dataclass) from the parsed flags of its fields' names;
+    ``given`` fills the fields that are no flag (e.g. ``models``)."""
+    return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if f.name not in given}, **given)
 
 
-def _add_draft_backend_arg(p: argparse.ArgumentParser):
-    from .models.backends import BACKENDS
-
-    p.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
-                   help="the draft model's backend (default: --backend's); e.g. llama: a small GGUF draft on "
-                        "llama.cpp for a transformers target (any tokenizer; lossless either way)")
-
-
-def _add_backend_arg(p: argparse.ArgumentParser):
-    from .models.backends import BACKENDS
-
-    p.add_argument("--backend", default="hf", choices=tuple(BACKENDS),
-                   help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values()))
-
-
-def _method_name(name: str) -> str:
-    """--method is checked by the registry: an unknown name is the one-line ``error: unknown method ...``
-    (a SpecDraftError, which is no ValueError, so argparse lets it through to main)."""
-    try:
-        return methods.method(name).name
-    except SpecDraftError as e:
-        raise SpecDraftError(str(e)) from None
-
-
-def _add_spec_args(p: argparse.ArgumentParser):
-    p.add_argument("--method", default=None, type=_method_name, choices=tuple(methods.REGISTRY), metavar="METHOD",
-                   help=f"default auto (it picks per request and step among those this setup can run); one of: "
-                        f"{methods.help_text()}")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per step")
-    p.add_argument("--schedule", default=None, choices=methods.SCHEDULES,
-                   help="draft length per step (default constant k; cost_aware measures when speculation pays)")
-    trees = [m.name for m in methods.REGISTRY.values() if len(m.trees) > 1]
-    p.add_argument("--tree", default=None, choices=methods.ALL_TREES,
-                   help=f"{' / '.join(trees)}: a chain (default) or a token tree (static, dynamic; see each method); "
-                        "shape fields via --config (tree_branching, tree_choices, tree_budget, tree_topk)")
-    p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
-    p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
-    p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
-    p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
-    p.add_argument("--lossy", default=None, choices=LOSSY_RULES,
-                   help="opt into a LOSSY verification rule when sampling: typical = Medusa's typical acceptance "
-                        "(typical_epsilon / typical_delta via --config); the output is no longer the target's "
-                        "distribution")
-    p.add_argument("--config", default=None, help="SpecConfig as a JSON file (CLI flags override it)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser):
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less than MIN_P times as likely as the top one")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens of prompt + output")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
-    p.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many new tokens")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="report each token's log-probability and the N most likely alternatives (--json)")
-    c = p.add_mutually_exclusive_group()
-    c.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema")
-    c.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
-    c.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to this Lark grammar")
+def models_from_args(a) -> ModelSettings:
+    """--target (with --quantize folded in: _apply_quantize), --draft, --draft-layers, --dtype, --threads,
+    --backend, --draft-backend."""
+    return settings_from_args(ModelSettings, a)
 
 
 def spec_from_args(a) -> "SpecConfig":
@@ -224,8 +163,6 @@ def cmd_models(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from .api import SpecDecoder
-
     sp = sampling_from_args(a)
     spec = spec_from_args(a)
     needs = _check_before_loading(spec, a)
@@ -234,9 +171,7 @@ def cmd_generate(a) -> int:
 
         Datastore(spec.datastore)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
-    dec = SpecDecoder.load(a.target, draft=a.draft if wants_draft else None,
-                           dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads, backend=a.backend,
-                           draft_backend=a.draft_backend)
+    dec = models_from_args(a).load(draft=a.draft if wants_draft else None)
     if a.method_defaulted:
         spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
@@ -266,50 +201,9 @@ def cmd_datastore(a) -> int:
     return 0
 
 
-def cmd_demo(a) -> int:
-    from .demo import run_demo
-
-    return run_demo(a)
-
-
-def cmd_tune_skip(a) -> int:
-    from .tune_skip import main_tune_skip
-
-    return main_tune_skip(a)
-
-
-def cmd_doctor(a) -> int:
-    from .doctor import main_doctor
-
-    return main_doctor(a)
-
-
-def cmd_costs(a) -> int:
-    from .bench.costs import main_costs
-
-    return main_costs(a)
-
-
-def cmd_autotune(a) -> int:
-    from .autotune import main_autotune
-
-    return main_autotune(a)
-
-
-def cmd_bench(a) -> int:
-    from .bench.harness import main_bench
-
-    return main_bench(a)
-
-
-def cmd_batchbench(a) -> int:
-    from .bench.batchbench import main_batchbench
-
-    return main_batchbench(a)
-
-
 def _serve_settings(a):
-    """serve's options checked before anything loads: (spec, api key, stream pacing)."""
+    """serve's options checked before anything loads: (models, server settings, replica options, whether the
+    spec names no method)."""
     spec = spec_from_args(a)
     _check_before_loading(spec, a)
     if a.max_queue < 1:
@@ -337,8 +231,25 @@ def _serve_settings(a):
                               locked=a.stream_mode == "fixed-only")
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
-    a.resources = parse_resources(a.resource)
-    return spec, api_key, pacing
+    return models_from_args(a), _server_settings(a, spec, api_key, pacing), _replica_options(a), a.method_defaulted
+
+
+def _server_settings(a, spec, api_key: str | None, pacing):
+    from .server.app import ServerSettings
+
+    return ServerSettings(
+        model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue, timeout_s=a.timeout,
+        default_max_tokens=a.max_tokens, max_batch=a.max_batch, spec_shrink_at=a.spec_shrink_at,
+        spec_off_at=a.spec_off_at, api_key=api_key, open_metrics=a.metrics_open,
+        max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
+        stream_mode="normal" if a.stream_mode == "normal" else "fixed", resources=parse_resources(a.resource),
+        allowed_hosts=tuple(a.allowed_host) + (a.host,))
+
+
+def _replica_options(a):
+    from .scale.replicas import ReplicaOptions
+
+    return settings_from_args(ReplicaOptions, a)
 
 
 def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
@@ -357,19 +268,19 @@ def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
 
 
 def cmd_serve(a) -> int:
-    spec, api_key, pacing = _serve_settings(a)
+    models, server, replicas, defaulted = _serve_settings(a)
     from .server.app import build_server_app
     from .server.graceful import serve
 
-    if a.replicas > 1 or a.ray_address:
-        from .server.replicas import start_replicas
+    if replicas.replicas > 1 or replicas.ray_address:
+        from .scale.replicas import start_replicas
 
-        app = start_replicas(a, spec, api_key, pacing)
+        app = start_replicas(models, server, replicas, defaulted)
         what = f"{a.replicas} replicas on Ray"
     else:
-        app = build_server_app(a, spec, api_key, pacing)
+        app = build_server_app(models, server, defaulted)
         what = f"max batch {a.max_batch}"
-    method = getattr(app.state, "default_spec", spec).method  # what runs when a request names none
+    method = getattr(app.state, "default_spec", server.default_spec).method  # what runs when a request names none
     print(f"serving {a.name or a.target} ({method}, {what}) on http://{a.host}:{a.port}", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level, a.drain_timeout)
     return 0
@@ -386,80 +297,97 @@ def _loopback(host: str) -> bool:
         return False
 
 
+# --- the tools' commands: their typed settings from the flags -----------------------------------------
+def cmd_doctor(a) -> int:
+    from .doctor import main_doctor
+
+    return main_doctor(a.model, costs=not a.no_costs, threads=a.threads)
+
+
+def cmd_demo(a) -> int:
+    from .demo import DemoOptions, run_demo
+
+    return run_demo(settings_from_args(DemoOptions, a, models=models_from_args(a)))
+
+
+def cmd_costs(a) -> int:
+    from .bench.costs import CostsOptions, main_costs
+
+    return main_costs(settings_from_args(CostsOptions, a))
+
+
+def cmd_tune_skip(a) -> int:
+    from .tune_skip import TuneSkipOptions, main_tune_skip
+
+    return main_tune_skip(settings_from_args(TuneSkipOptions, a))
+
+
+def cmd_train(a) -> int:
+    from .scale.shard import data_builder
+    from .train import TrainOptions, train_main
+
+    return train_main(settings_from_args(TrainOptions, a), ray_builder=data_builder)
+
+
 def cmd_overlap(a) -> int:
-    """Model the overlapped draft/verify pair from a bench run of pair_serial / pair_overlap (docs/scale.md)."""
-    import json
-    from pathlib import Path
+    from .scale.overlap import OverlapOptions, main_overlap
 
-    from .overlap import OverlapPair, explain, render_explain
-
-    path = Path(a.results)
-    if not path.exists():
-        raise SpecDraftError(f"no results file {path} (run specdraft bench --methods plain,pair_serial,pair_overlap)")
-    doc = json.loads(path.read_text())
-    settings = doc.get("settings", {})
-    target, draft = a.target or settings.get("target"), a.draft or settings.get("draft")
-    if not draft:
-        raise SpecDraftError("the results name no draft model: pass --draft NAME")
-    ran = next((m for n, m in settings.get("methods", {}).items() if n in ("pair_overlap", "pair_serial")), None)
-    if ran is None:
-        raise SpecDraftError(f"{path} has no pair_serial / pair_overlap results")
-    threads = ran["threads"]
-    k = ran["k"] or next((r["steps"][0][0] for r in doc["records"] if r["method"].startswith("pair_") and r["steps"]),
-                         None)  # the k the run measured for itself
-    if k is None:
-        raise SpecDraftError(f"{path} has no pair steps yet")
-    pair = OverlapPair(target, draft, settings.get("dtype", "bfloat16"), k, threads=threads, address=a.ray_address,
-                       draft_layers=settings.get("draft_layers"))
-    apart = a.threads_apart or os.cpu_count()
-    e = explain(doc, pair.costs([1, k + 1], threads), pair.costs([1, k + 1], apart), k)
-    pair.close()
-    e.update(results=str(path), threads_apart=apart, pair_threads=threads)
-    if a.out:
-        Path(a.out).write_text(json.dumps(e, indent=1))
-    print(render_explain(e))
-    return 0
+    return main_overlap(settings_from_args(OverlapOptions, a))
 
 
 def cmd_leak(a) -> int:
-    from .server.leak import main_leak
+    from .tools.leak import LeakOptions, main_leak
 
-    return main_leak(a)
+    return main_leak(settings_from_args(LeakOptions, a, models=models_from_args(a)))
 
 
 def cmd_loadtest(a) -> int:
-    from .server.loadtest import main_loadtest
+    from .tools.loadtest import LoadtestOptions, main_loadtest
 
-    return main_loadtest(a)
+    return main_loadtest(settings_from_args(LoadtestOptions, a))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def cmd_batchbench(a) -> int:
+    from .bench.batchbench import BatchBenchOptions, main_batchbench
 
-    dr = sub.add_parser("doctor", help="start here: this CPU, what works on it, which backend and method to pick")
-    dr.add_argument("--model", default=None, help="the model whose cost curves are measured (default: the Qwen "
-                    "1.5B target if pulled, else SmolLM2)")
-    dr.add_argument("--no-costs", action="store_true", help="skip the cost curves (a few seconds to a minute)")
-    dr.add_argument("--threads", type=int, default=None)
-    dr.set_defaults(fn=cmd_doctor)
+    return main_batchbench(settings_from_args(BatchBenchOptions, a))
 
+
+def cmd_autotune(a) -> int:
+    from .autotune import AutotuneOptions, main_autotune
+
+    return main_autotune(settings_from_args(AutotuneOptions, a, models=models_from_args(a)))
+
+
+def cmd_bench(a) -> int:
+    from .bench.harness import BenchOptions, main_bench
+    from .scale.shard import run_sharded
+
+    return main_bench(settings_from_args(BenchOptions, a), run_sharded)
+
+
+# --- the parsers of the commands run here ------------------------------------------------------------
+def _add_models_parser(sub):
     m = sub.add_parser("models", help="list or pull the known models")
     m.add_argument("action", choices=["list", "pull", "quantize"])
     m.add_argument("names", nargs="*")
     m.add_argument("--type", default=None, help="quantize: the llama.cpp type (Q4_0, Q8_0, Q4_K_M, ...)")
     m.add_argument("--threads", type=int, default=None, help="quantize: threads (default: all cores)")
-    m.set_defaults(fn=cmd_models)
+    return m
 
+
+def _add_generate_parser(sub):
     g = sub.add_parser("generate", help="generate text from one prompt")
-    _add_model_args(g)
-    _add_spec_args(g)
-    _add_sampling_args(g)
+    add_model_args(g)
+    add_spec_args(g)
+    add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     g.add_argument("prompt")
-    g.set_defaults(fn=cmd_generate)
+    return g
 
+
+def _add_datastore_parser(sub):
     ds = sub.add_parser("datastore", help="build the suffix method's global datastore from a corpus")
     ds.add_argument("action", choices=["build"])
     ds.add_argument("corpus", help="jsonl with a text, prompt or turns field per line")
@@ -467,56 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("-o", "--output", required=True, help="output directory (the store)")
     ds.add_argument("--sort-depth", type=int, default=64, help="longest match/continuation the store resolves")
     ds.add_argument("--max-docs", type=int, default=None, help="use only the first N documents")
-    ds.set_defaults(fn=cmd_datastore)
+    return ds
 
-    d = sub.add_parser("demo", help="the Qwen pair on a few Spec-Bench prompts, every method")
-    _add_model_args(d, default_draft="qwen2.5-coder-0.5b")
-    d.add_argument("--max-new-tokens", type=int, default=64)
-    d.add_argument("--n-prompts", type=int, default=3)
-    d.add_argument("--k", type=int, default=3)
-    d.set_defaults(fn=cmd_demo)
 
-    c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
-    c.add_argument("--target", default="qwen2.5-coder-1.5b")
-    _add_backend_arg(c)
-    c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
-    c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
-                   help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
-                        "(weight-only) or w8a8 (int8 activations too, oneDNN)")
-    c.add_argument("--draft", default=None, metavar="NAME[:TYPE]",
-                   help="also measure this draft model and print, per k, what a step costs in plain target tokens "
-                        "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)")
-    _add_draft_backend_arg(c)
-    c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
-    c.add_argument("--context", type=int, default=60)
-    c.add_argument("--repeats", type=int, default=5)
-    c.add_argument("--threads", type=int, default=None)
-    c.add_argument("--tree", action="store_true", help="also score random token trees (4D tree mask) of each size")
-    c.add_argument("--json", default=None, help="save the measurements as JSON")
-    c.add_argument("--plot", default=None, help="save a PNG of the cost curve")
-    c.set_defaults(fn=cmd_costs)
-
-    t = sub.add_parser("tune-skip", help="search the decoder layers to skip for layer_skip self-speculation")
-    t.add_argument("--target", default="smollm2-135m")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    t.add_argument("--threads", type=int, default=None)
-    t.add_argument("--dataset", default=None, help="prompts jsonl (default: Spec-Bench)")
-    t.add_argument("--prompts-per-task", type=int, default=2, help="tuning prompts from the end of each task")
-    t.add_argument("--tokens", type=int, default=48, help="target greedy tokens per tuning prompt")
-    t.add_argument("--max-k", type=int, default=6)
-    t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
-    t.add_argument("-o", "--out", default="skip.json")
-    t.set_defaults(fn=cmd_tune_skip)
-
-    from .train import add_train_args, cmd_train
-
-    tr = sub.add_parser("train", help="train a Medusa or EAGLE head on the target's own answers (self-distillation)")
-    add_train_args(tr)
-    tr.set_defaults(fn=cmd_train)
-
+def _add_serve_parser(sub):
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/server.md)")
-    _add_model_args(s, default_target="smollm2-135m")
-    _add_spec_args(s)
+    add_model_args(s, default_target="smollm2-135m")
+    add_spec_args(s)
     s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
     s.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key (or --insecure)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -561,77 +446,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
                    help="without an API key, a Host header the server answers besides loopback names (repeatable)")
     s.add_argument("--log-level", default="warning")
-    s.set_defaults(fn=cmd_serve)
+    return s
 
-    ov = sub.add_parser("overlap", help="model the overlapped draft/verify pair from a bench run (measured vs "
-                        "modelled here; predicted with a machine per model)")
-    ov.add_argument("results", help="bench results JSON with pair_serial / pair_overlap records")
-    ov.add_argument("--target", default=None, help="default: the results' target")
-    ov.add_argument("--draft", default=None, help="default: the results' draft")
-    ov.add_argument("--threads-apart", type=int, default=None,
-                    help="threads each model gets on a machine of its own (default: this machine's cores)")
-    ov.add_argument("--ray-address", default=None)
-    ov.add_argument("-o", "--out", default=None, help="write the figures as JSON")
-    ov.set_defaults(fn=cmd_overlap)
 
-    lk = sub.add_parser("leak", help="measure what streamed responses' timing and sizes tell an observer, normal "
-                        "vs stream_mode fixed (docs/server.md)")
-    _add_model_args(lk, default_target="smollm2-135m")
-    lk.add_argument("--method", default="prompt_lookup", help="the speculative method measured (default prompt_lookup)")
-    lk.add_argument("--per-class", type=int, default=40, help="prompts per class (>= 10)")
-    lk.add_argument("--max-tokens", type=int, default=48, help="tokens per response (ignore_eos: all the same length)")
-    lk.add_argument("--chunk", type=int, default=4, help="fixed streams: tokens per event")
-    lk.add_argument("--interval-ms", type=float, default=None,
-                    help="fixed streams: ms between events (default: calibrated, chunk at --margin of the slowest "
-                         "warm-up rate)")
-    lk.add_argument("--margin", type=float, default=0.7, help="fraction of the slowest warm-up rate the cadence uses")
-    lk.add_argument("--pad-bytes", type=int, default=512, help="fixed streams: events padded to a multiple of this")
-    lk.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: the shared copy)")
-    lk.add_argument("--quiet", action="store_true", help="no progress bar")
-    lk.add_argument("--out", default="leak.json", help="JSON results file")
-    lk.set_defaults(fn=cmd_leak)
+def build_parser() -> argparse.ArgumentParser:
+    from . import autotune, demo, doctor, train, tune_skip
+    from .bench import batchbench, costs, harness
+    from .scale import overlap
+    from .tools import leak, loadtest
 
-    lt = sub.add_parser("loadtest", help="load-test a local specdraft server (spec on vs off)")
-    lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
-    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
-    lt.add_argument("--requests", type=int, default=16, help="requests per concurrency level and mode")
-    lt.add_argument("--max-tokens", type=int, default=64)
-    lt.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (and per request)")
-    lt.add_argument("--modes", default="spec,plain", help="spec (server default) and/or plain (spec off)")
-    lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
-    lt.add_argument("--out", default="loadtest.json", help="JSON results file")
-    lt.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDRAFT_API_KEY)")
-    lt.add_argument("--soak", action="store_true", help="mixed load at each --concurrency level (--requests each), "
-                    "every greedy answer checked against the same request alone, then --disconnects requests whose "
-                    "clients leave at random points, and the server's /health before and after")
-    lt.add_argument("--disconnects", type=int, default=1000, help="--soak: requests whose clients disconnect")
-    lt.add_argument("--soak-methods", default="prompt_lookup,plain", help="--soak: methods the requests draw from")
-    lt.set_defaults(fn=cmd_loadtest)
-
-    from .bench.batchbench import add_batchbench_args
-
-    bb = sub.add_parser("batchbench", help="batch engine: speculation vs plain across batch sizes (the crossover)")
-    add_batchbench_args(bb)
-    bb.set_defaults(fn=cmd_batchbench)
-
-    from .bench.harness import add_bench_args
-
-    at = sub.add_parser("autotune", help="measure drafting configurations here; write the best (and method=auto's arms)")
-    _add_model_args(at)
-    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's last prompt "
-                    "per task + the last code edits)")
-    at.add_argument("--n", type=int, default=8, help="calibration prompts")
-    at.add_argument("--max-new-tokens", type=int, default=64)
-    at.add_argument("--temperature", type=float, default=0.0, help="calibrate for this temperature (seed 0)")
-    at.add_argument("--only", default=None, help="comma list: try only these configurations (names or methods)")
-    at.add_argument("--arms", type=int, default=3, help="how many of the best configurations method=auto chooses among")
-    at.add_argument("--no-tree-search", action="store_true", help="skip the hardware-aware tree search")
-    at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
-    at.set_defaults(fn=cmd_autotune)
-
-    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
-    add_bench_args(b)
-    b.set_defaults(fn=cmd_bench)
+    p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    doctor.add_parser(sub).set_defaults(fn=cmd_doctor)
+    _add_models_parser(sub).set_defaults(fn=cmd_models)
+    _add_generate_parser(sub).set_defaults(fn=cmd_generate)
+    _add_datastore_parser(sub).set_defaults(fn=cmd_datastore)
+    demo.add_parser(sub).set_defaults(fn=cmd_demo)
+    costs.add_parser(sub).set_defaults(fn=cmd_costs)
+    tune_skip.add_parser(sub).set_defaults(fn=cmd_tune_skip)
+    train.add_parser(sub).set_defaults(fn=cmd_train)
+    _add_serve_parser(sub).set_defaults(fn=cmd_serve)
+    overlap.add_parser(sub).set_defaults(fn=cmd_overlap)
+    leak.add_parser(sub).set_defaults(fn=cmd_leak)
+    loadtest.add_parser(sub).set_defaults(fn=cmd_loadtest)
+    batchbench.add_parser(sub).set_defaults(fn=cmd_batchbench)
+    autotune.add_parser(sub).set_defaults(fn=cmd_autotune)
+    harness.add_parser(sub).set_defaults(fn=cmd_bench)
     return p
 
 

@@ -5,10 +5,31 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 from . import prompts as data
+from .api import ModelSettings
 from .config import SamplingParams, SpecConfig
+from .flags import add_model_args
 from .metrics import GenerationStats, near_tie_bound, speedup
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """``specdraft demo``'s flags."""
+    models: ModelSettings
+    max_new_tokens: int = 64
+    n_prompts: int = 3
+    k: int = 3
+
+
+def add_parser(sub):
+    d = sub.add_parser("demo", help="the Qwen pair on a few Spec-Bench prompts, every method")
+    add_model_args(d, default_draft="qwen2.5-coder-0.5b")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--n-prompts", type=int, default=3)
+    d.add_argument("--k", type=int, default=3)
+    return d
 
 
 def same_as_plain(target, prompt_ids: list[int], plain: list[int], got: list[int]) -> str:
@@ -27,29 +48,27 @@ def same_as_plain(target, prompt_ids: list[int], plain: list[int], got: list[int
     return f"departs from plain at token {d['first_divergence']}, top-2 gap {gap:.3f}: {verdict}"
 
 
-def run_demo(a) -> int:
-    from .api import SpecDecoder
-
+def run_demo(opts: DemoOptions) -> int:
+    models = opts.models
     t0 = time.time()
-    what = a.dtype if a.backend == "hf" else "GGUF on llama.cpp"
-    print(f"loading {a.target} (target) and {a.draft} (draft), {what} ...", file=sys.stderr)
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
-                           backend=a.backend, draft_backend=a.draft_backend)
+    what = models.dtype if models.backend == "hf" else "GGUF on llama.cpp"
+    print(f"loading {models.target} (target) and {models.draft} (draft), {what} ...", file=sys.stderr)
+    dec = models.load()
     print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     # Short prompts: on a 2-core CPU a 700-token Spec-Bench article takes minutes to prefill in bf16.
     rows = data.select(data.load_prompts(), preset="core18")
     prompts = []
     for cat in ("coding", "qa", "math_reasoning", "translation", "reasoning", "writing"):
         prompts += [r for r in rows if r["category"] == cat][:1]
-    prompts = prompts[: a.n_prompts]
+    prompts = prompts[: opts.n_prompts]
     methods = {
         "plain": SpecConfig(method="plain"),
-        "draft_model": SpecConfig(method="draft_model", k=a.k),
-        "prompt_lookup": SpecConfig(method="prompt_lookup", k=a.k),
+        "draft_model": SpecConfig(method="draft_model", k=opts.k),
+        "prompt_lookup": SpecConfig(method="prompt_lookup", k=opts.k),
         "prompt_lookup cost_aware": SpecConfig(method="prompt_lookup", k=6, schedule="cost_aware"),
-        "auto": SpecConfig(method="auto", k=a.k),  # chooses per step; measures this machine's cost curves first
+        "auto": SpecConfig(method="auto", k=opts.k),  # chooses per step; measures this machine's cost curves first
     }
-    sp = SamplingParams(max_new_tokens=a.max_new_tokens)
+    sp = SamplingParams(max_new_tokens=opts.max_new_tokens)
     ids = {r["id"]: dec.encode(r["prompt"], chat=True) for r in prompts}
     warm = SamplingParams(max_new_tokens=4)
     for spec in methods.values():
@@ -77,6 +96,6 @@ def run_demo(a) -> int:
         rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.2f}"
         print(f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
               f"| {t.mat:.2f} | {rate} |")
-    print(f"\n(greedy, {a.max_new_tokens} new tokens, {len(prompts)} prompts, {what}; "
+    print(f"\n(greedy, {opts.max_new_tokens} new tokens, {len(prompts)} prompts, {what}; "
           f"full benchmark: specdraft bench --help, docs/benchmarks.md)")
     return 0

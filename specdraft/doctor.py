@@ -147,19 +147,31 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
                   f"one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long")
 
 
-def main_doctor(a) -> int:
+def add_parser(sub):
+    """``specdraft doctor``'s flags (main_doctor's arguments)."""
+    dr = sub.add_parser("doctor", help="start here: this CPU, what works on it, which backend and method to pick")
+    dr.add_argument("--model", default=None, help="the model whose cost curves are measured (default: the Qwen "
+                    "1.5B target if pulled, else SmolLM2)")
+    dr.add_argument("--no-costs", action="store_true", help="skip the cost curves (a few seconds to a minute)")
+    dr.add_argument("--threads", type=int, default=None)
+    return dr
+
+
+def main_doctor(model: str | None = None, costs: bool = True, threads: int | None = None) -> int:
+    """``model``: the one whose cost curves are measured (default: the Qwen 1.5B target if pulled, else
+    SmolLM2); ``costs`` False skips the curves."""
     from .models import registry
     from .models.loading import set_threads
 
-    threads = set_threads(a.threads)
+    threads = set_threads(threads)
     r = Report()
     print(f"specdraft doctor, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     check_cpu_and_torch(r, threads)
     ready = check_models(r)
     gguf = registry.gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
     llama_ok = check_llama(r, gguf)
-    model = a.model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
-    if not a.no_costs and model:
+    model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
+    if costs and model:
         recommend(r, measure_curves(r, model, ["hf bf16", "hf w8a8"] + (["llama gguf"] if llama_ok else [])))
     print(f"{'status':8s} " + ("ok" if not r.problems else f"{len(r.problems)} problem(s): " + "; ".join(r.problems)))
     return 1 if r.problems else 0

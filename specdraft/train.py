@@ -4,7 +4,7 @@
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
    one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
-   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (data_builder below, raycluster.py).
+   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (scale/shard.py's data_builder).
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
      positions of the answer (t >= n_prompt - 1);
@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from . import raycluster
+from .scale import cluster
 from .errors import ConfigError, SpecDraftError
 from .heads import EagleHead, MedusaHeads, embed_of, lm_head_of, read_head_config, save_head, target_signature
 
@@ -96,7 +97,7 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     than one prompt at a time on a CPU; padding can flip a near-tie, which is harmless for training
     data); an answer ends after the first EOS. Prompts longer than ``max_prompt_tokens`` are skipped.
     Then one forward per sequence gives the features (final-norm outputs) at every position.
-    ``train --ray`` answers the same batches on Ray workers (data_builder)."""
+    ``train --ray`` answers the same batches on Ray workers (scale/shard.py's data_builder)."""
     batch = batch or DATA_BATCH
     encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
     seqs = []
@@ -114,7 +115,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
                        max_prompts: int | None, max_prompt_tokens: int | None = None,
                        build=build_data) -> tuple[list[dict], dict]:
     """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
-    data_builder's), saved in DIR/data.pt."""
+    scale/shard.py's data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
     want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
             "max_prompts": max_prompts}
@@ -146,55 +147,6 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     torch.save({"meta": want, "seqs": seqs, "stats": meta}, out / (DATA_FILE + ".tmp"))
     (out / (DATA_FILE + ".tmp")).replace(f)
     return seqs, want
-
-
-# --- train --ray ----------------------------------------------------------------------------------
-class DataWorker:
-    """A Ray actor: the target, loaded once; answers batches of prompts for the training data."""
-
-    def __init__(self, wid: str):
-        self.wid = wid
-
-    def load(self, target: str, threads: int) -> dict:
-        from .api import SpecDecoder
-
-        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads)
-        return {**raycluster.node_info(), "threads": threads}
-
-    def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:
-        return self.wid, answer_batch(self.dec, chunk, max_new_tokens)
-
-
-def data_builder(a):
-    """build_data's stand-in for ``train --ray``: the same batches, answered on Ray workers."""
-
-    def build(dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None):
-        encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
-        chunks = [encoded[i: i + DATA_BATCH] for i in range(0, len(encoded), DATA_BATCH)]
-        if not chunks:
-            return []
-        ray, n = raycluster.start_ray(a, len(chunks))
-        cpus = raycluster.worker_cpus(a)
-        actors, infos = raycluster.start_workers(ray, DataWorker, [f"w{i}" for i in range(n)], cpus, a.target, cpus)
-        count = dict.fromkeys(infos, 0)
-        seqs = []
-        bar = _tqdm(total=len(encoded), desc="target answers (ray)", unit="prompt")
-        try:
-            for wid, got in raycluster.drain(ray, actors, True,
-                                             lambda act, c: act.answer.remote(c, max_new_tokens), chunks):
-                seqs += got
-                count[wid] += 1
-                if hasattr(bar, "update"):
-                    bar.update(len(got))
-        finally:
-            raycluster.stop_workers(ray, actors)
-            if hasattr(bar, "close"):
-                bar.close()
-        print("training data on Ray: " + ", ".join(f"{w} on {infos[w]['host']}: {count[w]} batch(es)" for w in infos),
-              file=sys.stderr)
-        return seqs
-
-    return build
 
 
 # --- batches -----------------------------------------------------------------------------------
@@ -251,132 +203,38 @@ def top_token_ids(seqs: list[dict], n: int, vocab: int) -> torch.Tensor:
 
 
 # --- training ----------------------------------------------------------------------------------
-def train_main(a) -> int:
-    from .api import SpecDecoder
+@dataclass(frozen=True)
+class TrainOptions:
+    """``specdraft train``'s flags."""
+    kind: str  # medusa | eagle
+    target: str
+    data: str  # prompts jsonl
+    output: str  # the head directory (checkpoints, cached data)
+    steps: int = 300
+    lr: float = 1e-3
+    batch_size: int | None = None  # default: 256 positions (medusa), 4 sequences (eagle)
+    max_new_tokens: int = 96
+    max_prompts: int | None = None
+    max_prompt_tokens: int | None = None
+    heads: int = 3  # medusa
+    blocks: int = 1  # medusa
+    draft_vocab: int | None = None  # eagle
+    checkpoint_every: int = 50
+    resume: bool = False
+    no_chat: bool = False
+    threads: int | None = None
+    seed: int = 0
+    ray: str | None = None
+    ray_workers: int | None = None
+    ray_worker_cpus: int | None = None
+    command: str | None = None  # recorded in the head's config (default: this process's command line)
 
-    kind = a.kind
-    out = Path(a.output)
-    raycluster.check_ray_args(a)
-    if a.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
-    if a.batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {a.batch_size}")
-    if a.max_prompt_tokens is not None and a.max_prompt_tokens < 1:
-        raise ConfigError(f"--max-prompt-tokens must be >= 1, got {a.max_prompt_tokens}")
-    if a.checkpoint_every < 1:
-        raise ConfigError(f"--checkpoint-every must be >= 1, got {a.checkpoint_every}")
-    if kind == "medusa" and a.heads < 1:
-        raise ConfigError(f"--heads must be >= 1, got {a.heads}")
-    if not Path(a.data).exists():
-        raise SpecDraftError(f"--data {a.data} not found")
-    saved = None
-    if a.resume:
-        if not (out / STATE_FILE).exists():
-            raise SpecDraftError(f"--resume: no checkpoint in {out} (need config.json, head.safetensors, {STATE_FILE})")
-        saved = read_head_config(out)
-        if saved["type"] != kind:
-            raise ConfigError(f"--resume: {out} holds a {saved['type']} head, not {kind}")
-        if saved.get("target") != a.target:
-            raise ConfigError(f"--resume: {out} was trained for target {saved.get('target')!r}, not {a.target!r}")
-    torch.manual_seed(a.seed)
-    dec = SpecDecoder.load(a.target, dtype="float32", threads=a.threads)
-    target = dec.target
-    for p in target.model.parameters():
-        p.requires_grad_(False)
-    build = data_builder(a) if a.ray is not None else build_data
-    seqs, data_meta = load_or_build_data(dec, out, a.data, a.target, a.max_new_tokens, not a.no_chat, a.max_prompts,
-                                         a.max_prompt_tokens, build)
-    H, V = int(target.config.hidden_size), target.vocab_size
-    lm_w = lm_head_of(target).weight.detach()
-    lm_b = getattr(lm_head_of(target), "bias", None)
-    if kind == "medusa":
-        K = saved["heads"] if saved else a.heads
-        blocks = saved.get("blocks", 1) if saved else a.blocks
-        head = MedusaHeads(H, K, blocks)
-        X, Y = medusa_examples(seqs, K)
-        print(f"medusa: {K} heads x {blocks} block(s), {X.shape[0]} answer positions", file=sys.stderr)
-    else:
-        n_vocab = saved.get("draft_vocab") if saved else a.draft_vocab
-        ids = top_token_ids(seqs, n_vocab, V) if n_vocab else None
-        head = EagleHead(target.config, ids)
-        vocab_map = None
-        if ids is not None:
-            vocab_map = torch.full((V,), -100, dtype=torch.long)
-            vocab_map[ids] = torch.arange(ids.numel())
-            w_cls = lm_w.index_select(0, ids)
-            b_cls = None if lm_b is None else lm_b.detach().index_select(0, ids)
-        else:
-            w_cls, b_cls = lm_w, lm_b
-        emb = embed_of(target)
-        print(f"eagle: 1 decoder layer, {len(seqs)} sequences, draft vocabulary {ids.numel() if ids is not None else V}",
-              file=sys.stderr)
-    head.train()
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=a.lr, weight_decay=0.0)
-    step, losses = 0, []
-    if saved:
-        from safetensors.torch import load_file
-
-        head.load_state_dict(load_file(str(out / "head.safetensors")))
-        st = torch.load(out / STATE_FILE, weights_only=False)
-        opt.load_state_dict(st["optimizer"])
-        step, losses = int(st["step"]), list(st.get("losses", []))
-        print(f"resuming from step {step}", file=sys.stderr)
-        if step >= a.steps:
-            print(f"already at step {step} >= --steps {a.steps}; nothing to do", file=sys.stderr)
-            return 0
-    command = "specdraft " + " ".join(sys.argv[1:]) if a.command is None else a.command
-    extra_base = {"target": a.target, "target_signature": target_signature(target), "data": str(a.data),
-                  "data_meta": data_meta, "command": command, "lr": a.lr, "batch_size": a.batch_size,
-                  "seed": a.seed}
-
-    def checkpoint():
-        save_head(head, out, {**extra_base, "step": step, "loss_first": losses[0] if losses else None,
-                              "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
-                              "train_s": round(train_s, 1)})
-        torch.save({"optimizer": opt.state_dict(), "step": step, "losses": losses}, out / (STATE_FILE + ".tmp"))
-        (out / (STATE_FILE + ".tmp")).replace(out / STATE_FILE)
-
-    train_s = float(saved.get("train_s", 0.0)) if saved else 0.0
-    t0 = time.perf_counter()
-    bar = _tqdm(total=a.steps, initial=step, desc=f"train {kind}", unit="step")
-    while step < a.steps:
-        g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
-        if kind == "medusa":
-            idx = torch.randint(0, X.shape[0], (a.batch_size,), generator=g)
-            h = head(X[idx])  # [B, K, H]
-            logits = nn.functional.linear(h, lm_w, lm_b)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, V), Y[idx].reshape(-1), ignore_index=-100)
-        else:
-            idx = torch.randint(0, len(seqs), (a.batch_size,), generator=g).tolist()
-            f, x_next, f_next, y, valid = eagle_batch(seqs, idx, vocab_map)
-            with torch.no_grad():
-                e = emb(x_next)
-            pred = head(f, e)
-            reg = nn.functional.smooth_l1_loss(pred[valid], f_next[valid])
-            logits = nn.functional.linear(pred, w_cls, b_cls)
-            ce = (nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-                  if (y >= 0).any() else pred.sum() * 0)
-            loss = reg + 0.1 * ce
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        step += 1
-        losses.append(float(loss.detach()))
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            bar.update(1)
-        if step % a.checkpoint_every == 0 or step == a.steps:
-            train_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            checkpoint()
-    if hasattr(bar, "close"):
-        bar.close()
-    print(json.dumps({"head": str(out), "type": kind, "step": step, "loss_first": losses[0],
-                      "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(train_s, 1)}))
-    return 0
+    def ray_options(self) -> cluster.RayOptions:
+        return cluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
 
 
-def add_train_args(t) -> None:
+def add_parser(sub):
+    t = sub.add_parser("train", help="train a Medusa or EAGLE head on the target's own answers (self-distillation)")
     t.add_argument("kind", choices=["medusa", "eagle"], help="which head to train")
     t.add_argument("--target", required=True, help="the target model (name, directory or .gguf)")
     t.add_argument("--data", required=True, help="prompts jsonl (turns / prompt / text field per line)")
@@ -398,16 +256,176 @@ def add_train_args(t) -> None:
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--seed", type=int, default=0)
-    raycluster.add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
+    cluster.add_ray_args(t, "generate the training data (the target's answers and features) on Ray worker actors, "
                  "prompts sharded over them in batches, each worker loading the target once; the data is "
                  "gathered here and saved as usual, and training runs here. No value: a local Ray instance; "
                  "else a cluster address (auto, HOST:PORT); write --ray=ADDRESS, or --ray after KIND")
     t.set_defaults(command=None)
+    return t
 
 
-def cmd_train(a) -> int:
-    if a.batch_size is None:
-        a.batch_size = 256 if a.kind == "medusa" else 4
-    if a.draft_vocab is not None and (a.kind != "eagle" or a.draft_vocab < 1):
+def check_options(opts: TrainOptions) -> tuple[TrainOptions, dict | None]:
+    """The options checked (and the batch size defaulted) before anything loads; -> (options, the saved
+    head's config when resuming)."""
+    if opts.batch_size is None:
+        opts = replace(opts, batch_size=256 if opts.kind == "medusa" else 4)
+    if opts.draft_vocab is not None and (opts.kind != "eagle" or opts.draft_vocab < 1):
         raise ConfigError("--draft-vocab N (N >= 1) is for eagle heads only")
-    return train_main(a)
+    out = Path(opts.output)
+    opts.ray_options().check()
+    if opts.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {opts.steps}")
+    if opts.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    if opts.max_prompt_tokens is not None and opts.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be >= 1, got {opts.max_prompt_tokens}")
+    if opts.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {opts.checkpoint_every}")
+    if opts.kind == "medusa" and opts.heads < 1:
+        raise ConfigError(f"--heads must be >= 1, got {opts.heads}")
+    if not Path(opts.data).exists():
+        raise SpecDraftError(f"--data {opts.data} not found")
+    if not opts.resume:
+        return opts, None
+    if not (out / STATE_FILE).exists():
+        raise SpecDraftError(f"--resume: no checkpoint in {out} (need config.json, head.safetensors, {STATE_FILE})")
+    saved = read_head_config(out)
+    if saved["type"] != opts.kind:
+        raise ConfigError(f"--resume: {out} holds a {saved['type']} head, not {opts.kind}")
+    if saved.get("target") != opts.target:
+        raise ConfigError(f"--resume: {out} was trained for target {saved.get('target')!r}, not {opts.target!r}")
+    return opts, saved
+
+
+def medusa_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions):
+    """-> (the heads, loss(generator) of one batch)."""
+    H, V = int(target.config.hidden_size), target.vocab_size
+    lm_w, lm_b = lm_head_of(target).weight.detach(), getattr(lm_head_of(target), "bias", None)
+    K = saved["heads"] if saved else opts.heads
+    blocks = saved.get("blocks", 1) if saved else opts.blocks
+    head = MedusaHeads(H, K, blocks)
+    X, Y = medusa_examples(seqs, K)
+    print(f"medusa: {K} heads x {blocks} block(s), {X.shape[0]} answer positions", file=sys.stderr)
+
+    def loss(g):
+        idx = torch.randint(0, X.shape[0], (opts.batch_size,), generator=g)
+        h = head(X[idx])  # [B, K, H]
+        logits = nn.functional.linear(h, lm_w, lm_b)
+        return nn.functional.cross_entropy(logits.reshape(-1, V), Y[idx].reshape(-1), ignore_index=-100)
+
+    return head, loss
+
+
+def eagle_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions):
+    """-> (the head, loss(generator) of one batch)."""
+    V = target.vocab_size
+    lm_w, lm_b = lm_head_of(target).weight.detach(), getattr(lm_head_of(target), "bias", None)
+    n_vocab = saved.get("draft_vocab") if saved else opts.draft_vocab
+    ids = top_token_ids(seqs, n_vocab, V) if n_vocab else None
+    head = EagleHead(target.config, ids)
+    vocab_map = None
+    if ids is not None:
+        vocab_map = torch.full((V,), -100, dtype=torch.long)
+        vocab_map[ids] = torch.arange(ids.numel())
+        w_cls = lm_w.index_select(0, ids)
+        b_cls = None if lm_b is None else lm_b.detach().index_select(0, ids)
+    else:
+        w_cls, b_cls = lm_w, lm_b
+    emb = embed_of(target)
+    print(f"eagle: 1 decoder layer, {len(seqs)} sequences, draft vocabulary {ids.numel() if ids is not None else V}",
+          file=sys.stderr)
+
+    def loss(g):
+        idx = torch.randint(0, len(seqs), (opts.batch_size,), generator=g).tolist()
+        f, x_next, f_next, y, valid = eagle_batch(seqs, idx, vocab_map)
+        with torch.no_grad():
+            e = emb(x_next)
+        pred = head(f, e)
+        reg = nn.functional.smooth_l1_loss(pred[valid], f_next[valid])
+        logits = nn.functional.linear(pred, w_cls, b_cls)
+        ce = (nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+              if (y >= 0).any() else pred.sum() * 0)
+        return reg + 0.1 * ce
+
+    return head, loss
+
+
+def train_main(opts: TrainOptions, ray_builder=None) -> int:
+    """``ray_builder(ray options, target)``: build_data's stand-in for --ray (scale/shard.py's data_builder,
+    which the CLI passes: the scale package sits above this module)."""
+    from .api import SpecDecoder
+
+    opts, saved = check_options(opts)
+    if opts.ray is not None and ray_builder is None:
+        raise ConfigError("--ray needs the Ray data builder: train_main(opts, scale.shard.data_builder)")
+    out = Path(opts.output)
+    torch.manual_seed(opts.seed)
+    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads)
+    target = dec.target
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    build = ray_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
+    seqs, data_meta = load_or_build_data(dec, out, opts.data, opts.target, opts.max_new_tokens, not opts.no_chat,
+                                         opts.max_prompts, opts.max_prompt_tokens, build)
+    head, loss = (medusa_setup if opts.kind == "medusa" else eagle_setup)(target, seqs, saved, opts)
+    head.train()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+    step, losses = 0, []
+    if saved:
+        step, losses = _restore(head, opt, out)
+        print(f"resuming from step {step}", file=sys.stderr)
+        if step >= opts.steps:
+            print(f"already at step {step} >= --steps {opts.steps}; nothing to do", file=sys.stderr)
+            return 0
+    command = "specdraft " + " ".join(sys.argv[1:]) if opts.command is None else opts.command
+    extra = {"target": opts.target, "target_signature": target_signature(target), "data": str(opts.data),
+             "data_meta": data_meta, "command": command, "lr": opts.lr, "batch_size": opts.batch_size, "seed": opts.seed}
+    train_s = float(saved.get("train_s", 0.0)) if saved else 0.0
+    step, train_s = run_steps(head, opt, loss, opts, out, step, losses, train_s, extra)
+    print(json.dumps({"head": str(out), "type": opts.kind, "step": step, "loss_first": losses[0],
+                      "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(train_s, 1)}))
+    return 0
+
+
+def _restore(head, opt, out: Path) -> tuple[int, list[float]]:
+    """The checkpoint in ``out`` loaded into ``head`` and ``opt``; -> (its step, its losses)."""
+    from safetensors.torch import load_file
+
+    head.load_state_dict(load_file(str(out / "head.safetensors")))
+    st = torch.load(out / STATE_FILE, weights_only=False)
+    opt.load_state_dict(st["optimizer"])
+    return int(st["step"]), list(st.get("losses", []))
+
+
+def _checkpoint(head, opt, out: Path, extra: dict, step: int, losses: list[float], train_s: float) -> None:
+    save_head(head, out, {**extra, "step": step, "loss_first": losses[0] if losses else None,
+                          "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
+                          "train_s": round(train_s, 1)})
+    torch.save({"optimizer": opt.state_dict(), "step": step, "losses": losses}, out / (STATE_FILE + ".tmp"))
+    (out / (STATE_FILE + ".tmp")).replace(out / STATE_FILE)
+
+
+def run_steps(head, opt, loss_of, opts: TrainOptions, out: Path, step: int, losses: list[float], train_s: float,
+              extra: dict) -> tuple[int, float]:
+    """Steps until ``opts.steps``, each on the batch the generator seeded by (seed, step) draws (so a resumed
+    run sees an uninterrupted run's batches), a checkpoint every ``checkpoint_every``; -> (step, train_s)."""
+    t0 = time.perf_counter()
+    bar = _tqdm(total=opts.steps, initial=step, desc=f"train {opts.kind}", unit="step")
+    while step < opts.steps:
+        g = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
+        loss = loss_of(g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1)
+        if step % opts.checkpoint_every == 0 or step == opts.steps:
+            train_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _checkpoint(head, opt, out, extra, step, losses, train_s)
+    if hasattr(bar, "close"):
+        bar.close()
+    return step, train_s

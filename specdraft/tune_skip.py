@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,50 +77,67 @@ def agreement(view, seqs: list[tuple[list[int], int]]) -> float:
     return hit / tot
 
 
-def main_tune_skip(a) -> int:
+@dataclass(frozen=True)
+class TuneSkipOptions:
+    """``specdraft tune-skip``'s flags."""
+    target: str = "smollm2-135m"
+    dtype: str = "float32"
+    threads: int | None = None
+    dataset: str | None = None  # prompts jsonl (default: Spec-Bench)
+    prompts_per_task: int = 2
+    tokens: int = 48  # target greedy tokens per tuning prompt
+    max_k: int = 6
+    max_evals: int = 200  # candidate sets to score at most
+    out: str = "skip.json"
+
+
+def add_parser(sub):
+    t = sub.add_parser("tune-skip", help="search the decoder layers to skip for layer_skip self-speculation")
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--dataset", default=None, help="prompts jsonl (default: Spec-Bench)")
+    t.add_argument("--prompts-per-task", type=int, default=2, help="tuning prompts from the end of each task")
+    t.add_argument("--tokens", type=int, default=48, help="target greedy tokens per tuning prompt")
+    t.add_argument("--max-k", type=int, default=6)
+    t.add_argument("--max-evals", type=int, default=200, help="candidate sets to score at most")
+    t.add_argument("-o", "--out", default="skip.json")
+    return t
+
+
+def search(target, seqs, costs: dict[int, float], max_k: int, max_evals: int) -> tuple[tuple, list[dict]]:
+    """-> ((estimate, k, agreement, skip set) of the best set, or (1.0, 0, None, []) when none beats plain
+    decoding; the log of every set scored).
+
+    Phase 1: how much each layer matters alone (agreement with that one layer skipped).
+    Phase 2: skip the least important layers first, growing the set one layer at a time, and
+    keep the set with the best estimated speedup. 2 (L - 2) teacher-forced forwards in all."""
     from tqdm import tqdm
 
-    from .api import SpecDecoder
-    from .costs import measure_costs
-    from .config import SamplingParams, SpecConfig
     from .models.views import layer_view
 
-    dec = SpecDecoder.load(a.target, None, a.dtype, threads=a.threads)
-    target = dec.target
     L = target.num_layers
-    prompts = tuning_prompts(dec, a.prompts_per_task, a.dataset)
-    if not prompts:
-        raise SpecDraftError("no tuning prompts found")
-    sp = SamplingParams(max_new_tokens=a.tokens, ignore_eos=True)
-    seqs = []
-    for _, ids in tqdm(prompts, desc="target continuations", file=sys.stderr):
-        out = dec.generate(ids, sampling=sp, spec=SpecConfig(method="plain"))
-        seqs.append((ids + out.token_ids, len(ids)))
-    costs = measure_costs(target, list(range(1, a.max_k + 2)), repeats=3)
-    # Phase 1: how much each layer matters alone (agreement with that one layer skipped).
-    # Phase 2: skip the least important layers first, growing the set one layer at a time, and
-    # keep the set with the best estimated speedup. 2 (L - 2) teacher-forced forwards in all.
     candidates = list(range(1, L - 1))  # first and last layers are never skipped
     log = []
 
     def score(skip_set):
         view = layer_view(target, [j for j in range(L) if j not in skip_set])
         alpha = agreement(view, seqs)
-        est, k = estimate(alpha, (L - len(skip_set)) / L, costs, a.max_k)
+        est, k = estimate(alpha, (L - len(skip_set)) / L, costs, max_k)
         log.append({"skip": sorted(skip_set), "agreement": alpha, "estimated_speedup": est, "k": k})
         return est, k, alpha
 
-    bar = tqdm(total=min(a.max_evals, 2 * len(candidates)), desc="search", file=sys.stderr)
+    bar = tqdm(total=min(max_evals, 2 * len(candidates)), desc="search", file=sys.stderr)
     single = {}
     for i in candidates:
-        if len(log) >= a.max_evals:
+        if len(log) >= max_evals:
             break
         single[i] = score([i])[2]
         bar.update(1)
     order = sorted(single, key=lambda i: -single[i])
     best = (1.0, 0, None, [])  # (estimate, k, agreement, skip set): must beat plain decoding
     for n in range(1, len(order) + 1):
-        if len(log) >= a.max_evals:
+        if len(log) >= max_evals:
             break
         s_set = sorted(order[:n])
         est, k, alpha = score(s_set)
@@ -128,29 +146,57 @@ def main_tune_skip(a) -> int:
             best = (est, k, alpha, s_set)
         bar.set_postfix(skipped=n, est=f"{est:.2f}x")
     bar.close()
+    return best, log
+
+
+def measured_speedup(dec, prompts, sp, skip: list[int], k: int) -> float | None:
+    """plain vs layer_skip with ``skip``, interleaved, on the tuning prompts."""
+    from .config import SpecConfig
+    from .metrics import speedup
+
+    spec = SpecConfig(method="layer_skip", skip_layers=skip, k=k)
+    tot = {"plain": [0, 0.0], "layer_skip": [0, 0.0]}
+    for _, ids in prompts:
+        for name, run_spec in (("plain", SpecConfig(method="plain")), ("layer_skip", spec)):
+            t0 = time.perf_counter()
+            out = dec.generate(ids, sampling=sp, spec=run_spec)
+            tot[name][0] += len(out.token_ids)
+            tot[name][1] += time.perf_counter() - t0
+    return speedup(*tot["layer_skip"], *tot["plain"])
+
+
+def main_tune_skip(opts: TuneSkipOptions) -> int:
+    from tqdm import tqdm
+
+    from .api import SpecDecoder
+    from .costs import measure_costs
+    from .config import SamplingParams, SpecConfig
+
+    dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads)
+    target = dec.target
+    L = target.num_layers
+    prompts = tuning_prompts(dec, opts.prompts_per_task, opts.dataset)
+    if not prompts:
+        raise SpecDraftError("no tuning prompts found")
+    sp = SamplingParams(max_new_tokens=opts.tokens, ignore_eos=True)
+    seqs = []
+    for _, ids in tqdm(prompts, desc="target continuations", file=sys.stderr):
+        out = dec.generate(ids, sampling=sp, spec=SpecConfig(method="plain"))
+        seqs.append((ids + out.token_ids, len(ids)))
+    costs = measure_costs(target, list(range(1, opts.max_k + 2)), repeats=3)
+    (best_est, best_k, best_alpha, skip), log = search(target, seqs, costs, opts.max_k, opts.max_evals)
     evals = len(log)
-    best_est, best_k, best_alpha, skip = best
-    result = {"target": a.target, "num_layers": L, "dtype": a.dtype, "skip_layers": skip, "k": max(best_k, 1),
+    result = {"target": opts.target, "num_layers": L, "dtype": opts.dtype, "skip_layers": skip, "k": max(best_k, 1),
               "agreement": best_alpha, "estimated_speedup": best_est, "costs_ms": costs,
               "tuning_prompts": [p for p, _ in prompts], "evaluations": evals, "search_log": log}
     if skip:  # measure the chosen set: plain vs layer_skip, interleaved, on the tuning prompts
-        spec = SpecConfig(method="layer_skip", skip_layers=skip, k=max(best_k, 1))
-        tot = {"plain": [0, 0.0], "layer_skip": [0, 0.0]}
-        for _, ids in prompts:
-            for name, sc in (("plain", SpecConfig(method="plain")), ("layer_skip", spec)):
-                t0 = time.perf_counter()
-                out = dec.generate(ids, sampling=sp, spec=sc)
-                tot[name][0] += len(out.token_ids)
-                tot[name][1] += time.perf_counter() - t0
-        from .metrics import speedup
-
-        result["measured_speedup"] = speedup(*tot["layer_skip"], *tot["plain"])
-    Path(a.out).write_text(json.dumps(result, indent=1))
+        result["measured_speedup"] = measured_speedup(dec, prompts, sp, skip, max(best_k, 1))
+    Path(opts.out).write_text(json.dumps(result, indent=1))
     if not skip:
-        print(f"no skipped layer set is estimated to beat plain decoding ({evals} sets scored) -> {a.out}")
+        print(f"no skipped layer set is estimated to beat plain decoding ({evals} sets scored) -> {opts.out}")
         return 0
     msg = f"skip {len(skip)}/{L} layers {skip}: agreement {best_alpha:.2f}, k={max(best_k, 1)}, estimated {best_est:.2f}x"
     if "measured_speedup" in result:
         msg += f", measured {result['measured_speedup']:.2f}x"
-    print(msg + f" -> {a.out}")
+    print(msg + f" -> {opts.out}")
     return 0

@@ -84,23 +84,23 @@ LAYERS = [
     ("values", ["specdraft.config", "specdraft.sampling", "specdraft.tree", "specdraft.treeshape", "specdraft.verify",
                 "specdraft.metrics", "specdraft.processors", "specdraft.policy", "specdraft.fidelity"]),
     ("models", ["specdraft.models", "specdraft.heads"]),
-    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.raycluster"]),
+    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.scale"]),  # scale: its package and cluster
     ("drafters", ["specdraft.drafters"]),
     ("engine", ["specdraft.engine"]),
-    ("methods", ["specdraft.methods", "specdraft.arms"]),
+    ("methods", ["specdraft.methods", "specdraft.arms", "specdraft.flags"]),
     ("api", ["specdraft.api", "specdraft"]),
-    ("tools", ["specdraft.autotune", "specdraft.tune_skip", "specdraft.train", "specdraft.overlap", "specdraft.doctor"]),
-    ("bench", ["specdraft.bench"]),
-    ("server", ["specdraft.server"]),
+    ("commands", ["specdraft.autotune", "specdraft.tune_skip", "specdraft.train", "specdraft.doctor",
+                  "specdraft.scale.overlap"]),
+    ("bench", ["specdraft.bench", "specdraft.scale.shard"]),
+    ("server", ["specdraft.server", "specdraft.scale.replicas"]),
+    ("tools", ["specdraft.tools"]),
     ("front", ["specdraft.demo", "specdraft.cli"]),
 ]
 
 
-# Cycles left inside one layer (each pair calls into the other at run time: the bench dispatches
-# --ray to ray_shard whose workers run the bench's per-prompt code; load_model dispatches to the backend
-# table whose hf entry loads through loading.py). A new cycle fails test_no_new_import_cycles.
-KNOWN_CYCLES = [{"specdraft.models.backends", "specdraft.models.loading"},
-                {"specdraft.bench.harness", "specdraft.bench.ray_shard"}]
+# Cycles left inside one layer (each pair calls into the other at run time: load_model dispatches to the
+# backend table whose hf entry loads through loading.py). A new cycle fails test_no_new_import_cycles.
+KNOWN_CYCLES = [{"specdraft.models.backends", "specdraft.models.loading"}]
 
 
 def layer_of(mod: str) -> int:
@@ -252,9 +252,9 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module first (no other specdraft module loaded before it), in one fresh interpreter:
     sys.modules is cleared of specdraft between imports, so a module that only works when imported
     after another one (a cycle resolved by luck of order) fails here."""
-    skip = {"specdraft.server.app", "specdraft.server.batch_worker", "specdraft.server.loadtest",
+    skip = {"specdraft.server.app", "specdraft.server.batch_worker", "specdraft.server.front",
             "specdraft.server.scheduler", "specdraft.server.metrics", "specdraft.server.protocol",
-            "specdraft.server"}
+            "specdraft.server", "specdraft.scale.replicas"}
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -1,4 +1,4 @@
-"""The overlapped draft/verify pair (specdraft/overlap.py) on a local Ray instance: SmolLM2-135M fp32
+"""The overlapped draft/verify pair (specdraft/scale/overlap.py) on a local Ray instance: SmolLM2-135M fp32
 verifying, its first 26 (of 30) layers drafting, in two actor processes. Overlapped and in turns, the output is
 token-identical to the target's plain greedy decoding; the run has both hits (drafts made while the
 target verified) and misses; the time model adds up as its docstring says."""
@@ -10,7 +10,7 @@ import pytest
 from specdraft.api import SpecDecoder
 from specdraft.errors import ConfigError
 from specdraft.models.hf import HFModel
-from specdraft.overlap import OverlapPair, _cut, model_time, ratio_k
+from specdraft.scale.overlap import OverlapPair, _cut, model_time, ratio_k
 
 pytestmark = pytest.mark.slow
 

@@ -38,9 +38,9 @@ def local_doc(dataset, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    from specdraft import raycluster
+    from specdraft.scale import cluster
 
-    ray = raycluster.connect(None, num_cpus=2)
+    ray = cluster.connect(None, num_cpus=2)
     yield ray
     ray.shutdown()
 

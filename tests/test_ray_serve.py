@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser
 from specdraft.models.hf import HFModel
-from specdraft.raycluster import connect
+from specdraft.scale.cluster import connect
+from specdraft.scale.replicas import start_replicas
+from specdraft.server.front import Router, merge_metrics
 from specdraft.server.local import app_in_thread
-from specdraft.server.replicas import Router, merge_metrics, start_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def front():
     ray = connect(None, num_cpus=2)
     a = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--dtype", "float32", "--replicas", "2",
                                    "--max-batch", "4"])
-    app = start_replicas(a, *_serve_settings(a))
+    app = start_replicas(*_serve_settings(a))
     try:
         with app_in_thread(app) as url:
             yield url

@@ -104,9 +104,7 @@ def test_server_admits_it(repeat_last, dec):
 
 
 def test_bench_takes_it(repeat_last):
-    import argparse
+    from specdraft.bench.harness import BenchOptions, build_variants
 
-    from specdraft.bench.harness import build_variants
-
-    a = argparse.Namespace(k=3, sweep=[], methods="plain,repeat_last")
-    assert [(n, k) for n, k, _ in build_variants(a, {})] == [("plain", "plain"), ("repeat_last", "repeat_last")]
+    opts = BenchOptions(k=3, sweep=[], methods="plain,repeat_last")
+    assert [(n, k) for n, k, _ in build_variants(opts, {})] == [("plain", "plain"), ("repeat_last", "repeat_last")]

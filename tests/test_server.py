@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, end to end with the official openai client on 127.0.0.1
-(SmolLM2-135M fp32). Every server is started with a given worker: "single" (one request at a time
-through engine.generate) and "batch" (the continuous batch engine)."""
+(SmolLM2-135M fp32). Every server is started with a given worker: "single" (max_batch 1, one request
+at a time) and "batch" (the continuous batch engine, 16 rows)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from server_util import health, running_server, wait_until
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.server.loadtest import check_url, parse_levels
+from specdraft.tools.loadtest import check_url, parse_levels
 from specdraft.server.protocol import TextStream
 from specdraft.errors import SpecDraftError
 

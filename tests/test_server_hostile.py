@@ -198,7 +198,7 @@ def test_replica_front_limits_the_body_before_relaying():
     """Suspected item: the replica front read any body whole (only replicas enforced the limit)."""
     from fastapi.testclient import TestClient
 
-    from specdraft.server.replicas import create_front
+    from specdraft.server.front import create_front
 
     front = create_front(["http://127.0.0.1:9"], max_body_bytes=1000, allowed_hosts=("testserver",))
     with TestClient(front) as c:

@@ -7,7 +7,7 @@ are in docs/server.md, made by `specdraft loadtest --soak`."""
 import pytest
 
 from server_util import running_server
-from specdraft.server.soak import run_soak
+from specdraft.tools.soak import run_soak
 
 pytestmark = pytest.mark.slow
 

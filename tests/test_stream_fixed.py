@@ -152,7 +152,7 @@ def test_serve_refuses_bad_pacing(capsys):
 def test_leak_classifier_sees_sizes_and_not_noise():
     """The leak measurement's observer: it tells two classes apart when their event sizes differ and
     stays near chance when they do not (so `specdraft leak` can report either)."""
-    from specdraft.server.leak import classifier_accuracy, features
+    from specdraft.tools.leak import classifier_accuracy, features
 
     rng = np.random.default_rng(0)
 

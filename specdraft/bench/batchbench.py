@@ -17,12 +17,41 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecDraftError
 
 
-def add_batchbench_args(p) -> None:
+@dataclass(frozen=True)
+class BatchBenchOptions:
+    """``specdraft batchbench``'s flags."""
+    target: str
+    draft: str | None = None
+    draft_layers: int | None = None
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    methods: str = "plain,draft_model"  # a comma list of methods or labels of --specs
+    specs: str | None = None  # JSON file {label: SpecConfig}
+    config: str | None = None  # SpecConfig JSON merged under every method
+    k: int | None = None
+    tree: str | None = None
+    exit_layer: int | None = None
+    skip_config: str | None = None
+    batch_sizes: str = "1,2,4,8,16"
+    prompts: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    repeats: int = 1
+    policy: str | None = None  # SHRINK,OFF
+    dataset: str | None = None
+    no_chat: bool = False
+    out: str = "batchbench.json"
+    plot: str | None = None
+
+
+def add_parser(sub):
+    p = sub.add_parser("batchbench", help="batch engine: speculation vs plain across batch sizes (the crossover)")
     p.add_argument("--target", required=True, help="model name, transformers directory or .gguf file")
     p.add_argument("--draft", default=None, help="draft model (for draft_model)")
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
@@ -47,6 +76,7 @@ def add_batchbench_args(p) -> None:
     p.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     p.add_argument("--out", default="batchbench.json", help="JSON results file (rewritten after every run)")
     p.add_argument("--plot", default=None, help="PNG: tokens/s against batch size, one line per method")
+    return p
 
 
 def _ints(s: str, what: str) -> list[int]:
@@ -66,19 +96,19 @@ def _read_json(path: str, flag: str):
         raise SpecDraftError(f"cannot read {flag} {path}: {e}") from e
 
 
-def _specs(a) -> dict[str, dict]:
+def _specs(opts: BatchBenchOptions) -> dict[str, dict]:
     from ..config import SpecConfig
 
-    base = _read_json(a.config, "--config") if a.config else {}
-    for flag, key in (("k", "k"), ("tree", "tree"), ("exit_layer", "exit_layer"), ("skip_config", "skip_config")):
-        if getattr(a, flag) is not None:
-            base[key] = getattr(a, flag)
+    base = _read_json(opts.config, "--config") if opts.config else {}
+    for key in ("k", "tree", "exit_layer", "skip_config"):
+        if getattr(opts, key) is not None:
+            base[key] = getattr(opts, key)
     variants = {}
-    if a.specs:
-        variants = _read_json(a.specs, "--specs")
+    if opts.specs:
+        variants = _read_json(opts.specs, "--specs")
         if not isinstance(variants, dict):
             raise SpecDraftError("--specs must hold a JSON object {label: SpecConfig}")
-    labels = [m.strip() for m in a.methods.split(",") if m.strip()]
+    labels = [m.strip() for m in opts.methods.split(",") if m.strip()]
     if "plain" not in labels:
         labels = ["plain"] + labels
     out = {}
@@ -161,83 +191,118 @@ def plot(summary: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main_batchbench(a) -> int:
+def _policy(policy: str | None):
+    """--policy SHRINK,OFF -> a BatchRule (None: no policy, the raw crossover)."""
+    if not policy:
+        return None
+    from ..policy import BatchRule
+
+    v = _ints(policy, "policy")
+    if len(v) != 2:
+        raise SpecDraftError(f"--policy must be SHRINK,OFF (two batch sizes), got {policy!r}")
+    shrink, off = v
+    return BatchRule(shrink, off)
+
+
+class _Runner:
+    """One batch run of one method: its sequences decoded at most ``b`` rows at a time, timed."""
+
+    def __init__(self, dec, specs: dict[str, dict], sp, policy):
+        self.dec, self.specs, self.sp, self.policy = dec, specs, sp, policy
+
+    def __call__(self, label: str, b: int, n_tokens: int, seqs: list[list[int]]):
+        from ..config import SamplingParams, SpecConfig
+        from ..engine import generate_batch
+
+        dec, d = self.dec, self.specs[label]
+        s = SamplingParams(**{**self.sp.to_dict(), "max_new_tokens": n_tokens})
+        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(SpecConfig.from_dict(d)),
+                 dec.draft_length(SpecConfig.from_dict(d))) for i, p in enumerate(seqs)]
+        t0 = time.perf_counter()
+        out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy,
+                             max_batch=b)
+        return out, time.perf_counter() - t0
+
+
+def main_batchbench(opts: BatchBenchOptions) -> int:
     from ..api import SpecDecoder
-    from ..engine import generate_batch
-    from ..config import SamplingParams, SpecConfig
+    from ..config import SamplingParams
     from ..methods import method
     from ..prompts import load_prompts
 
-    sizes = _ints(a.batch_sizes, "batch-sizes")
-    if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:
+    sizes = _ints(opts.batch_sizes, "batch-sizes")
+    if opts.prompts < 1 or opts.max_new_tokens < 1 or opts.repeats < 1:
         raise SpecDraftError("--prompts, --max-new-tokens and --repeats must be >= 1")
-    specs = _specs(a)
+    specs = _specs(opts)
     labels = list(specs)
-    if any(method(s["method"]).needs == "draft_model" for s in specs.values()) and not a.draft:
+    if any(method(s["method"]).needs == "draft_model" for s in specs.values()) and not opts.draft:
         raise SpecDraftError("method draft_model needs --draft NAME")
-    policy = None
-    if a.policy:
-        from ..policy import BatchRule
-
-        v = _ints(a.policy, "policy")
-        if len(v) != 2:
-            raise SpecDraftError(f"--policy must be SHRINK,OFF (two batch sizes), got {a.policy!r}")
-        shrink, off = v
-        policy = BatchRule(shrink, off)
-    sp = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=0).validate()
-    rows = _interleave(load_prompts(a.dataset), a.prompts)
-    if len(rows) < a.prompts:
-        raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {a.prompts}")
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads)
-    prompts = [dec.encode(r["prompt"], chat=not a.no_chat) for r in rows]
-
-    def run(label: str, b: int, n_tokens: int, seqs: list[list[int]]):
-        s = SamplingParams(**{**sp.to_dict(), "max_new_tokens": n_tokens})
-        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(SpecConfig.from_dict(specs[label])),
-                 dec.draft_length(SpecConfig.from_dict(specs[label]))) for i, p in enumerate(seqs)]
-        t0 = time.perf_counter()
-        out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=policy, max_batch=b)
-        return out, time.perf_counter() - t0
-
+    policy = _policy(opts.policy)
+    sp = SamplingParams(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, ignore_eos=True,
+                        seed=0).validate()
+    rows = _interleave(load_prompts(opts.dataset), opts.prompts)
+    if len(rows) < opts.prompts:
+        raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {opts.prompts}")
+    dec = SpecDecoder.load(opts.target, draft=opts.draft, dtype=opts.dtype, draft_layers=opts.draft_layers,
+                           threads=opts.threads)
+    prompts = [dec.encode(r["prompt"], chat=not opts.no_chat) for r in rows]
+    run = _Runner(dec, specs, sp, policy)
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)
     for lab in labels:
         run(lab, min(sizes), 8, prompts[: max(min(sizes), 1)])
-    config = {"target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype, "threads": a.threads,
-              "batch_sizes": sizes, "prompts": a.prompts, "prompt_ids": [r["id"] for r in rows],
-              "max_new_tokens": a.max_new_tokens, "sampling": sp.to_dict(), "repeats": a.repeats,
-              "policy": a.policy, "chat": not a.no_chat, "specs": specs,
+    config = {"target": opts.target, "draft": opts.draft, "draft_layers": opts.draft_layers, "dtype": opts.dtype,
+              "threads": opts.threads, "batch_sizes": sizes, "prompts": opts.prompts,
+              "prompt_ids": [r["id"] for r in rows], "max_new_tokens": opts.max_new_tokens, "sampling": sp.to_dict(),
+              "repeats": opts.repeats, "policy": opts.policy, "chat": not opts.no_chat, "specs": specs,
               "definitions": "tokens_per_s = generated tokens / wall s of the whole batch run (prefill included); "
                              "speedup = tokens_per_s / plain's at the same batch size; MAT and acceptance rate over "
                              "every verification step of every row (specdraft.metrics)"}
+    summary, crossover = measure(run, prompts, labels, sizes, opts.repeats, opts.max_new_tokens, sp.greedy,
+                                 lambda records: _save(opts.out, config, records, labels, sizes))
+    print_summary(summary, crossover)
+    if opts.plot:
+        plot(summary, opts.plot)
+        print(f"plot: {opts.plot}", file=sys.stderr)
+    print(f"results: {opts.out}", file=sys.stderr)
+    return 0
+
+
+def _save(out: str, config: dict, records: list[dict], labels: list[str], sizes: list[int]):
+    summary, crossover = summarize(records, labels, sizes)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"config": config, "records": records, "summary": summary,
+                                     "crossover": crossover}, indent=1))
+    return summary, crossover
+
+
+def measure(run, prompts: list[list[int]], labels: list[str], sizes: list[int], repeats: int, n_tokens: int,
+            greedy: bool, save) -> tuple[list[dict], dict]:
+    """Every batch size, every repeat, every method (rotated: no fixed position); ``save(records)`` after
+    each repeat, and at the end (what it returns is returned)."""
     records = []
-
-    def save():
-        summary, crossover = summarize(records, labels, sizes)
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"config": config, "records": records, "summary": summary,
-                                           "crossover": crossover}, indent=1))
-        return summary, crossover
-
     for b in sizes:
         seqs = [prompts[i % len(prompts)] for i in range(max(b, len(prompts)))]
-        for rep in range(a.repeats):
+        for rep in range(repeats):
             order = labels[rep % len(labels):] + labels[: rep % len(labels)]  # rotate: no fixed position
             outs = {}
             for lab in order:
-                out, wall = run(lab, b, a.max_new_tokens, seqs)
+                out, wall = run(lab, b, n_tokens, seqs)
                 outs[lab] = out
                 records.append({"batch_size": b, "method": lab, "repeat": rep, "sequences": len(seqs),
                                 "tokens": sum(r.stats.new_tokens for r in out), "wall_s": wall,
                                 "steps": [[s.drafted, s.accepted] for r in out for s in r.stats.steps]})
             plain_ids = [r.token_ids for r in outs["plain"]]
             for rec in records[-len(order):]:
-                if sp.greedy:
+                if greedy:
                     got = [r.token_ids for r in outs[rec["method"]]]
                     rec["greedy_exact"] = [sum(x == y for x, y in zip(got, plain_ids)), len(got)]
-            summary, _ = save()
+            summary, _ = save(records)
             line = ", ".join(f"{r['method']} {r['tokens_per_s']:.1f} tok/s" for r in summary if r["batch_size"] == b)
-            print(f"batch {b} (repeat {rep + 1}/{a.repeats}): {line}", file=sys.stderr)
-    summary, crossover = save()
+            print(f"batch {b} (repeat {rep + 1}/{repeats}): {line}", file=sys.stderr)
+    return save(records)
+
+
+def print_summary(summary: list[dict], crossover: dict) -> None:
     print(f"{'batch':>5} {'method':<20} {'tok/s':>8} {'speedup':>8} {'MAT':>5} {'accept':>6} {'exact':>7}")
     for r in summary:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
@@ -248,8 +313,3 @@ def main_batchbench(a) -> int:
         tail = ("still pays at the largest batch size" if c["loses_from"] is None else
                 f"loses from batch size {c['loses_from']} on (a candidate for --spec-off-at)")
         print(f"{lab}: pays (speedup >= 1) at batch sizes {c['pays_at'] or 'none'}; {tail}")
-    if a.plot:
-        plot(summary, a.plot)
-        print(f"plot: {a.plot}", file=sys.stderr)
-    print(f"results: {a.out}", file=sys.stderr)
-    return 0

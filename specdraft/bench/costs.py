@@ -5,48 +5,91 @@ backend, weights and draft shape (the measurement is ``specdraft.costs``).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from ..costs import cpu_name, measure_costs
+from ..flags import add_backend_arg, add_draft_backend_arg
 
 
-def main_costs(a) -> int:
+@dataclass(frozen=True)
+class CostsOptions:
+    """``specdraft costs``'s flags."""
+    target: str = "qwen2.5-coder-1.5b"
+    backend: str = "hf"
+    dtype: str = "bfloat16"  # a comma list
+    quantizations: str | None = None  # a comma list: none, int8, int4[-gN], w8a8
+    tokens: str = "1,2,3,5,9,17,33,65"  # a comma list of new tokens per forward
+    context: int = 60
+    repeats: int = 5
+    threads: int | None = None
+    tree: bool = False
+    json: str | None = None
+    plot: str | None = None
+    draft: str | None = None  # NAME[:TYPE] or self:TYPE: its curve beside the target's, and per k what pays
+    draft_backend: str | None = None
+
+
+def add_parser(sub):
+    c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
+    c.add_argument("--target", default="qwen2.5-coder-1.5b")
+    add_backend_arg(c)
+    c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
+                   help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
+                        "(weight-only) or w8a8 (int8 activations too, oneDNN)")
+    c.add_argument("--draft", default=None, metavar="NAME[:TYPE]",
+                   help="also measure this draft model and print, per k, what a step costs in plain target tokens "
+                        "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)")
+    add_draft_backend_arg(c)
+    c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
+    c.add_argument("--context", type=int, default=60)
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--tree", action="store_true", help="also score random token trees (4D tree mask) of each size")
+    c.add_argument("--json", default=None, help="save the measurements as JSON")
+    c.add_argument("--plot", default=None, help="save a PNG of the cost curve")
+    return c
+
+
+def main_costs(opts: CostsOptions) -> int:
     from ..errors import SpecDraftError
     from ..models.backends import backend
     from ..models.loading import load_model, set_threads
     from ..models.lowbit import parse_quant
 
-    threads = set_threads(a.threads)
-    ns = [int(x) for x in a.tokens.split(",")]
+    threads = set_threads(opts.threads)
+    ns = [int(x) for x in opts.tokens.split(",")]
     rows = []
-    dtypes = a.dtype.split(",") if backend(a.backend).uses_dtype else ["gguf"]
-    quants = [q for q in a.quantizations.split(",") if q and q != "none"] if a.quantizations else []
-    if quants and a.backend != "hf":
+    dtypes = opts.dtype.split(",") if backend(opts.backend).uses_dtype else ["gguf"]
+    quants = [q for q in opts.quantizations.split(",") if q and q != "none"] if opts.quantizations else []
+    if quants and opts.backend != "hf":
         raise SpecDraftError("--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "
                              "as --target NAME:Q4_0)")
     for q in quants:
         parse_quant(q)
-    weights = [(d, None) for d in dtypes if "none" in (a.quantizations or "none").split(",")] + \
+    weights = [(d, None) for d in dtypes if "none" in (opts.quantizations or "none").split(",")] + \
         [(d, q) for d in dtypes for q in quants]
     for dtype, q in weights:
-        m = load_model(a.target + (f":{q}" if q else ""), dtype, backend=a.backend)
-        for tree in ([False, True] if a.tree else [False]):
-            c = measure_costs(m, ns, a.context, a.repeats, tree=tree)
-            rows.append((f"{a.backend} {dtype}" + (f" {q}" if q else "") + (" tree" if tree else " chain"), c))
+        m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend)
+        for tree in ([False, True] if opts.tree else [False]):
+            c = measure_costs(m, ns, opts.context, opts.repeats, tree=tree)
+            rows.append((f"{opts.backend} {dtype}" + (f" {q}" if q else "") + (" tree" if tree else " chain"), c))
         del m
-    draft = draft_curve(a, ns, dtypes[0]) if a.draft else None
+    draft = draft_curve(opts, ns, dtypes[0]) if opts.draft else None
     cpu = cpu_name()
-    print(f"{a.target}, {a.backend} backend, {threads} threads, {cpu}, {a.context}-token cached context, "
-          f"median of {a.repeats} (ms per forward)", file=sys.stderr)
-    if a.json:
+    print(f"{opts.target}, {opts.backend} backend, {threads} threads, {cpu}, {opts.context}-token cached context, "
+          f"median of {opts.repeats} (ms per forward)", file=sys.stderr)
+    if opts.json:
         import json
 
-        with open(a.json, "w") as f:
-            json.dump({"target": a.target, "backend": a.backend, "cpu": cpu, "threads": threads, "context": a.context,
-                       "repeats": a.repeats, "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
+        with open(opts.json, "w") as f:
+            json.dump({"target": opts.target, "backend": opts.backend, "cpu": cpu, "threads": threads,
+                       "context": opts.context, "repeats": opts.repeats,
+                       "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
                        **({"draft": {"name": draft[0], "ms": {str(n): ms for n, ms in draft[1].items()}}} if draft else {})},
                       f, indent=1)
-    if a.plot:
-        plot_costs(rows, a.plot, f"{a.target} ({a.backend}): one forward scoring n tokens ({threads} threads)")
+    if opts.plot:
+        plot_costs(rows, opts.plot, f"{opts.target} ({opts.backend}): one forward scoring n tokens ({threads} threads)")
     print("| backend, weights | " + " | ".join(f"{n} tok" for n in ns) + " |")
     print("|---" * (len(ns) + 1) + "|")
     for dtype, c in rows:
@@ -58,14 +101,14 @@ def main_costs(a) -> int:
     return 0
 
 
-def draft_curve(a, ns: list[int], dtype: str) -> tuple[str, dict[int, float]]:
+def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dict[int, float]]:
     """The draft model's own curve (ms per forward of n tokens), on --draft-backend (default --backend)."""
     from ..models.loading import load_model
 
-    be = a.draft_backend or a.backend
-    name = a.target + ":" + a.draft[5:] if a.draft.startswith("self:") else a.draft  # the target's own low-bit copy
+    be = opts.draft_backend or opts.backend
+    name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy
     m = load_model(name, dtype, backend=be)
-    return f"{a.draft} ({be})", measure_costs(m, ns, a.context, a.repeats)
+    return f"{opts.draft} ({be})", measure_costs(m, ns, opts.context, opts.repeats)
 
 
 def chain_tokens(alpha: float, k: int) -> float:

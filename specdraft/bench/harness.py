@@ -8,12 +8,11 @@
 - greedy outputs are compared with the engine's plain decoding; each mismatch records the first
   diverging position and the target's top-2 logit gap there (near-tie or bug?).
 
-``--ray`` shards the prompts over Ray workers (ray_shard.py); each runs ``run_prompt`` as a local run does.
+``--ray`` shards the prompts over Ray workers (scale/shard.py); each runs ``run_prompt`` as a local run does.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -21,12 +20,13 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
-from .. import methods, raycluster
+from .. import methods
+from ..scale import cluster
 from ..config import SamplingParams, SpecConfig, methods_needing
 from ..errors import ConfigError, SpecDraftError
 from ..fidelity import output_terms
@@ -39,7 +39,50 @@ PAIRS = ("pair_serial", "pair_overlap")  # the draft model and the target as two
 HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
 
 
-def add_bench_args(b: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class BenchOptions:
+    """``specdraft bench``'s flags (a --config file may set any of them too: plan_bench)."""
+    action: str = "run"  # run | report
+    results: str | None = None  # with report: the results JSON
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str | None = None
+    draft_layers: int | None = None
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    backend: str = "hf"
+    draft_backend: str | None = None
+    reference: str = "plain"
+    llama_k: str = "10"  # a comma list
+    pair_threads: int = 1
+    llama_draft_k: str = "4"  # a comma list
+    methods: str = "plain,draft_model,prompt_lookup"
+    config: str | None = None
+    dataset: str | None = None
+    tasks: str | None = None
+    n_per_task: int | None = None
+    preset: str | None = None
+    max_new_tokens: int = 128
+    json_schema: str | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    k: int | None = None
+    repeats: int = 1
+    sweep: list = field(default_factory=list)  # FIELD=v1,v2,... each
+    no_chat: bool = False
+    out: str = "results/bench.json"
+    no_plots: bool = False
+    ray: str | None = None
+    ray_workers: int | None = None
+    ray_worker_cpus: int | None = None
+
+    def ray_options(self) -> cluster.RayOptions:
+        return cluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
+
+
+def add_parser(sub):
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
     b.add_argument("action", nargs="?", default="run", choices=["run", "report"],
                    help="run (default) or re-render a report from --out / a results file")
     b.add_argument("results", nargs="?", default=None, help="with 'report': the results JSON")
@@ -88,10 +131,11 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default="results/bench.json")
     b.add_argument("--no-plots", action="store_true")
-    raycluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
+    cluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
                  "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
                  "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS")
+    return b
 
 
 def _load_config(path: str) -> dict:
@@ -123,15 +167,15 @@ def _parse_value(v: str):
     return v
 
 
-def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
+def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
     """-> [(name, kind, spec)] where kind is an engine method or a baseline name."""
     base = dict(cfg.get("spec", {}))
-    if a.k is not None:
-        base["k"] = a.k
-        base.setdefault("max_k", max(16, a.k))
+    if opts.k is not None:
+        base["k"] = opts.k
+        base.setdefault("max_k", max(16, opts.k))
     named = {n: SpecConfig.from_dict(d) for n, d in cfg.get("variants", {}).items()}
     sweeps = []
-    for s in a.sweep:
+    for s in opts.sweep:
         if "=" not in s:
             raise ConfigError(f"--sweep expects FIELD=v1,v2,..., got {s!r}")
         f, vs = s.split("=", 1)
@@ -139,7 +183,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
             raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     out = []
-    for m in [x.strip() for x in a.methods.split(",") if x.strip()]:
+    for m in [x.strip() for x in opts.methods.split(",") if x.strip()]:
         if m.startswith(HF) and (m[len(HF):] in methods.REGISTRY or m[len(HF):] in named):
             inner = m[len(HF):]
             spec = named[inner] if inner in named else SpecConfig.from_dict({**base, "method": inner})
@@ -149,10 +193,10 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
         elif m.startswith("llama_cpp@"):  # llama.cpp's plain decoding of another GGUF (e.g. the Q4_K_M file)
             out.append((m, "llama_cpp", {"model": m.split("@", 1)[1]}))
         elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
-            ks = [int(k) for k in str(a.llama_k if m == "llama_cpp_lookup" else a.llama_draft_k).split(",")]
+            ks = [int(k) for k in str(opts.llama_k if m == "llama_cpp_lookup" else opts.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in PAIRS:
-            out.append((m, m, {"k": a.k, "threads": a.pair_threads}))  # k None: overlap.ratio_k measures one
+            out.append((m, m, {"k": opts.k, "threads": opts.pair_threads}))  # k None: overlap.ratio_k measures one
         elif m in BASELINES:
             out.append((m, m, None))
         elif m in methods.REGISTRY:
@@ -178,7 +222,7 @@ def build_variants(a, cfg: dict) -> list[tuple[str, str, SpecConfig | None]]:
     return out
 
 
-def environment(a, threads: int) -> dict:
+def environment(dtype: str, threads: int) -> dict:
     import transformers
 
     from .. import __version__
@@ -210,7 +254,7 @@ def environment(a, threads: int) -> dict:
         "cpu": cpu,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "threads": threads,
-        "dtype": a.dtype,
+        "dtype": dtype,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -259,7 +303,7 @@ def reference_of(name: str, backend: str) -> str:
     return "plain"
 
 
-def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
+def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
     from .runners import EngineRunner, HFRunner, LlamaCppRunner, PairRunner
 
     runners, skipped, pair = [], {}, None
@@ -278,20 +322,20 @@ def make_runners(a, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
             runners.append(HFRunner(name, hf_dec, "prompt_lookup"))
         elif kind in PAIRS:
             if pair is None:  # one pair of actors serves both modes
-                from ..overlap import OverlapPair
+                from ..scale.overlap import OverlapPair
 
-                pair = OverlapPair(a.target, a.draft, a.dtype, spec["k"], spec["threads"], draft_layers=a.draft_layers)
+                pair = OverlapPair(opts.target, opts.draft, opts.dtype, spec["k"], spec["threads"], draft_layers=opts.draft_layers)
             runners.append(PairRunner(name, pair, kind == "pair_overlap"))
         elif kind.startswith("llama_cpp"):
             try:
                 from ..models.backends import resolve_gguf
 
                 mode = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup", "llama_cpp_draft": "draft"}[kind]
-                if mode == "draft" and not a.draft:
+                if mode == "draft" and not opts.draft:
                     raise ConfigError("llama_cpp_draft needs --draft NAME")
-                draft = str(resolve_gguf(a.draft)[0]) if mode == "draft" else None
+                draft = str(resolve_gguf(opts.draft)[0]) if mode == "draft" else None
                 k = (spec or {}).get("k", 10)
-                gguf_of = (spec or {}).get("model") or _gguf_name(a.target)
+                gguf_of = (spec or {}).get("model") or _gguf_name(opts.target)
                 runners.append(LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k))
             except (ImportError, SpecDraftError) as e:
                 skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
@@ -329,7 +373,8 @@ def schema_valid(text: str, schema: dict) -> bool:
 
 @dataclass
 class Plan:
-    """What a run measures, settled before any model loads (all the driver needs under --ray)."""
+    """What a run measures, settled before any model loads (all the driver and each Ray worker need)."""
+    opts: BenchOptions  # the flags with --config's options applied
     sp: SamplingParams
     schema: dict | None
     variants: list
@@ -341,7 +386,6 @@ class Plan:
 @dataclass
 class Bench:
     """The loaded models and their runners: one per process (a local run, or each Ray worker)."""
-    a: argparse.Namespace
     plan: Plan
     dec: object
     hf_dec: object
@@ -351,69 +395,72 @@ class Bench:
 
     def encode(self, r: dict) -> list[int]:
         if r["id"] not in self.encoded:  # the chat template applied once per prompt, outside any timing
-            self.encoded[r["id"]] = self.dec.encode(r["prompt"], chat=not self.a.no_chat)
+            self.encoded[r["id"]] = self.dec.encode(r["prompt"], chat=not self.plan.opts.no_chat)
         return self.encoded[r["id"]]
 
 
-def _apply_config(a) -> dict:
-    cfg = _load_config(a.config) if a.config else {}
+def _apply_config(opts: BenchOptions) -> tuple[BenchOptions, dict]:
+    """--config's options over the flags; -> (options, the config: its 'spec' and 'variants' too)."""
+    cfg = _load_config(opts.config) if opts.config else {}
+    names = {f.name for f in fields(opts)}
+    changes = {}
     for key, val in cfg.items():
         if key not in ("spec", "variants"):
             attr = key.replace("-", "_")
-            if not hasattr(a, attr):
-                raise ConfigError(f"unknown option {key!r} in {a.config}")
-            setattr(a, attr, val)
-    return cfg
+            if attr not in names:
+                raise ConfigError(f"unknown option {key!r} in {opts.config}")
+            changes[attr] = val
+    return replace(opts, **changes), cfg
 
 
-def plan_bench(a) -> Plan:
+def plan_bench(opts: BenchOptions) -> Plan:
     """Options, --config, methods and prompts -> the Plan (checks everything that needs no model)."""
-    cfg = _apply_config(a)
-    schema = _read_schema(a.json_schema) if a.json_schema else None
-    sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                        max_new_tokens=a.max_new_tokens, json_schema=schema).validate()
-    variants = build_variants(a, cfg)
+    opts, cfg = _apply_config(opts)
+    schema = _read_schema(opts.json_schema) if opts.json_schema else None
+    sp = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
+                        max_new_tokens=opts.max_new_tokens, json_schema=schema).validate()
+    variants = build_variants(opts, cfg)
     if schema is not None:
         other = [n for n, k, _ in variants if k not in methods.REGISTRY]
         if other:  # a baseline without the constraint would not be the same workload
             raise ConfigError(f"--json-schema constrains specdraft's methods only; drop the baselines {other}")
-    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft", *PAIRS) or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
-                      for _, k, _ in variants)
+    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft", *PAIRS)
+                      or (k in methods.REGISTRY and methods.method(k).needs == "draft_model") for _, k, _ in variants)
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
-    if needs_draft and not a.draft:
+    if needs_draft and not opts.draft:
         raise ConfigError(f"{' / '.join(methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
-    rows = data.preset_rows(a.preset, a.dataset, a.tasks.split(",") if a.tasks else None, a.n_per_task)
+    rows = data.preset_rows(opts.preset, opts.dataset, opts.tasks.split(",") if opts.tasks else None, opts.n_per_task)
     if not rows:
         raise SpecDraftError("no prompts selected")
     settings = {
-        "target": a.target, "draft": a.draft, "draft_layers": a.draft_layers, "dtype": a.dtype,
-        "backend": a.backend, "draft_backend": getattr(a, "draft_backend", None), "reference": a.reference,
-        "sampling": sp.to_dict(), "chat": not a.no_chat, "repeats": a.repeats,
+        "target": opts.target, "draft": opts.draft, "draft_layers": opts.draft_layers, "dtype": opts.dtype,
+        "backend": opts.backend, "draft_backend": opts.draft_backend, "reference": opts.reference,
+        "sampling": sp.to_dict(), "chat": not opts.no_chat, "repeats": opts.repeats,
         "methods": {n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})})
                     for n, k, s in variants},
         "prompts": [r["id"] for r in rows],
     }
-    return Plan(sp, schema, variants, rows, a.draft if uses_draft else None, settings)
+    return Plan(opts, sp, schema, variants, rows, opts.draft if uses_draft else None, settings)
 
 
-def load_bench(a, plan: Plan, threads: int) -> Bench:
+def load_bench(plan: Plan, threads: int) -> Bench:
     """Load the models, make the runners, and warm each runner up once (not recorded)."""
     from ..api import SpecDecoder
 
-    draft_backend = getattr(a, "draft_backend", None)
-    dec = SpecDecoder.load(a.target, draft=plan.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=threads,
-                           backend=a.backend, draft_backend=draft_backend)
+    opts = plan.opts
+    dec = SpecDecoder.load(opts.target, draft=plan.draft, dtype=opts.dtype, draft_layers=opts.draft_layers, threads=threads,
+                           backend=opts.backend, draft_backend=opts.draft_backend)
     hf_dec = dec
     wants_hf = any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in plan.variants)
-    if wants_hf and a.backend != "hf":
-        hf_dec = SpecDecoder.load(a.target.partition(":")[0], draft=plan.draft, dtype=a.dtype,  # NAME:TYPE is a GGUF variant
-                                  draft_layers=a.draft_layers, threads=threads)
-    elif wants_hf and plan.draft and draft_backend not in (None, "hf"):  # transformers' baselines need its own draft
+    if wants_hf and opts.backend != "hf":
+        hf_dec = SpecDecoder.load(opts.target.partition(":")[0], draft=plan.draft, dtype=opts.dtype,  # NAME:TYPE is a GGUF variant
+                                  draft_layers=opts.draft_layers, threads=threads)
+    elif wants_hf and plan.draft and opts.draft_backend not in (None, "hf"):  # transformers' baselines need its own draft
         from ..models.loading import load_model
 
-        hf_dec = SpecDecoder(dec.target, load_model(plan.draft, a.dtype, num_layers=a.draft_layers, backend="hf"))
-    runners, skipped = make_runners(a, plan.variants, dec, hf_dec, threads)
-    bench = Bench(a, plan, dec, hf_dec, runners, skipped)
+        hf_dec = SpecDecoder(dec.target, load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf"))
+    runners, skipped = make_runners(opts, plan.variants, dec, hf_dec, threads)
+    bench = Bench(plan, dec, hf_dec, runners, skipped)
     # warm-up: every method once on a short generation
     warm_sp = SamplingParams(**{**plan.sp.to_dict(), "max_new_tokens": min(8, plan.sp.max_new_tokens)})
     for rn in runners:
@@ -456,7 +503,7 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         res = rn.run(ids, rsp)
         rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
-        base = reference_of(rn.name, bench.a.backend)
+        base = reference_of(rn.name, bench.plan.opts.backend)
         target = (bench.hf_dec if base.startswith(HF) else bench.dec).target
         if rn.name == base and rep == 0:
             ref[base, r["id"]] = res["token_ids"]
@@ -480,7 +527,7 @@ def run_local(bench: Bench, doc: dict, out: Path) -> None:
 
     done, ref = done_keys(doc["records"]), reference_outputs(doc["records"])
     todo = [(rep, r, [rn for rn in bench.runners if (r["id"], rn.name, rep) not in done])
-            for rep in range(bench.a.repeats) for r in bench.plan.rows]
+            for rep in range(bench.plan.opts.repeats) for r in bench.plan.rows]
     bar = tqdm(total=sum(len(rns) for _, _, rns in todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
 
     def emit(rec):
@@ -500,39 +547,43 @@ def run_local(bench: Bench, doc: dict, out: Path) -> None:
     bar.close()
 
 
-def run_bench(a) -> dict:
+def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]:
+    """-> (the results document, the options with --config's applied). ``run_sharded(plan, doc, out)`` runs
+    a --ray plan (scale/shard.py's, which the CLI passes: the scale package sits above this module)."""
     from ..models.loading import set_threads
-    from . import ray_shard
 
-    raycluster.check_ray_args(a)
-    plan = plan_bench(a)
-    threads = raycluster.worker_cpus(a) if a.ray is not None else set_threads(a.threads)
-    out = Path(a.out)
-    doc = open_results(out, plan.settings, environment(a, threads))
-    if a.ray is not None:
-        ray_shard.run_sharded(a, plan, doc, out)
-        return doc
-    bench = load_bench(a, plan, threads)
+    opts.ray_options().check()
+    plan = plan_bench(opts)
+    opts = plan.opts
+    threads = opts.ray_options().cpus if opts.ray is not None else set_threads(opts.threads)
+    out = Path(opts.out)
+    doc = open_results(out, plan.settings, environment(opts.dtype, threads))
+    if opts.ray is not None:
+        if run_sharded is None:
+            raise ConfigError("--ray needs the Ray runner: run_bench(opts, scale.shard.run_sharded)")
+        run_sharded(plan, doc, out)
+        return doc, opts
+    bench = load_bench(plan, threads)
     doc["skipped"] = bench.skipped
     run_local(bench, doc, out)
-    return doc
+    return doc, opts
 
 
-def main_bench(a) -> int:
-    if a.action == "report":
-        path = Path(a.results or a.out)
+def main_bench(opts: BenchOptions, run_sharded=None) -> int:
+    if opts.action == "report":
+        path = Path(opts.results or opts.out)
         if not path.exists():
             raise SpecDraftError(f"no results file {path}")
         doc = json.loads(path.read_text())
     else:
         t0 = time.time()
-        doc = run_bench(a)
-        path = Path(a.out)
+        doc, opts = run_bench(opts, run_sharded)
+        path = Path(opts.out)
         print(f"bench finished in {time.time() - t0:.0f}s", file=sys.stderr)
-    md = render(doc, path, plots=not a.no_plots)
+    md = render(doc, path, plots=not opts.no_plots)
     print(md)
     stem = path.with_suffix("")
-    plots = sorted(str(p) for p in stem.parent.glob(stem.name + "_*.png")) if not a.no_plots else []
+    plots = sorted(str(p) for p in stem.parent.glob(stem.name + "_*.png")) if not opts.no_plots else []
     print(f"results: {path}\nreport: {stem.with_name(stem.name + '_report.md')}\nplots: {', '.join(plots) or 'none'}",
           file=sys.stderr)
     return 0

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     out: dict = {"context": a.context, "store_tokens": a.store_tokens, "vocab": a.vocab}
-    cfg = SpecConfig(method="suffix", k=16, tree_nodes=24)
+    spec = SpecConfig(method="suffix", k=16, tree_nodes=24)
 
     # local automaton at a 4k context: half natural-like tokens, half copies of earlier spans
     base = zipf_tokens(rng, a.context, a.vocab).tolist()
@@ -75,16 +75,25 @@ def main(argv=None) -> int:
         s, d = rng.integers(0, a.context - 32, 2)
         base[d: d + 32] = base[s: s + 32]
     ctx = base[: a.context]
-    out["suffix_local"] = time_suffix(SuffixDrafter(cfg), ctx, np.random.default_rng(1), a.steps, 3)
+    out["suffix_local"] = time_suffix(SuffixDrafter(spec), ctx, np.random.default_rng(1), a.steps, 3)
+    out.update(time_store(spec, ctx, rng, a.store, a.store_tokens, a.doc_len, a.vocab, a.steps))
+    out.update(time_token_recycling(a.vocab))
+    print(json.dumps(out, indent=1))
+    return 0
 
-    # global store
-    store_dir = Path(a.store) if a.store else Path(tempfile.mkdtemp(prefix="specdraft-store-"))
+
+def time_store(spec: SpecConfig, ctx: list[int], rng, store_path: str | None, store_tokens: int, doc_len: int,
+               vocab: int, steps: int) -> dict:
+    """The global store (built once, synthetic): the suffix drafter on a long global match, and a lookup of
+    the worst case, a short very frequent match (a huge suffix array range)."""
+    out = {}
+    store_dir = Path(store_path) if store_path else Path(tempfile.mkdtemp(prefix="specdraft-store-"))
     if not (store_dir / "meta.json").exists():
-        n_docs = a.store_tokens // a.doc_len
-        flat = zipf_tokens(rng, n_docs * a.doc_len, a.vocab)
+        n_docs = store_tokens // doc_len
+        flat = zipf_tokens(rng, n_docs * doc_len, vocab)
         docs = np.split(flat, n_docs)
         t0 = time.perf_counter()
-        ds.build(docs, store_dir, {"target": "synthetic", "vocab_size": a.vocab})
+        ds.build(docs, store_dir, {"target": "synthetic", "vocab_size": vocab})
         out["store_build_s"] = round(time.perf_counter() - t0, 1)
     store = ds.Datastore(store_dir)
     out["store_disk_mb"] = round(sum(f.stat().st_size for f in store_dir.iterdir()) / 2**20, 1)
@@ -92,8 +101,8 @@ def main(argv=None) -> int:
     # contexts whose last 24 tokens come from the corpus (a long global match) ...
     s = int(rng.integers(0, store.n_tokens - 100))
     ctx_hit = ctx[:-24] + [int(x) for x in store.tokens[s: s + 24] if x >= 0]
-    out["suffix_global_long_match"] = time_suffix(SuffixDrafter(cfg, store), ctx_hit, np.random.default_rng(2),
-                                                  a.steps, 3)
+    out["suffix_global_long_match"] = time_suffix(SuffixDrafter(spec, store), ctx_hit, np.random.default_rng(2),
+                                                  steps, 3)
     # ... and the worst case: only a short, very frequent match (a huge suffix array range)
     ctx_short = ctx[:-1] + [0]
     m, _ = store.lookup(ctx_short, 256)
@@ -102,27 +111,30 @@ def main(argv=None) -> int:
         store.lookup(ctx_short, 256)
     out["store_lookup_short_match_ms"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
     out["store_lookup_short_match_len"] = m
+    return out
 
-    # token recycling
-    tab = AdjacencyTable(a.vocab, 8)
+
+def time_token_recycling(vocab: int) -> dict:
+    """Token recycling's table size, its update from 58 rows of logits, and a full tree's expansion."""
+    out = {}
+    tab = AdjacencyTable(vocab, 8)
     out["token_recycling_table_mb_top8"] = round(tab.nbytes / 2**20, 2)
     out["token_recycling_table_bytes_top8"] = tab.nbytes
-    d = TokenRecyclingDrafter(SpecConfig(method="token_recycling", recycle_branching=[8, 2, 2, 1]), a.vocab, tab)
-    logits = torch.randn(58, a.vocab)
-    rows = torch.randint(0, a.vocab, (58,))
+    d = TokenRecyclingDrafter(SpecConfig(method="token_recycling", recycle_branching=[8, 2, 2, 1]), vocab, tab)
+    logits = torch.randn(58, vocab)
+    rows = torch.randint(0, vocab, (58,))
     d.observe_target(rows, logits)
     t0 = time.perf_counter()
     for _ in range(20):
         d.observe_target(rows, logits)
     out["token_recycling_update_ms_58_rows"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
-    tab.table.copy_(torch.randint(0, a.vocab, tab.table.shape, dtype=torch.int32))  # every row known: full tree
+    tab.table.copy_(torch.randint(0, vocab, tab.table.shape, dtype=torch.int32))  # every row known: full tree
     t0 = time.perf_counter()
     for _ in range(200):
         tree = d.propose([int(rows[0])], 16)
     out["token_recycling_expand_ms"] = round((time.perf_counter() - t0) / 200 * 1e3, 3)
     out["token_recycling_tree_nodes"] = tree.size
-    print(json.dumps(out, indent=1))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

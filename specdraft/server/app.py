@@ -10,18 +10,21 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import SpecConfig
+from ..api import ModelSettings
+from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..errors import SpecDraftError
 from ..methods import REGISTRY, method as registered
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
-from .scheduler import Job, QueueFull, SingleWorker, shutdown_error
+from .batch_worker import BatchWorker
+from .scheduler import Job, QueueFull, shutdown_error
 
 log = logging.getLogger("specdraft.server")
 
@@ -273,33 +276,71 @@ MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it
 STUCK_AFTER_S = 300.0  # one engine step running longer than this makes /health say the worker is stuck
 
 
-def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue: int = 64,
-               timeout_s: float | None = None, default_max_tokens: int = 256, max_batch: int = 1,
-               batch_options: dict | None = None, api_key: str | None = None, open_metrics: bool = False,
-               max_body_bytes: int = MAX_BODY_BYTES, stream_mode: str = "normal",
-               stream_pacing: StreamPacing | None = None, resources: dict | None = None,
-               allowed_hosts: tuple[str, ...] = (), stuck_after_s: float = STUCK_AFTER_S) -> FastAPI:
-    """``decoder``: a SpecDecoder. ``max_batch`` 1 runs requests one at a time (SingleWorker);
-    more runs the continuous batch engine (BatchWorker) with up to that many rows. ``api_key``: every
-    endpoint but /health (and /metrics with ``open_metrics``) requires it as a Bearer token.
-    ``max_body_bytes``: larger request bodies get a 413. ``stream_mode``: a stream's mode when the request
-    names none ("normal" or "fixed", server/pacing.py); ``stream_pacing``: the fixed mode's chunk, cadence,
-    padding, and whether requests must use it. ``resources``: {spec field naming a file (config.PATH_FIELDS):
-    {name: path}}, what a request's spec may name (by name; never a path). Without an API key, requests must
-    be JSON and name a loopback host or one of ``allowed_hosts`` (``origin_check``). /health answers 503 when
-    the worker died or one step has run ``stuck_after_s``."""
-    if stream_mode not in STREAM_MODES:
-        raise ValueError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
-    pacing = stream_pacing or StreamPacing()
-    stream_mode = "fixed" if pacing.locked else stream_mode
-    default_spec = SpecConfig.from_dict(default_spec)
-    metrics = ServerMetrics()
-    if max_batch > 1:
-        from .batch_worker import BatchWorker
+@dataclass
+class ServerSettings:
+    """What one server serves and how (``specdraft serve`` builds it from its flags; the tests pass these
+    fields to server.local.serve_in_thread).
 
-        worker = BatchWorker(decoder, metrics, max_queue, max_batch=max_batch, **(batch_options or {}))
-    else:
-        worker = SingleWorker(decoder, metrics, max_queue)
+    ``max_batch``: the rows the worker (BatchWorker) decodes together, 1 = one request at a time; with more,
+    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
+    ``open_metrics``) requires it as a Bearer token. ``max_body_bytes``: larger request bodies get a 413.
+    ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
+    ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.
+    ``resources``: {spec field naming a file (config.PATH_FIELDS): {name: path}}, what a request's spec may
+    name (by name; never a path). Without an API key, requests must be JSON and name a loopback host or one
+    of ``allowed_hosts`` (``origin_check``). /health answers 503 when the worker died or one step has run
+    ``stuck_after_s``."""
+    model_name: str
+    default_spec: SpecConfig | dict
+    max_queue: int = 64
+    timeout_s: float | None = None
+    default_max_tokens: int = 256
+    max_batch: int = 1
+    spec_shrink_at: int = SPEC_SHRINK_AT
+    spec_off_at: int = SPEC_OFF_AT
+    api_key: str | None = None
+    open_metrics: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
+    stream_mode: str = "normal"
+    stream_pacing: StreamPacing | None = None
+    resources: dict | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    stuck_after_s: float = STUCK_AFTER_S
+
+
+@dataclass
+class _Serving:
+    """What the route handlers read (``app.state.serving``). What a measurement may change while the server
+    runs stays on ``app.state``: ``resources`` and ``stream_pacing``, read per request."""
+    decoder: object
+    settings: ServerSettings
+    default_spec: SpecConfig
+    stream_mode: str  # "fixed" when the pacing is locked
+    worker: object
+    metrics: ServerMetrics
+
+    @property
+    def tok(self):
+        return self.decoder.tokenizer
+
+
+def _serving(request: Request) -> _Serving:
+    return request.app.state.serving
+
+
+def make_worker(decoder, metrics: ServerMetrics, settings: ServerSettings) -> BatchWorker:
+    """The worker of ``settings.max_batch`` rows (not started)."""
+    return BatchWorker(decoder, metrics, settings.max_queue, max_batch=settings.max_batch,
+                       spec_shrink_at=settings.spec_shrink_at, spec_off_at=settings.spec_off_at)
+
+
+def create_app(decoder, settings: ServerSettings) -> FastAPI:
+    """The app of one engine over ``decoder`` (a SpecDecoder), served as ``settings`` say."""
+    if settings.stream_mode not in STREAM_MODES:
+        raise ValueError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {settings.stream_mode!r}")
+    pacing = settings.stream_pacing or StreamPacing()
+    metrics = ServerMetrics()
+    worker = make_worker(decoder, metrics, settings)
     worker.start()
 
     @asynccontextmanager
@@ -310,211 +351,228 @@ def create_app(decoder, *, model_name: str, default_spec: SpecConfig, max_queue:
     app = FastAPI(title="specdraft", lifespan=lifespan)
     app.state.draining = False
     app.middleware("http")(drain_check(app))
-    if api_key:  # added last, so it runs first: nothing about the server is told to a caller without the key
-        app.middleware("http")(key_check(api_key, open_metrics))
+    if settings.api_key:  # added last, so it runs first: nothing about the server is told to a caller without the key
+        app.middleware("http")(key_check(settings.api_key, settings.open_metrics))
     else:
-        app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
+        app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(settings.allowed_hosts)))
+    default_spec = SpecConfig.from_dict(settings.default_spec)
     app.state.worker = worker
     app.state.default_spec = default_spec
-    app.state.resources = {k: dict(v) for k, v in (resources or {}).items()}
+    app.state.resources = {k: dict(v) for k, v in (settings.resources or {}).items()}
     app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
-    tok = decoder.tokenizer
-
-    @app.exception_handler(Exception)
-    async def _unhandled(request, exc):
-        log.exception("unhandled error")
-        return _error(_engine_error(exc))
-
-    async def next_event(job: Job, request: Request, watch_disconnect: bool):
-        while True:
-            wait = 0.25
-            if job.deadline is not None:
-                wait = min(wait, max(0.01, job.deadline - time.monotonic()))
-            try:
-                return await asyncio.wait_for(job.events.get(), wait)
-            except asyncio.TimeoutError:
-                if job.expired():
-                    worker.cancel(job, "timeout")
-                    raise _Timeout() from None
-                if watch_disconnect and await request.is_disconnected():
-                    worker.cancel(job, "disconnect")
-                    raise _Disconnected() from None
-
-    async def handle(request: Request, chat: bool):
-        endpoint = "chat" if chat else "completions"
-        count = metrics.requests.labels
-        try:
-            body = await _read_json(request, max_body_bytes)
-        except RequestError as e:
-            count(endpoint, "invalid").inc()
-            return _error(e)
-        try:
-            p = parse_request(body, chat=chat, model_name=model_name, target=decoder.target, tokenizer=tok,
-                              default_spec=default_spec, default_max_tokens=default_max_tokens,
-                              resources=app.state.resources)
-            m = check_method(decoder, p.spec)  # what the method needs must exist before admission
-            try:  # in a thread: loading an operator's head or skip config must not stall the event loop
-                if m.load_resource is not None:  # a layer view of this target; a head of the method's type for it
-                    await asyncio.to_thread(m.load_resource, decoder, p.spec)
-            except SpecDraftError as e:
-                raise RequestError(f"spec: {e}", param="spec") from None
-            p.stream_mode = p.stream_mode or stream_mode
-            if app.state.stream_pacing.locked and p.stream_mode != "fixed":
-                raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "
-                                   "accepted); leave stream_mode out or set it to \"fixed\"", param="stream_mode")
-            if p.include_steps and p.stream_mode == "fixed":
-                raise RequestError("stream_options.include_steps shows what speculation accepted, which stream_mode "
-                                   "\"fixed\" hides; leave one out", param="stream_options.include_steps")
-        except RequestError as e:
-            count(endpoint, "invalid").inc()
-            return _error(e)
-        job = Job(p.prompt_ids, p.sampling, p.spec, timeout_s, asyncio.get_running_loop())
-        try:
-            worker.submit(job)
-        except QueueFull as e:
-            count(endpoint, "rejected").inc()
-            return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"))
-        fixed = p.stream_mode == "fixed"
-        rb = ResponseBuilder(chat, model_name, tok, hide_acceptance=fixed)
-        method = p.spec.method
-        if p.stream:
-            outcome = _Outcome(lambda status: count(endpoint, status))
-            return _JobStream(stream(job, request, rb, p, outcome, method), job, worker,
-                              outcome.settle, media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
-            events = job_events(job, request, watch_disconnect=True)
-            async for kind, payload in (paced(events, app.state.stream_pacing, job.t_arrive) if fixed else events):
-                if kind == "done":
-                    break
-                if kind == "timeout":
-                    raise _Timeout()
-                if kind == "error":
-                    e = _engine_error(payload)
-                    count(endpoint, "error" if e.status >= 500 else "invalid").inc()
-                    return _error(e)
-        except _Timeout:
-            count(endpoint, "timeout").inc()
-            return _error(_timeout_error(timeout_s))
-        except _Disconnected:
-            count(endpoint, "cancelled").inc()
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            worker.cancel(job, "disconnect")
-            count(endpoint, "cancelled").inc()
-            raise
-        res = payload
-        if res.stats.finish_reason == "cancelled":
-            if job.cancel_reason == "shutdown":
-                count(endpoint, "cancelled").inc()
-                return _error(shutdown_error())
-            status = "timeout" if job.cancel_reason == "timeout" else "cancelled"
-            count(endpoint, status).inc()
-            return _error(_timeout_error(timeout_s)) if status == "timeout" else Response(status_code=499)
-        count(endpoint, "ok").inc()
-        return JSONResponse(rb.full(res.text or "", res.stats, method, res.logprobs))
-
-    async def job_events(job: Job, request: Request, watch_disconnect: bool = False):
-        """The job's events, ending with its first non-"tokens" one; a timeout is ("timeout", None)."""
-        while True:
-            try:
-                kind, payload = await next_event(job, request, watch_disconnect)
-            except _Timeout:
-                yield "timeout", None
-                return
-            yield kind, payload
-            if kind != "tokens":
-                return
-
-    async def stream(job: Job, request: Request, rb: ResponseBuilder, p, outcome: _Outcome, method: str):
-        fixed, pacing = p.stream_mode == "fixed", app.state.stream_pacing
-        sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse
-        done_line = pad("data: [DONE]\n\n", pacing.pad_bytes) if fixed else "data: [DONE]\n\n"
-        ts = TextStream(tok, p.sampling.stop)
-        trace = StepTrace(tok) if p.include_steps else None
-        if rb.chat:
-            yield sse(rb.chunk(None, first=True))
-        events = job_events(job, request)
-        async for kind, payload in (paced(events, pacing, job.t_arrive) if fixed else events):
-            if kind == "tokens":
-                new, lps, at = payload[0], payload[1], ts.sent
-                delta = ts.push(new)
-                steps = trace.step(new, payload[2], lps, at, delta) if trace else None
-                if delta or lps or fixed or trace:  # logprobs go with the step that made their tokens, text or not yet
-                    yield sse(rb.chunk(delta, logprobs=lps, steps=steps))
-            elif kind == "keepalive":
-                yield keepalive(pacing.pad_bytes)
-            elif kind in ("timeout", "error"):
-                e = _timeout_error(timeout_s) if kind == "timeout" else _engine_error(payload)
-                outcome.settle("timeout" if kind == "timeout" else "error" if e.status >= 500 else "invalid")
-                yield sse(e.body()) + done_line
-                return
-            else:
-                res = payload
-                if res.stats.finish_reason == "cancelled":
-                    outcome.settle("timeout" if job.cancel_reason == "timeout" else "cancelled")
-                    if job.cancel_reason in ("timeout", "shutdown"):
-                        e = _timeout_error(timeout_s) if job.cancel_reason == "timeout" else shutdown_error()
-                        yield sse(e.body()) + done_line
-                    return
-                # one write: the end of a stream shows as one event, whatever it carries
-                at = ts.sent
-                last = ts.push([], final=True)
-                steps = trace.tail(at, last) if trace else None
-                outcome.settle("ok")
-                yield (sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
-                       + (sse(rb.usage_chunk(res.stats, method)) if p.include_usage else "") + done_line)
-                return
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdraft",
-                                            "max_model_len": decoder.target.max_context}]}
-
-    @app.get("/v1/specdraft/methods")
-    async def methods():
-        return methods_listing(decoder, model_name, default_spec, app.state.resources)
-
+    app.state.serving = _Serving(decoder, settings, default_spec, "fixed" if pacing.locked else settings.stream_mode,
+                                 worker, metrics)
+    app.exception_handler(Exception)(_unhandled)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.get("/v1/models")(list_models)
+    app.get("/v1/specdraft/methods")(list_methods)
     add_playground(app)
-
-    @app.get("/health")
-    async def health(request: Request):
-        state = app.state.worker.health(stuck_after_s)
-        body = {"status": "ok" if state == "ok" else f"worker {state}"}
-        if health_details(request, api_key, hidden=app.state.stream_pacing.locked):
-            body.update({"model": model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
-                         "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
-        return JSONResponse(body, status_code=200 if state == "ok" else 503)
-
-    @app.get("/metrics")
-    async def prom():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.get("/health")(health)
+    app.get("/metrics")(prom)
     return app
 
 
-def build_server_app(a, spec, api_key, pacing):
-    """Loads the models and returns the FastAPI app of one engine, from `specdraft serve`'s arguments
-    (a replica's too: server/replicas.py)."""
-    from ..api import SpecDecoder
+async def _unhandled(request, exc):
+    log.exception("unhandled error")
+    return _error(_engine_error(exc))
 
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, threads=a.threads,
-                           backend=a.backend, draft_backend=a.draft_backend)
-    if getattr(a, "method_defaulted", False):
-        spec = dec.usable(spec)
-    batch_options = {"spec_shrink_at": a.spec_shrink_at, "spec_off_at": a.spec_off_at}
-    return create_app(dec, model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue,
-                      timeout_s=a.timeout, default_max_tokens=a.max_tokens, max_batch=a.max_batch,
-                      batch_options=batch_options, api_key=api_key, open_metrics=a.metrics_open,
-                      max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
-                      stream_mode="normal" if a.stream_mode == "normal" else "fixed",
-                      resources=getattr(a, "resources", None), allowed_hosts=tuple(a.allowed_host) + (a.host,))
+
+async def completions(request: Request):
+    return await handle(request, chat=False)
+
+
+async def chat_completions(request: Request):
+    return await handle(request, chat=True)
+
+
+async def list_models(request: Request):
+    sv = _serving(request)
+    return {"object": "list", "data": [{"id": sv.settings.model_name, "object": "model", "created": 0,
+                                        "owned_by": "specdraft", "max_model_len": sv.decoder.target.max_context}]}
+
+
+async def list_methods(request: Request):
+    sv = _serving(request)
+    return methods_listing(sv.decoder, sv.settings.model_name, sv.default_spec, request.app.state.resources)
+
+
+async def health(request: Request):
+    sv, state_of = _serving(request), request.app.state
+    worker = state_of.worker
+    state = worker.health(sv.settings.stuck_after_s)
+    body = {"status": "ok" if state == "ok" else f"worker {state}"}
+    if health_details(request, sv.settings.api_key, hidden=state_of.stream_pacing.locked):
+        body.update({"model": sv.settings.model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
+                     "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
+    return JSONResponse(body, status_code=200 if state == "ok" else 503)
+
+
+async def prom(request: Request):
+    return Response(generate_latest(_serving(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def parse(request: Request, sv: _Serving, chat: bool):
+    """The request read, parsed and checked against this server (its method can run here, its resource loads,
+    its stream mode is allowed); a RequestError otherwise."""
+    body = await _read_json(request, sv.settings.max_body_bytes)
+    p = parse_request(body, chat=chat, model_name=sv.settings.model_name, target=sv.decoder.target, tokenizer=sv.tok,
+                      default_spec=sv.default_spec, default_max_tokens=sv.settings.default_max_tokens,
+                      resources=request.app.state.resources)
+    m = check_method(sv.decoder, p.spec)  # what the method needs must exist before admission
+    try:  # in a thread: loading an operator's head or skip config must not stall the event loop
+        if m.load_resource is not None:  # a layer view of this target; a head of the method's type for it
+            await asyncio.to_thread(m.load_resource, sv.decoder, p.spec)
+    except SpecDraftError as e:
+        raise RequestError(f"spec: {e}", param="spec") from None
+    p.stream_mode = p.stream_mode or sv.stream_mode
+    if request.app.state.stream_pacing.locked and p.stream_mode != "fixed":
+        raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "
+                           "accepted); leave stream_mode out or set it to \"fixed\"", param="stream_mode")
+    if p.include_steps and p.stream_mode == "fixed":
+        raise RequestError("stream_options.include_steps shows what speculation accepted, which stream_mode "
+                           "\"fixed\" hides; leave one out", param="stream_options.include_steps")
+    return p
+
+
+async def handle(request: Request, chat: bool):
+    """POST /v1/completions and /v1/chat/completions: parse, admit, then stream or answer."""
+    sv = _serving(request)
+    endpoint = "chat" if chat else "completions"
+    count = sv.metrics.requests.labels
+    try:
+        p = await parse(request, sv, chat)
+    except RequestError as e:
+        count(endpoint, "invalid").inc()
+        return _error(e)
+    job = Job(p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop())
+    try:
+        sv.worker.submit(job)
+    except QueueFull as e:
+        count(endpoint, "rejected").inc()
+        return _error(RequestError(str(e), status=429, type="rate_limit_error", code="queue_full"))
+    rb = ResponseBuilder(chat, sv.settings.model_name, sv.tok, hide_acceptance=p.stream_mode == "fixed")
+    if p.stream:
+        outcome = _Outcome(lambda status: count(endpoint, status))
+        return _JobStream(stream(sv, job, request, rb, p, outcome), job, sv.worker, outcome.settle,
+                          media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await answer(sv, job, request, rb, p, lambda status: count(endpoint, status).inc())
+
+
+async def answer(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, p, count):
+    """A request that is not streamed: its whole answer, or its error (``count(status)`` counts it)."""
+    timeout_s = sv.settings.timeout_s
+    try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
+        events = job_events(sv.worker, job, request, watch_disconnect=True)
+        fixed = p.stream_mode == "fixed"
+        async for kind, payload in (paced(events, request.app.state.stream_pacing, job.t_arrive) if fixed else events):
+            if kind == "done":
+                break
+            if kind == "timeout":
+                raise _Timeout()
+            if kind == "error":
+                e = _engine_error(payload)
+                count("error" if e.status >= 500 else "invalid")
+                return _error(e)
+    except _Timeout:
+        count("timeout")
+        return _error(_timeout_error(timeout_s))
+    except _Disconnected:
+        count("cancelled")
+        return Response(status_code=499)
+    except asyncio.CancelledError:
+        sv.worker.cancel(job, "disconnect")
+        count("cancelled")
+        raise
+    res = payload
+    if res.stats.finish_reason == "cancelled":
+        if job.cancel_reason == "shutdown":
+            count("cancelled")
+            return _error(shutdown_error())
+        status = "timeout" if job.cancel_reason == "timeout" else "cancelled"
+        count(status)
+        return _error(_timeout_error(timeout_s)) if status == "timeout" else Response(status_code=499)
+    count("ok")
+    return JSONResponse(rb.full(res.text or "", res.stats, p.spec.method, res.logprobs))
+
+
+async def next_event(worker, job: Job, request: Request, watch_disconnect: bool):
+    while True:
+        wait = 0.25
+        if job.deadline is not None:
+            wait = min(wait, max(0.01, job.deadline - time.monotonic()))
+        try:
+            return await asyncio.wait_for(job.events.get(), wait)
+        except asyncio.TimeoutError:
+            if job.expired():
+                worker.cancel(job, "timeout")
+                raise _Timeout() from None
+            if watch_disconnect and await request.is_disconnected():
+                worker.cancel(job, "disconnect")
+                raise _Disconnected() from None
+
+
+async def job_events(worker, job: Job, request: Request, watch_disconnect: bool = False):
+    """The job's events, ending with its first non-"tokens" one; a timeout is ("timeout", None)."""
+    while True:
+        try:
+            kind, payload = await next_event(worker, job, request, watch_disconnect)
+        except _Timeout:
+            yield "timeout", None
+            return
+        yield kind, payload
+        if kind != "tokens":
+            return
+
+
+async def stream(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, p, outcome: _Outcome):
+    """A streamed request's server-sent events (fixed mode: paced, padded chunks)."""
+    fixed, pacing, timeout_s = p.stream_mode == "fixed", request.app.state.stream_pacing, sv.settings.timeout_s
+    sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse
+    done_line = pad("data: [DONE]\n\n", pacing.pad_bytes) if fixed else "data: [DONE]\n\n"
+    ts = TextStream(sv.tok, p.sampling.stop)
+    trace = StepTrace(sv.tok) if p.include_steps else None
+    if rb.chat:
+        yield sse(rb.chunk(None, first=True))
+    events = job_events(sv.worker, job, request)
+    async for kind, payload in (paced(events, pacing, job.t_arrive) if fixed else events):
+        if kind == "tokens":
+            new, lps, at = payload[0], payload[1], ts.sent
+            delta = ts.push(new)
+            steps = trace.step(new, payload[2], lps, at, delta) if trace else None
+            if delta or lps or fixed or trace:  # logprobs go with the step that made their tokens, text or not yet
+                yield sse(rb.chunk(delta, logprobs=lps, steps=steps))
+        elif kind == "keepalive":
+            yield keepalive(pacing.pad_bytes)
+        elif kind in ("timeout", "error"):
+            e = _timeout_error(timeout_s) if kind == "timeout" else _engine_error(payload)
+            outcome.settle("timeout" if kind == "timeout" else "error" if e.status >= 500 else "invalid")
+            yield sse(e.body()) + done_line
+            return
+        else:
+            res = payload
+            if res.stats.finish_reason == "cancelled":
+                outcome.settle("timeout" if job.cancel_reason == "timeout" else "cancelled")
+                if job.cancel_reason in ("timeout", "shutdown"):
+                    e = _timeout_error(timeout_s) if job.cancel_reason == "timeout" else shutdown_error()
+                    yield sse(e.body()) + done_line
+                return
+            # one write: the end of a stream shows as one event, whatever it carries
+            at = ts.sent
+            last = ts.push([], final=True)
+            steps = trace.tail(at, last) if trace else None
+            outcome.settle("ok")
+            yield (sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
+                   + (sse(rb.usage_chunk(res.stats, p.spec.method)) if p.include_usage else "") + done_line)
+            return
+
+
+def build_server_app(models: ModelSettings, settings: ServerSettings, method_defaulted: bool = False):
+    """Loads the models and returns the FastAPI app of one engine (`specdraft serve`'s, a replica's too:
+    scale/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
+    can run (SpecDecoder.usable) once the models are loaded."""
+    dec = models.load()
+    if method_defaulted:
+        settings = replace(settings, default_spec=dec.usable(settings.default_spec))
+    return create_app(dec, settings)

@@ -1,6 +1,7 @@
-"""The continuous-batching scheduler: waiting requests join the running batch between steps (up
-to ``max_batch`` rows), every step decodes all rows together (specdraft.engine.Engine), and
-finished or cancelled rows leave at once, freeing their KV slots."""
+"""The server's one worker, continuous batching: waiting requests join the running batch between steps
+(up to ``max_batch`` rows), every step decodes all rows together (specdraft.engine.Engine), and
+finished or cancelled rows leave at once, freeing their KV slots. ``max_batch`` 1 is one request at a
+time (kind "single"): the batch-1 loop, without the batch rule."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ class BatchWorker(BaseWorker):
                  spec_off_at: int = SPEC_OFF_AT):
         super().__init__(decoder, metrics, max_queue)
         self.max_batch = max_batch
-        self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer,
-                             rule=BatchRule(spec_shrink_at, spec_off_at))
+        if max_batch == 1:  # one request at a time: no batch to shrink drafts for (/health says "single")
+            self.kind, rule = "single", None
+        else:
+            rule = BatchRule(spec_shrink_at, spec_off_at)
+        self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer, rule=rule)
         self._n_rows = 0
         self._taken: list = []  # jobs the loop took from the queue and has not admitted yet
 

@@ -19,12 +19,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_in_thread(decoder, **kw):
-    """Yields (base URL, app); ``kw`` goes to create_app."""
-    from . import create_app
+    """Yields (base URL, app); ``kw`` are app.ServerSettings' fields (default: model "smol", prompt_lookup)."""
+    from .app import ServerSettings, create_app
 
     kw.setdefault("model_name", "smol")
     kw.setdefault("default_spec", {"method": "prompt_lookup"})
-    app = create_app(decoder, **kw)
+    app = create_app(decoder, ServerSettings(**kw))
     with app_in_thread(app) as url:
         yield url, app
 

@@ -283,15 +283,8 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return lp
 
 
-def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
-                  default_max_tokens: int, resources: dict | None = None) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
-                           code="model_not_found", status=404)
-    _check_types(body)
+def _prompt(body: dict, chat: bool, target, tokenizer) -> tuple[list[int], object]:
+    """-> (the prompt's token ids, the requested max_tokens or None)."""
     if chat:
         if "messages" not in body:
             raise RequestError("missing required parameter: messages", param="messages", code="missing_required_parameter")
@@ -310,8 +303,12 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     if len(ids) >= ctx:
         raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {ctx} tokens",
                            param=prompt_param, code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, ctx - len(ids))
+    return ids, max_tokens
+
+
+def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, tokenizer) -> SamplingParams:
+    """The request's sampling fields -> SamplingParams, checked here (its grammar compiled, its logit_bias ids
+    and its length against the context), so that a bad one is a 400 before queueing."""
     stop = body.get("stop")
     d = {
         "max_new_tokens": max_tokens,
@@ -344,6 +341,22 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     except ContextLengthError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
                            code="context_length_exceeded") from None
+    return sp
+
+
+def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
+                  default_max_tokens: int, resources: dict | None = None) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
+                           code="model_not_found", status=404)
+    _check_types(body)
+    ids, max_tokens = _prompt(body, chat, target, tokenizer)
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, target.max_context - len(ids))
+    sp = _sampling(body, chat, ids, max_tokens, target, tokenizer)
     spec = _spec(body, default_spec, resources)
     so = body.get("stream_options") or {}
     return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat,

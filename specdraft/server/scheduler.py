@@ -1,7 +1,8 @@
-"""Schedulers: run admitted requests on the engine, off the event loop.
+"""The scheduler's common part: run admitted requests on the engine, off the event loop.
 
-``SingleWorker`` decodes one request at a time through ``engine.generate`` (the batch-1 engine).
-``BatchWorker`` (see batch_worker) decodes many together through the same loop (specdraft.engine). Both share:
+The worker is ``BatchWorker`` (batch_worker.py): up to ``max_batch`` rows decoded together through the
+engine's one loop (specdraft.engine); ``max_batch`` 1 runs one request at a time (the batch-1 engine).
+``BaseWorker`` holds what does not depend on the rows:
 
 - a bounded wait list: ``submit`` raises QueueFull when ``max_queue`` requests already wait;
 - ``Job``: what a request carries to the worker and how tokens come back (``post`` puts events on
@@ -215,65 +216,3 @@ class BaseWorker:
         """After the loop failed: fail what it was running, so that it can start over."""
 
     def _loop(self) -> None: ...
-
-
-class SingleWorker(BaseWorker):
-    """One request at a time (``engine.generate``: the loop with a batch of one)."""
-
-    kind = "single"
-
-    def __init__(self, decoder, metrics, max_queue: int):
-        super().__init__(decoder, metrics, max_queue)
-        self.current: Job | None = None
-
-    def num_running(self) -> int:
-        return 0 if self.current is None else 1
-
-    def _cancel_running(self, reason):
-        if self.current is not None:
-            self.current.cancel(reason)
-
-    def _loop(self):
-        from ..engine import generate
-
-        dec = self.decoder
-        while True:
-            job = self._take(block=True)
-            if job is None:
-                return
-            with self.cv:
-                self.current = job
-                self._update_gauges()
-            last = [time.perf_counter()]
-            self.busy_since = time.monotonic()
-
-            def on_emit(new, logprobs=None, job=job):
-                self.busy_since = time.monotonic()  # progress: a step ended (the watchdog times single steps)
-                now = time.perf_counter()
-                self.metrics.step_latency.observe(now - last[0])
-                last[0] = now
-                if job.t_first is None:
-                    self.metrics.ttft.observe(time.monotonic() - job.t_arrive)
-                return job.on_emit(new, logprobs)
-
-            try:
-                drafter = make_drafter(dec, job.spec)
-                res = generate(dec.target, drafter, job.prompt_ids, job.sampling, dec.eos_ids, dec.tokenizer,
-                               dec.draft_length(job.spec), on_emit=on_emit, on_admit=job.admitted)
-                self.metrics.observe_result(res.stats)
-                job.finish(res)
-            except SpecDraftError as e:
-                job.fail(e)
-            except Exception as e:  # a bug: log it, answer 500 without a stack trace
-                log.exception("request %s failed", job.id)
-                job.fail(e)
-            finally:
-                self.busy_since = None
-                with self.cv:
-                    self.current = None
-                    self._update_gauges()
-
-    def _recover(self):
-        job, self.current = self.current, None
-        if job is not None and not job.done.is_set():
-            job.fail(RuntimeError("the worker failed while running this request"))

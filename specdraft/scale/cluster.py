@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from dataclasses import dataclass
 
-from .errors import ConfigError, SpecDraftError
+from ..errors import ConfigError, SpecDraftError
 
 
 def require_ray():
@@ -46,7 +47,7 @@ def connect(address: str | None = None, num_cpus: int | None = None):
 
 def node_info() -> dict:
     """Where this process runs: recorded with every result a Ray worker produces."""
-    from .costs import cpu_name
+    from ..costs import cpu_name
 
     return {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count()}
 
@@ -65,35 +66,44 @@ def add_ray_args(p, ray_help: str) -> None:
                    help="with --ray: CPUs each worker reserves = its torch thread count (default: --threads, else 1)")
 
 
-def check_ray_args(a) -> None:
-    """Option errors before anything loads; with --ray, Ray must be installed."""
-    if a.ray is None:
-        if a.ray_workers is not None or a.ray_worker_cpus is not None:
-            raise ConfigError("--ray-workers / --ray-worker-cpus need --ray")
-        return
-    if a.ray_workers is not None and a.ray_workers < 1:
-        raise ConfigError(f"--ray-workers must be >= 1, got {a.ray_workers}")
-    if a.ray_worker_cpus is not None and a.ray_worker_cpus < 1:
-        raise ConfigError(f"--ray-worker-cpus must be >= 1, got {a.ray_worker_cpus}")
-    require_ray()
+@dataclass(frozen=True)
+class RayOptions:
+    """``--ray [ADDRESS]``, ``--ray-workers``, ``--ray-worker-cpus`` of bench and train, with the command's
+    ``--threads`` (the default CPUs per worker)."""
+    address: str | None = None  # None: no Ray; "local" (or ""): a local instance; else a cluster's address
+    workers: int | None = None
+    worker_cpus: int | None = None
+    threads: int | None = None
 
+    def check(self) -> None:
+        """Option errors before anything loads; with --ray, Ray must be installed."""
+        if self.address is None:
+            if self.workers is not None or self.worker_cpus is not None:
+                raise ConfigError("--ray-workers / --ray-worker-cpus need --ray")
+            return
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--ray-workers must be >= 1, got {self.workers}")
+        if self.worker_cpus is not None and self.worker_cpus < 1:
+            raise ConfigError(f"--ray-worker-cpus must be >= 1, got {self.worker_cpus}")
+        require_ray()
 
-def worker_cpus(a) -> int:
-    return a.ray_worker_cpus or a.threads or 1
+    @property
+    def cpus(self) -> int:
+        """CPUs each worker reserves (= its torch threads)."""
+        return self.worker_cpus or self.threads or 1
 
-
-def start_ray(a, jobs: int):
-    """Connect; -> (ray, workers): --ray-workers, else the cluster's CPUs // CPUs per worker, at
-    most one per job. A local instance gets at least the CPUs the options ask for."""
-    cpus = worker_cpus(a)
-    local = a.ray in ("local", "")
-    want = (a.ray_workers or 1) * cpus
-    ray = connect(a.ray, num_cpus=max(os.cpu_count() or 1, want) if local else None)
-    total = cluster_cpus()
-    n = min(a.ray_workers or max(1, total // cpus), jobs)
-    if n * cpus > total:  # the actors would wait for CPUs forever
-        raise SpecDraftError(f"{n} Ray worker(s) x {cpus} CPU(s) need {n * cpus} CPUs; the cluster has {total}")
-    return ray, n
+    def start(self, jobs: int):
+        """Connect; -> (ray, workers): --ray-workers, else the cluster's CPUs // CPUs per worker, at
+        most one per job. A local instance gets at least the CPUs the options ask for."""
+        cpus = self.cpus
+        local = self.address in ("local", "")
+        want = (self.workers or 1) * cpus
+        ray = connect(self.address, num_cpus=max(os.cpu_count() or 1, want) if local else None)
+        total = cluster_cpus()
+        n = min(self.workers or max(1, total // cpus), jobs)
+        if n * cpus > total:  # the actors would wait for CPUs forever
+            raise SpecDraftError(f"{n} Ray worker(s) x {cpus} CPU(s) need {n * cpus} CPUs; the cluster has {total}")
+        return ray, n
 
 
 @contextlib.contextmanager

@@ -21,14 +21,15 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 
+from ..api import ModelSettings
 from ..costs import cpu_name
 from ..errors import SpecDraftError
-from .pacing import StreamPacing
+from ..flags import add_model_args
 
 K_EVENTS = 32  # events per request the features describe (zero-padded)
 CLASSES = ("Repeat the following text word for word.\n\n{p}", "Write a short poem about the following text.\n\n{p}")
@@ -37,6 +38,41 @@ MODES = {  # name -> (request's spec, stream_mode)
     "speculation, normal stream": (None, "normal"),
     "speculation, fixed stream": (None, "fixed"),
 }
+
+
+@dataclass(frozen=True)
+class LeakOptions:
+    """``specdraft leak``'s flags."""
+    models: ModelSettings
+    method: str = "prompt_lookup"  # the speculative method measured
+    per_class: int = 40  # prompts per class (>= 10)
+    max_tokens: int = 48  # tokens per response
+    chunk: int = 4  # fixed streams: tokens per event
+    interval_ms: float | None = None  # fixed streams: ms between events (default: calibrated)
+    margin: float = 0.7  # fraction of the slowest warm-up rate the calibrated cadence uses
+    pad_bytes: int = 512  # fixed streams: events padded to a multiple of this
+    dataset: str | None = None  # Spec-Bench question.jsonl (default: the shared copy)
+    quiet: bool = False
+    out: str = "leak.json"
+
+
+def add_parser(sub):
+    lk = sub.add_parser("leak", help="measure what streamed responses' timing and sizes tell an observer, normal "
+                        "vs stream_mode fixed (docs/server.md)")
+    add_model_args(lk, default_target="smollm2-135m")
+    lk.add_argument("--method", default="prompt_lookup", help="the speculative method measured (default prompt_lookup)")
+    lk.add_argument("--per-class", type=int, default=40, help="prompts per class (>= 10)")
+    lk.add_argument("--max-tokens", type=int, default=48, help="tokens per response (ignore_eos: all the same length)")
+    lk.add_argument("--chunk", type=int, default=4, help="fixed streams: tokens per event")
+    lk.add_argument("--interval-ms", type=float, default=None,
+                    help="fixed streams: ms between events (default: calibrated, chunk at --margin of the slowest "
+                         "warm-up rate)")
+    lk.add_argument("--margin", type=float, default=0.7, help="fraction of the slowest warm-up rate the cadence uses")
+    lk.add_argument("--pad-bytes", type=int, default=512, help="fixed streams: events padded to a multiple of this")
+    lk.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: the shared copy)")
+    lk.add_argument("--quiet", action="store_true", help="no progress bar")
+    lk.add_argument("--out", default="leak.json", help="JSON results file")
+    return lk
 
 
 def passages(n: int, path: Path) -> list[str]:
@@ -58,6 +94,8 @@ def passages(n: int, path: Path) -> list[str]:
 def observe(url: str, body: dict) -> dict:
     """One streamed chat completion as the observer sees it (event arrival times and sizes, from the
     request's start) and as the client sees it (time of the first text, the text)."""
+    import httpx
+
     t0 = time.monotonic()
     times, sizes, text, first = [], [], [], None
     buf = b""
@@ -119,75 +157,83 @@ def calibrate_interval(url: str, bodies: list[dict], chunk: int, margin: float) 
     return chunk / (slowest * margin), slowest
 
 
-def main_leak(a) -> int:
-    from ..api import SpecDecoder
+def main_leak(opts: LeakOptions) -> int:
     from ..prompts import default_dataset
-    from .local import serve_in_thread
+    from ..server.local import serve_in_thread
+    from ..server.pacing import StreamPacing
 
     try:
         import sklearn  # noqa: F401
     except ImportError:
         raise SpecDraftError("specdraft leak needs scikit-learn (pip install -r requirements.txt)") from None
-    if a.per_class < 10:
-        raise SpecDraftError(f"--per-class must be >= 10 (5-fold cross-validation), got {a.per_class}")
-    texts = passages(a.per_class + 2, Path(a.dataset) if a.dataset else default_dataset())
-    dec = SpecDecoder.load(a.target, draft=a.draft, dtype=a.dtype, draft_layers=a.draft_layers, backend=a.backend,
-                           draft_backend=a.draft_backend, threads=a.threads)
-    spec = {"method": a.method}
-    pacing = StreamPacing(a.chunk, 1.0, a.pad_bytes)  # the interval is set below, after calibration
+    if opts.per_class < 10:
+        raise SpecDraftError(f"--per-class must be >= 10 (5-fold cross-validation), got {opts.per_class}")
+    texts = passages(opts.per_class + 2, Path(opts.dataset) if opts.dataset else default_dataset())
+    dec = opts.models.load()
+    pacing = StreamPacing(opts.chunk, 1.0, opts.pad_bytes)  # the interval is set below, after calibration
 
     def body(cls: int, i: int) -> dict:
         return {"model": "m", "messages": [{"role": "user", "content": CLASSES[cls].format(p=texts[i])}],
-                "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+                "max_tokens": opts.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
 
-    with serve_in_thread(dec, model_name="m", default_spec=spec, stream_pacing=pacing) as (url, app):
-        warm = [body(c, a.per_class + j) for j in range(2) for c in (0, 1)]
-        interval, slowest = calibrate_interval(url, warm, a.chunk, a.margin)
-        if a.interval_ms:
-            interval = a.interval_ms / 1000
-        app.state.stream_pacing = StreamPacing(a.chunk, interval, a.pad_bytes)
-        print(f"slowest warm-up rate {slowest:.1f} tok/s; fixed streams: {a.chunk} tokens every "
-              f"{interval * 1000:.0f} ms, padded to {a.pad_bytes} B", file=sys.stderr)
-        obs = {m: [] for m in MODES}
-        labels = []
-        # the observer runs in its own process, as it would on another machine: in this one its clock
-        # would wait for the engine thread's turns at the GIL
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as observer:
-            for i in _progress(range(a.per_class), a.quiet):
-                for cls in (0, 1):
-                    labels.append(cls)
-                    for m, (mspec, mode) in MODES.items():
-                        b = {**body(cls, i), "stream_mode": mode, **({"spec": mspec} if mspec else {})}
-                        obs[m].append(observer.submit(observe, url, b).result())
+    with serve_in_thread(dec, model_name="m", default_spec={"method": opts.method}, stream_pacing=pacing) as (url, app):
+        warm = [body(c, opts.per_class + j) for j in range(2) for c in (0, 1)]
+        interval, slowest = calibrate_interval(url, warm, opts.chunk, opts.margin)
+        if opts.interval_ms:
+            interval = opts.interval_ms / 1000
+        app.state.stream_pacing = StreamPacing(opts.chunk, interval, opts.pad_bytes)
+        print(f"slowest warm-up rate {slowest:.1f} tok/s; fixed streams: {opts.chunk} tokens every "
+              f"{interval * 1000:.0f} ms, padded to {opts.pad_bytes} B", file=sys.stderr)
+        obs, labels = observe_modes(url, body, opts.per_class, opts.quiet)
     y = np.array(labels)
-    report = {"target": a.target, "backend": a.backend, "dtype": a.dtype, "method": a.method, "cpu": cpu_name(),
-              "per_class": a.per_class, "max_tokens": a.max_tokens, "chunk_tokens": a.chunk,
-              "interval_ms": round(interval * 1000, 1), "pad_bytes": a.pad_bytes,
-              "slowest_warmup_tok_s": round(slowest, 2), "chance_band_95": _chance_band(len(y)), "modes": {}}
-    for m, os_ in obs.items():
-        X = np.stack([features(o) for o in os_])
-        report["modes"][m] = {
-            "accuracy": classifier_accuracy(X, y),
-            "mean_total_s": round(statistics.fmean(o["total_s"] for o in os_), 3),
-            "mean_total_s_by_class": [round(statistics.fmean(o["total_s"] for o, c in zip(os_, y) if c == k), 3)
-                                      for k in (0, 1)],
-            "mean_events_by_class": [round(statistics.fmean(len(o["times"]) for o, c in zip(os_, y) if c == k), 2)
-                                     for k in (0, 1)],
-            "mean_first_text_s": round(statistics.fmean(o["first_text_s"] for o in os_ if o["first_text_s"]), 3),
-            "mean_events": round(statistics.fmean(len(o["times"]) for o in os_), 1),
-            "distinct_event_sizes": len({s for o in os_ for s in o["sizes"]}),
-        }
+    report = {"target": opts.models.target, "backend": opts.models.backend, "dtype": opts.models.dtype,
+              "method": opts.method, "cpu": cpu_name(), "per_class": opts.per_class, "max_tokens": opts.max_tokens,
+              "chunk_tokens": opts.chunk, "interval_ms": round(interval * 1000, 1), "pad_bytes": opts.pad_bytes,
+              "slowest_warmup_tok_s": round(slowest, 2), "chance_band_95": _chance_band(len(y)),
+              "modes": {m: mode_report(os_, y) for m, os_ in obs.items()}}
     same = all(obs["speculation, fixed stream"][j]["text"] == obs["speculation, normal stream"][j]["text"]
                for j in range(len(y)))
     report["fixed_text_equals_normal"] = same
     report["examples"] = {m: [{k: os_[j][k] for k in ("times", "sizes")} for j in (0, 1)] for m, os_ in obs.items()}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(report, indent=1) + "\n")
     raw = {m: [{k: o[k] for k in ("times", "sizes")} for o in os_] for m, os_ in obs.items()}
-    Path(a.out).with_suffix(".observations.json").write_text(json.dumps({"labels": labels, "modes": raw}) + "\n")
-    plot(report, str(Path(a.out).with_suffix(".png")))
+    Path(opts.out).with_suffix(".observations.json").write_text(json.dumps({"labels": labels, "modes": raw}) + "\n")
+    plot(report, str(Path(opts.out).with_suffix(".png")))
     print(table(report))
     return 0
+
+
+def observe_modes(url: str, body, per_class: int, quiet: bool) -> tuple[dict[str, list[dict]], list[int]]:
+    """Every mode on every prompt pair, interleaved per prompt: -> ({mode: observations}, class labels).
+    The observer runs in its own process, as it would on another machine: in this one its clock would wait
+    for the engine thread's turns at the GIL."""
+    obs = {m: [] for m in MODES}
+    labels = []
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as observer:
+        for i in _progress(range(per_class), quiet):
+            for cls in (0, 1):
+                labels.append(cls)
+                for m, (mspec, mode) in MODES.items():
+                    b = {**body(cls, i), "stream_mode": mode, **({"spec": mspec} if mspec else {})}
+                    obs[m].append(observer.submit(observe, url, b).result())
+    return obs, labels
+
+
+def mode_report(os_: list[dict], y: np.ndarray) -> dict:
+    """One mode's figures: the classifiers' accuracy, the latency it costs, what its events look like."""
+    X = np.stack([features(o) for o in os_])
+    return {
+        "accuracy": classifier_accuracy(X, y),
+        "mean_total_s": round(statistics.fmean(o["total_s"] for o in os_), 3),
+        "mean_total_s_by_class": [round(statistics.fmean(o["total_s"] for o, c in zip(os_, y) if c == k), 3)
+                                  for k in (0, 1)],
+        "mean_events_by_class": [round(statistics.fmean(len(o["times"]) for o, c in zip(os_, y) if c == k), 2)
+                                 for k in (0, 1)],
+        "mean_first_text_s": round(statistics.fmean(o["first_text_s"] for o in os_ if o["first_text_s"]), 3),
+        "mean_events": round(statistics.fmean(len(o["times"]) for o in os_), 1),
+        "distinct_event_sizes": len({s for o in os_ for s in o["sizes"]}),
+    }
 
 
 def table(r: dict) -> str:

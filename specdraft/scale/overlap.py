@@ -15,20 +15,23 @@ compete: ``model_time`` predicts that case from the per-forward costs and the ru
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError, SpecDraftError
 
 
 class _Side:
     """One model and one sequence's KV state, in its own process (a Ray actor)."""
 
     def __init__(self, name: str, dtype: str, threads: int, num_layers: int | None = None):
-        from .models.loading import load_model, set_threads
+        from ..models.loading import load_model, set_threads
 
         set_threads(threads)
         self.threads = threads
@@ -42,8 +45,8 @@ class _Side:
 
     def costs(self, ns: list[int], threads: int) -> dict[int, float]:
         """ms per forward of n tokens (specdraft/costs.py), on ``threads`` threads for this measurement."""
-        from .costs import measure_costs
-        from .models.loading import set_threads
+        from ..costs import measure_costs
+        from ..models.loading import set_threads
 
         set_threads(threads)
         try:
@@ -61,7 +64,7 @@ class _Side:
 class VerifySide(_Side):
     def verify(self, pending: int, drafts: list[int]) -> tuple[int, int]:
         """(drafts kept, the target's next token); the cache keeps pending + the kept drafts."""
-        from .verify import greedy_verify
+        from ..verify import greedy_verify
 
         logits = self.rows.forward([[pending] + drafts])
         n, nxt = greedy_verify(torch.tensor([drafts]), logits)
@@ -120,8 +123,8 @@ class OverlapPair:
 
     def __init__(self, target: str, draft: str, dtype: str = "bfloat16", k: int | None = None, threads: int = 1,
                  address: str | None = None, draft_layers: int | None = None):
-        from .models.loading import load_tokenizer
-        from .raycluster import connect
+        from ..models.loading import load_tokenizer
+        from .cluster import connect
 
         if k is not None and k < 1:
             raise ConfigError(f"k must be >= 1, got {k}")
@@ -232,7 +235,7 @@ def explain(doc: dict, costs_here: dict, costs_apart: dict, k: int) -> dict:
     records: the model with ``costs_here`` (the actors' own thread counts, as they ran) should match
     the measured decode time; with ``costs_apart`` (each process on a machine of its own) it predicts
     the speedup over plain decoding there (plain = one target forward per token at those costs)."""
-    from .metrics import speedup
+    from ..metrics import speedup
 
     out = {"k": k, "costs_here": costs_here, "costs_apart": costs_apart, "methods": {}}
     for method, overlap in (("pair_serial", False), ("pair_overlap", True)):
@@ -266,3 +269,58 @@ def render_explain(e: dict) -> str:
                      f"{m['decode_s_model_here']:.2f} | {err:+.0%} | {m['decode_s_model_apart']:.2f} | "
                      f"{m['speedup_model_apart']:.2f}x |")
     return "\n".join(lines)
+
+
+# --- specdraft overlap ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OverlapOptions:
+    """``specdraft overlap``'s flags."""
+    results: str  # bench results JSON with pair_serial / pair_overlap records
+    target: str | None = None  # default: the results' target
+    draft: str | None = None  # default: the results' draft
+    threads_apart: int | None = None  # threads each model gets on a machine of its own (default: this one's cores)
+    ray_address: str | None = None
+    out: str | None = None  # write the figures as JSON
+
+
+def add_parser(sub):
+    ov = sub.add_parser("overlap", help="model the overlapped draft/verify pair from a bench run (measured vs "
+                        "modelled here; predicted with a machine per model)")
+    ov.add_argument("results", help="bench results JSON with pair_serial / pair_overlap records")
+    ov.add_argument("--target", default=None, help="default: the results' target")
+    ov.add_argument("--draft", default=None, help="default: the results' draft")
+    ov.add_argument("--threads-apart", type=int, default=None,
+                    help="threads each model gets on a machine of its own (default: this machine's cores)")
+    ov.add_argument("--ray-address", default=None)
+    ov.add_argument("-o", "--out", default=None, help="write the figures as JSON")
+    return ov
+
+
+def main_overlap(opts: OverlapOptions) -> int:
+    """Model the overlapped draft/verify pair from a bench run of pair_serial / pair_overlap (docs/scale.md)."""
+    path = Path(opts.results)
+    if not path.exists():
+        raise SpecDraftError(f"no results file {path} (run specdraft bench --methods plain,pair_serial,pair_overlap)")
+    doc = json.loads(path.read_text())
+    settings = doc.get("settings", {})
+    target, draft = opts.target or settings.get("target"), opts.draft or settings.get("draft")
+    if not draft:
+        raise SpecDraftError("the results name no draft model: pass --draft NAME")
+    ran = next((m for n, m in settings.get("methods", {}).items() if n in ("pair_overlap", "pair_serial")), None)
+    if ran is None:
+        raise SpecDraftError(f"{path} has no pair_serial / pair_overlap results")
+    threads = ran["threads"]
+    k = ran["k"] or next((r["steps"][0][0] for r in doc["records"] if r["method"].startswith("pair_") and r["steps"]),
+                         None)  # the k the run measured for itself
+    if k is None:
+        raise SpecDraftError(f"{path} has no pair steps yet")
+    pair = OverlapPair(target, draft, settings.get("dtype", "bfloat16"), k, threads=threads, address=opts.ray_address,
+                       draft_layers=settings.get("draft_layers"))
+    apart = opts.threads_apart or os.cpu_count()
+    e = explain(doc, pair.costs([1, k + 1], threads), pair.costs([1, k + 1], apart), k)
+    pair.close()
+    e.update(results=str(path), threads_apart=apart, pair_threads=threads)
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(e, indent=1))
+    print(render_explain(e))
+    return 0

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ..errors import SpecDraftError
@@ -24,6 +25,43 @@ from .client import PROMPTS, pct, send
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_REQUESTS = 1000
 MAX_CONCURRENCY = 64
+
+
+@dataclass(frozen=True)
+class LoadtestOptions:
+    """``specdraft loadtest``'s flags."""
+    url: str = "http://127.0.0.1:8000"  # loopback only
+    concurrency: str = "1,4,16"  # a comma list of concurrent clients
+    requests: int = 16  # per concurrency level and mode
+    max_tokens: int = 64
+    timeout: float = 300.0  # seconds for the whole run (and per request)
+    modes: str = "spec,plain"
+    spec: str | None = None  # SpecConfig JSON for the spec mode (default: the server's)
+    out: str = "loadtest.json"
+    api_key: str | None = None  # default: $SPECDRAFT_API_KEY
+    soak: bool = False
+    disconnects: int = 1000  # --soak: requests whose clients disconnect
+    soak_methods: str = "prompt_lookup,plain"
+
+
+def add_parser(sub):
+    lt = sub.add_parser("loadtest", help="load-test a local specdraft server (spec on vs off)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
+    lt.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent clients")
+    lt.add_argument("--requests", type=int, default=16, help="requests per concurrency level and mode")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (and per request)")
+    lt.add_argument("--modes", default="spec,plain", help="spec (server default) and/or plain (spec off)")
+    lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
+    lt.add_argument("--out", default="loadtest.json", help="JSON results file")
+    lt.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDRAFT_API_KEY)")
+    lt.add_argument("--soak", action="store_true", help="mixed load at each --concurrency level (--requests each), "
+                    "every greedy answer checked against the same request alone, then --disconnects requests whose "
+                    "clients leave at random points, and the server's /health before and after")
+    lt.add_argument("--disconnects", type=int, default=1000, help="--soak: requests whose clients disconnect")
+    lt.add_argument("--soak-methods", default="prompt_lookup,plain", help="--soak: methods the requests draw from")
+    return lt
+
 
 def check_url(url: str) -> str:
     u = urlparse(url)
@@ -112,17 +150,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _soak(a, url, headers, levels) -> int:
+def _soak(opts: LoadtestOptions, url, headers, levels) -> int:
     from .soak import run_soak
 
-    if not 0 <= a.disconnects <= MAX_REQUESTS:
-        raise SpecDraftError(f"--disconnects must be in 0..{MAX_REQUESTS}, got {a.disconnects}")
-    methods = [m.strip() for m in a.soak_methods.split(",") if m.strip()]
-    out = run_soak(url, headers, levels, a.requests, a.disconnects, methods, a.timeout)
+    if not 0 <= opts.disconnects <= MAX_REQUESTS:
+        raise SpecDraftError(f"--disconnects must be in 0..{MAX_REQUESTS}, got {opts.disconnects}")
+    methods = [m.strip() for m in opts.soak_methods.split(",") if m.strip()]
+    out = run_soak(url, headers, levels, opts.requests, opts.disconnects, methods, opts.timeout)
     print(soak_table(out))
-    with open(a.out, "w") as f:
+    with open(opts.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"saved {a.out}", file=sys.stderr)
+    print(f"saved {opts.out}", file=sys.stderr)
     return 0
 
 
@@ -143,26 +181,26 @@ def soak_table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def main_loadtest(a) -> int:
+def main_loadtest(opts: LoadtestOptions) -> int:
     import httpx
 
-    url = check_url(a.url)
-    key = getattr(a, "api_key", None) or os.environ.get("SPECDRAFT_API_KEY")
+    url = check_url(opts.url)
+    key = opts.api_key or os.environ.get("SPECDRAFT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    levels = parse_levels(a.concurrency)
-    if not 1 <= a.requests <= MAX_REQUESTS:
-        raise SpecDraftError(f"--requests must be in 1..{MAX_REQUESTS}, got {a.requests}")
-    if a.max_tokens < 1:
-        raise SpecDraftError(f"--max-tokens must be >= 1, got {a.max_tokens}")
-    if not 0 < a.timeout <= 3600:
-        raise SpecDraftError(f"--timeout must be in (0, 3600] seconds, got {a.timeout}")
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    levels = parse_levels(opts.concurrency)
+    if not 1 <= opts.requests <= MAX_REQUESTS:
+        raise SpecDraftError(f"--requests must be in 1..{MAX_REQUESTS}, got {opts.requests}")
+    if opts.max_tokens < 1:
+        raise SpecDraftError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
+    if not 0 < opts.timeout <= 3600:
+        raise SpecDraftError(f"--timeout must be in (0, 3600] seconds, got {opts.timeout}")
+    modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     if not modes or any(m not in ("spec", "plain") for m in modes):
-        raise SpecDraftError(f"--modes must be a comma list of spec, plain; got {a.modes!r}")
+        raise SpecDraftError(f"--modes must be a comma list of spec, plain; got {opts.modes!r}")
     spec = None
-    if a.spec:
+    if opts.spec:
         try:
-            spec = json.loads(a.spec)
+            spec = json.loads(opts.spec)
         except json.JSONDecodeError as e:
             raise SpecDraftError(f"--spec is not valid JSON: {e}") from None
     try:
@@ -170,23 +208,23 @@ def main_loadtest(a) -> int:
         model = httpx.get(url + "/v1/models", timeout=10, headers=headers).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         raise SpecDraftError(f"no specdraft server answers at {url}: {e}") from None
-    if getattr(a, "soak", False):
-        return _soak(a, url, headers, levels)
-    deadline = time.perf_counter() + a.timeout
+    if opts.soak:
+        return _soak(opts, url, headers, levels)
+    deadline = time.perf_counter() + opts.timeout
     rows = []
     for conc in levels:
         for mode in modes:
-            r = run_level(url, model, conc, a.requests, a.max_tokens,
+            r = run_level(url, model, conc, opts.requests, opts.max_tokens,
                           {"method": "plain"} if mode == "plain" else spec, deadline, headers)
             r["mode"] = mode
             rows.append(r)
             print(table([r]).splitlines()[-1], file=sys.stderr, flush=True)
-    out = {"url": url, "model": model, "scheduler": h.get("scheduler"), "max_tokens": a.max_tokens,
+    out = {"url": url, "model": model, "scheduler": h.get("scheduler"), "max_tokens": opts.max_tokens,
            "spec": spec, "results": rows}
     print(table(rows))
-    with open(a.out, "w") as f:
+    with open(opts.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"saved {a.out}", file=sys.stderr)
+    print(f"saved {opts.out}", file=sys.stderr)
     errors = sum(r["errors"] for r in rows)
     if errors:
         print(f"warning: {errors} request(s) failed; first: {next(r['first_error'] for r in rows if r['errors'])}",
