@@ -218,12 +218,12 @@ class SpecDecoder:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         sp = SamplingParams.from_dict(sampling)
         if spec is None or (isinstance(spec, dict) and "method" not in spec):
-            sc, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
+            spec, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
         else:
-            sc = SpecConfig.from_dict(spec)
-            drafter = self.make_drafter(sc)
+            spec = SpecConfig.from_dict(spec)
+            drafter = self.make_drafter(spec)
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(sc),
+        return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
                         on_emit=on_emit)
 
 

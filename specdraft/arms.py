@@ -33,7 +33,7 @@ def cpu_key() -> str:
 
 
 def default_path(dec) -> Path:
-    from .models.registry import home
+    from .models.catalog import home
 
     t = dec.target
     d = dec.draft

@@ -136,17 +136,17 @@ def _check_before_loading(spec, a) -> str | None:
 
 
 def cmd_models(a) -> int:
-    from .models import registry
+    from .models import catalog
 
     if a.action == "list":
-        for r in registry.status():
+        for r in catalog.status():
             state = "ready" if r["dense"] else ("gguf only" if r["gguf"] else "not pulled")
             print(f"{r['name']:22s} {state:11s} {r['description']}")
         from .models.quantize import variants
 
         for name, rec in variants().items():
             print(f"{name:22s} {'ready':11s} {rec['type']} re-quantized from {rec['source']} (llama backend)")
-        print(f"(models live in {registry.home()}; set SPECDRAFT_HOME to move them)")
+        print(f"(models live in {catalog.home()}; set SPECDRAFT_HOME to move them)")
         return 0
     if a.action == "quantize":
         from .models.quantize import quantize
@@ -156,9 +156,9 @@ def cmd_models(a) -> int:
         for n in a.names:
             print(quantize(n, a.type, a.threads))
         return 0
-    names = a.names or list(registry.MODELS)
+    names = a.names or list(catalog.MODELS)
     for n in names:
-        print(registry.pull(n))
+        print(catalog.pull(n))
     return 0
 
 

@@ -85,10 +85,10 @@ def check_llama(r: Report, model_path) -> bool:
 
 
 def check_models(r: Report) -> list[str]:
-    from .models import registry
+    from .models import catalog
 
-    ready = [s["name"] for s in registry.status() if s["dense"]]
-    missing = [s["name"] for s in registry.status() if not s["dense"]]
+    ready = [s["name"] for s in catalog.status() if s["dense"]]
+    missing = [s["name"] for s in catalog.status() if not s["dense"]]
     r.say("models", (f"ready: {', '.join(ready)}" if ready else "none ready")
           + (f"; not pulled: {', '.join(missing)} (`make models`)" if missing else ""))
     return ready
@@ -160,7 +160,7 @@ def add_parser(sub):
 def main_doctor(model: str | None = None, costs: bool = True, threads: int | None = None) -> int:
     """``model``: the one whose cost curves are measured (default: the Qwen 1.5B target if pulled, else
     SmolLM2); ``costs`` False skips the curves."""
-    from .models import registry
+    from .models import catalog
     from .models.loading import set_threads
 
     threads = set_threads(threads)
@@ -168,7 +168,7 @@ def main_doctor(model: str | None = None, costs: bool = True, threads: int | Non
     print(f"specdraft doctor, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     check_cpu_and_torch(r, threads)
     ready = check_models(r)
-    gguf = registry.gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
+    gguf = catalog.gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
     llama_ok = check_llama(r, gguf)
     model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
     if costs and model:

@@ -56,14 +56,14 @@ def tiny_model_dir(d, layers=2):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.models import registry
+    from specdraft.models import catalog
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       eos_token_id=2, bos_token_id=1)
     LlamaForCausalLM(cfg).save_pretrained(d)
-    for f in registry.pull("smollm2-135m").iterdir():  # only its tokenizer files are used
+    for f in catalog.pull("smollm2-135m").iterdir():  # only its tokenizer files are used
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, d / f.name)
     return d

@@ -183,13 +183,13 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.models import registry
+    from specdraft.models import catalog
 
     d = tmp_path / "tiny_qwen_tok"
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, eos_token_id=151643)).save_pretrained(d)
-    for f in registry.pull("qwen2.5-coder-0.5b").iterdir():
+    for f in catalog.pull("qwen2.5-coder-0.5b").iterdir():
         if f.name.startswith(("tokenizer", "vocab", "merges", "chat_template")):
             shutil.copy(f, d / f.name)
     out = tmp_path / "uad.json"

@@ -86,8 +86,8 @@ def test_greedy_matches_plain_and_accepts(pair):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=40)
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
-    for cfg in [SpecConfig(k=3), SpecConfig(k=2, schedule="heuristic", max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
-        out = generate(target, DraftModelDrafter(draft, cfg, V), PROMPT, sp, eos_ids=set())
+    for spec in [SpecConfig(k=3), SpecConfig(k=2, schedule="heuristic", max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
+        out = generate(target, DraftModelDrafter(draft, spec, V), PROMPT, sp, eos_ids=set())
         assert out.token_ids == ref.token_ids
         assert out.stats.accepted > 0 and out.stats.drafted > out.stats.accepted
     assert len(ref.token_ids) == 40 and ref.stats.finish_reason == "length"
@@ -189,9 +189,9 @@ def test_draft_tree_cache_compaction_matches_direct_decoding(pair):
 
     target, draft = pair
     fresh = HFModel(draft.model)
-    for cfg, sp in [(SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
+    for spec, sp in [(SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
                     (SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5), SamplingParams(temperature=1.0, seed=3, max_new_tokens=30))]:
-        d = DraftTreeDrafter(draft, cfg, V)
+        d = DraftTreeDrafter(draft, spec, V)
         seen = []
 
         def check(new, d=d, seen=seen):

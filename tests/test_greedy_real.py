@@ -64,13 +64,13 @@ def prompts_for(kind):
 
 @pytest.mark.parametrize("draft_kind", list(DRAFTS))
 def test_draft_model_greedy_exact(smol_f32, smol_variant, reference, draft_kind):
-    dtype, layers, cfg = DRAFTS[draft_kind]
+    dtype, layers, spec = DRAFTS[draft_kind]
     draft = smol_variant(dtype, layers)  # loaded once per session
     dec = SpecDecoder(smol_f32, draft)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
     for p in prompts_for(draft_kind):
-        out = dec.generate(p, sampling=sp, spec=cfg, chat=True)
+        out = dec.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == reference[p], f"{draft_kind} diverged on {p!r}"
         accepted += out.stats.accepted
         drafted += out.stats.drafted

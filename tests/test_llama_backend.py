@@ -296,19 +296,19 @@ def test_costs_command(tmp_path):
 
 def test_quantize_registers_a_variant(tmp_path, monkeypatch):
     """`models quantize` writes another type through llama.cpp, records it, and it loads by NAME:TYPE."""
-    from specdraft.models import quantize, registry
+    from specdraft.models import catalog, quantize
 
-    real = registry.home()
+    real = catalog.home()
     (tmp_path / "gguf").mkdir()
     (tmp_path / "dense").mkdir()
-    spec = registry.get_spec("smollm2-135m")
+    spec = catalog.get_spec("smollm2-135m")
     (tmp_path / "gguf" / spec.gguf_name).symlink_to(real / "gguf" / spec.gguf_name)
     (tmp_path / "dense" / "smollm2-135m").symlink_to(real / "dense" / "smollm2-135m")
     monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
     path = quantize.quantize("smollm2-135m", "Q8_0")
     assert path.parent == tmp_path / "gguf" and path.stat().st_size > 100_000_000  # 8 bits > the 4-bit source
     rec = quantize.variants()["smollm2-135m:Q8_0"]
-    assert rec["sha256"] == registry.sha256_file(path)
+    assert rec["sha256"] == catalog.sha256_file(path)
     from specdraft.api import SpecDecoder
 
     d = SpecDecoder.load("smollm2-135m:Q8_0", backend="llama")

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gguf():
-    from specdraft.models import registry
+    from specdraft.models import catalog
 
-    registry.pull("smollm2-135m")
-    return registry.gguf_path("smollm2-135m")
+    catalog.pull("smollm2-135m")
+    return catalog.gguf_path("smollm2-135m")
 
 
 @pytest.fixture

@@ -176,9 +176,9 @@ def test_datastore_cli_errors_are_one_line(tmp_path, args, msg):
 # --- suffix drafter ---------------------------------------------------------------------------
 def test_suffix_drafter_proposals(tmp_path):
     sp = SamplingParams()
-    cfg = SpecConfig(method="suffix", k=8, tree_nodes=8, min_token_prob=0.0)
+    spec = SpecConfig(method="suffix", k=8, tree_nodes=8, min_token_prob=0.0)
     text = [9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2, 3, 5, 6, 1, 2, 3]
-    a, b = SuffixDrafter(cfg), SuffixDrafter(cfg)
+    a, b = SuffixDrafter(spec), SuffixDrafter(spec)
     a.begin(text, sp, None)
     b.begin(text[:3], sp, None)
     ta, tb = a.propose(text, 8), b.propose(text, 8)  # b extends incrementally: same state, same draft
@@ -193,11 +193,11 @@ def test_suffix_drafter_proposals(tmp_path):
     assert half.propose(text, 8).tokens.tolist() == [4]  # ceil(0.5 x 3) = 2 deep, but only p >= 0.5
     # the global store wins when its tree is better
     store = ds.build([[7, 7, 1, 2, 6, 6, 6]] * 5, tmp_path / "s")
-    g = SuffixDrafter(cfg, store)
+    g = SuffixDrafter(spec, store)
     ctx = [7, 7, 1, 2]
     g.begin(ctx, sp, None)
     assert g.propose(ctx, 8).tokens.tolist() == [6, 6, 6] and g.last_source == "global"
-    assert SuffixDrafter(cfg).propose([5], 4).size == 0
+    assert SuffixDrafter(spec).propose([5], 4).size == 0
 
 
 # --- token recycling --------------------------------------------------------------------------
@@ -331,13 +331,13 @@ def test_suffix_incremental_equals_fresh(tmp_path):
     rng = np.random.default_rng(5)
     corpus = [rng.integers(0, 4, 60) for _ in range(10)]
     store = ds.build(corpus, tmp_path / "s", sort_depth=16)
-    cfg = SpecConfig(method="suffix", k=6, min_token_prob=0.0, tree_nodes=10)
+    spec = SpecConfig(method="suffix", k=6, min_token_prob=0.0, tree_nodes=10)
     tokens = rng.integers(0, 4, 5).tolist()
-    inc = SuffixDrafter(cfg, store)
+    inc = SuffixDrafter(spec, store)
     inc.begin(tokens, SamplingParams(), None)
     for _ in range(40):
         tokens += rng.integers(0, 4, int(rng.integers(1, 4))).tolist()
-        fresh = SuffixDrafter(cfg, store)
+        fresh = SuffixDrafter(spec, store)
         fresh.begin(tokens, SamplingParams(), None)
         a, b = inc.propose(tokens, 6), fresh.propose(tokens, 6)
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()

@@ -45,11 +45,11 @@ def test_model_free_greedy_exact(smol, reference, store, name):
     d = dict(CONFIGS[name])
     if d.get("datastore") == "STORE":
         d["datastore"] = store
-    cfg = SpecConfig.from_dict(d)
+    spec = SpecConfig.from_dict(d)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
     for p in PROMPTS:
-        out = smol.generate(p, sampling=sp, spec=cfg, chat=True)
+        out = smol.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == reference[p], f"{name} diverged on {p!r}"
         accepted += out.stats.accepted
         drafted += out.stats.drafted

@@ -191,8 +191,8 @@ class AutoDrafter(Composite):
         return best
 
     @property
-    def cfg(self):  # the draft model's group reads the drafting arm's config
-        return self.arms[self.current].drafter.cfg
+    def spec(self):  # the draft model's group reads the drafting arm's config
+        return self.arms[self.current].drafter.spec
 
     def plan(self, tokens, cap):
         self.cap = cap

@@ -34,8 +34,8 @@ class Composite(Drafter):
         self.arm: str | None = None  # the name of what drafted this step (reported per step)
 
     @property
-    def cfg(self):  # the draft model's group reads its row's drafter's cfg (confidence threshold, cascade)
-        return self.model.cfg
+    def spec(self):  # the draft model's group reads its row's drafter's spec (confidence threshold, cascade)
+        return self.model.spec
 
     def plan(self, tokens: list[int], cap: int) -> tuple[DraftTree | None, int]:
         raise NotImplementedError

@@ -101,15 +101,15 @@ class VocabBridge:
 
 
 class CrossVocabDrafter(Drafter):
-    name = "draft_model"
+    name = "cross_vocab"  # method draft_model with a draft of another tokenizer
 
-    def __init__(self, model, bridge: VocabBridge, cfg: SpecConfig, target_vocab: int):
-        self.model, self.bridge, self.cfg, self.target_vocab = model, bridge, cfg, target_vocab
+    def __init__(self, model, bridge: VocabBridge, spec: SpecConfig, target_vocab: int):
+        self.model, self.bridge, self.spec, self.target_vocab = model, bridge, spec, target_vocab
         self.draft_eos = model.eos_token_ids()
         self.kv = None
 
     def max_draft_depth(self) -> int:
-        return self.cfg.k
+        return self.spec.k
 
     def begin(self, prompt_ids, sp, generator) -> None:
         self.sp, self.gen = sp, generator
@@ -136,7 +136,7 @@ class CrossVocabDrafter(Drafter):
         feed = self._sync(tokens, max_tokens) if max_tokens > 0 else None
         if feed is None:
             return DraftTree.empty()
-        thr = self.cfg.confidence_threshold
+        thr = self.spec.confidence_threshold
         n_ctx = len(self.held) + len(feed)  # the draft's context; drafted tokens follow it
         drafted, targets, probs = [], [], []
         for step in range(max_tokens):

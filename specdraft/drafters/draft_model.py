@@ -35,9 +35,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft_model"
 
-    def __init__(self, model, cfg: SpecConfig, target_vocab: int):
+    def __init__(self, model, spec: SpecConfig, target_vocab: int):
         self.model = model  # a TargetModel (models/base.py) of the draft
-        self.cfg = cfg
+        self.spec = spec
         self.target_vocab = target_vocab
         self.group_key = ("draft_model", id(getattr(model, "model", model)))
 
@@ -45,7 +45,7 @@ class DraftModelDrafter(Drafter):
         return DraftModelGroup(self.model, self.target_vocab)
 
     def max_draft_depth(self) -> int:
-        return self.cfg.k
+        return self.spec.k
 
 
 class DraftModelGroup:
@@ -127,12 +127,12 @@ class DraftModelGroup:
     def _proposal(m, out: list, cap: int) -> list[int]:
         """Vertical cascade (``cascade_k`` > 0): prompt lookup's continuation of the row's context + the
         draft so far, for the draft model to check; room is left for the draft's own next token."""
-        cfg = m.drafter.cfg
-        n = min(cfg.cascade_k, cap - len(out) - 1)
-        if cfg.method != "cascade" or n <= 0:
+        spec = m.drafter.spec
+        n = min(spec.cascade_k, cap - len(out) - 1)
+        if spec.method != "cascade" or n <= 0:
             return []
         ctx = np.asarray(m.tokens + [int(t) for t in out], dtype=np.int64)
-        return find_candidate(ctx, cfg.min_ngram, cfg.max_ngram, n).tolist()
+        return find_candidate(ctx, spec.min_ngram, spec.max_ngram, n).tolist()
 
     @staticmethod
     def _draw(m, logits: torch.Tensor, step: int, out: list, probs: list, cap: int, proposal: int | None = None) -> bool:
@@ -141,7 +141,7 @@ class DraftModelGroup:
         ``proposal`` is taken as the draft token when the draft model agrees: greedy, when it is the
         argmax; sampling, with probability q(proposal), else a draw from q without it, which leaves
         the token distributed exactly as q (the q reported to the verifier)."""
-        thr = m.drafter.cfg.confidence_threshold
+        thr = m.drafter.spec.confidence_threshold
         if m.processor is not None:  # the history of this draft position: the context + the draft so far
             logits = m.processor.process(logits[None], m.tokens + [int(t) for t in out])[0]
         if m.sp.greedy:

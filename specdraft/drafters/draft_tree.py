@@ -43,7 +43,7 @@ class TreeGrower:
     """The tree-building half of a tree drafter, written once for every drafter that scores one tree
     level per forward: DraftTreeDrafter (a draft model) and EagleDrafter (the EAGLE head).
 
-    The drafter has ``cfg``, ``sp`` and ``gen``; it calls ``_tree_shape(cfg)`` once, ``_start_tree(ctx)``
+    The drafter has ``spec``, ``sp`` and ``gen``; it calls ``_tree_shape(spec)`` once, ``_start_tree(ctx)``
     at the start of every ``propose`` (ctx: the cached context positions the nodes attend to), then
     ``_grow(root_logits, depth, score_level)``, where ``score_level(nodes)`` feeds ``nodes`` (all at one
     depth; ``_level_mask`` gives their mask and positions) and returns the logits [len(nodes), V] of
@@ -52,15 +52,15 @@ class TreeGrower:
     in the returned DraftTree (their order is the tree's node order).
     """
 
-    def _tree_shape(self, cfg: SpecConfig) -> None:
+    def _tree_shape(self, spec: SpecConfig) -> None:
         self.n_children: dict[tuple[int, ...], int] = {}
-        if cfg.tree == "static":
-            ch = [tuple(c) for c in cfg.tree_choices] if cfg.tree_choices else choices_from_branching(cfg.tree_branching)
+        if spec.tree == "static":
+            ch = [tuple(c) for c in spec.tree_choices] if spec.tree_choices else choices_from_branching(spec.tree_branching)
             for c in ch:
                 self.n_children[c[:-1]] = max(self.n_children.get(c[:-1], 0), c[-1] + 1)
             self.max_depth = max(len(c) for c in ch)
         else:
-            self.max_depth = cfg.k
+            self.max_depth = spec.k
 
     def _start_tree(self, ctx: int, history: list[int] | None = None) -> None:
         self._history = history  # the context's tokens, for the request's processor (penalties, grammar)
@@ -129,10 +129,10 @@ class TreeGrower:
         nodes with the highest cumulative draft log-probability, ``tree_topk`` children each; greedy
         reranks every candidate to the ``tree_budget`` best (ancestor-closed), sampling stops drawing
         at the budget."""
-        static = self.cfg.tree == "static"
-        budget = self.cfg.tree_budget
+        static = self.spec.tree == "static"
+        budget = self.spec.tree_budget
         greedy = self.sp.greedy
-        topk = self.cfg.tree_topk
+        topk = self.spec.tree_topk
         m0 = self.n_children.get((), 0) if static else topk
         if not static and not greedy:
             m0 = min(m0, budget)
@@ -172,15 +172,15 @@ class TreeGrower:
 
 class DraftTreeDrafter(TreeGrower, Drafter):
     """A draft model's token tree, one per request over its own single-sequence cache (``model`` is
-    an HFModel wrapper of its own over shared weights: ``HFModel.view()``)."""
+    an HFModel wrapper of its own over shared weights: ``HFModel.view()``). Method draft_model with a tree."""
 
-    name = "draft_model"
+    name = "draft_tree"
 
-    def __init__(self, model: HFModel, cfg: SpecConfig, target_vocab: int):
+    def __init__(self, model: HFModel, spec: SpecConfig, target_vocab: int):
         self.model = model
-        self.cfg = cfg
+        self.spec = spec
         self.target_vocab = target_vocab
-        self._tree_shape(cfg)
+        self._tree_shape(spec)
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.model.reset()

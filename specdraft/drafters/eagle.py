@@ -46,12 +46,12 @@ class EagleDrafter(TreeGrower, Drafter):
     wants_hidden = True
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
 
-    def __init__(self, target: HFModel, head: EagleHead, cfg: SpecConfig):
-        self.target, self.head, self.cfg = target, head, cfg
-        if cfg.tree == "chain":
-            self.max_depth = cfg.k
+    def __init__(self, target: HFModel, head: EagleHead, spec: SpecConfig):
+        self.target, self.head, self.spec = target, head, spec
+        if spec.tree == "chain":
+            self.max_depth = spec.k
         else:
-            self._tree_shape(cfg)
+            self._tree_shape(spec)
         self.lm_head = lm_head_of(target)
         self.embed = embed_of(target)
         self.V = target.vocab_size
@@ -100,7 +100,7 @@ class EagleDrafter(TreeGrower, Drafter):
             self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
         f = self._step(self.feats[self.n_true:], torch.tensor(tokens[self.n_true + 1:], dtype=torch.long), self.n_true)
         self.n_true = n - 1
-        if self.cfg.tree != "chain":
+        if self.spec.tree != "chain":
             self._start_tree(self.n_true)
             self._pf = {-1: f}  # predicted feature of each fed node (-1: the last true position)
             self._draft = self._grow(self.logits(f), k, self._score_level)

@@ -38,8 +38,8 @@ class LookaheadDrafter(Drafter):
     name = "lookahead"
     reads_fed_positions = True  # observe_target reads the Jacobi window's rows of the fed tree
 
-    def __init__(self, cfg: SpecConfig):
-        self.W, self.N, self.G = cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_max_ngrams
+    def __init__(self, spec: SpecConfig):
+        self.W, self.N, self.G = spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_max_ngrams
         self.levels: list[list[int]] = []
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self._top: list[int] = []  # node index of each column's top-level node in the last draft

@@ -52,17 +52,17 @@ def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) 
     return rows
 
 
-def tree_plan(cfg: SpecConfig, n_heads: int, method: str) -> list[tuple[int, ...]]:
+def tree_plan(spec: SpecConfig, n_heads: int, method: str) -> list[tuple[int, ...]]:
     """The tree shape as Medusa choices, level order."""
-    if cfg.tree == "dynamic":
+    if spec.tree == "dynamic":
         raise ConfigError(f"method {method!r} drafts a chain or a static tree (tree_choices / tree_branching), "
                           "not tree='dynamic'")
-    if cfg.tree == "chain":
-        ch = [(0,) * d for d in range(1, min(cfg.k, n_heads) + 1)]
-    elif cfg.tree_choices:
-        ch = [tuple(c) for c in cfg.tree_choices]
+    if spec.tree == "chain":
+        ch = [(0,) * d for d in range(1, min(spec.k, n_heads) + 1)]
+    elif spec.tree_choices:
+        ch = [tuple(c) for c in spec.tree_choices]
     else:
-        ch = choices_from_branching(cfg.tree_branching)
+        ch = choices_from_branching(spec.tree_branching)
     deep = max(len(c) for c in ch)
     if deep > n_heads:
         raise ConfigError(f"the tree is {deep} deep but the Medusa head has {n_heads} heads (one per depth); "
@@ -89,12 +89,12 @@ class MedusaDrafter(Drafter):
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
     draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
 
-    def __init__(self, target: HFModel, heads: MedusaHeads, cfg: SpecConfig):
+    def __init__(self, target: HFModel, heads: MedusaHeads, spec: SpecConfig):
         self.target = target
         self.heads = heads
-        self.cfg = cfg
+        self.spec = spec
         self.lm_head = lm_head_of(target)
-        self.plan = tree_plan(cfg, heads.n_heads, "medusa")
+        self.plan = tree_plan(spec, heads.n_heads, "medusa")
 
     def max_draft_depth(self) -> int:
         return max(len(c) for c in self.plan)

@@ -57,23 +57,23 @@ def trie(paths: list[np.ndarray]) -> DraftTree:
 class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
 
-    def __init__(self, cfg: SpecConfig):
-        self.cfg = cfg
+    def __init__(self, spec: SpecConfig):
+        self.spec = spec
 
     def max_draft_depth(self) -> int:
-        return self.cfg.k
+        return self.spec.k
 
     def begin(self, prompt_ids, sp, generator):
         pass
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        k = min(self.cfg.k, max_tokens)
+        k = min(self.spec.k, max_tokens)
         if k <= 0:
             return DraftTree.empty()
         arr = np.asarray(tokens, dtype=np.int64)
-        if self.cfg.branches > 1:
-            return trie(find_candidates(arr, self.cfg.min_ngram, self.cfg.max_ngram, k, self.cfg.branches))
-        cand = find_candidate(arr, self.cfg.min_ngram, self.cfg.max_ngram, k)
+        if self.spec.branches > 1:
+            return trie(find_candidates(arr, self.spec.min_ngram, self.spec.max_ngram, k, self.spec.branches))
+        cand = find_candidate(arr, self.spec.min_ngram, self.spec.max_ngram, k)
         return DraftTree.chain(torch.from_numpy(cand.copy()))
 
     def feedback(self, num_accepted, emitted):

@@ -203,8 +203,8 @@ def continuation_paths(tokens: np.ndarray, ends: np.ndarray, depth: int) -> np.n
 class SuffixDrafter(Drafter):
     name = "suffix"
 
-    def __init__(self, cfg: SpecConfig, datastore=None):
-        self.cfg = cfg
+    def __init__(self, spec: SpecConfig, datastore=None):
+        self.spec = spec
         self.store = datastore  # a Datastore or None
         self.sam = SuffixAutomaton()
         self._buf = np.empty(0, dtype=np.int64)
@@ -212,7 +212,7 @@ class SuffixDrafter(Drafter):
         self.last_source = None  # "local" | "global" | None: which tree the last proposal used
 
     def max_draft_depth(self) -> int:
-        return self.cfg.k
+        return self.spec.k
 
     def begin(self, prompt_ids, sp, generator):
         self.sam = SuffixAutomaton()
@@ -236,36 +236,36 @@ class SuffixDrafter(Drafter):
         self._buf[n:end] = new
 
     def _depth(self, match_len: int, max_tokens: int) -> int:
-        return min(self.cfg.k, max_tokens, math.ceil(self.cfg.max_spec_factor * match_len))
+        return min(self.spec.k, max_tokens, math.ceil(self.spec.max_spec_factor * match_len))
 
     def local_tree(self, max_tokens: int):
         m = self.sam.match_len()
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0:
             return None
-        ends = np.asarray(self.sam.end_positions(self.sam.match_state(), self.cfg.max_occurrences), dtype=np.int64)
+        ends = np.asarray(self.sam.end_positions(self.sam.match_state(), self.spec.max_occurrences), dtype=np.int64)
         if ends.size == 0:
             return None
         paths = continuation_paths(self._buf[: len(self.sam)], ends, depth)
-        return count_tree(paths, self.cfg.tree_nodes, self.cfg.min_token_prob)
+        return count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
 
     def global_tree(self, tokens: list[int], max_tokens: int):
         if self.store is None:
             return None
         # the match can grow by at most the tokens appended since the last lookup
         bound = None if self._g_at is None else self._g_m + len(tokens) - self._g_at
-        m, ends = self.store.lookup(tokens, self.cfg.max_occurrences, bound)
+        m, ends = self.store.lookup(tokens, self.spec.max_occurrences, bound)
         self._g_m, self._g_at = m, len(tokens)
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0 or ends.size == 0:
             return None
         paths = continuation_paths(self.store.tokens, ends, depth)
-        return count_tree(paths, self.cfg.tree_nodes, self.cfg.min_token_prob)
+        return count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._sync(tokens)
         self.last_source = None
-        if min(self.cfg.k, max_tokens) <= 0:
+        if min(self.spec.k, max_tokens) <= 0:
             return DraftTree.empty()
         best, best_score = None, 0.0
         for source, tree in (("local", self.local_tree(max_tokens)), ("global", self.global_tree(tokens, max_tokens))):

@@ -81,9 +81,9 @@ class TokenRecyclingDrafter(Drafter):
     name = "token_recycling"
     reproducible = False  # its table learns from every request the decoder serves
 
-    def __init__(self, cfg: SpecConfig, vocab_size: int, table: AdjacencyTable | None = None):
-        self.cfg = cfg
-        self.branching = list(cfg.recycle_branching)
+    def __init__(self, spec: SpecConfig, vocab_size: int, table: AdjacencyTable | None = None):
+        self.spec = spec
+        self.branching = list(spec.recycle_branching)
         top_k = max(self.branching)
         if table is None or table.top_k != top_k or table.table.shape[0] != vocab_size:
             table = AdjacencyTable(vocab_size, top_k)

@@ -48,13 +48,13 @@ def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
 
     A known name (or a quantized variant of one, ``NAME:TYPE`` from ``specdraft models quantize``)
     is pulled and SHA-256 checked like for the hf backend; its tokenizer is the dense copy's."""
-    from . import quantize, registry
+    from . import catalog, quantize
     from .loading import resolve
 
     base, _, qtype = name_or_path.partition(":")
-    if base in registry.MODELS:
-        tok_dir = registry.pull(base)
-        return (quantize.variant_path(base, qtype) if qtype else registry.gguf_path(base)), str(tok_dir)
+    if base in catalog.MODELS:
+        tok_dir = catalog.pull(base)
+        return (quantize.variant_path(base, qtype) if qtype else catalog.gguf_path(base)), str(tok_dir)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         raise ConfigError(f"{p} is a directory; the llama backend loads .gguf files (or a model name). "

@@ -58,7 +58,7 @@ def build_id() -> str | None:
 
 
 def cache_dir() -> Path:
-    from .registry import home  # the parent's only: the child runs this file as a script
+    from .catalog import home  # the parent's only: the child runs this file as a script
 
     return home() / "llama-probe"
 

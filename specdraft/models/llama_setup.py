@@ -93,14 +93,14 @@ def install(wheel: Path) -> None:
 
 
 def cache_root() -> Path:
-    from .registry import home
+    from .catalog import home
 
     key = hashlib.sha256(f"{pin()} {' '.join(cpu_flags())}".encode()).hexdigest()[:16]
     return home() / "llama-wheels" / key
 
 
 def probe_model() -> Path:
-    from .registry import gguf_path, pull
+    from .catalog import gguf_path, pull
 
     pull("smollm2-135m")
     return gguf_path("smollm2-135m")

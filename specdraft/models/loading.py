@@ -1,5 +1,5 @@
-"""Load a target or draft: a registry name, a transformers model directory, or a .gguf file, behind a
-backend (models/backends.py)."""
+"""Load a target or draft: a known model's name (models/catalog.py), a transformers model directory, or a
+.gguf file, behind a backend (models/backends.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, ModelFileError, TokenizerMismatchError
-from . import registry
+from . import catalog
 from .hf import HFModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,8 +32,8 @@ def set_threads(n: int | None = None) -> int:
 
 def resolve(name_or_path: str) -> tuple[Path, str | None]:
     """-> (directory, gguf file name or None)."""
-    if name_or_path in registry.MODELS:
-        return registry.pull(name_or_path), None
+    if name_or_path in catalog.MODELS:
+        return catalog.pull(name_or_path), None
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p.parent, p.name
@@ -42,7 +42,7 @@ def resolve(name_or_path: str) -> tuple[Path, str | None]:
             raise ModelFileError(f"{p} is a directory but has no config.json; not a transformers model directory")
         return p, None
     raise ModelFileError(
-        f"model {name_or_path!r} not found: not a known name ({', '.join(registry.MODELS)}), "
+        f"model {name_or_path!r} not found: not a known name ({', '.join(catalog.MODELS)}), "
         "not a transformers model directory, not a .gguf file"
     )
 

@@ -15,14 +15,14 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError, ModelFileError
-from . import registry
+from . import catalog
 
 TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,
          "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1}  # llama_ftype values
 
 
 def _index_path() -> Path:
-    return registry.home() / "quantized.json"
+    return catalog.home() / "quantized.json"
 
 
 def _index() -> dict:
@@ -45,8 +45,8 @@ def variant_path(base: str, qtype: str) -> Path:
     """The registered file of ``base:qtype`` (size-checked); the pulled file itself when ``qtype`` is its
     own type (qwen2.5-coder-1.5b:Q4_K_M, smollm2-135m:Q4_1: the weights the dense copies came from)."""
     check_type(qtype)
-    if registry.get_spec(base).gguf_name.lower().endswith(f"{qtype.lower()}.gguf"):
-        return registry.gguf_path(base)
+    if catalog.get_spec(base).gguf_name.lower().endswith(f"{qtype.lower()}.gguf"):
+        return catalog.gguf_path(base)
     rec = _index().get(f"{base}:{qtype}")
     if rec is None:
         raise ModelFileError(f"no {qtype} variant of {base}; make it with `specdraft models quantize {base} --type {qtype}`")
@@ -62,9 +62,9 @@ def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
     from .llama import LlamaModel, lib
 
     ftype = check_type(qtype)
-    spec = registry.get_spec(base)
-    registry.pull(base)
-    src = registry.gguf_path(base)
+    spec = catalog.get_spec(base)
+    catalog.pull(base)
+    src = catalog.gguf_path(base)
     out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
     tmp = out.with_suffix(".partial")
     ll = lib()
@@ -78,7 +78,7 @@ def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
         raise ModelFileError(f"llama.cpp could not quantize {src.name} to {qtype} (code {rc})")
     tmp.rename(out)
     LlamaModel(out, None, name=f"{base}:{qtype}")  # the check: llama.cpp loads what it wrote
-    rec = {"path": str(out), "size": out.stat().st_size, "sha256": registry.sha256_file(out), "type": qtype,
+    rec = {"path": str(out), "size": out.stat().st_size, "sha256": catalog.sha256_file(out), "type": qtype,
            "source": spec.gguf_name, "source_sha256": spec.sha256}
     idx = _index()
     idx[f"{base}:{qtype}"] = rec
