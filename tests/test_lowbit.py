@@ -142,6 +142,26 @@ def test_quantize_argument_errors(argv, msg, capsys):
     assert err.startswith(msg) and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_sibling_groups_are_one_matmul_with_the_same_product(dtype):
+    """q/k/v and gate/up read one input: fused into one W8A8Linear each, the model's logits are bit for
+    bit those of the separate layers (each output column has its own weight scale, each row its own
+    activation scale, products in int32), and its input is left untouched."""
+    torch.manual_seed(0)
+    base = tiny_llama(vocab=64).model.to(dtype)
+    fused, separate = copy.deepcopy(base), copy.deepcopy(base)
+    assert quantize_linears(fused, "w8a8")["layers"] == quantize_linears(separate, "w8a8", fuse=False)["layers"]
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_proj.fused[0] is attn.k_proj.fused[0] is attn.v_proj.fused[0]
+    ids = torch.randint(0, base.config.vocab_size, (2, 7))
+    with torch.inference_mode():
+        assert torch.equal(fused(input_ids=ids).logits, separate(input_ids=ids).logits)
+    x = torch.randn(3, attn.q_proj.in_features, dtype=dtype)
+    keep = x.clone()
+    q, k = attn.q_proj(x), attn.k_proj(x)
+    assert torch.equal(x, keep) and q.shape[-1] == attn.q_proj.out_features and k.shape[-1] == attn.k_proj.out_features
+
+
 def test_w8a8_rows_do_not_depend_on_the_batch():
     """Each row is quantized with its own scale and multiplied in int32: a row's output is the same
     alone or among 16 others (what makes scoring k tokens agree with scoring them one at a time)."""

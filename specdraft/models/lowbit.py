@@ -99,14 +99,69 @@ class W8A8Linear(Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        row_scale = (x2.abs().amax(1, keepdim=True) / 127).clamp(min=1e-10)
+        row_scale = (x2.abs().amax(1, keepdim=True) / 127).clamp_(min=1e-10)
         # uint8 with zero point 128: oneDNN's one-row kernel is 5x slower on signed inputs (docs/results/w8a8)
-        xq = torch.round(x2 / row_scale).add_(128).to(torch.uint8)  # |x / scale| <= 127 by construction
+        xq = torch.div(x2, row_scale).round_().add_(128).to(torch.uint8)  # |x / scale| <= 127 by construction
         # x_scale 1 and the row scales applied after: oneDNN takes one activation scale per call
         y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points,
                                                None, 1.0, 0, torch.float32, "none", [], "")
-        y = (y * row_scale).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        y = y.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias.float(), y, row_scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+# Linear layers that read one input tensor, by their names in the Llama family (Qwen2, SmolLM2, Mistral):
+# under w8a8 each group is one matmul, so the input is quantized once and the weights read in one call.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class W8A8Part(nn.Module):
+    """One member of a sibling group: its slice of the group's fused product. The first member called
+    with an input computes the product for all; the others read it while the input is the same tensor."""
+
+    def __init__(self, fused: W8A8Linear, lo: int, hi: int, members: int):
+        super().__init__()
+        self.fused = (fused,)  # a tuple: the siblings share it without registering it three times
+        self.lo, self.hi, self.members = lo, hi, members
+        self.in_features, self.out_features = fused.in_features, hi - lo
+        self.bias = None if fused.bias is None else fused.bias[lo:hi]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused[0].weight[self.lo:self.hi]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (input, product, members that read it): a member reading twice, or another input, recomputes.
+        # Holding the input keeps its identity unique; the siblings of a forward read it before any
+        # in-place change (inference tensors have no version counter to check that).
+        fused, memo = self.fused[0], getattr(self.fused[0], "memo", None)
+        if memo is None or memo[0] is not x or self.lo in memo[2]:
+            memo = fused.memo = (x, fused(x), set())
+        memo[2].add(self.lo)
+        if len(memo[2]) == self.members:  # every sibling has read it: drop the input and the product
+            fused.memo = None
+        return memo[1][..., self.lo:self.hi]
+
+
+def fuse_siblings(parent: nn.Module) -> int:
+    """Replace each complete sibling group of ``parent``'s nn.Linear children by W8A8Parts over one
+    W8A8Linear; -> how many linears were replaced."""
+    done = 0
+    for names in SIBLINGS:
+        lins = [getattr(parent, n, None) for n in names]
+        if not all(isinstance(l, nn.Linear) and l.in_features == lins[0].in_features for l in lins):
+            continue
+        cat = nn.Linear(lins[0].in_features, sum(l.out_features for l in lins),
+                        bias=any(l.bias is not None for l in lins), dtype=lins[0].weight.dtype)
+        with torch.no_grad():
+            cat.weight.copy_(torch.cat([l.weight for l in lins]))
+            if cat.bias is not None:
+                cat.bias.copy_(torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features) for l in lins]))
+        fused, lo = W8A8Linear(cat), 0
+        for n, l in zip(names, lins):
+            setattr(parent, n, W8A8Part(fused, lo, lo + l.out_features, len(names)))
+            lo += l.out_features
+        done += len(names)
+    return done
 
 
 class Int4Linear(nn.Module):
@@ -166,11 +221,12 @@ def _group_for(k: int, group: int) -> int:
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None = None) -> dict:
+def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None = None, fuse: bool = True) -> dict:
     """Swap every nn.Linear of ``model`` (the LM head included) for its ``quant`` version, in place;
     -> {"bits", "group", "layers", "groups_used"}. ``dense_from``: a model of the same structure and
     weights that stays in memory (the target, when ``model`` is its copy drafting for it): prefills
-    use its dense layers, so drafting costs no slow low-bit prefill."""
+    use its dense layers, so drafting costs no slow low-bit prefill. ``fuse`` (w8a8 without ``dense_from``):
+    sibling linears (SIBLINGS) become one matmul; the product is the same, bit for bit."""
     bits, group, dynamic = parse_quant(quant)
     if next(model.parameters()).device.type != "cpu":
         raise ConfigError("int8 / int4 weights use torch's CPU kernels; load the model on the CPU")
@@ -179,6 +235,8 @@ def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None 
     dense = dict(dense_from.named_modules()) if dense_from is not None else {}
     used, count = set(), 0
     for pname, parent in list(model.named_modules()):
+        if dynamic and fuse and not dense:
+            count += fuse_siblings(parent)
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
