@@ -120,13 +120,12 @@ class SpecDecoder:
         with the target's own weights at lower precision."""
         set_threads(threads)
         t = load_model(target, dtype, backend=backend)
-        if draft and draft.startswith("self:"):  # the target's own weights at lower precision
-            if draft_layers is not None:
-                raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
-                                  "the target's layers")
-            return cls(t, _self_draft(t, target, draft[5:], dtype, draft_backend or backend))
-        d = load_model(draft, dtype, num_layers=draft_layers, backend=draft_backend or backend) if draft else None
-        return cls(t, d)
+        return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None)
+
+    def with_draft(self, target_name: str, draft: str, dtype: str = "bfloat16", draft_backend: str | None = None):
+        """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
+        return SpecDecoder(self.target, load_draft(self.target, target_name, draft, dtype, None,
+                                                   draft_backend or self.backend))
 
     @property
     def backend(self) -> str:
@@ -275,6 +274,16 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
         ms = measure_costs(model, missing, context=60, repeats=2)
         measured.update({n: v / 1000 for n, v in ms.items()})
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
+
+
+def load_draft(target, target_name: str, draft: str, dtype, draft_layers: int | None, backend: str):
+    """The draft model ``draft`` names for ``target``: a model, or ``self:QUANT`` (_self_draft)."""
+    if draft.startswith("self:"):  # the target's own weights at lower precision
+        if draft_layers is not None:
+            raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
+                              "the target's layers")
+        return _self_draft(target, target_name, draft[5:], dtype, backend)
+    return load_model(draft, dtype, num_layers=draft_layers, backend=backend)
 
 
 def _self_draft(target, target_name: str, quant: str, dtype, backend: str):

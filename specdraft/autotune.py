@@ -13,6 +13,7 @@ where ``auto`` finds it by itself):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class AutotuneOptions:
     only: str | None = None  # a comma list of configuration names or methods
     arms: int = 3
     no_tree_search: bool = False
+    drafts: str | None = None  # a comma list of candidate drafts, screened first; the fastest is tuned
     out: str | None = None  # default: where method=auto looks for it (arms.default_path)
 
 
@@ -52,6 +54,9 @@ def add_parser(sub):
     at.add_argument("--only", default=None, help="comma list: try only these configurations (names or methods)")
     at.add_argument("--arms", type=int, default=3, help="how many of the best configurations method=auto chooses among")
     at.add_argument("--no-tree-search", action="store_true", help="skip the hardware-aware tree search")
+    at.add_argument("--drafts", default=None, metavar="A,B,...", help="candidate drafts (names as --draft takes, e.g. "
+                    "self:Q4_0,qwen2.5-coder-0.5b:Q4_0): each drafts on the calibration prompts at k = 4 and 6, against "
+                    "plain; the fastest becomes --draft and is tuned (its measured acceptance x cost decides)")
     at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
     return at
 
@@ -99,10 +104,15 @@ def main_autotune(opts: AutotuneOptions) -> int:
     from .models.loading import set_threads
 
     threads = set_threads(opts.models.threads)
-    dec = opts.models.load(threads=threads, draft_layers=None)  # (autotune has always measured the whole draft)
     rows = _prompts(opts.prompts, opts.n)
     sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
                         max_new_tokens=opts.max_new_tokens).validate()
+    screened = None
+    if opts.drafts:
+        dec, screened = screen_drafts(opts, rows, sp, threads)
+        opts = dataclasses.replace(opts, models=dataclasses.replace(opts.models, draft=screened["chosen"]))
+    else:
+        dec = opts.models.load(threads=threads, draft_layers=None)  # (autotune has always measured the whole draft)
     cands = candidates(dec)
     if opts.only:
         keep = [x.strip() for x in opts.only.split(",") if x.strip()]
@@ -122,14 +132,39 @@ def main_autotune(opts: AutotuneOptions) -> int:
            "threads": threads, "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
            "arms": [{k: t[k] for k in ("name", "spec", "mat", "scored", "model_tokens", "speedup")}
                     for t in tried if t["name"] != "plain" and (t["speedup"] or 0) > 0][: opts.arms],
-           "tried": tried, "tree": tree}
+           "tried": tried, "tree": tree, "drafts": screened}
     out = Path(opts.out) if opts.out else default_path(dec)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(table(tried))
+    if screened:
+        print(f"draft: {screened['chosen']} (the fastest of {len(screened['tried'])} screened; run with --draft "
+              f"{screened['chosen']})")
     print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
           + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
     return 0
+
+
+def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int):
+    """Each of ``opts.drafts`` drafts the calibration prompts (draft_model, k = 4 and 6) beside plain decoding,
+    over one loaded target -> (the decoder with the fastest draft, {"chosen", "tried": [...]})."""
+    names = [d.strip() for d in opts.drafts.split(",") if d.strip()]
+    base = opts.models.load(threads=threads, draft=None)
+    ids = [base.encode(r["prompt"], chat=True) for r in rows]
+    plain = summarize(run_candidates(base, {"plain": SpecConfig(method="plain")}, ids, sp)["plain"], {})
+    tried, best = [], None
+    for name in names:
+        dec = base.with_draft(opts.models.target, name, opts.models.dtype, opts.models.draft_backend)
+        cands = {f"draft_model[k={k}]": SpecConfig(method="draft_model", k=k) for k in (4, 6)}
+        runs = run_candidates(dec, cands, ids, sp)
+        top = max(({"draft": name, "config": n, **summarize(r, plain)} for n, r in runs.items()),
+                  key=lambda t: t["speedup"] or 0)
+        tried.append(top)
+        print(f"autotune: draft {name}: {top['speedup']:.2f}x plain ({top['config']}, acceptance "
+              f"{top['acceptance'] or 0:.2f})", file=sys.stderr)
+        if best is None or (top["speedup"] or 0) > (best[1]["speedup"] or 0):
+            best = (dec, top)
+    return best[0], {"chosen": best[1]["draft"], "tried": tried}
 
 
 def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: SamplingParams) -> dict[str, list]:

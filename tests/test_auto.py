@@ -219,6 +219,29 @@ def test_autotune_writes_a_file_auto_reads(tmp_path, monkeypatch, capsys):
     assert rc == 2 and "error: cannot read --config" in capsys.readouterr().err
 
 
+def test_autotune_screens_candidate_drafts_and_tunes_the_fastest(tmp_path, monkeypatch, capsys):
+    """--drafts: each candidate drafts the calibration prompts over one loaded target; the one with the
+    best measured speedup becomes the draft that is tuned and recorded (a 4-layer copy of the tiny target
+    keeps every draft token, a 1-layer model with other weights hardly any)."""
+    from conftest import tiny_model_dir
+    from specdraft.cli import main
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    model = tiny_model_dir(tmp_path / "tiny")
+    other = tiny_model_dir(tmp_path / "other", layers=1)
+    out = tmp_path / "tune.json"
+    rc = main(["autotune", "--target", str(model), "--drafts", f"{model},{other}", "--dtype", "float32", "--n", "2",
+               "--max-new-tokens", "6", "--only", "draft_model", "--no-tree-search", "-o", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    tried = {t["draft"]: t for t in doc["drafts"]["tried"]}
+    assert set(tried) == {str(model), str(other)}
+    assert tried[str(model)]["acceptance"] == pytest.approx(1.0)  # the draft is the target
+    chosen = max(tried.values(), key=lambda t: t["speedup"])["draft"]
+    assert doc["drafts"]["chosen"] == doc["draft"] == chosen
+    assert f"draft: {chosen}" in capsys.readouterr().out
+
+
 # --- real models --------------------------------------------------------------------------------
 REAL = [{"method": "auto"}, {"method": "hybrid", "k": 3}, {"method": "hybrid", "hybrid_merge": True, "k": 3},
         {"method": "cascade", "k": 4}]
