@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import probs_from_logits, sample
+from .sampling import argmax_last, probs_from_logits, sample
 
 
 def _valid(draft_tokens: torch.Tensor, num_draft: torch.Tensor | None) -> torch.Tensor:
@@ -43,7 +43,7 @@ def greedy_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix equal to the target's argmax, then the target's argmax after it."""
     k = draft_tokens.shape[1]
-    argmax = target_logits.argmax(dim=-1)  # [B, k+1]
+    argmax = argmax_last(target_logits)  # [B, k+1]
     ok = (argmax[:, :k] == draft_tokens) & _valid(draft_tokens, num_draft)
     n = _prefix_len(ok)
     return n, argmax.gather(1, n[:, None]).squeeze(1)
@@ -103,7 +103,7 @@ def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], in
     deepest node whose whole path is correct (the first such node on ties). Returns the path's node
     indices (root to leaf) and the target's argmax after it.
     """
-    argmax = target_logits.argmax(dim=-1)
+    argmax = argmax_last(target_logits)
     if tree.size == 0:
         return [], int(argmax[0])
     path = _deepest_path(tree, tree.tokens == argmax[tree.parents + 1])

@@ -166,3 +166,14 @@ def test_sampler_draws_each_row_from_its_distribution(sampler, fits):
     pvals = [fit_pvalue(np.bincount(x[r].numpy(), minlength=V), (rows[r] / rows[r].sum()).numpy())
              for r in range(3)]
     assert (min(pvals) > 1e-4) == fits, pvals
+
+
+def test_argmax_last_is_torchs_argmax():
+    """The verifier's argmax (numpy's for float32 CPU tensors, for speed) picks what torch's picks: the
+    first maximum, on views with strides, single rows and ties."""
+    from specdraft.sampling import argmax_last
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (4, 6, 50), generator=g).float()  # many ties
+    for t in (x, x[:, :3], x[0, 0], x.transpose(0, 1), torch.randn(2, 151936, generator=g), x.bfloat16()):
+        assert torch.equal(argmax_last(t), t.argmax(-1))

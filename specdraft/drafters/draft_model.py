@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..config import SpecConfig
-from ..sampling import probs_from_logits, sample
+from ..sampling import argmax_last, probs_from_logits, sample
 from ..tree import DraftTree
 from .base import Drafter, confident
 from .prompt_lookup import find_candidate
@@ -147,7 +147,7 @@ class DraftModelGroup:
         if m.sp.greedy:
             if not confident(thr, step, lambda: torch.softmax(logits, -1).max()):
                 return False
-            t = logits.argmax(-1)
+            t = argmax_last(logits)
         else:
             q = probs_from_logits(logits, m.sp)
             if not confident(thr, step, q.max):
