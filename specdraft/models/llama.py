@@ -212,7 +212,9 @@ class LlamaModel:
 
     def _release(self, ctx) -> None:
         ll = lib()
-        ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+        # the cells' metadata only: zeroing the buffers too cost 23 ms per request (Qwen 1.5B) and buys
+        # nothing, since a cell is read only after a decode has written it
+        ll.llama_memory_clear(ll.llama_get_memory(ctx), False)
         self._pool.append(ctx)
 
     def new_rows(self, compact_slack: int = 32) -> "LlamaRows":
