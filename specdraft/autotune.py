@@ -75,7 +75,7 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
         c["hybrid[k=4]"] = {"method": "hybrid", "k": 4}
     if dec.draft is not None and not dec.cross_vocab:  # a draft of another tokenizer drafts chains only
         c["cascade[k=4]"] = {"method": "cascade", "k": 4}
-        if hasattr(dec.draft, "view"):
+        if dec.draft.capabilities.trees:
             c["draft_model[static 2-1-1]"] = {"method": "draft_model", "tree": "static", "tree_branching": [2, 1, 1]}
     out = {}
     for n, d in c.items():
@@ -119,7 +119,7 @@ def main_autotune(opts: AutotuneOptions) -> int:
         cands = {n: spec for n, spec in cands.items() if n == "plain" or n.split("[")[0] in keep or n in keep}
     ids = [dec.encode(r["prompt"], chat=True) for r in rows]
     tree = None
-    if dec.draft is not None and hasattr(dec.draft, "view") and not dec.cross_vocab and not opts.no_tree_search:
+    if dec.draft is not None and dec.draft.capabilities.trees and not dec.cross_vocab and not opts.no_tree_search:
         tree = _tree_search(dec, ids, sp)
         cands["draft_model[searched tree]"] = SpecConfig.from_dict(tree["spec"])
     print(f"autotune: {len(cands)} configurations x {len(ids)} prompts x {sp.max_new_tokens} tokens on {cpu_name()}",

@@ -81,12 +81,12 @@ def _model_drafter(draft, dec, spec):
         from .drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
-    if not hasattr(draft, "view"):
-        raise ConfigError(f"a token tree drafted by a model needs a transformers draft (tree={spec.tree!r}); "
-                          f"the {draft.backend} backend's draft drafts chains (tree='chain')")
+    if not draft.capabilities.trees:
+        raise ConfigError(f"the {draft.backend} backend's draft {draft.name} does not score token trees "
+                          f"(tree={spec.tree!r}); use tree='chain'")
     from .drafters.draft_tree import DraftTreeDrafter
 
-    return DraftTreeDrafter(draft.view(), spec, dec.target.vocab_size)  # its own cache, shared weights
+    return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
 
 
 def _draft_model(dec, spec):

@@ -68,12 +68,12 @@ def agreement(view, seqs: list[tuple[list[int], int]]) -> float:
     """Fraction of continuation positions where the view's argmax equals the target's token."""
     hit = tot = 0
     for ids, n_prompt in seqs:
-        view.reset()
-        logits = view.forward(torch.tensor(ids[:-1]), keep=len(ids) - n_prompt)
+        rows = view.new_rows()  # one teacher-forced forward of a fresh row
+        rows.add_rows([[]])
+        logits = rows.forward([ids[:-1]], keep=len(ids) - n_prompt)[0]
         pred = logits.argmax(-1)
         hit += int((pred == torch.tensor(ids[n_prompt:])).sum())
         tot += len(ids) - n_prompt
-    view.reset()
     return hit / tot
 
 

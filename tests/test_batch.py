@@ -259,6 +259,36 @@ def test_all_methods_in_one_batch_with_sampling_rows(quad):
         assert r.stats.accepted <= r.stats.drafted and r.stats.new_tokens == sp.max_new_tokens
 
 
+def test_draft_trees_batch_across_rows(pair):
+    """Model-drafted token trees of several rows are drafted together, tree and chain rows of one draft
+    model in one group: each step the draft model runs one catch-up forward plus one forward per tree
+    level, whatever the number of tree rows, each feeding every tree row; every row's greedy output
+    equals its batch-size-1 output."""
+    from specdraft.drafters.draft_tree import DraftTreeDrafter
+
+    target, draft = pair
+    static = SpecConfig(tree="static", tree_branching=[2, 2, 1])
+    dynamic = SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6)
+    specs = [static, dynamic, static, SpecConfig(k=3)]
+    mk = lambda s: DraftTreeDrafter(draft, s, V) if s.tree != "chain" else DraftModelDrafter(draft, s, V)  # noqa: E731
+    sp = SamplingParams(max_new_tokens=12)
+    eng = Engine(target, eos_ids=set())
+    rows = [eng.add(p, sp, mk(s)) for p, s in zip(PROMPTS[:4], specs)]
+    (group,) = eng.groups.values()
+    fed, real = [], group.kv.forward
+    group.kv.forward = lambda seqs, *a, **k: fed.append([len(q) for q in seqs]) or real(seqs, *a, **k)
+    eng.step()
+    trees = [f for f in fed if f[3] == 0]  # the roots, then depth 1 and depth 2: every tree row in each
+    assert len(trees) == 3 and all(min(f[:3]) > 0 for f in trees), fed
+    assert all(f[:3] == [0, 0, 0] for f in fed if f[3] > 0), fed  # the chain row's forwards
+    assert all(r.stats.steps[0].depth is not None for r in rows[:3])
+    while eng.rows:
+        eng.step()
+    for r, s, p in zip(rows, specs, PROMPTS):
+        assert r.result.token_ids == generate(target, mk(s), p, sp, eos_ids=set()).token_ids, s
+    assert all(r.stats.accepted > 0 for r in rows[:3])
+
+
 def test_batchkv_tree_feed_keeps_only_the_path(pair):
     """A tree fed through the rows and committed to its accepted path leaves a cache whose next
     logits equal a plain forward of prefix + path."""

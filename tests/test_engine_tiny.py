@@ -181,31 +181,35 @@ def test_stop_strings_emit_nothing_past_the_stop(pair):
         assert out.text == ref.text[:first]  # the stop string itself is not returned
 
 
-def test_draft_tree_cache_compaction_matches_direct_decoding(pair):
-    """After each tree step the draft model's cache equals one built by decoding the accepted
-    tokens directly: its next logits match a fresh forward of the whole sequence."""
-    from specdraft.drafters.draft_tree import DraftTreeDrafter
+def test_draft_tree_rows_match_direct_decoding(pair):
+    """After each tree step the draft model's rows (its group's ``SequenceRows``) hold a prefix of the
+    request's tokens as if decoded directly: feeding the rest gives the logits of a fresh forward of
+    the whole sequence. Single row, then a row among others (trees drafted together)."""
+    from specdraft.engine import Engine
     from specdraft.models.hf import HFModel
 
     target, draft = pair
     fresh = HFModel(draft.model)
     for spec, sp in [(SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
                     (SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5), SamplingParams(temperature=1.0, seed=3, max_new_tokens=30))]:
-        d = DraftTreeDrafter(draft, spec, V)
-        seen = []
-
-        def check(new, d=d, seen=seen):
-            seen.extend(new)
-            toks = PROMPT + seen
-            nxt = torch.tensor(toks[d.model.cached_len:])
-            got = d.model.forward(nxt, keep=1)[-1]
-            d.model.crop(d.model.cached_len - nxt.shape[0])
-            fresh.reset()
-            want = fresh.forward(torch.tensor(toks), keep=1)[-1]
-            assert torch.allclose(got, want, atol=1e-4)
-
-        out = generate(target, d, PROMPT, sp, eos_ids=set(), on_emit=check)
-        assert out.stats.accepted > 0 and len(seen) == 30
+        for others in ([], [[2, 3], [4, 1, 0, 5]]):
+            eng = Engine(target, eos_ids=set())
+            row = eng.add(PROMPT, sp, DraftTreeDrafter(draft, spec, V))
+            for p in others:
+                eng.add(p, sp, DraftTreeDrafter(draft, spec, V))
+            (group,) = eng.groups.values()
+            checked = 0
+            while row in eng.rows:
+                eng.step()
+                if row in eng.rows:
+                    i, kv = group.members.index(row), group.kv
+                    got = kv.forward([row.tokens[kv.lens[j]:] if j == i else [] for j in range(kv.B)], keep=1)[i, -1]
+                    kv.commit([0] * kv.B)  # the check's feed is dropped again
+                    fresh.reset()
+                    want = fresh.forward(torch.tensor(row.tokens), keep=1)[-1]
+                    assert torch.allclose(got, want, atol=1e-4)
+                    checked += 1
+            assert row.stats.accepted > 0 and len(row.output) == 30 and checked > 5
 
 
 def test_tiny_temperature_is_greedy(pair):

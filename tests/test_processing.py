@@ -141,7 +141,7 @@ def drafters(pair):
     target, draft = pair
     return {
         "draft_model": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
-        "dynamic_tree": lambda: DraftTreeDrafter(draft.view(), SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V),
+        "dynamic_tree": lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V),
         "prompt_lookup_tree": lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1,
                                                                      max_ngram=2, branches=3)),
     }

@@ -41,31 +41,32 @@ def test_mask_positions_known_answers():
 
 @pytest.mark.slow
 def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
+    """Through the model interface (the only path, for the target and draft models alike): a tree fed to a
+    row scores each node as sequential decoding of its path; keeping the prefix + one path leaves a cache
+    whose next step equals a directly built one."""
+    from specdraft.tree import feed_mask
+
     m = smol_f32
-    prompt = torch.tensor(m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"])
+    prompt = m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
     t = _tree()
     t.tokens = torch.tensor(m.tokenizer(" Paris London , . is the", add_special_tokens=False)["input_ids"][:6])
-    m.reset()
-    m.forward(prompt[:-1], keep=1)
-    past = m.cached_len
-    ids = torch.cat([prompt[-1:], t.tokens])
-    logits = m.forward(ids, keep=ids.shape[0], attention_mask=t.attention_mask(past), position_ids=t.position_ids(past))
+    rows = m.new_rows()
+    rows.add_rows([prompt[:-1]])
+    logits = rows.forward([[prompt[-1]] + t.tokens.tolist()], trees=[feed_mask(t)])[0]
     # each node's logits equal sequential decoding of its path
     for node in range(t.size):
         path = t.tokens[t.path_to(node)]
         m.reset()
-        ref = m.forward(torch.cat([prompt, path]), keep=1)[-1]
+        ref = m.forward(torch.cat([torch.tensor(prompt), path]), keep=1)[-1]
         assert torch.allclose(logits[1 + node], ref, atol=1e-3), node
     # compaction: keep the prefix + path [0, 2, 5], then the next step equals a directly built cache
-    m.reset()
-    m.forward(prompt[:-1], keep=1)
-    m.forward(ids, keep=1, attention_mask=t.attention_mask(past), position_ids=t.position_ids(past))
     path = t.path_to(5)
-    m.keep_positions(torch.cat([torch.arange(past + 1), past + 1 + torch.tensor(path)]))
-    nxt = torch.tensor([m.tokenizer(" and", add_special_tokens=False)["input_ids"][0]])
-    got = m.forward(nxt, keep=1)[-1]
+    rows.commit([[0] + [1 + i for i in path]])
+    rows.compact()
+    nxt = m.tokenizer(" and", add_special_tokens=False)["input_ids"][0]
+    got = rows.forward([[nxt]])[0, -1]
     m.reset()
-    want = m.forward(torch.cat([prompt, t.tokens[path], nxt]), keep=1)[-1]
+    want = m.forward(torch.tensor(prompt + t.tokens[path].tolist() + [nxt]), keep=1)[-1]
     assert torch.allclose(got, want, atol=1e-3)
 
 

@@ -1,10 +1,18 @@
-"""An independent draft model with the target's tokenizer, drafting chains autoregressively.
+"""An independent draft model with the target's tokenizer, drafting chains or token trees.
 
-Every request's drafter is a member of a ``DraftModelGroup`` (one per draft model per engine):
-each drafting iteration is one batched forward of the draft model over the rows still drafting
-(ragged catch-up feeds first, then one token per row), whatever the batch size; a single request is
-the one-row case. A row's draft cache holds a prefix of its tokens; the last draft is never fed,
-and after verification the cache is cut back to the context + accepted drafts.
+Every request's drafter is a member of a ``DraftModelGroup`` (one per draft model per engine), which
+drafts through the model interface only (``TargetModel.new_rows()``: any backend): each drafting
+iteration is one batched forward of the draft model over the rows still drafting, whatever the batch
+size; a single request is the one-row case. A row's draft cache holds a prefix of its tokens.
+
+Chains: ragged catch-up feeds first, then one token per row; the last draft is never fed, and after
+verification the cache is cut back to the context + accepted drafts.
+
+Token trees (a row whose spec's ``tree`` is not "chain"; ``drafters/draft_tree.py``): the catch-up
+forward gives each root's logits, then one forward per tree level scores every row's nodes to expand
+(``tree_grower.TreeGrower``: static shapes, dynamic trees): a row feeds those nodes with their
+ancestors as a token tree (``SequenceRows.forward(trees=...)``) and keeps none of it, so its cache
+holds exactly the context; the accepted tokens are fed with the next catch-up.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from ..sampling import argmax_last, probs_from_logits, sample
 from ..tree import DraftTree
 from .base import Drafter, confident
 from .prompt_lookup import find_candidate
+from .tree_grower import TreeGrower
 
 
 def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
@@ -79,14 +88,32 @@ class DraftModelGroup:
             self._drafted.pop(id(r), None)
 
     def propose(self, rows, caps: list[int]) -> list[DraftTree]:
-        kv, R = self.kv, len(self.members)
         cap_of = {id(r): c for r, c in zip(rows, caps)}
         c = [cap_of.get(id(m), 0) for m in self.members]
+        tree = [c[i] > 0 and m.drafter.spec.tree != "chain" for i, m in enumerate(self.members)]
+        for m in self.members:
+            self._base[id(m)] = len(m.tokens)
+        out, probs = self._chains([0 if t else x for x, t in zip(c, tree)])
+        trees = self._trees([x if t else 0 for x, t in zip(c, tree)])
+        for i, m in enumerate(self.members):
+            self._drafted[id(m)] = [int(t) for t in out[i]]  # (a tree row's cache keeps no draft: [])
+        by_row = {id(m): i for i, m in enumerate(self.members)}
+        drafts = []
+        for r in rows:
+            i = by_row[id(r)]
+            if i in trees:
+                drafts.append(trees[i])
+            else:
+                drafts.append(DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
+                              if out[i] else DraftTree.empty())
+        return drafts
+
+    def _chains(self, c: list[int]) -> tuple[list[list], list[list]]:
+        """Chains of at most c[i] tokens for the rows with c[i] > 0: (draft tokens, their q) per row."""
+        kv, R = self.kv, len(self.members)
         out: list[list] = [[] for _ in range(R)]
         probs: list[list] = [[] for _ in range(R)]
         active = [c[i] > 0 for i in range(R)]
-        for m in self.members:
-            self._base[id(m)] = len(m.tokens)
         step = 0
         while any(active):
             if step == 0:  # catch up on what the row's cache lacks; its last position predicts the first draft
@@ -113,15 +140,36 @@ class DraftModelGroup:
                     kept[i] = len(feeds[i]) + j
             kv.commit(kept)
             step += 1
-        for i, m in enumerate(self.members):
-            self._drafted[id(m)] = [int(t) for t in out[i]]
-        by_row = {id(m): i for i, m in enumerate(self.members)}
-        trees = []
-        for r in rows:
-            i = by_row[id(r)]
-            trees.append(DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
-                         if out[i] else DraftTree.empty())
-        return trees
+        return out, probs
+
+    def _trees(self, c: list[int]) -> dict[int, DraftTree]:
+        """Token trees at most c[i] deep for the rows with c[i] > 0 (row index -> tree): one catch-up
+        forward for the roots, then one forward per level for every row still growing."""
+        kv, R = self.kv, len(self.members)
+        grow = {i: _RowTree(self.members[i]) for i in range(R) if c[i] > 0}
+        if not grow:
+            return {}
+        feeds = [m.tokens[kv.lens[i]:] if i in grow else [] for i, m in enumerate(self.members)]
+        N = max(len(f) for f in feeds)
+        keep = N - min(len(feeds[i]) - 1 for i in grow)
+        logits = kv.forward(feeds, keep=keep)
+        kv.commit([len(f) for f in feeds])  # every row's cache now holds its context
+        live: dict = {}
+        done: dict[int, DraftTree] = {}
+        for i, g in grow.items():
+            root = fit_vocab(logits[i, len(feeds[i]) - 1 - (N - keep)], self.target_vocab)
+            _resume(i, g._growth(root, min(g.max_depth, c[i])), None, live, done)
+        while live:  # live: row -> (its growth, the nodes it expands now)
+            level = {i: grow[i]._level_feed(nodes) for i, (_, nodes) in live.items()}
+            seqs = [level[i][0] if i in level else [] for i in range(R)]
+            N = max(len(q) for q in seqs)
+            keep = N - min(len(level[i][0]) - len(level[i][2]) for i in level)  # the nodes are fed last
+            logits = kv.forward(seqs, keep=keep, trees=[level[i][1] if i in level else None for i in range(R)])
+            kv.commit([0] * R)
+            for i, (tokens, _, at) in level.items():
+                lg = fit_vocab(logits[i, [a - (N - keep) for a in at]], self.target_vocab)
+                _resume(i, live[i][0], lg, live, done)
+        return done
 
     @staticmethod
     def _proposal(m, out: list, cap: int) -> list[int]:
@@ -169,6 +217,25 @@ class DraftModelGroup:
             same = next((j for j, (a, b) in enumerate(zip(fed, emitted)) if a != b), min(len(fed), len(emitted)))
             self.kv.truncate(i, base + same)
         self.kv.trim()
+
+
+class _RowTree(TreeGrower):
+    """A row's token tree being drafted this step (the grower's state, with the row's sampling)."""
+
+    def __init__(self, row):
+        self.spec, self.sp, self.gen, self.processor = row.drafter.spec, row.sp, row.gen, row.processor
+        self._tree_shape(self.spec)
+        self._start_tree(len(row.tokens), row.tokens)
+
+
+def _resume(i: int, growth, logits, live: dict, done: dict) -> None:
+    """Send row i's growth its level's logits (None: start it); it yields the next nodes to expand
+    (``live[i]``) or returns its tree (``done[i]``)."""
+    try:
+        live[i] = (growth, next(growth) if logits is None else growth.send(logits))
+    except StopIteration as end:
+        live.pop(i, None)
+        done[i] = end.value
 
 
 def _draw_given(q: torch.Tensor, proposal: int, gen: torch.Generator) -> torch.Tensor:

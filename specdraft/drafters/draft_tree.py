@@ -1,230 +1,37 @@
-"""Token trees drafted by a draft model: static shapes (branching per depth, or Medusa-style
-"choices") and dynamic trees (EAGLE-2's idea: expand the most probable frontier, rerank to a budget).
+"""Token trees drafted by a draft model (method draft_model, layer_skip or early_exit with a ``tree``):
+static shapes (branching per depth, or Medusa-style "choices") and dynamic trees (EAGLE-2's idea:
+expand the most probable frontier, rerank to a budget).
 
-The draft model scores one tree level per forward: the level's nodes attend to the context and to
-their own ancestors through a 4D tree mask, at position (last context position + depth). Its cache
-then holds the context plus every node it has fed; after verification ``feedback`` gathers the
-context plus the accepted path's fed nodes (``HFModel.keep_positions``), so the next step starts
-from a cache equal to one built by decoding the accepted tokens directly.
+A ``DraftTreeDrafter`` is a member of its draft model's ``DraftModelGroup`` (drafters/draft_model.py),
+the same group as the chain drafters of that model: the group drafts a tree for every row whose spec
+asks for one, one tree level of all those rows per forward of the draft model's ``SequenceRows``
+(``forward(seqs, trees=...)``), so model-drafted trees batch across requests and run on any backend
+that implements the model interface. The tree building is ``tree_grower.TreeGrower``, shared with
+EAGLE, whose head scores the levels instead of a draft model.
 
 Sampling: the children of a node are drawn without replacement from the processed draft
-distribution q (the same ``probs_from_logits`` as the target), and each node records the
-distribution it was actually drawn from (q with its earlier siblings removed, renormalized), which
-is what ``verify.rejection_sample_tree`` needs to stay exact. Greedy takes the top ranks.
-
-The tree building (``TreeGrower``: children, static / dynamic expansion, budget, rerank) is shared
-with ``drafters/eagle.py``, whose EAGLE head scores the levels instead of a draft model.
+distribution q, and each node records the distribution it was actually drawn from (q with its
+earlier siblings removed, renormalized), which is what ``verify.rejection_sample_tree`` needs to
+stay exact. Greedy takes the top ranks.
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-
-from ..config import SamplingParams, SpecConfig
-from ..models.hf import HFModel
-from ..sampling import probs_from_logits, sample
-from ..tree import DraftTree
-from .base import Drafter
-from .draft_model import fit_vocab
+from ..config import SpecConfig
+from .draft_model import DraftModelDrafter
+from .tree_grower import TreeGrower
 
 
-def choices_from_branching(branching: list[int]) -> list[tuple[int, ...]]:
-    """[3, 2] -> (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), ... (level order)."""
-    out, level = [], [()]
-    for b in branching:
-        level = [p + (r,) for p in level for r in range(b)]
-        out.extend(level)
-    return out
-
-
-class TreeGrower:
-    """The tree-building half of a tree drafter, written once for every drafter that scores one tree
-    level per forward: DraftTreeDrafter (a draft model) and EagleDrafter (the EAGLE head).
-
-    The drafter has ``spec``, ``sp`` and ``gen``; it calls ``_tree_shape(spec)`` once, ``_start_tree(ctx)``
-    at the start of every ``propose`` (ctx: the cached context positions the nodes attend to), then
-    ``_grow(root_logits, depth, score_level)``, where ``score_level(nodes)`` feeds ``nodes`` (all at one
-    depth; ``_level_mask`` gives their mask and positions) and returns the logits [len(nodes), V] of
-    their children. Node i's token is ``_tok[i]``, its parent ``_par[i]`` (-1: the root), its path
-    from the root ``_anc[i]``; ``_fed[i]`` is the cache slot it was fed at; ``_final`` the nodes kept
-    in the returned DraftTree (their order is the tree's node order).
-    """
-
-    def _tree_shape(self, spec: SpecConfig) -> None:
-        self.n_children: dict[tuple[int, ...], int] = {}
-        if spec.tree == "static":
-            ch = [tuple(c) for c in spec.tree_choices] if spec.tree_choices else choices_from_branching(spec.tree_branching)
-            for c in ch:
-                self.n_children[c[:-1]] = max(self.n_children.get(c[:-1], 0), c[-1] + 1)
-            self.max_depth = max(len(c) for c in ch)
-        else:
-            self.max_depth = spec.k
-
-    def _start_tree(self, ctx: int, history: list[int] | None = None) -> None:
-        self._history = history  # the context's tokens, for the request's processor (penalties, grammar)
-        self._tok, self._par, self._q, self._score, self._anc, self._rank = [], [], [], [], [], []
-        self._fed: dict[int, int] = {}
-        self._ctx = ctx
-        self._final: list[int] = []
-
-    # --- children of one node ----------------------------------------------------------------
-    def _children(self, logits: torch.Tensor, m: int, parent: int = -1) -> list[tuple[int, torch.Tensor | None, float]]:
-        """Up to m (token, proposal distribution or None, log draft prob) for one node's children; with
-        the request's processor, from the logits processed with the node's own history."""
-        if self.processor is not None and self._history is not None:
-            path = [] if parent < 0 else [self._tok[a] for a in self._anc[parent]]
-            logits = self.processor.process(logits[None], self._history + path)[0]
-        if self.sp.greedy:
-            lp = torch.log_softmax(logits, -1)
-            top = torch.topk(lp, min(m, int(torch.isfinite(lp).sum())))  # never a token the draft cannot make
-            return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
-        q = probs_from_logits(logits, self.sp)
-        out, cur = [], q
-        for _ in range(m):  # without replacement: each child records the distribution it came from
-            s = cur.sum()
-            if s <= 0:
-                break
-            cur = cur / s
-            t = int(sample(cur, self.gen))
-            out.append((t, cur, math.log(float(q[t]))))
-            cur = cur.clone()
-            cur[t] = 0.0
-        return out
-
-    def _add(self, parent: int, kids, rank0: int = 0) -> list[int]:
-        new = []
-        base = 0.0 if parent < 0 else self._score[parent]
-        for r, (t, q, lp) in enumerate(kids):
-            i = len(self._tok)
-            self._tok.append(t)
-            self._par.append(parent)
-            self._q.append(q)
-            self._score.append(base + lp)
-            self._anc.append(([] if parent < 0 else self._anc[parent]) + [i])
-            self._rank.append(([] if parent < 0 else self._rank[parent]) + [rank0 + r])
-            new.append(i)
-        return new
-
-    def _level_mask(self, nodes: list[int], past: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Additive 4D mask [1, 1, m, past + m] and positions [1, m] for feeding ``nodes`` (one depth)
-        into a cache of ``past`` slots: node i sees the context (the first ``_ctx`` slots), its fed
-        ancestors and itself, at position ``_ctx - 1 + depth``. Records the slot each node goes to."""
-        m = len(nodes)
-        allow = torch.zeros(m, past + m, dtype=torch.bool)
-        allow[:, : self._ctx] = True
-        for j, i in enumerate(nodes):
-            for a in self._anc[i][:-1]:
-                allow[j, self._fed[a]] = True
-            allow[j, past + j] = True
-            self._fed[i] = past + j
-        mask = torch.zeros(m, past + m, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
-        pos = torch.tensor([[self._ctx - 1 + len(self._anc[i]) for i in nodes]])
-        return mask, pos
-
-    # --- the tree, level by level ------------------------------------------------------------
-    def _grow(self, root: torch.Tensor, depth: int, score_level) -> DraftTree:
-        """Static: the shape's children per node. Dynamic (EAGLE-2): expand the ``tree_topk`` frontier
-        nodes with the highest cumulative draft log-probability, ``tree_topk`` children each; greedy
-        reranks every candidate to the ``tree_budget`` best (ancestor-closed), sampling stops drawing
-        at the budget."""
-        static = self.spec.tree == "static"
-        budget = self.spec.tree_budget
-        greedy = self.sp.greedy
-        topk = self.spec.tree_topk
-        m0 = self.n_children.get((), 0) if static else topk
-        if not static and not greedy:
-            m0 = min(m0, budget)
-        level = self._add(-1, self._children(root, m0))
-        for _ in range(1, depth):
-            if static:
-                expand = [i for i in level if self.n_children.get(tuple(self._rank[i]), 0) > 0]
-            else:  # the frontier nodes with the highest cumulative draft log-probability
-                expand = sorted(level, key=lambda i: -self._score[i])[:topk]
-                if not greedy:
-                    expand = expand[: max(budget - len(self._tok), 0)]
-            if not expand:
-                break
-            logits = score_level(expand)
-            level = []
-            for j, i in enumerate(expand):
-                m = self.n_children[tuple(self._rank[i])] if static else topk
-                if not static and not greedy:  # stop drawing at the budget (decided before drawing)
-                    m = min(m, budget - len(self._tok))
-                    if m <= 0:
-                        break
-                level += self._add(i, self._children(logits[j], m, i))
-        keep = list(range(len(self._tok)))
-        if not static and greedy and len(keep) > budget:  # rerank to the budget, ancestor-closed
-            best = sorted(keep, key=lambda i: -self._score[i])[:budget]
-            chosen = set(best)
-            for i in best:
-                chosen.update(self._anc[i])
-            keep = sorted(chosen)
-        self._final = keep
-        new = {old: j for j, old in enumerate(keep)}
-        parents = [new[self._par[i]] if self._par[i] >= 0 else -1 for i in keep]
-        probs = None if greedy else torch.stack([self._q[i] for i in keep])
-        return DraftTree(torch.tensor([self._tok[i] for i in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long), probs)
-
-
-class DraftTreeDrafter(TreeGrower, Drafter):
-    """A draft model's token tree, one per request over its own single-sequence cache (``model`` is
-    an HFModel wrapper of its own over shared weights: ``HFModel.view()``). Method draft_model with a tree."""
+class DraftTreeDrafter(DraftModelDrafter):
+    """A request's member of its draft model's group, drafting token trees of ``spec``'s shape."""
 
     name = "draft_tree"
 
-    def __init__(self, model: HFModel, spec: SpecConfig, target_vocab: int):
-        self.model = model
-        self.spec = spec
-        self.target_vocab = target_vocab
-        self._tree_shape(spec)
-
-    def begin(self, prompt_ids, sp: SamplingParams, generator):
-        self.model.reset()
-        self._drafted = False
-        self.sp = sp
-        self.gen = generator
+    def __init__(self, model, spec: SpecConfig, target_vocab: int):
+        super().__init__(model, spec, target_vocab)
+        shape = TreeGrower()
+        shape._tree_shape(spec)
+        self.max_depth = shape.max_depth
 
     def max_draft_depth(self) -> int:
         return self.max_depth
-
-    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        return fit_vocab(logits, self.target_vocab)
-
-    def _score_level(self, nodes: list[int]) -> torch.Tensor:
-        """Feed ``nodes`` (all at one depth) to the draft model in one forward; logits [len(nodes), V]."""
-        mask, pos = self._level_mask(nodes, self.model.cached_len, self.model.dtype)
-        ids = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long)
-        return self._fit(self.model.forward(ids, keep=len(nodes), attention_mask=mask, position_ids=pos))
-
-    def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        depth = min(self.max_depth, max_tokens)
-        self._start_tree(len(tokens), tokens)
-        if depth <= 0:
-            return DraftTree.empty()
-        feed = torch.tensor(tokens[self.model.cached_len :], dtype=torch.long)
-        root = self._fit(self.model.forward(feed, keep=1)[-1])
-        self._drafted = True
-        return self._grow(root, depth, self._score_level)
-
-    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
-        # Walk the accepted tokens down the tree (siblings carry distinct tokens), then keep the
-        # context and the accepted path's nodes that were fed to the draft model. A step this drafter
-        # did not draft (a composite chose another part) leaves its cache as it is: a prefix of the
-        # tokens, caught up on at the next propose; so does a path leaving its tree (a merged tree).
-        if not getattr(self, "_drafted", False):
-            return
-        self._drafted = False
-        keep = list(range(self._ctx))
-        parent = -1
-        for t in emitted[:num_accepted]:
-            nxt = next((i for i in self._final if self._par[i] == parent and self._tok[i] == t), None)
-            if nxt is None or nxt not in self._fed:
-                break
-            keep.append(self._fed[nxt])
-            parent = nxt
-        if self.model.cached_len > len(keep):
-            self.model.keep_positions(torch.tensor(keep, dtype=torch.long))

@@ -13,7 +13,7 @@ is cropped back, every step, to the positions it was fed with true features (``n
 predicted features never stay in it.
 
 Token trees (``tree="dynamic"``, EAGLE-2's dynamic tree, or a ``"static"`` shape): the tree
-building is ``draft_tree.TreeGrower``, shared with the draft-model trees; the head scores one tree
+building is ``tree_grower.TreeGrower``, shared with the draft-model trees; the head scores one tree
 level per forward. Node i's input pair is (predicted feature of its parent, embed(token of node i));
 a depth-1 node's parent feature is the one predicted at the last true position. A depth-d node sits
 at position (n_true - 1 + d), where the chain's d-th draft is fed, and a 4D additive mask lets it see
@@ -33,11 +33,11 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..heads import EagleHead, embed_of, lm_head_of
-from ..models.hf import HFModel
+from ..models.base import TargetModel
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
 from .base import Drafter
-from .draft_tree import TreeGrower
+from .tree_grower import TreeGrower
 from .medusa import accepted_rows
 
 
@@ -46,7 +46,7 @@ class EagleDrafter(TreeGrower, Drafter):
     wants_hidden = True
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
 
-    def __init__(self, target: HFModel, head: EagleHead, spec: SpecConfig):
+    def __init__(self, target: TargetModel, head: EagleHead, spec: SpecConfig):
         self.target, self.head, self.spec = target, head, spec
         if spec.tree == "chain":
             self.max_depth = spec.k

@@ -27,11 +27,11 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import ConfigError
 from ..heads import MedusaHeads, lm_head_of
-from ..models.hf import HFModel
+from ..models.base import TargetModel
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import Drafter
-from .draft_tree import choices_from_branching
+from .tree_grower import choices_from_branching
 
 
 def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
@@ -89,7 +89,7 @@ class MedusaDrafter(Drafter):
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
     draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
 
-    def __init__(self, target: HFModel, heads: MedusaHeads, spec: SpecConfig):
+    def __init__(self, target: TargetModel, heads: MedusaHeads, spec: SpecConfig):
         self.target = target
         self.heads = heads
         self.spec = spec

@@ -2,7 +2,8 @@
 
 A backend is one file implementing two protocols:
 
-- ``TargetModel``: facts about the model (vocabulary, context, EOS ids, tokenizer) and
+- ``TargetModel``: facts about the model (vocabulary, context, EOS ids, tokenizer), what it can do
+  beyond the core calls (``capabilities``: callers read it, they never probe attributes) and
   ``new_rows()``, a fresh ``SequenceRows``;
 - ``SequenceRows``: the KV state of B independent sequences ("rows") over the model's weights. The
   loop feeds each row its pending token + draft (a chain, or a token tree given as an ancestor mask
@@ -10,6 +11,8 @@ A backend is one file implementing two protocols:
   row keeps (a prefix, or the slots of the accepted tree path). Rows join (``add_rows``, a prefill)
   and leave (``remove_rows``) between steps.
 
+The target's rows and a draft model's rows are the same protocol: a draft model's chains and token
+trees are drafted through ``new_rows()`` too (drafters/draft_model.py), so any backend drafts both.
 transformers models implement it in ``models/hf.py``; a second backend (llama.cpp) implements the
 same two protocols and registers itself in ``models/backends.py``: the loop, the verifiers and the
 drafters that only need these calls do not change.
@@ -17,15 +20,25 @@ drafters that only need these calls do not change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's model offers beyond the calls every backend has."""
+
+    hidden: bool = False  # forward(hidden=True) / add_rows(hidden=True) leave the final-norm features
+    trees: bool = True  # forward(trees=...) scores token trees (the target's verification, model-drafted trees)
 
 
 class SequenceRows(Protocol):
     lens: list[int]  # tokens each row holds in the cache
     last_hidden: torch.Tensor | None  # [B, N, H] final-norm features of the last forward(hidden=True)
     prefill_hidden: list  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
+    # (hidden=True needs TargetModel.capabilities.hidden; a backend without it raises ConfigError)
 
     @property
     def B(self) -> int: ...
@@ -73,6 +86,10 @@ class SequenceRows(Protocol):
 class TargetModel(Protocol):
     name: str
     tokenizer: object
+    backend: str  # its key in models/backends.py ("hf", "llama")
+
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     @property
     def vocab_size(self) -> int:

@@ -1,9 +1,8 @@
 """The transformers backend: any causal LM behind the model interface (models/base.py).
 
-- ``HFModel``: the model's facts, and a single-sequence KV cache that drafters with their own
-  forward (draft-model trees, self-speculation views) use: ``forward(ids, keep, attention_mask,
-  position_ids)``, ``crop(n)``, ``keep_positions(idx)``, ``reset()``.
-- ``HFRows`` (``HFModel.new_rows()``): the decode loop's batched KV state. One transformers
+- ``HFModel``: the model's facts and capabilities (its final-norm features, token trees).
+- ``HFRows`` (``HFModel.new_rows()``): the batched KV state, for the decode loop and for draft models
+  alike. One transformers
   ``DynamicCache`` of shape [B, H, L, D] shared by all rows, through the stock model classes: every
   cache slot has a per-row validity bit, turned into a 4D additive attention mask, and every fed
   token gets an explicit per-row position id (its row's own length), so a row never sees another
@@ -24,6 +23,8 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+
+from .base import Capabilities
 
 
 def check_cache_layout(model) -> None:
@@ -47,19 +48,21 @@ class HFModel:
         self.name = name
         self.quantization: dict | None = None  # set when the linear layers are int8 / int4 (models/lowbit.py)
         self.config = model.config
-        self.cache: DynamicCache | None = None
-        self.cached_len = 0
         self.device = next(model.parameters()).device
         # transformers 5.x renamed past_key_values to cache; accept models of either style
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.capture_hidden = False  # set by drafters that read the target's features (Medusa, EAGLE)
-        self.last_hidden: torch.Tensor | None = None
-        self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: the batch engine's rows
+        self.capture_hidden = False  # the final-norm hook's switch: on during a forward(hidden=True) only
+        self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: what the hook saw
         self._hidden_hook = None
+        self._reference: HFRows | None = None  # reset / forward's one sequence
         check_cache_layout(model)
 
     # --- facts -------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(hidden=self._final_norm() is not None, trees=True)
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -89,79 +92,46 @@ class HFModel:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    def enable_hidden_capture(self) -> None:
-        """From now on each ``forward`` also leaves ``last_hidden`` [n, H]: the final norm's output
-        (the LM head's input) for every position fed, not only the kept ones (row 0 of a batched
-        forward; ``last_hidden_batch`` [B, n, H] keeps every row). One forward hook on the final
-        norm; no other layer's hidden states are materialized."""
-        self.capture_hidden = True
+    def _final_norm(self) -> torch.nn.Module | None:
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        return norm if isinstance(norm, torch.nn.Module) else None
+
+    def _hook_final_norm(self) -> None:
+        """One forward hook on the final norm (installed once): while ``capture_hidden`` is on it keeps
+        the norm's output (the LM head's input) for every fed position in ``last_hidden_batch``
+        [B, n, H]; no other layer's hidden states are materialized."""
         if self._hidden_hook is not None:
             return
-        norm = getattr(getattr(self.model, "model", None), "norm", None)
-        if not isinstance(norm, torch.nn.Module):
+        norm = self._final_norm()
+        if norm is None:
             from ..errors import ConfigError
 
             raise ConfigError(f"{type(self.model).__name__} has no model.norm; Medusa/EAGLE heads need the final norm")
 
         def hook(module, inputs, output, owner=self):
             if owner.capture_hidden:
-                owner.last_hidden = output[0] if output.dim() == 3 else output
                 owner.last_hidden_batch = output if output.dim() == 3 else output[None]
 
         self._hidden_hook = norm.register_forward_hook(hook)
 
-    # --- cache -------------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
-        self.cached_len = 0
-
-    def crop(self, n: int) -> None:
-        """Keep the first n cached positions."""
-        if n < self.cached_len:
-            self.cache.crop(n - self.cached_len)  # transformers 5.x: a negative count drops positions
-            self.cached_len = n
-
-    # --- compute -----------------------------------------------------------------------------
-    def keep_positions(self, idx: torch.Tensor) -> None:
-        """Keep only the cached positions ``idx`` (ascending), e.g. the prefix plus the accepted
-        path of a token tree: a gather along the sequence axis of every layer's keys and values."""
-        idx = idx.to(self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys.index_select(-2, idx)
-                layer.values = layer.values.index_select(-2, idx)
-        self.cached_len = int(idx.shape[0])
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        ids: torch.Tensor,
-        keep: int = 1,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append ``ids`` (LongTensor [n]) to the cache; return float32 logits [keep, V].
-
-        For a token tree pass the 4D additive ``attention_mask`` and ``position_ids`` from
-        ``DraftTree.attention_mask`` / ``position_ids``; the stock model classes accept them."""
-        if self.cache is None:
-            self.reset()
-        ids = ids.reshape(1, -1).to(self.device)
-        kw = {self._cache_kw: self.cache}
-        if attention_mask is not None:
-            kw["attention_mask"] = attention_mask.to(self.device, self.dtype)
-        if position_ids is not None:
-            kw["position_ids"] = position_ids.to(self.device)
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kw)
-        self.cached_len += ids.shape[1]
-        return out.logits[0].float()
-
     def new_rows(self, compact_slack: int = 32) -> "HFRows":
         return HFRows(self, compact_slack)
 
-    def view(self) -> "HFModel":
-        """Another wrapper over the same weights with its own cache (weights are not copied)."""
-        return HFModel(self.model, self.tokenizer, name=self.name)
+    # --- reference decoding (tests, tools): one sequence through new_rows() -------------------
+    def reset(self) -> None:
+        """Start a new reference sequence (``forward``)."""
+        self._reference = None
+
+    def forward(self, ids, keep: int = 1) -> torch.Tensor:
+        """Append ``ids`` to the reference sequence (a row of its own); float32 logits [keep, V] of its
+        last ``keep`` fed positions. Plain decoding, for checking what the decode loop computes."""
+        if self._reference is None:
+            self._reference = self.new_rows()
+            self._reference.add_rows([[]])
+        ids = [int(t) for t in torch.as_tensor(ids).reshape(-1)]
+        out = self._reference.forward([ids], keep=keep)[0]
+        self._reference.commit([len(ids)])
+        return out
 
 
 # --- the batched rows (the decode loop's KV state) -------------------------------------------
@@ -312,7 +282,7 @@ class HFRows:
         j with allow[i, j] (itself and its ancestors, for a token tree), at position lens[r] + offsets[i].
         The slots stay provisional until ``commit``. ``hidden``: also leave the final norm's output of
         every fed position in ``last_hidden`` [B, N, H] (row r's first len(seqs[r]) are real; the
-        model's ``enable_hidden_capture`` hook, switched on for this forward only)."""
+        model's final-norm hook, switched on for this forward only)."""
         N = max(max(len(s) for s in seqs), 1)
         ids = torch.zeros(self.B, N, dtype=torch.long)
         for r, s in enumerate(seqs):
@@ -324,17 +294,16 @@ class HFRows:
         m = self.model
         self.last_hidden = None
         if hidden:
-            prev = m.capture_hidden
-            m.enable_hidden_capture()
-            m.last_hidden_batch = None
+            m._hook_final_norm()
+            m.capture_hidden, m.last_hidden_batch = True, None
         try:
             out = m.model(input_ids=ids.to(dev), attention_mask=None if mask is None else mask.to(dev), position_ids=pos.to(dev),
                           use_cache=True, logits_to_keep=keep or N, **kw)
         finally:
             if hidden:
-                m.capture_hidden = prev
+                m.capture_hidden = False
         if hidden:
-            self.last_hidden, m.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None, None
+            self.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None
         self._last_n = N
         self.valid = torch.cat([self.valid, torch.zeros(self.B, N, dtype=torch.bool)], dim=1)
         return out.logits.float()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ContextLengthError, ModelFileError
+from .base import Capabilities
 
 PIN = "llama-cpp-python==0.3.36"  # requirements-llama.txt; built from source by `make setup`
 DEFAULT_CTX = 8192  # KV cells per context (all rows together); SPECDRAFT_LLAMA_CTX overrides
@@ -129,6 +130,11 @@ def safe_extra_bufts(path: Path, name: str) -> bool:
 _warned: set[str] = set()
 
 
+def _no_hidden():
+    raise ConfigError("the llama backend does not expose the target's hidden features; Medusa and EAGLE heads "
+                      "need --backend hf")
+
+
 def threads() -> int:
     """The thread count llama.cpp uses: torch's (``set_threads`` / the tests' SPECDRAFT_THREADS)."""
     return max(1, torch.get_num_threads())
@@ -157,7 +163,6 @@ class LlamaModel:
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
         self.n_ctx = int(n_ctx or os.environ.get("SPECDRAFT_LLAMA_CTX", 0) or min(self.n_ctx_train, DEFAULT_CTX))
         self.num_layers = int(ll.llama_model_n_layer(self._model))
-        self.capture_hidden = False
         self._pool: list = []  # idle contexts (cleared), reused by new_rows
         self._eos: set[int] | None = None
 
@@ -185,9 +190,7 @@ class LlamaModel:
             self._eos = {t for t in ids if 0 <= t < self._n_vocab}
         return set(self._eos)
 
-    def enable_hidden_capture(self) -> None:
-        raise ConfigError("the llama backend does not expose the target's hidden features; Medusa and EAGLE heads "
-                          "need --backend hf")
+    capabilities = Capabilities(hidden=False, trees=True)  # token trees: a sequence id per leaf (module doc)
 
     # --- contexts ------------------------------------------------------------------------------
     def _context(self):
@@ -308,7 +311,7 @@ class LlamaRows:
     # --- rows join and leave -------------------------------------------------------------------
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
         if hidden:
-            self.model.enable_hidden_capture()
+            _no_hidden()
         if len(prefixes) > len(self.free):
             raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
         new = [self.free.pop() for _ in prefixes]
@@ -339,7 +342,7 @@ class LlamaRows:
     def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
                 hidden: bool = False) -> torch.Tensor:
         if hidden:
-            self.model.enable_hidden_capture()
+            _no_hidden()
         try:
             return self._forward(seqs, keep, trees)
         except BaseException:  # a failed feed leaves no cells and holds no spare sequences
