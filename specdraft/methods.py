@@ -26,7 +26,8 @@ from .errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
-BOTH = ("hf", "llama")  # the model backends (models/backends.py)
+EVERY = ("hf", "llama", "openvino")  # the model backends (models/backends.py)
+TREES = ("hf", "llama")  # those whose targets score token trees (the methods that always draft trees)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ def _model_drafter(draft, dec, spec):
         from .drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
-    if not draft.capabilities.trees:
-        raise ConfigError(f"the {draft.backend} backend's draft {draft.name} does not score token trees "
-                          f"(tree={spec.tree!r}); use tree='chain'")
+    for m in (draft, dec.target):
+        if not m.capabilities.trees:
+            raise ConfigError(f"{m.name} on the {m.backend} backend does not score token trees "
+                              f"(tree={spec.tree!r}); use tree='chain'")
     from .drafters.draft_tree import DraftTreeDrafter
 
     return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
@@ -189,27 +191,27 @@ def _eagle(dec, spec):
 REGISTRY.update({m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
-    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=BOTH),
+    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=EVERY),
     Method("draft_model", "a smaller model drafts k tokens (or a tree); another tokenizer's drafts go through text",
            _draft_model,
-           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=BOTH),
-    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=BOTH),
+           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=EVERY),
+    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=EVERY),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _layer_skip,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set,
            load_resource=_kept_layers),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
            load_resource=_first_layers),
-    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix, backends=BOTH),
+    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix, backends=TREES),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
-           backends=BOTH),
-    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, backends=BOTH),
+           backends=TREES),
+    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, backends=TREES),
     Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
-           _hybrid, needs="draft_model", trees=ALL_TREES, backends=BOTH),
+           _hybrid, needs="draft_model", trees=ALL_TREES, backends=TREES),
     Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
-           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=BOTH),
+           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=EVERY),
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
-           _auto, backends=BOTH, uses_draft=True),
+           _auto, backends=EVERY, uses_draft=True),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
            needs="head", trees=("chain", "static"), load_resource=_head),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,

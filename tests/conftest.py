@@ -16,7 +16,7 @@ torch.set_num_threads(THREADS)
 # random models, whose ops are too small to gain from intra-op threads (a tiny generate call: 6 ms on
 # one thread, 100+ ms on two under load), so such tests run on one thread whatever SPECDRAFT_THREADS
 # says (SPECDRAFT_TINY_THREADS changes it).
-REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen", "smol_gguf"}
+REAL_MODEL_FIXTURES = {"smol_f32", "smol_variant", "qwen", "smol_gguf", "smol_ov"}
 TINY_THREADS = int(os.environ.get("SPECDRAFT_TINY_THREADS", "1"))
 
 

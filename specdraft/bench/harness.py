@@ -29,6 +29,7 @@ from .. import methods
 from ..scale import cluster
 from ..config import SamplingParams, SpecConfig, methods_needing
 from ..errors import ConfigError, SpecDraftError
+from ..models.backends import BACKENDS
 from ..fidelity import output_terms
 from .. import prompts as data
 from .report import render
@@ -92,10 +93,10 @@ def add_parser(sub):
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="the hf backend's weights (the hf: methods' with --backend llama)")
     b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--backend", default="hf", choices=("hf", "llama"),
+    b.add_argument("--backend", default="hf", choices=tuple(BACKENDS),
                    help="the engine's model backend; with llama, METHOD runs on the GGUF file and hf:METHOD on "
                         "transformers in the same run")
-    b.add_argument("--draft-backend", default=None, choices=("hf", "llama"),
+    b.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
                    help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
                         "transformers copy of the draft")
     b.add_argument("--reference", default="plain",

@@ -4,6 +4,7 @@
 (``NAME:int8``, ``NAME:int4``; models/lowbit.py), every method.
 ``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
+``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains only.
 
 Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here; the
 CLI's ``--backend`` choices, ``SpecDecoder.load`` and the method checks read this table.
@@ -74,9 +75,21 @@ def _load_llama(name_or_path: str, dtype, num_layers: int | None):
     return LlamaModel(path, tok, name=name_or_path)
 
 
+def _load_openvino(name_or_path: str, dtype, num_layers: int | None):
+    if num_layers is not None:
+        raise ConfigError("--draft-layers (a layer-truncated copy) needs --backend hf")
+    from .loading import load_tokenizer
+    from .openvino import OVModel
+
+    path, tok_from = resolve_gguf(name_or_path)
+    return OVModel(path, load_tokenizer(tok_from), name=name_or_path)
+
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False),
+    Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
+                        "verification, chains only", _load_openvino, False),
 ]}
 
 

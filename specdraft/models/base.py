@@ -86,7 +86,7 @@ class SequenceRows(Protocol):
 class TargetModel(Protocol):
     name: str
     tokenizer: object
-    backend: str  # its key in models/backends.py ("hf", "llama")
+    backend: str  # its key in models/backends.py ("hf", "llama", "openvino")
 
     @property
     def capabilities(self) -> Capabilities: ...

@@ -1,0 +1,325 @@
+"""The OpenVINO backend: a GGUF model compiled by OpenVINO behind the model interface (models/base.py).
+
+OpenVINO's CPU kernels keep the 4-bit weights and read them once per forward for all the tokens fed
+(int8 activations on VNNI/AMX, bf16 where the CPU has it), so scoring 8-16 tokens costs much less than
+8-16 single-token steps (docs/benchmarks.md, "OpenVINO"). OpenVINO GenAI reads the GGUF file and
+writes an IR once (cached under ``$SPECDRAFT_HOME/openvino/``); we load that IR with the core runtime
+and change one thing in its graph: a ``logits_keep`` input slices the hidden states before the LM
+head, so a prefill computes one row of logits and a verification only the positions it reads.
+
+- ``OVModel``: the compiled model and the model's facts; ``new_rows()`` hands out ``OVRows``.
+- ``OVRows``: one OpenVINO infer request per row; its state variables hold the row's KV cache.
+  The stateful model appends every fed token to that cache, so rollback marks slots as holes in the
+  row's ``attention_mask`` (token positions come from ``position_ids``, so a hole shifts nothing);
+  ``trim`` compacts a row whose holes pass ``compact_slack`` by rewriting its state tensors.
+
+Token trees are not supported (``capabilities.trees`` False): the stateful graph builds its own
+causal mask from a 2D attention mask. Numerics differ between a 1-token and an n-token feed (bf16
+activations, an int8 KV cache), so greedy output is compared with plain decoding on this backend
+under the near-tie rule, like llama.cpp (tests/test_openvino_backend.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ContextLengthError, ModelFileError
+from .base import Capabilities
+
+PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
+DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
+KEEP = "logits_keep"  # the input added to the graph: how many last fed positions get logits
+EXTRA: dict = {}  # extra compile properties (experiments)
+# the conversion check (check_conversion): logits of this text against llama.cpp's on the same file
+CHECK_TEXT = "def fibonacci(n):\n    # return the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):"
+CHECK_TOLERANCE = 4.0  # logits; bf16 activations and int8 activation/KV quantization stay near 2 on Qwen2.5
+
+
+def runtime():
+    try:
+        import openvino
+    except ImportError as e:
+        raise ConfigError(f"the openvino backend needs {PINS} (`make setup` installs them): {e}") from e
+    return openvino
+
+
+def ir_path(gguf: Path, name: str) -> Path:
+    """The IR OpenVINO GenAI writes for ``gguf`` (converted once, then read from the cache)."""
+    from .catalog import home
+
+    d = home() / "openvino" / name.replace("/", "_").replace(":", "_")
+    xml = d / "openvino_model.xml"
+    if xml.exists() and _stamp(d).get("source") == _source(gguf):
+        return xml
+    d.mkdir(parents=True, exist_ok=True)
+    link = d / "model.gguf"  # GenAI writes the IR beside the file it reads
+    link.unlink(missing_ok=True)
+    link.symlink_to(gguf.resolve())
+    try:
+        import openvino_genai
+    except ImportError as e:
+        raise ConfigError(f"converting a GGUF file for the openvino backend needs {PINS}: {e}") from e
+    try:
+        openvino_genai.LLMPipeline(str(link), "CPU", enable_save_ov_model=True)
+    except RuntimeError as e:
+        raise ModelFileError(f"OpenVINO could not read {gguf.name}: {str(e).splitlines()[0]}") from e
+    if not xml.exists():
+        raise ModelFileError(f"OpenVINO did not write an IR for {gguf.name} under {d}")
+    (d / "stamp.json").write_text(json.dumps({"source": _source(gguf)}))
+    return xml
+
+
+def _source(gguf: Path) -> str:
+    return f"{gguf.resolve()} {gguf.stat().st_size}"
+
+
+def _stamp(d: Path) -> dict:
+    try:
+        return json.loads((d / "stamp.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_conversion(model: "OVModel") -> dict:
+    """OpenVINO's logits for a fixed text against llama.cpp's on the same GGUF file, once per conversion
+    (kept in the IR's stamp). OpenVINO GenAI's GGUF reader gets some files wrong (SmolLM2's Q4_1: median
+    logit error 10, a wrong argmax at 16% of positions) while others match (Qwen2.5 Q4_K_M: max 2.0, every
+    argmax); a model that fails is refused rather than decoded wrongly."""
+    d = model.ir.parent
+    stamp = _stamp(d)
+    if "max_diff" not in stamp:
+        from .llama import LlamaModel
+
+        ids = model.tokenizer(CHECK_TEXT, add_special_tokens=False)["input_ids"]
+        ref = LlamaModel(model.gguf, model.tokenizer).new_rows()
+        ref.add_rows([[]])
+        want = ref.forward([ids])[0]
+        rows = model.new_rows()
+        rows.add_rows([[]])
+        got = rows.forward([ids])[0]
+        top = want.topk(2, -1).values
+        clear = (top[:, 0] - top[:, 1]) > CHECK_TOLERANCE
+        stamp.update(max_diff=round(float((got - want).abs().max()), 3),
+                     argmax_agree=bool((got.argmax(-1) == want.argmax(-1))[clear].all()))
+        (d / "stamp.json").write_text(json.dumps(stamp))
+    if stamp["max_diff"] > CHECK_TOLERANCE or not stamp["argmax_agree"]:
+        raise ModelFileError(f"OpenVINO converts {model.name} wrongly: its logits differ from llama.cpp's on the same "
+                             f"GGUF file by up to {stamp['max_diff']} (tolerance {CHECK_TOLERANCE}); "
+                             "use --backend llama for this model")
+    return stamp
+
+
+def _with_keep_input(model):
+    """Slice the LM head's input to the last ``logits_keep`` positions (a new i64 [1] input)."""
+    ov = runtime()
+    from openvino import opset13 as ops
+
+    result = model.get_results()[0]
+    head = result.input_value(0).get_node()
+    if head.get_type_name() != "MatMul":
+        raise ModelFileError(f"unexpected OpenVINO graph: the logits come from {head.get_type_name()}, not MatMul")
+    keep = ops.parameter([1], ov.Type.i64, name=KEEP)
+    keep.output(0).set_names({KEEP})
+    start = ops.negative(keep)
+    stop = ops.constant(np.array([np.iinfo(np.int64).max], np.int64))
+    hidden = ops.slice(head.input_value(0), start, stop, ops.constant(np.array([1], np.int64)),
+                       ops.constant(np.array([1], np.int64)))
+    head.input(0).replace_source_output(hidden.output(0))
+    model.add_parameters([keep])
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+class OVModel:
+    """A GGUF model compiled by OpenVINO for this CPU, with the target's tokenizer."""
+
+    backend = "openvino"
+    capabilities = Capabilities(hidden=False, trees=False)
+
+    def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
+        ov = runtime()
+        gguf = Path(gguf)
+        if not gguf.is_file():
+            raise ModelFileError(f"GGUF file {gguf} not found")
+        self.name = name or gguf.stem
+        self.tokenizer = tokenizer
+        core = ov.Core()
+        self.gguf = gguf
+        self.ir = ir_path(gguf, self.name)
+        model = _with_keep_input(core.read_model(str(self.ir)))
+        self._vocab = int(model.get_results()[0].get_output_partial_shape(0)[2].get_length())
+        self.inputs = {p.get_any_name() for p in model.inputs}
+        n = threads or max(1, torch.get_num_threads())
+        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": n, "PERFORMANCE_HINT": "LATENCY", **EXTRA})
+        self.n_ctx = int(os.environ.get("SPECDRAFT_OV_CTX", 0) or DEFAULT_CTX)
+        self._pool: list = []  # idle infer requests (state reset), reused by new_rows
+        self.conversion = check_conversion(self)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def max_context(self) -> int:
+        return self.n_ctx
+
+    @property
+    def dtype(self):
+        return torch.float32  # logits come back in float32
+
+    def eos_token_ids(self) -> set[int]:
+        """The tokenizer's EOS and the generation config's beside it (the dense copy's directory)."""
+        ids = set()
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        src = Path(getattr(self.tokenizer, "name_or_path", "") or "")
+        if (src / "generation_config.json").is_file():
+            import json
+
+            e = json.loads((src / "generation_config.json").read_text()).get("eos_token_id")
+            ids.update([e] if isinstance(e, int) else list(e or []))
+        return {t for t in ids if 0 <= t < self._vocab}
+
+    def request(self):
+        return self._pool.pop() if self._pool else self.compiled.create_infer_request()
+
+    def release(self, req) -> None:
+        req.reset_state()
+        self._pool.append(req)
+
+    def new_rows(self, compact_slack: int = 256) -> "OVRows":
+        return OVRows(self, compact_slack)
+
+
+class OVRows:
+    """B rows, row r an infer request whose state is its KV cache; ``live[r]`` flags its cache slots
+    (False: a hole left by a rejected token, masked out of attention until ``trim`` compacts it)."""
+
+    def __init__(self, model: OVModel, compact_slack: int = 256):
+        self.model = model
+        self.slack = compact_slack
+        self.reqs: list = []
+        self.live: list[np.ndarray] = []  # per row: bool per cache slot
+        self.lens: list[int] = []
+        self.fed: list[int] = []  # tokens of the last forward per row, provisional until commit
+        self.last_hidden = None
+        self.prefill_hidden: list = []
+
+    @property
+    def B(self) -> int:
+        return len(self.lens)
+
+    @property
+    def L(self) -> int:
+        return max((len(x) for x in self.live), default=0)
+
+    def __del__(self):
+        try:
+            for req in self.reqs:
+                self.model.release(req)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def _infer(self, r: int, tokens: list[int], keep: int) -> np.ndarray:
+        """Feed row r ``tokens`` after its cache; -> float32 logits of the last ``keep`` of them [keep, V]."""
+        n = len(tokens)
+        live = self.live[r]
+        if len(live) + n > self.model.n_ctx:
+            raise ContextLengthError(f"row of {self.lens[r]} tokens + {n} fed passes the openvino backend's "
+                                     f"{self.model.n_ctx} cache slots (SPECDRAFT_OV_CTX)")
+        pos = self.lens[r]
+        feed = {"input_ids": np.asarray([tokens], np.int64),
+                "attention_mask": np.concatenate([live, np.ones(n, bool)]).astype(np.int64)[None],
+                "position_ids": np.arange(pos, pos + n, dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, np.int32), KEEP: np.asarray([keep], np.int64)}
+        req = self.reqs[r]
+        req.infer(feed)
+        self.live[r] = np.concatenate([live, np.ones(n, bool)])
+        return req.get_output_tensor(0).data[0]
+
+    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+        if hidden:
+            raise ConfigError("the openvino backend does not expose the target's hidden features; "
+                              "Medusa and EAGLE heads need --backend hf")
+        first = self.B
+        for p in prefixes:
+            self.reqs.append(self.model.request())
+            self.live.append(np.zeros(0, bool))
+            self.lens.append(0)
+            self.fed.append(0)
+            try:
+                if p:  # no logits are read from a prefill: one row keeps the LM head cheap
+                    self._infer(self.B - 1, list(p), 1)
+            except BaseException:
+                self.remove_rows([self.B - 1])
+                raise
+            self.lens[-1] = len(p)
+        self.prefill_hidden = [None] * len(prefixes)
+        return list(range(first, self.B))
+
+    def remove_rows(self, idx: list[int]) -> None:
+        drop = set(idx)
+        for r in sorted(drop):
+            self.model.release(self.reqs[r])
+        keep = [r for r in range(self.B) if r not in drop]
+        self.reqs = [self.reqs[r] for r in keep]
+        self.live = [self.live[r] for r in keep]
+        self.lens = [self.lens[r] for r in keep]
+        self.fed = [self.fed[r] for r in keep]
+
+    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
+                hidden: bool = False) -> torch.Tensor:
+        if hidden:
+            self.add_rows([], hidden=True)  # the same error
+        if trees is not None and any(t is not None for t in trees):
+            raise ConfigError("the openvino backend does not score token trees; use tree='chain'")
+        N = max(max((len(s) for s in seqs), default=0), 1)
+        n_out = keep or N
+        out = torch.zeros(self.B, n_out, self.model.vocab_size)
+        first_out = N - n_out  # fed index i of any row lands in column i - first_out
+        for r, s in enumerate(seqs):
+            self.fed[r] = len(s)
+            if s:
+                want = max(0, len(s) - first_out)
+                logits = self._infer(r, [int(t) for t in s], max(want, 1))
+                if want:
+                    out[r, :want] = torch.from_numpy(logits)
+        return out
+
+    def commit(self, keep: list) -> None:
+        for r, k in enumerate(keep):
+            n = self.fed[r]
+            slots = np.flatnonzero(self.live[r])[self.lens[r]:]  # the fed slots, in feed order
+            kept = range(k) if isinstance(k, int) else k
+            drop = np.ones(n, bool)
+            drop[list(kept)] = False
+            self.live[r][slots[drop]] = False
+            self.lens[r] += n - int(drop.sum())
+            self.fed[r] = 0
+
+    def truncate(self, r: int, n: int) -> None:
+        if n < self.lens[r]:
+            self.live[r][np.flatnonzero(self.live[r])[n:]] = False
+            self.lens[r] = n
+
+    def trim(self) -> None:
+        """Compact the rows whose holes passed the slack: their state tensors keep live slots only."""
+        ov = runtime()
+        for r, live in enumerate(self.live):
+            if len(live) - self.lens[r] <= self.slack:
+                continue
+            idx = np.flatnonzero(live)
+            for state in self.reqs[r].query_state():
+                kv = state.state.data  # [1, kv heads, slots, head dim]
+                if kv.ndim != 4 or kv.shape[2] != len(live):
+                    raise RuntimeError(f"unexpected OpenVINO state {state.name} of shape {kv.shape}")
+                state.state = ov.Tensor(np.ascontiguousarray(kv[:, :, idx]))
+            self.live[r] = np.ones(len(idx), bool)
+
+    def draft_room(self) -> None:
+        return None
