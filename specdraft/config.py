@@ -311,6 +311,9 @@ def _f(default, *checks, used_by: tuple[str, ...] | Callable[[], tuple[str, ...]
     return field(default=default, metadata=md)
 
 
+param = _f  # a method's own parameter, declared in its ``params`` dataclass (methods.Method) like a field here
+
+
 def _check_fields(obj) -> None:
     """The one generic loop: every field's constraints, in declaration order (values may be normalized,
     e.g. ints to floats, a tuple to a list)."""

@@ -155,7 +155,8 @@ def spec_param(message: str) -> str:
     """``spec.<field>`` for the first spec key (a field, a method's parameter) a validation message names
     (else ``spec``)."""
     message = message.split("; valid fields")[0]  # (the list of every field names them all)
-    hits = [(m.start(), f) for f in spec_keys() | {"params"} for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
+    keys = spec_keys() | {"params"}
+    hits = [(m.start(), f) for f in keys for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
     return f"spec.{min(hits)[1]}" if hits else "spec"
 
 
