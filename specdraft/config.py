@@ -9,6 +9,10 @@ small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, .
 read from the method registry: the table ``REGISTRY`` below, which ``specdraft.methods`` fills (its
 entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
 target, a datastore's vocabulary or a skip config are checked when they are loaded.
+
+Each field that only some methods read names them (``used_by``); set for another method it is an error
+naming them. A method registered with parameters of its own (``Method.params``, a dataclass declared with
+``param``) takes them as flat keys of the same JSON, held in ``SpecConfig.params``.
 """
 
 from __future__ import annotations
@@ -676,7 +680,7 @@ def _method_params(m, given):
             users = _param_owners(name)
             if not users:
                 raise ConfigError(f"unknown SpecConfig field(s) [{name!r}]; valid fields: {sorted(spec_keys())}")
-            if given[name] not in _param_default(name, users):
+            if not is_default(name, given[name]):
                 raise ConfigError(_foreign(name, users, m.name))
         given = m.params(**{k: v for k, v in given.items() if k in own}) if m.params is not None else None
     if given is None:
