@@ -13,7 +13,7 @@ hidden features or its layers need transformers ("hf").
 ``load_resource``: (decoder, spec) -> the shared resource its drafter reads (a layer view, a head), loaded
 and cached by the decoder (``SpecDecoder.shared``); the server loads it before admitting a request.
 ``params``: the method's own parameters, a dataclass whose fields (each with a default) are declared like
-SpecConfig's (``config._f(default, *checks)``); a spec's JSON holds them as flat keys, ``spec.params`` is
+SpecConfig's (``config.param(default, *checks)``); a spec's JSON holds them as flat keys, ``spec.params`` is
 the validated instance, and another method's spec refuses them. The built-in methods' parameters are
 SpecConfig fields, each declaring the methods that read it (``used_by``).
 Factories import their drafter lazily, so importing the registry stays cheap. The table itself,

@@ -227,9 +227,8 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
 def _check_read(base: dict, sweeps: list, listed: list[str]) -> None:
     """The shared spec and the sweeps configure the listed methods, each keeping the keys it reads
     (config.for_method); a key set for none of them is an error."""
-    if listed:
-        problem = unread(base, listed) or next(filter(None, (unread({f: v}, listed) for f, vs in sweeps for v in vs)),
-                                               None)
+    for d in [base] + [{f: v} for f, vs in sweeps for v in vs] if listed else []:
+        problem = unread(d, listed)
         if problem:
             raise ConfigError(problem)
 
