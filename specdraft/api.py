@@ -26,6 +26,10 @@ from .models.views import layer_view
 from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
+CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
+RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at once
+
+
 class SpecDecoder:
     def __init__(self, target, draft=None):
         """``target``, ``draft``: models behind the model interface (models/base.py), any backend."""
@@ -48,34 +52,35 @@ class SpecDecoder:
         self._costs: dict[int, float] = {}  # n tokens scored -> seconds (cost_curve)
         self._draft_costs: dict[int, float] = {}  # the same for the draft model
         self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
-        self._datastores: dict = {}  # path -> loaded suffix Datastore (memory-mapped)
-        self._recycle_tables: OrderedDict = OrderedDict()  # top_k -> Token Recycling's AdjacencyTable
-        self._tok_hash: str | None = None
-        self._views: OrderedDict[tuple[int, ...], HFModel] = OrderedDict()  # layer_skip / early_exit views
-        self._heads: dict[tuple[str, str], object] = {}  # (head dir, method) -> loaded Medusa / EAGLE head
+        self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
+
+    def shared(self, key: tuple, make, limit: int | None = CACHE_ENTRIES):
+        """The resource under ``key`` (a tuple whose first item names its kind, e.g. ("layer_view", layers)),
+        made by ``make()`` on first use and shared by this decoder's drafters and requests. Past ``limit``
+        entries of one kind (None: no bound) the least recently used leave: keys may come from clients' specs."""
+        return _cached(self._shared.setdefault(key[0], OrderedDict()), key, make, limit)
 
     def head(self, spec: SpecConfig):
         """The trained head in ``spec.head``, loaded once per decoder and checked against the target."""
         from .heads import load_head
 
-        key = (spec.head, spec.method)  # the type check is load_head's: a medusa head is no eagle head
-        if key not in self._heads:
-            self._heads[key] = load_head(spec.head, self.target, expect_type=spec.method)[0]
-        return self._heads[key]
+        # keyed by method too: the type check is load_head's, and a medusa head is no eagle head
+        return self.shared(("head", spec.head, spec.method),
+                           lambda: load_head(spec.head, self.target, expect_type=spec.method)[0], limit=None)
 
     def datastore(self, path: str):
         """The suffix datastore at ``path``, loaded once per decoder and checked against the target's
         vocabulary and tokenizer."""
+        return self.shared(("datastore", path), lambda: self._load_datastore(path), limit=None)
+
+    def _load_datastore(self, path: str):
         from .drafters.datastore import Datastore, tokenizer_sha256
 
-        if path not in self._datastores:
-            store = Datastore(path, vocab_size=self.target.vocab_size)
-            if store.meta.get("tokenizer_sha256") and self.tokenizer is not None:
-                if self._tok_hash is None:
-                    self._tok_hash = tokenizer_sha256(self.tokenizer)
-                store = Datastore(path, vocab_size=self.target.vocab_size, tokenizer_hash=self._tok_hash)
-            self._datastores[path] = store
-        return self._datastores[path]
+        store = Datastore(path, vocab_size=self.target.vocab_size)
+        if store.meta.get("tokenizer_sha256") and self.tokenizer is not None:
+            tok_hash = self.shared(("tokenizer_sha256",), lambda: tokenizer_sha256(self.tokenizer))
+            store = Datastore(path, vocab_size=self.target.vocab_size, tokenizer_hash=tok_hash)
+        return store
 
     def policy_for(self, spec: SpecConfig) -> CostAwarePolicy | None:
         """The cost-aware schedule's measurements persist across requests of one decoder."""
@@ -185,13 +190,13 @@ class SpecDecoder:
         """Token Recycling's adjacency table: one per decoder and top_k, recycled across requests."""
         from .drafters.token_recycling import AdjacencyTable
 
-        return _cached(self._recycle_tables, top_k, lambda: AdjacencyTable(self.target.vocab_size, top_k),
-                       RECYCLE_TABLES)
+        return self.shared(("recycle_table", top_k), lambda: AdjacencyTable(self.target.vocab_size, top_k),
+                           RECYCLE_TABLES)
 
     def layer_view(self, keep) -> HFModel:
         """The target's layers ``keep`` as a draft (shared weights, cached): early exit or layer skipping."""
         keep = list(keep)
-        return _cached(self._views, tuple(keep), lambda: layer_view(self.target, keep))
+        return self.shared(("layer_view", tuple(keep)), lambda: layer_view(self.target, keep))
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):
@@ -226,18 +231,14 @@ class SpecDecoder:
                         on_emit=on_emit)
 
 
-CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
-RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at once
-
-
 def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
     """``cache[key]``, made by ``make()`` when missing; the least recently used entries leave past ``limit``
-    (specs come from clients: an unbounded cache would grow with every distinct one)."""
+    (specs come from clients: an unbounded cache would grow with every distinct one); None: no bound."""
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
     value = cache[key] = make()
-    while len(cache) > limit:
+    while limit is not None and len(cache) > limit:
         cache.popitem(last=False)
     return value
 

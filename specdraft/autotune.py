@@ -188,7 +188,7 @@ def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: 
 def compact(spec: SpecConfig) -> dict:
     """The method and the fields that differ from their defaults (what the file needs to rebuild it)."""
     default = SpecConfig().to_dict()
-    return {k: v for k, v in spec.to_dict().items() if k == "method" or v != default[k]}
+    return {k: v for k, v in spec.to_dict().items() if k == "method" or k not in default or v != default[k]}
 
 
 def table(tried: list[dict]) -> str:

@@ -9,6 +9,10 @@ small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, .
 read from the method registry: the table ``REGISTRY`` below, which ``specdraft.methods`` fills (its
 entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
 target, a datastore's vocabulary or a skip config are checked when they are loaded.
+
+Each field that only some methods read names them (``used_by``); set for another method it is an error
+naming them. A method registered with parameters of its own (``Method.params``, a dataclass declared with
+``param``) takes them as flat keys of the same JSON, held in ``SpecConfig.params``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,18 @@ SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfi
 REGISTRY: dict[str, Any] = {}
 
 
-def methods_needing(need: str) -> tuple[str, ...]:
-    return tuple(m.name for m in REGISTRY.values() if m.needs == need)
+def methods_needing(*needs: str) -> tuple[str, ...]:
+    return tuple(m.name for m in REGISTRY.values() if m.needs in needs)
+
+
+def model_methods() -> tuple[str, ...]:
+    """The methods whose drafts a model makes (a draft model or the target's own layers)."""
+    return methods_needing("draft_model", "layer_view")
+
+
+def methods_taking(tree: str) -> tuple[str, ...]:
+    return tuple(m.name for m in REGISTRY.values() if tree in m.trees)
+
 
 # Defaults measured for the Qwen2.5-Coder 1.5B + 0.5B pair in float32 on this project's 2-core CPU
 # (`specdraft batchbench`, docs/server.md#measured-crossover-qwen-pair): relative to plain decoding at the
@@ -41,6 +55,9 @@ SPEC_OFF_AT = 8
 GREEDY_BELOW = 1e-5
 
 LOSSY_RULES = ("typical",)
+# the methods that read a group of SpecConfig fields (``used_by``)
+NGRAM_LOOKUP = ("prompt_lookup", "cascade")  # prompt lookup's n-gram match (cascade's proposals)
+RETRIEVAL = ("suffix", "hybrid")  # the suffix automaton's draft tree
 # SpecConfig fields that name a file or directory: a server takes them from its operator only (by name)
 PATH_FIELDS = ("skip_config", "datastore", "head", "autotune")
 
@@ -288,14 +305,17 @@ def check_choices(choices) -> None:
             raise ConfigError(f"tree_choices skips a rank: {list(c)} needs {list(c[:-1] + (c[-1] - 1,))}")
 
 
-def _f(default, *checks, used_by: Callable[[], tuple[str, ...]] | None = None):
+def _f(default, *checks, used_by: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None):
     """A dataclass field with its constraints (``checks``, applied in order) and, for a field that only
-    some methods read, ``used_by`` (-> those methods' names): setting it for another method is an error.
-    A list default is copied per instance."""
+    some methods read, ``used_by``: those methods' names (or a function of the registry giving them);
+    setting it to a non-default value for another method is an error. A list default is copied per instance."""
     md = {"checks": checks, "used_by": used_by}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=md)
     return field(default=default, metadata=md)
+
+
+param = _f  # a method's own parameter, declared in its ``params`` dataclass (methods.Method) like a field here
 
 
 def _check_fields(obj) -> None:
@@ -495,47 +515,53 @@ class SpecConfig:
     k: int = _f(4, Int(min=1, max=MAX_DRAFT, what="draft tokens per step"))
     schedule: str = _f("constant", Choice(SCHEDULES, what="schedule"))
     max_k: int = _f(16, Int(max=MAX_DRAFT))
-    confidence_threshold: float = _f(0.0, Number(min=0, max=1, max_open=True))
-    min_ngram: int = _f(1, Int(max=MAX_NGRAM))
-    max_ngram: int = _f(3, Int(max=MAX_NGRAM))
-    branches: int = _f(1, Int(min=1, max=32, note="1 = a chain"))
+    confidence_threshold: float = _f(0.0, Number(min=0, max=1, max_open=True), used_by=model_methods)
+    min_ngram: int = _f(1, Int(max=MAX_NGRAM), used_by=NGRAM_LOOKUP)
+    max_ngram: int = _f(3, Int(max=MAX_NGRAM), used_by=NGRAM_LOOKUP)
+    branches: int = _f(1, Int(min=1, max=32, note="1 = a chain"), used_by=("prompt_lookup",))
     tree: str = _f("chain", Choice(ALL_TREES, what="tree"))
     # tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees),
     # where a forward costs about linear in the tokens it scores; chain stays the default there
-    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1), TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
-    tree_choices: list[list[int]] | None = _f(None, Choices())
-    tree_budget: int = _f(6, Int(min=1, max=MAX_TREE_NODES))
-    tree_topk: int = _f(2, Int(min=1, max=16))
-    exit_layer: int = _f(0, Int(min=0, max=4096, note="layers the early-exit draft runs; 0 = unset"))
-    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices", max_len=4096))
-    skip_config: str | None = _f(None, OptStr("a path"))
-    # suffix
-    max_spec_factor: float = _f(1.0, Number(min=0, max=1000, min_open=True))
-    min_token_prob: float = _f(0.1, Number(min=0, max=1))
-    tree_nodes: int = _f(24, Int(min=1, max=MAX_TREE_NODES, what="draft tree node budget"))
-    max_occurrences: int = _f(256, Int(min=1, max=65536))
-    datastore: str | None = _f(None, OptStr("a path"), used_by=lambda: ("suffix",))
+    # a static shape's fields, a dynamic tree's fields: read by the methods that take such a tree
+    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1), TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
+                                   used_by=lambda: methods_taking("static"))
+    tree_choices: list[list[int]] | None = _f(None, Choices(), used_by=lambda: methods_taking("static"))
+    tree_budget: int = _f(6, Int(min=1, max=MAX_TREE_NODES), used_by=lambda: methods_taking("dynamic"))
+    tree_topk: int = _f(2, Int(min=1, max=16), used_by=lambda: methods_taking("dynamic"))
+    exit_layer: int = _f(0, Int(min=0, max=4096, note="layers the early-exit draft runs; 0 = unset"),
+                         used_by=("early_exit",))
+    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices", max_len=4096),
+                                used_by=("layer_skip",))
+    skip_config: str | None = _f(None, OptStr("a path"), used_by=("layer_skip",))
+    # suffix, and hybrid's retrieval (methods.retrieval_spec); auto passes tree_nodes to its hybrid arm
+    max_spec_factor: float = _f(1.0, Number(min=0, max=1000, min_open=True), used_by=RETRIEVAL)
+    min_token_prob: float = _f(0.1, Number(min=0, max=1), used_by=RETRIEVAL)
+    tree_nodes: int = _f(24, Int(min=1, max=MAX_TREE_NODES, what="draft tree node budget"),
+                         used_by=RETRIEVAL + ("auto",))
+    max_occurrences: int = _f(256, Int(min=1, max=65536), used_by=RETRIEVAL)
+    datastore: str | None = _f(None, OptStr("a path"), used_by=("suffix",))
     # token_recycling
     recycle_branching: list[int] = _f([4, 2, 2, 1], IntList(min=1, max=MAX_RECYCLE_TOPK,
                                                             what="children per node at each depth"),
-                                      TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
+                                      TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
+                                      used_by=("token_recycling",))
     # lookahead
-    lookahead_window: int = _f(4, Int(min=1, max=MAX_DRAFT, what="W"))
-    lookahead_ngram: int = _f(3, Int(min=2, max=MAX_NGRAM, what="N"))
-    lookahead_max_ngrams: int = _f(4, Int(min=1, max=MAX_DRAFT, what="G"))
+    lookahead_window: int = _f(4, Int(min=1, max=MAX_DRAFT, what="W"), used_by=("lookahead",))
+    lookahead_ngram: int = _f(3, Int(min=2, max=MAX_NGRAM, what="N"), used_by=("lookahead",))
+    lookahead_max_ngrams: int = _f(4, Int(min=1, max=MAX_DRAFT, what="G"), used_by=("lookahead",))
     # hybrid (retrieval when its match is long, the draft model otherwise) and auto's retrieval arms
     retrieval_k: int = _f(16, Int(min=1, max=MAX_DRAFT, what="depth of retrieval drafts"),
-                          used_by=lambda: ("hybrid", "auto"))
+                          used_by=("hybrid", "auto"))
     hybrid_min_match: int = _f(4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"),
-                               used_by=lambda: ("hybrid", "auto"))
-    hybrid_merge: bool = _f(False, Bool(), used_by=lambda: ("hybrid",))
+                               used_by=("hybrid", "auto"))
+    hybrid_merge: bool = _f(False, Bool(), used_by=("hybrid",))
     # cascade: prompt lookup proposes up to cascade_k tokens per draft-model forward, the draft model checks them
-    cascade_k: int = _f(4, Int(min=1, max=MAX_DRAFT), used_by=lambda: ("cascade",))
+    cascade_k: int = _f(4, Int(min=1, max=MAX_DRAFT), used_by=("cascade",))
     # auto: the arms it chooses among (method names; empty = every one this decoder can run) and the
     # autotune file with their priors (None = the file `specdraft autotune` wrote for this target, draft,
     # backend and CPU, if any; "off" = none, online calibration only)
-    auto_arms: list[str] = _f([], StrList(max_len=64), used_by=lambda: ("auto",))
-    autotune: str | None = _f(None, OptStr("a path"), used_by=lambda: ("auto",))
+    auto_arms: list[str] = _f([], StrList(max_len=64), used_by=("auto",))
+    autotune: str | None = _f(None, OptStr("a path"), used_by=("auto",))
     # medusa / eagle: the trained head's directory (specdraft train); its type and target are checked
     # when it is loaded (heads.load_head), not here
     head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head"))
@@ -544,6 +570,9 @@ class SpecConfig:
                                         note="(or null, the default: lossless verification)"))
     typical_epsilon: float = _f(0.09, Number(min=0, max=1, min_open=True))
     typical_delta: float = _f(0.3, Number(min=0, finite=True))
+    # the parameters of a method registered with its own (its registry entry's ``params`` dataclass): flat
+    # keys in JSON, gathered here by from_dict; validate makes them that dataclass, checked
+    params: Any = None
 
     # rules across fields, after each field's own constraints: (ok, message)
     RULES = (
@@ -573,8 +602,8 @@ class SpecConfig:
         for f in dataclasses.fields(self):  # fields only some methods read, set for another method
             users, default = _users(f), _default(f)
             if users is not None and getattr(self, f.name) != default and self.method not in users:
-                who = f"method {users[0]!r}" if len(users) == 1 else f"methods {_and(users)}"
-                raise ConfigError(f"{f.name} is used by {who} only, not {self.method!r}")
+                raise ConfigError(_foreign(f.name, users, self.method))
+        self.params = _method_params(m, self.params)
         if m.needs == "head" and self.head is None:
             raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
                               f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
@@ -599,6 +628,11 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, d):
+        """Flat keys that are no field but a method's parameter go to ``params`` (validate sorts out whose)."""
+        if isinstance(d, dict):
+            gathered = {k: v for k, v in d.items() if k not in _FIELDS and _param_owners(k)}
+            if gathered:
+                d = {**{k: v for k, v in d.items() if k not in gathered}, "params": gathered}
         return _from_dict(cls, d)
 
     @classmethod
@@ -607,25 +641,108 @@ class SpecConfig:
             d = json.loads(s)
         except json.JSONDecodeError as e:
             raise ConfigError(f"spec config is not valid JSON: {e}") from e
-        return _from_dict(cls, d)
+        return cls.from_dict(d)
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        """Flat: the method's own parameters sit beside the fields (from_dict takes them back)."""
+        d = dataclasses.asdict(self)
+        params = d.pop("params")
+        return {**d, **(params if isinstance(params, dict) else {})}
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SpecConfig)) - {"params"}
+
+
+def _who(users: tuple[str, ...]) -> str:
+    return f"method {users[0]!r}" if len(users) == 1 else f"methods {_and(users)}"
+
+
+def _foreign(name: str, users: tuple[str, ...], method) -> str:
+    return f"{name} is used by {_who(users)} only, not {method!r}"
+
+
+def _param_owners(name: str) -> tuple[str, ...]:
+    """The methods whose own parameters (their entry's ``params`` dataclass) include ``name``."""
+    return tuple(m.name for m in REGISTRY.values()
+                 if m.params is not None and name in {f.name for f in dataclasses.fields(m.params)})
+
+
+def _param_default(name: str, users: tuple[str, ...]) -> list:
+    return [_default(REGISTRY[u].params.__dataclass_fields__[name]) for u in users]
+
+
+def _method_params(m, given):
+    """``given`` (None, a dict of flat keys, or an instance) as method ``m``'s validated parameters (None when it
+    has none). Another method's parameter is an error naming that method, unless at its default (then dropped)."""
+    if isinstance(given, dict):
+        own = {f.name for f in dataclasses.fields(m.params)} if m.params is not None else set()
+        for name in set(given) - own:
+            users = _param_owners(name)
+            if not users:
+                raise ConfigError(f"unknown SpecConfig field(s) [{name!r}]; valid fields: {sorted(spec_keys())}")
+            if not is_default(name, given[name]):
+                raise ConfigError(_foreign(name, users, m.name))
+        given = m.params(**{k: v for k, v in given.items() if k in own}) if m.params is not None else None
+    if given is None:
+        given = m.params() if m.params is not None else None
+    elif m.params is None or not isinstance(given, m.params):
+        raise ConfigError(f"params must be the parameters of method {m.name!r}"
+                          f"{'' if m.params else ' (it has none)'}, got {type(given).__name__}")
+    if given is not None:
+        _check_fields(given)
+    return given
+
+
+def spec_keys() -> set[str]:
+    """Every key a spec dict may hold: SpecConfig's fields and each registered method's own parameters."""
+    return set(_FIELDS) | {f.name for m in REGISTRY.values() if m.params is not None
+                           for f in dataclasses.fields(m.params)}
 
 
 def _users(f: dataclasses.Field) -> tuple[str, ...] | None:
     """The methods that read a SpecConfig field (None: every method)."""
-    return f.metadata["used_by"]() if f.metadata.get("used_by") else None
+    users = f.metadata.get("used_by")
+    return users() if callable(users) else users
 
 
 def _default(f: dataclasses.Field):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+def readers(key: str) -> tuple[str, ...] | None:
+    """The methods that read spec key ``key`` (a field or a method's own parameter); None: every method (a
+    general field, or an unknown key, which validation refuses)."""
+    if key in _FIELDS:
+        return _users(SpecConfig.__dataclass_fields__[key])
+    return _param_owners(key) or None
+
+
+def is_default(key: str, value) -> bool:
+    """Whether ``value`` is spec key ``key``'s default (for a method's own parameter, one of its owners')."""
+    if key in _FIELDS:
+        return value == _default(SpecConfig.__dataclass_fields__[key])
+    users = _param_owners(key)
+    return bool(users) and value in _param_default(key, users)
+
+
+def for_method(d: dict, method) -> dict:
+    """Spec dict ``d`` (a server's default, a bench's shared settings) with ``method``: the keys only other
+    methods read are left out, so they take their defaults (``method`` would refuse them)."""
+    return {**{k: v for k, v in d.items() if readers(k) is None or method in readers(k)}, "method": method}
+
+
+def unread(d: dict, methods) -> str | None:
+    """Why spec dict ``d`` sets a key (to a non-default value) that none of ``methods`` reads, or None."""
+    for k, v in d.items():
+        users = readers(k)
+        if users is not None and not is_default(k, v) and not set(users) & set(methods):
+            return f"{k} is used by {_who(users)} only, none of {_and(methods)}"
+    return None
+
+
 def with_method(spec: SpecConfig, method: str) -> SpecConfig:
     """``spec`` with another method; the fields only other methods read go back to their defaults."""
-    reset = {f.name: _default(f) for f in dataclasses.fields(spec) if _users(f) is not None and method not in _users(f)}
-    return SpecConfig.from_dict({**spec.to_dict(), **reset, "method": method})
+    return SpecConfig.from_dict(for_method(spec.to_dict(), method))
 
 
 DEFAULT_METHOD = "auto"  # what runs when no method is named: the library, `specdraft generate` and `serve`

@@ -11,13 +11,18 @@ hidden features or its layers need transformers ("hf").
 ``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 ``load_resource``: (decoder, spec) -> the shared resource its drafter reads (a layer view, a head), loaded
-and cached by the decoder; the server loads it before admitting a request.
+and cached by the decoder (``SpecDecoder.shared``); the server loads it before admitting a request.
+``params``: the method's own parameters, a dataclass whose fields (each with a default) are declared like
+SpecConfig's (``config.param(default, *checks)``); a spec's JSON holds them as flat keys, ``spec.params`` is
+the validated instance, and another method's spec refuses them. The built-in methods' parameters are
+SpecConfig fields, each declaring the methods that read it (``used_by``).
 Factories import their drafter lazily, so importing the registry stays cheap. The table itself,
 ``REGISTRY``, lives in config.py (below the drafters) so that SpecConfig validation reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +48,13 @@ class Method:
     uses_draft: bool = False  # uses a draft model when one is given, works without (auto)
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
     load_resource: Callable | None = None  # (decoder, spec) -> a layer view, a head: loaded before the drafter
+    params: type | None = None  # a dataclass of the method's own parameters (spec.params)
+
+    def __post_init__(self):
+        names = {f.name for f in dataclasses.fields(self.params)} if self.params is not None else set()
+        clash = sorted(names & set(SpecConfig.__dataclass_fields__))
+        if clash:  # a flat key means one thing: a SpecConfig field is never a method's parameter
+            raise ValueError(f"method {self.name!r}: parameters {clash} are SpecConfig fields; name them otherwise")
 
     def unavailable(self, backend: str, has_draft: bool, subject: str = "method", where: str = "",
                     no_draft: str | None = None) -> str | None:

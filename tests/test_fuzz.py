@@ -127,12 +127,18 @@ SPEC_JUNK = st.one_of(
     st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=6),
     st.sampled_from(list(REGISTRY) + ["chain", "static", "dynamic", "constant", "heuristic", "cost_aware", "typical"]),
 )
-PLAUSIBLE = st.fixed_dictionaries({}, optional={  # valid-looking settings, so that decoding is reached too
-    "k": st.integers(1, 8), "schedule": st.sampled_from(["constant", "cost_aware"]), "branches": st.integers(1, 4),
-    "tree": st.sampled_from(["chain", "static", "dynamic"]), "recycle_branching": st.just([3, 2]),
-    "lookahead_window": st.integers(1, 6), "exit_layer": st.integers(1, 2), "skip_layers": st.just([1])})
-SPECS = st.builds(lambda m, ok, extra: {"method": m, **ok, **extra}, st.sampled_from(list(REGISTRY)), PLAUSIBLE,
-                  st.one_of(st.just({}), st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_JUNK, max_size=4)))
+# valid-looking settings, so that decoding is reached too: the general ones, and each method's own for it (set
+# for another method they are refused, as the junk extras, drawn from every field, still try)
+PLAUSIBLE = {"k": st.integers(1, 8), "schedule": st.sampled_from(["constant", "cost_aware"]),
+             "tree": st.sampled_from(["chain", "static", "dynamic"])}
+PLAUSIBLE_OWN = {"prompt_lookup": {"branches": st.integers(1, 4)},
+                 "token_recycling": {"recycle_branching": st.just([3, 2])},
+                 "lookahead": {"lookahead_window": st.integers(1, 6)}, "early_exit": {"exit_layer": st.integers(1, 2)},
+                 "layer_skip": {"skip_layers": st.just([1])}}
+SPECS = st.sampled_from(list(REGISTRY)).flatmap(lambda m: st.builds(
+    lambda ok, extra: {"method": m, **ok, **extra},
+    st.fixed_dictionaries({}, optional={**PLAUSIBLE, **PLAUSIBLE_OWN.get(m, {})}),
+    st.one_of(st.just({}), st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_JUNK, max_size=4))))
 SPEC_STATUS = Counter()
 NORMAL = {"prompt": [1, 2, 3, 1, 2, 3, 1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 

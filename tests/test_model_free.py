@@ -285,11 +285,13 @@ def test_spec_config_validation():
         ({"method": "token_recycling", "recycle_branching": [16, 16, 16]}, "at most 256"),
         ({"method": "lookahead", "lookahead_ngram": 1}, "lookahead_ngram"),
         ({"method": "lookahead", "lookahead_window": 0}, "lookahead_window"),
+        ({"method": "suffix", "recycle_branching": [3, 1]}, "recycle_branching is used by method 'token_recycling' only"),
     ]:
         with pytest.raises(ConfigError, match=msg):
             SpecConfig.from_dict(d)
-    c = SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2, recycle_branching=[3, 1])
-    assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
+    for c in (SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2),
+              SpecConfig(method="token_recycling", recycle_branching=[3, 1])):  # (each method's own fields)
+        assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
 
 
 # --- sampling exactness through the engine's tree rejection sampling ------------------------

@@ -1,6 +1,9 @@
 """Adding a drafter is one drafter class plus one registry entry (docs/design.md, "Adding a drafter"):
-a toy drafter registered at runtime is validated, decoded (greedy output = plain decoding), offered by
-the CLI, admitted by the server and run by the bench, with no other change."""
+a toy drafter registered at runtime, with a parameter of its own and a resource shared through the
+decoder, is validated, decoded (greedy output = plain decoding), offered by the CLI, admitted by the
+server and run by the bench, with no other change."""
+
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -10,7 +13,7 @@ from server_util import running_server
 from specdraft import methods
 from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
-from specdraft.config import SpecConfig
+from specdraft.config import Int, SpecConfig, param
 from specdraft.drafters.base import Drafter
 from specdraft.errors import ConfigError
 from specdraft.tree import DraftTree
@@ -18,26 +21,49 @@ from specdraft.tree import DraftTree
 PROMPT = [1, 2, 3, 3, 3]
 
 
+@dataclass
+class RepeatLastParams:
+    """repeat_last's own parameter: a flat key of its spec, refused in another method's."""
+
+    shift: int = param(0, Int(min=0, max=1000, what="added to the last token, modulo the vocabulary"))
+
+
+BUILT = []  # the shifts whose successor table was built (once per decoder and shift: shared)
+
+
+def successor_table(dec, spec):
+    """The drafter's resource: the token drafted after each token, (token + shift) mod V."""
+    shift, vocab = spec.params.shift, dec.target.vocab_size
+
+    def build():
+        BUILT.append(shift)
+        return [(t + shift) % vocab for t in range(vocab)]
+
+    return dec.shared(("repeat_last", shift), build)
+
+
 class RepeatLastDrafter(Drafter):
-    """Drafts the last token k times (the worked example of docs/design.md)."""
+    """Drafts the last token's successor k times (the worked example of docs/design.md)."""
 
     name = "repeat_last"
 
-    def __init__(self, spec):
-        self.k = spec.k
+    def __init__(self, spec, successor):
+        self.k, self.successor = spec.k, successor
 
     def max_draft_depth(self):
         return self.k
 
     def propose(self, tokens, max_tokens):
-        return DraftTree.chain([tokens[-1]] * min(self.k, max_tokens))
+        return DraftTree.chain([self.successor[tokens[-1]]] * min(self.k, max_tokens))
 
 
 @pytest.fixture
 def repeat_last():
     assert "repeat_last" not in methods.REGISTRY
     methods.REGISTRY["repeat_last"] = methods.Method(
-        "repeat_last", "draft the last token k times (a toy)", lambda dec, spec: RepeatLastDrafter(spec))
+        "repeat_last", "draft the last token k times (a toy)",
+        lambda dec, spec: RepeatLastDrafter(spec, successor_table(dec, spec)),
+        params=RepeatLastParams, load_resource=successor_table)
     try:
         yield
     finally:
@@ -72,17 +98,54 @@ def test_config_reads_the_registry(repeat_last):
         SpecConfig(method="repeat_last", head="h").validate()
 
 
+def test_its_parameter(repeat_last):
+    spec = SpecConfig.from_dict({"method": "repeat_last", "shift": 2})
+    assert spec.params == RepeatLastParams(shift=2)
+    assert spec.to_dict()["shift"] == 2 and "params" not in spec.to_dict()  # flat JSON, round-tripping
+    assert SpecConfig.from_dict(spec.to_dict()) == spec
+    assert SpecConfig(method="repeat_last").validate().params == RepeatLastParams()  # its default
+    assert SpecConfig(method="repeat_last", params={"shift": 3}).validate().params.shift == 3
+    with pytest.raises(ConfigError, match="shift .added to the last token.* must be >= 0, got -1"):
+        SpecConfig.from_dict({"method": "repeat_last", "shift": -1})
+    with pytest.raises(ConfigError, match="shift .* must be an integer, got 'x'"):
+        SpecConfig.from_dict({"method": "repeat_last", "shift": "x"})
+
+
+def test_a_foreign_or_unknown_key_is_an_error(repeat_last):
+    with pytest.raises(ConfigError, match="shift is used by method 'repeat_last' only, not 'prompt_lookup'"):
+        SpecConfig.from_dict({"method": "prompt_lookup", "shift": 1})
+    with pytest.raises(ConfigError, match="shift is used by method 'repeat_last' only, not 'prompt_lookup'"):
+        SpecConfig(method="prompt_lookup", params={"shift": 1}).validate()
+    with pytest.raises(ConfigError, match="lookahead_window is used by method 'lookahead' only, not 'suffix'"):
+        SpecConfig.from_dict({"method": "suffix", "lookahead_window": 6})
+    with pytest.raises(ConfigError, match="lookahead_window is used by method 'lookahead' only, not 'repeat_last'"):
+        SpecConfig.from_dict({"method": "repeat_last", "lookahead_window": 6})
+    with pytest.raises(ConfigError, match=r"unknown SpecConfig field\(s\) \['shfit'\]"):
+        SpecConfig.from_dict({"method": "repeat_last", "shfit": 1})
+    with pytest.raises(ConfigError, match="params must be the parameters of method 'repeat_last', got int"):
+        SpecConfig(method="repeat_last", params=5).validate()
+    # at its default, another method's key is no setting: dropped (a spec's to_dict under another method)
+    spec = SpecConfig.from_dict({"method": "prompt_lookup", "shift": 0})
+    assert spec.params is None and spec.to_dict() == SpecConfig(method="prompt_lookup").to_dict()
+
+
 def test_unregistered_is_unknown():
     with pytest.raises(ConfigError, match="unknown method 'repeat_last'; choose one of: plain, draft_model"):
         SpecConfig(method="repeat_last").validate()
+    with pytest.raises(ConfigError, match=r"unknown SpecConfig field\(s\) \['shift'\]"):
+        SpecConfig.from_dict({"method": "prompt_lookup", "shift": 1})
 
 
 def test_greedy_output_equals_plain(repeat_last, dec):
     sp = {"max_new_tokens": 16, "ignore_eos": True}
     plain = dec.generate(PROMPT, sampling=sp, spec={"method": "plain"})
-    out = dec.generate(PROMPT, sampling=sp, spec={"method": "repeat_last", "k": 3})
-    assert out.token_ids == plain.token_ids
-    assert out.stats.drafted > 0
+    for shift in (0, 5):
+        for _ in range(2):
+            out = dec.generate(PROMPT, sampling=sp, spec={"method": "repeat_last", "k": 3, "shift": shift})
+            assert out.token_ids == plain.token_ids
+            assert out.stats.drafted > 0
+        assert BUILT.count(shift) == 1  # the resource: built once, then shared
+    assert dec.shared(("repeat_last", 5), lambda: pytest.fail("rebuilt")) == [5, 0, 1, 2, 3, 4]
 
 
 def test_cli_offers_it(repeat_last):
@@ -101,6 +164,23 @@ def test_server_admits_it(repeat_last, dec):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["method"] == "repeat_last"
         assert r.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+        r = httpx.post(url + "/v1/completions", json={**body, "spec": {"method": "repeat_last", "shift": 7}},
+                       timeout=60)
+        assert r.status_code == 200 and 7 in BUILT  # its load_resource ran before admission
+        r = httpx.post(url + "/v1/completions", json={**body, "spec": {"method": "lookahead", "shift": 1}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "spec.shift", r.text
+        assert "shift is used by method 'repeat_last' only" in r.json()["error"]["message"]
+
+
+def test_a_default_spec_with_its_parameter_serves_other_methods(repeat_last, dec):
+    with running_server(dec, model_name="tiny", default_spec={"method": "repeat_last", "k": 2, "shift": 1}) as (url, _):
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        default = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert default["usage"]["method"] == "repeat_last"
+        for spec in ({"method": "plain"}, {"method": "prompt_lookup", "max_ngram": 2}):  # the default's shift left out
+            r = httpx.post(url + "/v1/completions", json={**body, "spec": spec}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == default["choices"][0]["text"]
 
 
 def test_bench_takes_it(repeat_last):
@@ -108,3 +188,10 @@ def test_bench_takes_it(repeat_last):
 
     opts = BenchOptions(k=3, sweep=[], methods="plain,repeat_last")
     assert [(n, k) for n, k, _ in build_variants(opts, {})] == [("plain", "plain"), ("repeat_last", "repeat_last")]
+    opts = BenchOptions(k=3, sweep=["shift=0,2"], methods="plain,prompt_lookup,repeat_last")
+    variants = build_variants(opts, {"spec": {"max_ngram": 2}})  # each method keeps the keys it reads
+    assert [(n, s.to_dict().get("shift"), s.max_ngram) for n, _, s in variants] == [
+        ("plain", None, 3), ("prompt_lookup[shift=0]", None, 2), ("prompt_lookup[shift=2]", None, 2),
+        ("repeat_last[shift=0]", 0, 3), ("repeat_last[shift=2]", 2, 3)]
+    with pytest.raises(ConfigError, match="lookahead_window is used by method 'lookahead' only, none of plain"):
+        build_variants(BenchOptions(k=3, sweep=[], methods="plain,repeat_last"), {"spec": {"lookahead_window": 6}})

@@ -97,7 +97,7 @@ def _read_json(path: str, flag: str):
 
 
 def _specs(opts: BatchBenchOptions) -> dict[str, dict]:
-    from ..config import SpecConfig
+    from ..config import SpecConfig, for_method, unread
 
     base = _read_json(opts.config, "--config") if opts.config else {}
     for key in ("k", "tree", "exit_layer", "skip_config"):
@@ -111,9 +111,12 @@ def _specs(opts: BatchBenchOptions) -> dict[str, dict]:
     labels = [m.strip() for m in opts.methods.split(",") if m.strip()]
     if "plain" not in labels:
         labels = ["plain"] + labels
+    problem = unread(base, [lab for lab in labels if lab not in variants])  # base configures the methods listed
+    if problem:
+        raise SpecDraftError(problem)
     out = {}
     for lab in labels:
-        d = dict(variants[lab]) if lab in variants else {**base, "method": lab}
+        d = dict(variants[lab]) if lab in variants else for_method(base, lab)  # each keeps the keys it reads
         if lab not in variants and lab == "plain":
             d = {"method": "plain"}
         out[lab] = SpecConfig.from_dict(d).to_dict()  # validated here, before any model loads

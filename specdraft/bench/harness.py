@@ -27,7 +27,7 @@ import torch
 
 from .. import methods
 from ..scale import cluster
-from ..config import SamplingParams, SpecConfig, methods_needing
+from ..config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
 from ..errors import ConfigError, SpecDraftError
 from ..models.backends import BACKENDS
 from ..fidelity import output_terms
@@ -180,14 +180,16 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
         if "=" not in s:
             raise ConfigError(f"--sweep expects FIELD=v1,v2,..., got {s!r}")
         f, vs = s.split("=", 1)
-        if f not in SpecConfig.__dataclass_fields__ or f == "method":
+        if f not in spec_keys() or f == "method":
             raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
+    listed = [x.strip() for x in opts.methods.split(",") if x.strip()]
+    _check_read(base, sweeps, [m.removeprefix(HF) for m in listed if m.removeprefix(HF) in methods.REGISTRY])
     out = []
-    for m in [x.strip() for x in opts.methods.split(",") if x.strip()]:
+    for m in listed:
         if m.startswith(HF) and (m[len(HF):] in methods.REGISTRY or m[len(HF):] in named):
             inner = m[len(HF):]
-            spec = named[inner] if inner in named else SpecConfig.from_dict({**base, "method": inner})
+            spec = named[inner] if inner in named else SpecConfig.from_dict(for_method(base, inner))
             out.append((m, spec.method, spec))
         elif m in named:
             out.append((m, named[m].method, named[m]))
@@ -202,13 +204,13 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             out.append((m, m, None))
         elif m in methods.REGISTRY:
             if m == "plain" or not sweeps:
-                out.append((m, m, SpecConfig.from_dict({**base, "method": m})))
+                out.append((m, m, SpecConfig.from_dict(for_method(base, m))))
             else:
                 combos = [{}]
                 for f, vs in sweeps:
                     combos = [{**c, f: v} for c in combos for v in vs]
                 for c in combos:
-                    d = {**base, "method": m, **c}
+                    d = for_method({**base, **c}, m)
                     if "k" in c:
                         d["max_k"] = max(d.get("max_k", 16), c["k"])
                     label = m + "[" + ",".join(f"{f}={v}" for f, v in c.items()) + "]"
@@ -221,6 +223,15 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
     else:  # plain first, so that exactness can be checked as soon as a method finishes
         out.sort(key=lambda t: t[0] not in ("plain", HF + "plain"))
     return out
+
+
+def _check_read(base: dict, sweeps: list, listed: list[str]) -> None:
+    """The shared spec and the sweeps configure the listed methods, each keeping the keys it reads
+    (config.for_method); a key set for none of them is an error."""
+    for d in [base] + [{f: v} for f, vs in sweeps for v in vs] if listed else []:
+        problem = unread(d, listed)
+        if problem:
+            raise ConfigError(problem)
 
 
 def environment(dtype: str, threads: int) -> dict:

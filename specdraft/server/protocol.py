@@ -21,9 +21,9 @@ import bisect
 import re
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from ..config import PATH_FIELDS, SamplingParams, SpecConfig
+from ..config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
 from ..errors import ConfigError, ContextLengthError, SpecDraftError
 from ..engine import check_fits
 from ..processors import RequestProcessor
@@ -121,14 +121,15 @@ def _spec(body: dict, default: SpecConfig, resources: dict | None = None) -> Spe
 
 
 def spec_over(s, default: SpecConfig, resources: dict | None = None) -> SpecConfig:
-    """A request's ``spec`` merged over the server's default. Fields naming files take only the names
+    """A request's ``spec`` merged over the server's default (less the default's keys that only other
+    methods read, when the request names another method). Fields naming files take only the names
     of ``resources`` ({field: {name: path}}, the operator's, from the server's start): a request never
     names a path (a FIFO or /dev/zero would block the server; error messages would tell which files exist)."""
     if not isinstance(s, dict):
         raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
                            code="invalid_type")
     s = {k: (_resource(k, v, resources or {}) if k in PATH_FIELDS else v) for k, v in s.items()}
-    d = default.to_dict()
+    d = for_method(default.to_dict(), s.get("method", default.method))
     if "k" in s and "max_k" not in s:
         d["max_k"] = max(d["max_k"], s["k"]) if _is_int(s["k"]) else d["max_k"]
     d.update(s)
@@ -150,13 +151,12 @@ def _resource(field: str, name, resources: dict):
                        "not name a file path", param=f"spec.{field}")
 
 
-SPEC_FIELDS = tuple(f.name for f in fields(SpecConfig))
-
-
 def spec_param(message: str) -> str:
-    """``spec.<field>`` for the first SpecConfig field a validation message names (else ``spec``)."""
+    """``spec.<field>`` for the first spec key (a field, a method's parameter) a validation message names
+    (else ``spec``)."""
     message = message.split("; valid fields")[0]  # (the list of every field names them all)
-    hits = [(m.start(), f) for f in SPEC_FIELDS for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
+    keys = spec_keys() | {"params"}
+    hits = [(m.start(), f) for f in keys for m in [re.search(rf"(?<![\w.]){f}(?!\w)", message)] if m]
     return f"spec.{min(hits)[1]}" if hits else "spec"
 
 
