@@ -94,7 +94,8 @@ def check_models(r: Report) -> list[str]:
     return ready
 
 
-PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "llama")}  # label: (suffix, backend)
+# label: (suffix, backend); openvino is optional: a model it cannot convert is a note, not a problem
+PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "llama"), "openvino gguf": ("", "openvino")}
 
 
 def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[int, float]]:
@@ -113,7 +114,7 @@ def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[i
             measure_costs(m, [1, 16], repeats=2)  # the first forwards of a process pay for kernel set-up
             c = measure_costs(m, list(TOKENS), repeats=3)
         except (SpecDraftError, RuntimeError, OSError) as e:
-            r.problem("costs", f"{label}: {e}")
+            (r.say if b == "openvino" else r.problem)("costs" if b != "openvino" else "", f"{label}: {e}")
             continue
         curves[label] = c
         r.say("", f"{label:11s} {c[1]:6.0f} ms | " + " | ".join(f"{c[n] / c[1]:.2f}x" for n in TOKENS[1:])
@@ -131,7 +132,8 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
     fast = min(curves, key=lambda k: curves[k][1])
     c = curves[fast]
     r8 = c[8] / c[1]
-    backend = {"llama gguf": "llama", "hf w8a8": "hf --target NAME:w8a8"}.get(fast, "hf --dtype bfloat16")
+    backend = {"llama gguf": "llama", "hf w8a8": "hf --target NAME:w8a8", "openvino gguf": "openvino"}.get(
+        fast, "hf --dtype bfloat16")
     why = (f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, "
            + ("so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
               "(code edits, repeated text) and decodes plainly elsewhere" if r8 > 2 else
@@ -141,10 +143,20 @@ def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
     if bf and fast != "hf bf16":
         r.say("", f"full-precision answers: --backend hf --dtype bfloat16 --draft self:int4 (scoring 8 tokens "
                   f"costs {bf[8] / bf[1]:.2f}x one in bf16; its one token costs {bf[1] / c[1]:.1f}x {fast}'s)")
+    ov = curves.get("openvino gguf")
+    if ov and fast != "openvino gguf":
+        r.say("", f"cheap verification at 4-bit bytes: --backend openvino (8 tokens cost {ov[8] / ov[1]:.2f}x one; its "
+                  f"one token costs {ov[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long (code edits)")
     w8 = curves.get("hf w8a8")
     if w8 and fast != "hf w8a8":
         r.say("", f"flat verification at 8-bit bytes: --backend hf --target NAME:w8a8 (8 tokens cost {w8[8] / w8[1]:.2f}x "
                   f"one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def add_parser(sub):
@@ -172,6 +184,7 @@ def main_doctor(model: str | None = None, costs: bool = True, threads: int | Non
     llama_ok = check_llama(r, gguf)
     model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
     if costs and model:
-        recommend(r, measure_curves(r, model, ["hf bf16", "hf w8a8"] + (["llama gguf"] if llama_ok else [])))
+        paths = ["hf bf16", "hf w8a8"] + (["llama gguf"] if llama_ok else []) + (["openvino gguf"] if _has("openvino") else [])
+        recommend(r, measure_curves(r, model, paths))
     print(f"{'status':8s} " + ("ok" if not r.problems else f"{len(r.problems)} problem(s): " + "; ".join(r.problems)))
     return 1 if r.problems else 0

@@ -161,6 +161,7 @@ def test_doctor(gguf, monkeypatch, capsys):
     for line in ("cpu ", "torch ", "llama ", "probe ", "models ", "costs ", "pick ", "status   ok"):
         assert line in out, out
     assert "hf bf16" in out and "hf w8a8" in out and "llama gguf" in out
+    assert "openvino gguf" in out  # measured, or the note that OpenVINO cannot convert this model
 
 
 def test_doctor_says_when_llama_is_unusable(gguf, fresh_probe_cache, monkeypatch, capsys):

@@ -35,7 +35,7 @@ from .. import prompts as data
 from .report import render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
-             "pair_serial", "pair_overlap")
+             "ov_genai", "ov_genai_lookup", "ov_genai_draft", "pair_serial", "pair_overlap")
 PAIRS = ("pair_serial", "pair_overlap")  # the draft model and the target as two Ray actors (overlap.py)
 HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
 
@@ -101,15 +101,16 @@ def add_parser(sub):
                         "transformers copy of the draft")
     b.add_argument("--reference", default="plain",
                    help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
-    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup; a comma list runs each "
-                   "(llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
+    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup and ov_genai_lookup; a comma "
+                   "list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
     b.add_argument("--pair-threads", type=int, default=1,
                    help="pair_serial / pair_overlap: threads of each of the two actors (draft, target)")
-    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft (a comma list, likewise)")
+    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft and ov_genai_draft (a comma "
+                   "list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
                    help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend), or "
-                   "llama_cpp@MODEL (llama.cpp's plain decoding of another GGUF, e.g. the Q4_K_M file beside a "
-                   "NAME:Q4_0 target)")
+                   "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
+                   "e.g. the Q4_K_M file beside a NAME:Q4_0 target)")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
                    "and 'variants' {name: SpecConfig}")
     b.add_argument("--dataset", default=None)
@@ -193,10 +194,10 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             out.append((m, spec.method, spec))
         elif m in named:
             out.append((m, named[m].method, named[m]))
-        elif m.startswith("llama_cpp@"):  # llama.cpp's plain decoding of another GGUF (e.g. the Q4_K_M file)
-            out.append((m, "llama_cpp", {"model": m.split("@", 1)[1]}))
-        elif m in ("llama_cpp_lookup", "llama_cpp_draft"):
-            ks = [int(k) for k in str(opts.llama_k if m == "llama_cpp_lookup" else opts.llama_draft_k).split(",")]
+        elif m.startswith(("llama_cpp@", "ov_genai@")):  # plain decoding of another GGUF (e.g. the Q4_K_M file)
+            out.append((m, m.split("@", 1)[0], {"model": m.split("@", 1)[1]}))
+        elif m in ("llama_cpp_lookup", "llama_cpp_draft", "ov_genai_lookup", "ov_genai_draft"):
+            ks = [int(k) for k in str(opts.llama_k if m.endswith("_lookup") else opts.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in PAIRS:
             out.append((m, m, {"k": opts.k, "threads": opts.pair_threads}))  # k None: overlap.ratio_k measures one
@@ -316,7 +317,7 @@ def reference_of(name: str, backend: str) -> str:
 
 
 def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner, PairRunner
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner, PairRunner
 
     runners, skipped, pair = [], {}, None
     for name, kind, spec in variants:
@@ -352,7 +353,31 @@ def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tup
             except (ImportError, SpecDraftError) as e:
                 skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)
+        elif kind.startswith("ov_genai"):
+            try:
+                runners.append(_ov_genai_runner(opts, name, kind, spec, threads, dec.eos_ids))
+            except (ImportError, SpecDraftError) as e:
+                skipped[name] = f"skipped: {'openvino-genai not installed' if isinstance(e, ImportError) else e}"
+                print(f"{name}: {skipped[name]}", file=sys.stderr)
     return runners, skipped
+
+
+def _ov_genai_runner(opts: BenchOptions, name: str, kind: str, spec, threads: int, eos_ids):
+    """OpenVINO GenAI's plain / prompt-lookup / draft-model decoding of the IR the openvino backend
+    converts the target's GGUF file (or ``ov_genai@MODEL``'s) to."""
+    from ..models.backends import resolve_gguf
+    from ..models.openvino import ir_path
+    from .runners import OVGenAIRunner
+
+    def ir_dir(model: str) -> str:
+        return str(ir_path(resolve_gguf(model)[0], model).parent)
+
+    mode = {"ov_genai": "plain", "ov_genai_lookup": "lookup", "ov_genai_draft": "draft"}[kind]
+    if mode == "draft" and not opts.draft:
+        raise ConfigError("ov_genai_draft needs --draft NAME")
+    draft = ir_dir(opts.draft) if mode == "draft" else None
+    return OVGenAIRunner(name, ir_dir((spec or {}).get("model") or _gguf_name(opts.target)), threads, eos_ids, mode,
+                         draft, (spec or {}).get("k", 4))
 
 
 def _gguf_name(target: str) -> str:

@@ -176,3 +176,55 @@ class PairRunner:
         k = self.pair.k
         return {"token_ids": r.token_ids, "wall_s": r.wall_s, "decode_s": r.decode_s,
                 "steps": [[k, n, k] for n, _ in r.steps], "hits": [h for _, h in r.steps]}
+
+
+class OVGenAIRunner:
+    """OpenVINO GenAI's own decoding of the same GGUF file (the IR the openvino backend converted it to,
+    models/openvino.py): plain (``LLMPipeline``), its prompt lookup (``prompt_lookup=True``) or its
+    speculative decoding with a draft model's IR (``draft_model``), ``k`` tokens drafted per step."""
+
+    kind = "baseline"
+
+    def __init__(self, name: str, ir_dir: str, threads: int, eos_ids: set[int], mode: str = "plain",
+                 draft_dir: str | None = None, k: int = 4):
+        import openvino_genai as ov_genai  # ImportError means: skipped
+
+        self.name, self.eos_ids, self.mode, self.k = name, eos_ids, mode, k
+        kw = {"INFERENCE_NUM_THREADS": threads}
+        if mode == "lookup":
+            kw["prompt_lookup"] = True
+        elif mode == "draft":
+            kw["draft_model"] = ov_genai.draft_model(draft_dir, "CPU", INFERENCE_NUM_THREADS=threads)
+        self.genai = ov_genai
+        self.pipe = ov_genai.LLMPipeline(ir_dir, "CPU", **kw)
+
+    def _config(self, sp: SamplingParams):
+        c = self.genai.GenerationConfig()
+        c.max_new_tokens = sp.max_new_tokens
+        c.do_sample = not sp.greedy
+        if not sp.greedy:
+            c.temperature, c.top_p = sp.temperature, sp.top_p
+            c.top_k = sp.top_k or 0
+            c.rng_seed = sp.seed or 0
+        if self.mode == "lookup":
+            c.num_assistant_tokens, c.max_ngram_size = self.k, 3
+        elif self.mode == "draft":
+            c.num_assistant_tokens = self.k
+        return c
+
+    def run(self, ids: list[int], sp: SamplingParams) -> dict:
+        import numpy as np
+        import openvino as ov
+
+        x = np.asarray([ids], np.int64)
+        inputs = self.genai.TokenizedInputs(ov.Tensor(x), ov.Tensor(np.ones_like(x)))
+        config = self._config(sp)
+        t0 = time.perf_counter()
+        out = self.pipe.generate(inputs, config)
+        wall = time.perf_counter() - t0
+        new = [int(t) for t in out.tokens[0]]
+        for i, t in enumerate(new):  # what the engine would emit: up to and including EOS
+            if t in self.eos_ids:
+                new = new[: i + 1]
+                break
+        return {"token_ids": new, "wall_s": wall}
