@@ -62,12 +62,13 @@ def ids(dec):
 
 
 @pytest.fixture(scope="module")
-def dec_with_draft(smol_ov, dense):
-    """The OpenVINO target with its float32 transformers copy as the draft (two backends, close but not
-    equal distributions: rejections happen)."""
+def dec_with_draft(smol_ov):
+    """The OpenVINO target with the same Q4_0 file on llama.cpp as the draft (two backends, close but not
+    equal distributions: rejections happen; several times faster than the dense copy as a draft)."""
     from specdraft.api import SpecDecoder
+    from specdraft.models.loading import load_model
 
-    return SpecDecoder(smol_ov, dense)
+    return SpecDecoder(smol_ov, load_model(f"{MODEL}:Q4_0", backend="llama"))
 
 
 def test_facts(smol_ov):
@@ -175,14 +176,15 @@ def test_batch_rows_equal_batch_of_one(dec, ids):
 
 def test_sampling_end_to_end(dec_with_draft):
     """The first two tokens of seeded requests (top-k 3, T=1) follow the target's exact distribution
-    with a draft model and with prompt lookup; plain decoding at T=0.3 fails the same test."""
+    with a draft model (rejections happen); plain decoding at T=0.3 fails the same test. (Prompt
+    lookup's sampling runs through the same rows and verifier: tested on the other backends, which
+    keeps this file's time down.)"""
     d = dec_with_draft
     prompt = d.encode("Name a colour: red, green, blue, red, green,", chat=False)
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)
     probs = exact_two_token_probs(d.target, prompt, 3)
-    for spec in [SpecConfig(method="draft_model", k=2), SpecConfig(method="prompt_lookup", k=2)]:
-        p = pvalue(sample_pairs(d.target, d.make_drafter(spec), prompt, sp, 100), probs)
-        assert p > 1e-3, f"{spec.method}: p = {p:.2e}"
+    p = pvalue(sample_pairs(d.target, d.make_drafter(SpecConfig(method="draft_model", k=2)), prompt, sp, 100), probs)
+    assert p > 1e-3, f"draft_model: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
     assert pvalue(sample_pairs(d.target, d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
 
@@ -200,8 +202,9 @@ def test_refused_methods_and_trees(dec_with_draft):
 
 
 def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
-    """The bench on this backend, with OpenVINO GenAI's own plain and prompt-lookup decoding of the same
-    IR as baselines: every runner produced tokens, and the greedy report compares each with plain."""
+    """The bench on this backend, with OpenVINO GenAI's own plain decoding of the same IR as the
+    baseline: every runner produced tokens (the lookup and draft runners differ only in the pipeline's
+    options, measured in docs/benchmarks.md)."""
     import json
 
     from specdraft.cli import main
@@ -210,10 +213,10 @@ def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
     data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Repeat: a b c d a b c d a b"]}) + "\n")
     out = tmp_path / "r.json"
     assert main(["bench", "--backend", "openvino", "--target", f"{MODEL}:Q4_0", "--dataset", str(data),
-                 "--max-new-tokens", "8", "--methods", "plain,prompt_lookup,ov_genai,ov_genai_lookup",
+                 "--max-new-tokens", "8", "--methods", "plain,prompt_lookup,ov_genai",
                  "--reference", "ov_genai", "--no-plots", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["skipped"], doc["skipped"]
     got = {r["method"]: r for r in doc["records"]}
-    assert set(got) == {"plain", "prompt_lookup", "ov_genai", "ov_genai_lookup"}
+    assert set(got) == {"plain", "prompt_lookup", "ov_genai"}
     assert all(r["new_tokens"] > 0 for r in got.values())

@@ -6,7 +6,8 @@ measure (this file imports nothing it defines), e.g. before and after a change:
     .venv/bin/python docs/results/overhead/step_overhead.py llama
 
 hf: the Qwen pair in bf16; llama: the Qwen pair's GGUF files; draft_model k=4 and prompt_lookup, 48 tokens.
-A third argument names another target (e.g. qwen2.5-coder-1.5b:Q4_0, the fastest file on an AMX CPU).
+A third argument names another target (e.g. qwen2.5-coder-1.5b:Q4_0, the fastest file on an AMX CPU), a
+fourth another draft (openvino reads the 0.5B's Q4_0 file, not its Q4_K_M: qwen2.5-coder-0.5b:Q4_0).
 """
 import sys
 import time
@@ -17,7 +18,7 @@ from specdraft.models.loading import load_model, set_threads
 backend = sys.argv[1] if len(sys.argv) > 1 else "hf"
 set_threads(2)
 t = load_model(sys.argv[2] if len(sys.argv) > 2 else "qwen2.5-coder-1.5b", "bfloat16", backend=backend)
-d = load_model("qwen2.5-coder-0.5b", "bfloat16", backend=backend)
+d = load_model(sys.argv[3] if len(sys.argv) > 3 else "qwen2.5-coder-0.5b", "bfloat16", backend=backend)
 rows_classes = {type(t.new_rows()), type(d.new_rows())}
 inside, depth = [0.0], [0]  # depth: add_rows may call forward; count the outermost call only
 for cls in rows_classes:
