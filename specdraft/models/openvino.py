@@ -34,7 +34,6 @@ from .base import Capabilities
 PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
 DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
 KEEP = "logits_keep"  # the input added to the graph: how many last fed positions get logits
-EXTRA: dict = {}  # extra compile properties (experiments)
 # the conversion check (check_conversion): logits of this text against llama.cpp's on the same file
 CHECK_TEXT = "def fibonacci(n):\n    # return the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):"
 CHECK_TOLERANCE = 4.0  # logits, the median position's largest error (see check_conversion)
@@ -117,6 +116,11 @@ def check_conversion(model: "OVModel") -> dict:
     return stamp
 
 
+def _no_hidden():
+    raise ConfigError("the openvino backend does not expose the target's hidden features; Medusa and EAGLE heads "
+                      "need --backend hf")
+
+
 def _with_keep_input(model):
     """Slice the LM head's input to the last ``logits_keep`` positions (a new i64 [1] input)."""
     ov = runtime()
@@ -158,7 +162,7 @@ class OVModel:
         self._vocab = int(model.get_results()[0].get_output_partial_shape(0)[2].get_length())
         self.inputs = {p.get_any_name() for p in model.inputs}
         n = threads or max(1, torch.get_num_threads())
-        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": n, "PERFORMANCE_HINT": "LATENCY", **EXTRA})
+        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": n, "PERFORMANCE_HINT": "LATENCY"})
         self.n_ctx = int(os.environ.get("SPECDRAFT_OV_CTX", 0) or DEFAULT_CTX)
         self._pool: list = []  # idle infer requests (state reset), reused by new_rows
         self.conversion = check_conversion(self)
@@ -247,8 +251,7 @@ class OVRows:
 
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
         if hidden:
-            raise ConfigError("the openvino backend does not expose the target's hidden features; "
-                              "Medusa and EAGLE heads need --backend hf")
+            _no_hidden()
         first = self.B
         for p in prefixes:
             self.reqs.append(self.model.request())
@@ -278,7 +281,7 @@ class OVRows:
     def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
                 hidden: bool = False) -> torch.Tensor:
         if hidden:
-            self.add_rows([], hidden=True)  # the same error
+            _no_hidden()
         if trees is not None and any(t is not None for t in trees):
             raise ConfigError("the openvino backend does not score token trees; use tree='chain'")
         N = max(max((len(s) for s in seqs), default=0), 1)
