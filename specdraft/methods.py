@@ -12,6 +12,7 @@ hidden features or its layers need transformers ("hf").
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 ``load_resource``: (decoder, spec) -> the shared resource its drafter reads (a layer view, a head), loaded
 and cached by the decoder (``SpecDecoder.shared``); the server loads it before admitting a request.
+``served``: False for a method a server request may not name (remote_draft starts a process).
 ``params``: the method's own parameters, a dataclass whose fields (each with a default) are declared like
 SpecConfig's (``config.param(default, *checks)``); a spec's JSON holds them as flat keys, ``spec.params`` is
 the validated instance, and another method's spec refuses them. The built-in methods' parameters are
@@ -23,10 +24,12 @@ Factories import their drafter lazily, so importing the registry stays cheap. Th
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Callable
 
 from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
+from .drafters.remote_draft import RemoteDraftParams
 from .errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
@@ -49,6 +52,7 @@ class Method:
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
     load_resource: Callable | None = None  # (decoder, spec) -> a layer view, a head: loaded before the drafter
     params: type | None = None  # a dataclass of the method's own parameters (spec.params)
+    served: bool = True  # a server request may name it (not one that starts processes on a client's word)
 
     def __post_init__(self):
         names = {f.name for f in dataclasses.fields(self.params)} if self.params is not None else set()
@@ -182,6 +186,20 @@ def retrieval_spec(spec):
     return SpecConfig(method="suffix", k=spec.retrieval_k, max_k=max(spec.retrieval_k, 16), **d)
 
 
+def _remote_draft(dec, spec):
+    from .drafters.remote_draft import RemoteDraft, RemoteDraftDrafter
+
+    draft = dec.draft_model()
+    source = getattr(draft, "source", None)
+    if source is None or dec.vocab_bridge() is not None:
+        raise ConfigError(f"method 'remote_draft' loads the draft by its name in a process of its own, with the "
+                          f"target's tokenizer; {draft.name} is not such a draft (a self:int4 copy, another "
+                          f"tokenizer's model)")
+    p = spec.params
+    key = ("remote_draft", json.dumps(source, sort_keys=True), p.remote_threads, p.ray_address)
+    return RemoteDraftDrafter(dec.shared(key, lambda: RemoteDraft(source, p, dec.target.vocab_size)), spec)
+
+
 def _auto(dec, spec):
     from .arms import build_auto
 
@@ -222,6 +240,9 @@ REGISTRY.update({m.name: m for m in [
            _hybrid, needs="draft_model", trees=ALL_TREES, backends=TREES),
     Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
            _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=EVERY),
+    Method("remote_draft", "the draft model in a process of its own (Ray), drafting the next block while the target "
+           "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model", backends=EVERY,
+           params=RemoteDraftParams, served=False),
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
            _auto, backends=EVERY, uses_draft=True),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,

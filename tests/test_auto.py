@@ -84,7 +84,8 @@ def test_broken_cascade_is_detected(dec, monkeypatch):
     monkeypatch.setattr(draft_model, "_draw_given", lambda q, proposal, gen: torch.tensor(proposal))
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     spec = SpecConfig(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2)
-    counts, _, _ = sample_first_tokens(dec.target, dec.make_drafter(spec), PROMPT, sp, 5, 2, N, V, seed0=20_000)
+    # N // 4 samples (CI time): p = 1e-106 measured at 500 (2026-12-03), against the 1e-3 bound
+    counts, _, _ = sample_first_tokens(dec.target, dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000)
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) < 1e-3
 
 
@@ -256,7 +257,8 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
     d = SpecDecoder(smol_f32, smol_draft4)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     drafted = 0
-    for p in REAL_PROMPTS[:4] + REAL_PROMPTS[-2:-1]:  # the second to last repeats itself: retrieval drafts there
+    # 3 of the 7 prompts (CI time): a summary and the second to last repeat their input (retrieval drafts there)
+    for p in REAL_PROMPTS[:1] + REAL_PROMPTS[3:4] + REAL_PROMPTS[-2:-1]:
         out = d.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == smol_reference[p], p
         drafted += out.stats.drafted

@@ -35,8 +35,9 @@ from .. import prompts as data
 from .report import render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
-             "ov_genai", "ov_genai_lookup", "ov_genai_draft", "pair_serial", "pair_overlap")
-PAIRS = ("pair_serial", "pair_overlap")  # the draft model and the target as two Ray actors (overlap.py)
+             "ov_genai", "ov_genai_lookup", "ov_genai_draft")
+# the engine's remote_draft method (the draft in a Ray actor) in turns and drafting while the target verifies
+PAIRS = {"pair_serial": False, "pair_overlap": True}
 HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
 
 
@@ -104,7 +105,8 @@ def add_parser(sub):
     b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup and ov_genai_lookup; a comma "
                    "list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
     b.add_argument("--pair-threads", type=int, default=1,
-                   help="pair_serial / pair_overlap: threads of each of the two actors (draft, target)")
+                   help="pair_serial / pair_overlap (method remote_draft, the draft in a Ray actor, in turns / "
+                        "drafting while the target verifies): threads of the draft's process")
     b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft and ov_genai_draft (a comma "
                    "list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
@@ -127,7 +129,7 @@ def add_parser(sub):
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--k", type=int, default=None, help="draft tokens per step for the engine's methods (and the "
-                   "pair_* methods; without it they measure one: overlap.ratio_k)")
+                   "pair_* methods)")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
@@ -200,7 +202,8 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             ks = [int(k) for k in str(opts.llama_k if m.endswith("_lookup") else opts.llama_draft_k).split(",")]
             out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
         elif m in PAIRS:
-            out.append((m, m, {"k": opts.k, "threads": opts.pair_threads}))  # k None: overlap.ratio_k measures one
+            d = {**base, "method": "remote_draft", "prefetch": PAIRS[m], "remote_threads": opts.pair_threads}
+            out.append((m, "remote_draft", SpecConfig.from_dict(for_method(d, "remote_draft"))))
         elif m in BASELINES:
             out.append((m, m, None))
         elif m in methods.REGISTRY:
@@ -317,9 +320,9 @@ def reference_of(name: str, backend: str) -> str:
 
 
 def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner, PairRunner
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner
 
-    runners, skipped, pair = [], {}, None
+    runners, skipped = [], {}
     for name, kind, spec in variants:
         if kind in methods.REGISTRY:
             d = hf_dec if name.startswith(HF) else dec
@@ -333,12 +336,6 @@ def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tup
             runners.append(HFRunner(name, hf_dec, "assisted"))
         elif kind == "hf_prompt_lookup":
             runners.append(HFRunner(name, hf_dec, "prompt_lookup"))
-        elif kind in PAIRS:
-            if pair is None:  # one pair of actors serves both modes
-                from ..scale.overlap import OverlapPair
-
-                pair = OverlapPair(opts.target, opts.draft, opts.dtype, spec["k"], spec["threads"], draft_layers=opts.draft_layers)
-            runners.append(PairRunner(name, pair, kind == "pair_overlap"))
         elif kind.startswith("llama_cpp"):
             try:
                 from ..models.backends import resolve_gguf
@@ -461,7 +458,7 @@ def plan_bench(opts: BenchOptions) -> Plan:
         other = [n for n, k, _ in variants if k not in methods.REGISTRY]
         if other:  # a baseline without the constraint would not be the same workload
             raise ConfigError(f"--json-schema constrains specdraft's methods only; drop the baselines {other}")
-    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft", *PAIRS)
+    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft")
                       or (k in methods.REGISTRY and methods.method(k).needs == "draft_model") for _, k, _ in variants)
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not opts.draft:

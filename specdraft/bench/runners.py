@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..config import SamplingParams, SpecConfig
+from ..drafters.remote_draft import PREFETCHED
 
 
 class EngineRunner:
@@ -32,6 +33,7 @@ class EngineRunner:
             "draft_s": out.stats.draft_s,
             "verify_s": out.stats.verify_s,
             **({"arms": out.stats.arms} if out.stats.arms else {}),  # a composite's steps per arm
+            **({"hits": [s.arm == PREFETCHED for s in out.stats.steps]} if PREFETCHED in (out.stats.arms or {}) else {}),
         }
 
 
@@ -155,27 +157,6 @@ class _LlamaModelDraft:
             if len(out) >= self.k:
                 break
         return np.array(out, dtype=np.intc)
-
-
-class PairRunner:
-    """The draft model and the target as two Ray actors (specdraft/overlap.py), drafting while the target
-    verifies (``overlap``) or in turns; greedy only. ``hits`` marks the steps whose drafts were made
-    while the previous step was verified; ``decode_s`` is the wall time after both prefills."""
-
-    kind = "baseline"
-
-    def __init__(self, name: str, pair, overlap: bool):
-        self.name, self.pair, self.overlap = name, pair, overlap
-
-    def run(self, ids: list[int], sp: SamplingParams) -> dict:
-        if not sp.greedy:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"{self.name} is greedy only (the overlapped pair verifies by argmax)")
-        r = self.pair.generate(ids, sp.max_new_tokens, overlap=self.overlap)
-        k = self.pair.k
-        return {"token_ids": r.token_ids, "wall_s": r.wall_s, "decode_s": r.decode_s,
-                "steps": [[k, n, k] for n, _ in r.steps], "hits": [h for _, h in r.steps]}
 
 
 class OVGenAIRunner:

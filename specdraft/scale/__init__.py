@@ -6,9 +6,10 @@ optional dependency (requirements-ray.txt, ``make setup-ray``); nothing outside 
 - ``shard``: prompts sharded over worker actors: ``bench --ray`` (each worker runs the bench's per-prompt
   code) and ``train --ray`` (each answers batches of the training data);
 - ``replicas``: ``serve --replicas N``: whole servers as Ray actors behind the routing front (server/front.py);
-- ``overlap``: the draft model and the target as two Ray actors, drafting while verifying (``pair_*`` bench
-  methods, ``specdraft overlap``).
+- ``remote``: a model in a Ray actor of its own: the draft side of method ``remote_draft``
+  (drafters/remote_draft.py: drafting the next block while the engine's target verifies);
+- ``overlap``: ``specdraft overlap``, the time model of that method's bench runs (``pair_*``).
 
-Each module sits in the layer of what it scales out (tests/test_imports.py, LAYERS): cluster with the
-machine facts, overlap with the commands, shard with the bench, replicas with the server.
+Each module sits in the layer of what it scales out (tests/test_imports.py, LAYERS): cluster and remote
+with the machine facts, overlap with the commands, shard with the bench, replicas with the server.
 """

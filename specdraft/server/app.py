@@ -228,6 +228,8 @@ def check_method(decoder, spec: SpecConfig):
                             where=" this server runs",
                             no_draft=f"spec.method {m.name!r} needs a draft model; this server was started "
                                      "without --draft (use auto, prompt_lookup or plain)")
+    if not problem and not m.served:
+        problem = f"spec.method {m.name!r} is not served: it starts a process of its own (bench and library only)"
     if problem:
         raise RequestError(problem, param="spec")
     return m
