@@ -286,7 +286,9 @@ class OVRows:
             raise ConfigError("the openvino backend does not score token trees; use tree='chain'")
         N = max(max((len(s) for s in seqs), default=0), 1)
         n_out = keep or N
-        out = torch.zeros(self.B, n_out, self.model.vocab_size)
+        # numpy, not torch: a torch fill or copy of this size wakes torch's OpenMP workers, whose spinning
+        # then takes cores from OpenVINO's next infer (measured: the engine's plain decoding 4-5% slower)
+        out = np.zeros((self.B, n_out, self.model.vocab_size), np.float32)
         first_out = N - n_out  # fed index i of any row lands in column i - first_out
         for r, s in enumerate(seqs):
             self.fed[r] = len(s)
@@ -294,8 +296,8 @@ class OVRows:
                 want = max(0, len(s) - first_out)
                 logits = self._infer(r, [int(t) for t in s], max(want, 1))
                 if want:
-                    out[r, :want] = torch.from_numpy(logits)
-        return out
+                    out[r, :want] = logits
+        return torch.from_numpy(out)
 
     def commit(self, keep: list) -> None:
         for r, k in enumerate(keep):
