@@ -21,7 +21,8 @@ from .engine import GenerationResult, generate
 from .errors import ConfigError, TokenizerMismatchError
 from .methods import method
 from .models.hf import HFModel
-from .models.loading import check_same_tokenizer, load_model, set_threads
+from .models.loading import check_same_tokenizer, set_threads
+from .models.backends import load_model
 from .models.views import layer_view
 from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 

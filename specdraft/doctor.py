@@ -101,7 +101,7 @@ PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "
 def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[int, float]]:
     from .costs import measure_costs
     from .errors import SpecDraftError
-    from .models.loading import load_model
+    from .models.backends import load_model
 
     curves = {}
     r.say("costs", f"ms per forward of {' / '.join(map(str, TOKENS))} tokens, {model}, 60-token context "

@@ -71,7 +71,7 @@ def tiny_model_dir(d, layers=2):
 
 @pytest.fixture(scope="session")
 def smol_f32():
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     return load_model("smollm2-135m", "float32")
 
@@ -79,7 +79,7 @@ def smol_f32():
 @pytest.fixture(scope="session")
 def smol_gguf():
     """SmolLM2-135M's Q4_1 GGUF on the llama.cpp backend (weights memory-mapped; contexts pooled)."""
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     return load_model("smollm2-135m", backend="llama")
 
@@ -88,7 +88,7 @@ def smol_gguf():
 def smol_variant():
     """load(dtype, num_layers) -> a SmolLM2-135M copy (e.g. a layer-truncated draft, a bf16 copy),
     loaded once per session and shared by every module (drafters reset its cache in begin())."""
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     cache = {}
 

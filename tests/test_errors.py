@@ -10,7 +10,8 @@ import pytest
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.errors import ConfigError, ModelFileError, TokenizerMismatchError
 from specdraft.models import catalog
-from specdraft.models.loading import check_same_tokenizer, load_model
+from specdraft.models.loading import check_same_tokenizer
+from specdraft.models.backends import load_model
 
 
 @pytest.mark.parametrize("kw,msg", [

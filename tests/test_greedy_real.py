@@ -123,7 +123,7 @@ def test_cross_tokenizer_draft_greedy_exact(smol_f32, reference):
     """A draft with another tokenizer (Qwen2.5-Coder-0.5B, 151,936 tokens) for SmolLM2-135M float32
     (49,152): its drafts go through text, and the output is the target's own greedy output. The
     draft's precision does not matter for exactness (the float32 target verifies), so it runs bf16."""
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     dec = SpecDecoder(smol_f32, load_model("qwen2.5-coder-0.5b", "bfloat16"))
     assert dec.cross_vocab

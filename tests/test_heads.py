@@ -72,7 +72,7 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
 
     # the checkpoint reloads and drafts; greedy output equals plain
     from specdraft.api import SpecDecoder
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     dec = SpecDecoder(load_model(str(tiny_dir), "float32"))
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -89,7 +89,7 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
 # --- bad input -------------------------------------------------------------------------------------
 def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     from specdraft.api import SpecDecoder
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     # validation reads no files: a missing or wrong head is found when it is loaded (generate, the
     # server's admission, the CLI before it loads a model), with the same message

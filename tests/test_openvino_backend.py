@@ -32,7 +32,7 @@ def smol_ov():
     """(the module's target; named like the other backends' small-model fixtures)"""
     from specdraft.errors import ModelFileError
     from specdraft.models import quantize
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     try:
         quantize.variant_path(MODEL, "Q4_0")
@@ -44,7 +44,7 @@ def smol_ov():
 
 @pytest.fixture(scope="module")
 def dense(smol_ov):
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     return load_model(MODEL, backend="hf", dtype="float32")
 
@@ -66,7 +66,7 @@ def dec_with_draft(smol_ov):
     """The OpenVINO target with the same Q4_0 file on llama.cpp as the draft (two backends, close but not
     equal distributions: rejections happen; several times faster than the dense copy as a draft)."""
     from specdraft.api import SpecDecoder
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     return SpecDecoder(smol_ov, load_model(f"{MODEL}:Q4_0", backend="llama"))
 
@@ -81,7 +81,7 @@ def test_facts(smol_ov):
 def test_a_wrong_conversion_is_refused():
     """SmolLM2's Q4_1 file: OpenVINO's logits differ from llama.cpp's by about 10 at the median position."""
     from specdraft.errors import ModelFileError
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     with pytest.raises(ModelFileError, match="OpenVINO converts smollm2-135m wrongly"):
         load_model("smollm2-135m", backend="openvino")

@@ -61,7 +61,7 @@ def test_qwen_pair_greedy_matches_plain(qwen, plain_ref, method):
 @pytest.fixture(scope="module")
 def smol_for_qwen(qwen):
     """SmolLM2-135M (another tokenizer: 49,152 tokens against 151,936) drafting for the same Qwen 1.5B."""
-    from specdraft.models.loading import load_model
+    from specdraft.models.backends import load_model
 
     return SpecDecoder(qwen.target, load_model("smollm2-135m", "bfloat16"))
 

@@ -63,7 +63,8 @@ def main() -> None:
     sys.path.insert(0, a.before)
     import specdraft
     from specdraft import prompts as data
-    from specdraft.models.loading import load_model, set_threads
+    from specdraft.models.loading import set_threads
+    from specdraft.models.backends import load_model
 
     old = importlib.import_module("specdraft_before")
     old_api = importlib.import_module("specdraft_before.api")

@@ -3,7 +3,8 @@ old one in /tmp/before (see ab_loop.py for how to make it): Qwen pair, bf16, dra
 import cProfile, pstats, sys, time
 sys.path.insert(0, "/tmp/before")
 import torch
-from specdraft.models.loading import load_model, set_threads
+from specdraft.models.loading import set_threads
+from specdraft.models.backends import load_model
 import specdraft
 set_threads(2)
 t, d = load_model("qwen2.5-coder-1.5b", "bfloat16"), load_model("qwen2.5-coder-0.5b", "bfloat16")

@@ -54,7 +54,8 @@ def add_parser(sub):
 def main_costs(opts: CostsOptions) -> int:
     from ..errors import SpecDraftError
     from ..models.backends import backend
-    from ..models.loading import load_model, set_threads
+    from ..models.loading import set_threads
+    from ..models.backends import load_model
     from ..models.lowbit import parse_quant
 
     threads = set_threads(opts.threads)
@@ -103,7 +104,7 @@ def main_costs(opts: CostsOptions) -> int:
 
 def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dict[int, float]]:
     """The draft model's own curve (ms per forward of n tokens), on --draft-backend (default --backend)."""
-    from ..models.loading import load_model
+    from ..models.backends import load_model
 
     be = opts.draft_backend or opts.backend
     name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy

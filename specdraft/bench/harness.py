@@ -490,7 +490,7 @@ def load_bench(plan: Plan, threads: int) -> Bench:
         hf_dec = SpecDecoder.load(opts.target.partition(":")[0], draft=plan.draft, dtype=opts.dtype,  # NAME:TYPE is a GGUF variant
                                   draft_layers=opts.draft_layers, threads=threads)
     elif wants_hf and plan.draft and opts.draft_backend not in (None, "hf"):  # transformers' baselines need its own draft
-        from ..models.loading import load_model
+        from ..models.backends import load_model
 
         hf_dec = SpecDecoder(dec.target, load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf"))
     runners, skipped = make_runners(opts, plan.variants, dec, hf_dec, threads)

@@ -97,3 +97,11 @@ def backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     return BACKENDS[name]
+
+
+def load_model(name_or_path: str, dtype="bfloat16", num_layers: int | None = None, backend: str = "hf"):
+    """Load a model and its tokenizer behind the backend named ``backend``: a ``TargetModel``."""
+    return _named(backend).load(name_or_path, dtype, num_layers)
+
+
+_named = backend  # load_model's parameter ``backend`` hides the function

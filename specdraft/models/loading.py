@@ -1,5 +1,6 @@
-"""Load a target or draft: a known model's name (models/catalog.py), a transformers model directory, or a
-.gguf file, behind a backend (models/backends.py)."""
+"""Find and load model files: a known model's name (models/catalog.py), a transformers model directory, or a
+.gguf file; tokenizers; the transformers backend's loader (``load_hf``). ``load_model``, which picks the
+backend, is in models/backends.py (above this module: the backends load through it)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,6 @@ def resolve(name_or_path: str) -> tuple[Path, str | None]:
         f"model {name_or_path!r} not found: not a known name ({', '.join(catalog.MODELS)}), "
         "not a transformers model directory, not a .gguf file"
     )
-
-
-def load_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", num_layers: int | None = None,
-               backend: str = "hf"):
-    """Load a model and its tokenizer behind ``backend`` (models/backends.py): a ``TargetModel``."""
-    from .backends import backend as get_backend
-
-    return get_backend(backend).load(name_or_path, dtype, num_layers)
 
 
 def load_hf(

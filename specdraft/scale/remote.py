@@ -17,7 +17,8 @@ class ModelSide:
     """One model (``load_model(**source)``) on ``threads`` threads in this process."""
 
     def __init__(self, source: dict, threads: int):
-        from ..models.loading import load_model, set_threads
+        from ..models.loading import set_threads
+        from ..models.backends import load_model
 
         set_threads(threads)
         self.threads = threads

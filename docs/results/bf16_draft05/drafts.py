@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from specdraft.api import SpecDecoder
 from specdraft.costs import measure_costs
-from specdraft.models.loading import load_model, set_threads
+from specdraft.models.loading import set_threads
+from specdraft.models.backends import load_model
 set_threads(2)
 target = load_model("qwen2.5-coder-1.5b", "bfloat16")
 qs = [json.loads(l) for l in open(ROOT.parent / "shared/data/spec_bench/question.jsonl")]

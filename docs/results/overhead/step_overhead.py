@@ -13,7 +13,8 @@ import sys
 import time
 
 import specdraft
-from specdraft.models.loading import load_model, set_threads
+from specdraft.models.loading import set_threads
+from specdraft.models.backends import load_model
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "hf"
 set_threads(2)

@@ -2,7 +2,7 @@
 decoding, and the top-2 logit gap there (metrics.near_tie_bound's 1.0 for int8 activations comes from
 these): `.venv/bin/python docs/results/w8a8/smollm2_gaps.py`"""
 import copy, torch
-from specdraft.models.loading import load_model
+from specdraft.models.backends import load_model
 from specdraft.models.lowbit import quantize_linears
 from specdraft.models.hf import HFModel
 from specdraft.api import SpecDecoder
