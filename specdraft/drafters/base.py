@@ -59,6 +59,12 @@ class Drafter:
         raise NotImplementedError(f"{type(self).__name__} sets group_key but makes no group")
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (how much of a draft cache still holds)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def confident(threshold: float, step: int, top_prob: Callable[[], torch.Tensor]) -> bool:
     """SpecConfig.confidence_threshold: from the second draft token on, drafting stops once the draft's
     top probability falls below the threshold (0: never). ``top_prob`` is computed only when needed."""

@@ -31,7 +31,7 @@ from ..config import SpecConfig
 from ..errors import TokenizerMismatchError
 from ..sampling import probs_from_logits, sample
 from ..tree import DraftTree
-from .base import Drafter, confident
+from .base import Drafter, common_prefix, confident
 
 WINDOW = 8  # draft tokens of context decoded with the draft, to cut the draft's own text out
 # text a draft must write back unchanged (with the target's special tokens) to draft for another tokenizer
@@ -124,8 +124,7 @@ class CrossVocabDrafter(Drafter):
         want = self.bridge.draft_tokens(text)
         if not want or text.endswith("\ufffd") or len(want) + k > self.model.max_context:
             return None
-        same = next((i for i, (a, b) in enumerate(zip(self.held, want)) if a != b), min(len(self.held), len(want)))
-        same = min(same, len(want) - 1)  # the last token is fed again: its logits start the draft
+        same = min(common_prefix(self.held, want), len(want) - 1)  # the last token is fed again: its logits start the draft
         self.kv.truncate(0, same)
         self.kv.trim()
         self.held = want[:same]

@@ -23,7 +23,7 @@ import torch
 from ..config import SpecConfig
 from ..sampling import argmax_last, probs_from_logits, sample
 from ..tree import DraftTree
-from .base import Drafter, confident
+from .base import Drafter, common_prefix, confident
 from .prompt_lookup import find_candidate
 from .tree_grower import TreeGrower
 
@@ -214,8 +214,7 @@ class DraftModelGroup:
             i, base = self.members.index(r), self._base[id(r)]
             fed = self._drafted[id(r)][:-1]
             emitted = r.tokens[base: base + len(fed)]
-            same = next((j for j, (a, b) in enumerate(zip(fed, emitted)) if a != b), min(len(fed), len(emitted)))
-            self.kv.truncate(i, base + same)
+            self.kv.truncate(i, base + common_prefix(fed, emitted))
         self.kv.trim()
 
 

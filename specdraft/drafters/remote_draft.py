@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..config import Bool, Int, OptStr, param
 from ..tree import DraftTree
-from .base import Drafter
+from .base import Drafter, common_prefix
 
 PREFETCHED, DRAFTED = "prefetched", "drafted"  # the step's arm: made while the last step was verified, or not
 
@@ -45,9 +45,6 @@ class RemoteDraft:
         self.vocab = min(vocab, self.ray.get(self.actor.vocab.remote()))
         self.keys = 0  # the last sequence key handed out
         self.epoch = 0  # the last ahead call's number (the actor's stop marks are per actor, so per RemoteDraft)
-
-    def close(self) -> None:
-        self.ray.kill(self.actor)
 
 
 class RemoteDraftDrafter(Drafter):
@@ -108,7 +105,7 @@ class RemoteDraftGroup:
                 out[id(r)] = st.ahead[1:cap + 1]
                 r.drafter.arm = PREFETCHED
             else:
-                keep = min(_common(r.tokens, st.cached), len(r.tokens) - 1)
+                keep = min(common_prefix(r.tokens, st.cached), len(r.tokens) - 1)
                 jobs.append((r, (st.key, keep, r.tokens[keep:], cap)))
                 r.drafter.arm = DRAFTED
             st.ahead = []
@@ -158,8 +155,3 @@ def _kept_block(r, st: _Row | None) -> bool:
     """Whether row r's tokens now hold its whole last block of drafts."""
     return st is not None and r.tokens[:len(st.ahead_ctx)] == st.ahead_ctx
 
-
-def _common(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

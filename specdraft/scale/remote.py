@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import ConfigError
+from ..sampling import argmax_last  # numpy's argmax: torch's takes 1-7 ms over Qwen's vocabulary
 
 
 class ModelSide:
@@ -58,10 +59,10 @@ class DraftSide(ModelSide):
             self.keys.extend(keys)
 
     def end(self, keys: list[int]) -> None:
+        gone = set(keys)
         with self.lock:
-            drop = [i for i, key in enumerate(self.keys) if key in set(keys)]
-            self.rows.remove_rows(drop)
-            self.keys = [key for i, key in enumerate(self.keys) if i not in set(drop)]
+            self.rows.remove_rows([i for i, key in enumerate(self.keys) if key in gone])
+            self.keys = [key for key in self.keys if key not in gone]
 
     def stop(self, epoch: int) -> None:
         self.stopped = max(self.stopped, epoch)
@@ -93,7 +94,7 @@ class DraftSide(ModelSide):
             logits = rows.forward(seqs, keep=keep)
             rows.commit([len(s) for s in seqs])
             for i, (j, feed) in list(feeds.items()):
-                t = int(logits[i, len(feed) - 1 - (N - keep), :vocab].argmax())
+                t = int(argmax_last(logits[i, len(feed) - 1 - (N - keep), :vocab]))
                 out[j].append(t)
                 feeds[i] = (j, [t])
                 if len(out[j]) == jobs[j][3]:
