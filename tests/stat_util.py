@@ -84,21 +84,23 @@ def chi2_pvalue(stat: float, df: int) -> float:
     return 1.0 if df <= 0 else float(stats.chi2.sf(stat, df))
 
 
-def sample_first_tokens(target, drafter, prompt, sp, max_new, n_tokens, n_samples, vocab, seed0):
-    """Decode ``n_samples`` seeded requests end to end -> (counts [vocab] * n_tokens of their first
+def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_samples, vocab, seed0, rows=250):
+    """Decode ``n_samples`` seeded requests end to end, ``rows`` at a time through the batched loop, each
+    with its own drafter from ``make_drafter()`` -> (counts [vocab] * n_tokens of their first
     ``n_tokens`` tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
     from specdraft.config import SamplingParams
-    from specdraft.engine import generate
+    from specdraft.engine import generate_batch
 
     counts = np.zeros((vocab,) * n_tokens)
     drafted = accepted = 0
-    for i in range(n_samples):
-        s = SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new})
-        out = generate(target, drafter, prompt, s, eos_ids=set())
-        counts[tuple(out.token_ids[:n_tokens])] += 1
-        made = 0
-        for st in out.stats.steps:  # the steps that started before the last counted token
-            if made >= n_tokens:
-                break
-            drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
+    for start in range(0, n_samples, rows):
+        jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}),
+                 make_drafter()) for i in range(start, min(start + rows, n_samples))]
+        for out in generate_batch(target, jobs, eos_ids=set()):
+            counts[tuple(out.token_ids[:n_tokens])] += 1
+            made = 0
+            for st in out.stats.steps:  # the steps that started before the last counted token
+                if made >= n_tokens:
+                    break
+                drafted, accepted, made = drafted + st.drafted, accepted + st.accepted, made + st.emitted
     return counts, drafted, accepted

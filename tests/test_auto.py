@@ -70,8 +70,8 @@ SAMPLED = [("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram"
 @pytest.mark.parametrize("name,spec", SAMPLED, ids=[n for n, _ in SAMPLED])
 def test_sampling_first_two_tokens_match_target(dec, name, spec):
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
-    counts, drafted, accepted = sample_first_tokens(dec.target, dec.make_drafter(SpecConfig.from_dict(spec)), PROMPT,
-                                                    sp, 5, 2, N, V, seed0=20_000)
+    make = lambda: dec.make_drafter(SpecConfig.from_dict(spec))  # noqa: E731
+    counts, drafted, accepted = sample_first_tokens(dec.target, make, PROMPT, sp, 5, 2, N, V, seed0=20_000)
     assert 0 < accepted < drafted, (accepted, drafted)
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) > 1e-3
 
@@ -85,7 +85,7 @@ def test_broken_cascade_is_detected(dec, monkeypatch):
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     spec = SpecConfig(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2)
     # N // 4 samples (CI time): p = 1e-106 measured at 500 (2026-12-03), against the 1e-3 bound
-    counts, _, _ = sample_first_tokens(dec.target, dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000)
+    counts, _, _ = sample_first_tokens(dec.target, lambda: dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000)
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) < 1e-3
 
 

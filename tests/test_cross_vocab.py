@@ -124,8 +124,9 @@ def _unnormalized(orig):
 def test_sampling_follows_the_target(dec, broken, threshold, monkeypatch):
     if broken:
         monkeypatch.setattr(CrossVocabDrafter, "_intersection_q", _unnormalized(CrossVocabDrafter._intersection_q))
-    drafter = dec.make_drafter(dec_spec(k=3, confidence_threshold=threshold))
-    counts, drafted, accepted = sample_first_tokens(dec.target, drafter, PROMPT, SAMPLED, 4, 2, 2000, V, 40_000)
+    spec = dec_spec(k=3, confidence_threshold=threshold)
+    counts, drafted, accepted = sample_first_tokens(dec.target, lambda: dec.make_drafter(spec), PROMPT, SAMPLED, 4, 2,
+                                                    2000, V, 40_000)
     assert 0 < accepted < drafted
     p = fit_pvalue(counts, exact_first_two(dec.target))
     assert (p < 1e-3) if broken else (p > 1e-3), p

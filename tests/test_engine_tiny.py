@@ -36,9 +36,9 @@ def exact_first_two(target, sp):
     return joint
 
 
-def sample_first_two(target, drafter, sp, max_new):
+def sample_first_two(target, make_drafter, sp, max_new):
     """-> (counts of the first two tokens, draft tokens drafted / accepted in the steps that made them)."""
-    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 2, N, V, seed0=10_000)
+    return sample_first_tokens(target, make_drafter, PROMPT, sp, max_new, 2, N, V, seed0=10_000)
 
 
 T1 = SamplingParams(temperature=1.0)
@@ -54,27 +54,29 @@ CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path
 def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
     target, draft = pair
     if method == "draft_model":
-        drafter = DraftModelDrafter(draft, SpecConfig(k=3), V)
+        make = lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)  # noqa: E731
     elif method == "static_tree":
-        drafter = DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
+        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)  # noqa: E731
     elif method == "dynamic_tree":
-        drafter = DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)  # noqa: E731
     elif method == "early_exit":  # the target's first layer drafts (a view over its own weights)
         from specdraft.models.views import layer_view
 
-        drafter = DraftModelDrafter(layer_view(target, [0]), SpecConfig(method="early_exit", exit_layer=1, k=3), V)
+        view = layer_view(target, [0])
+        make = lambda: DraftModelDrafter(view, SpecConfig(method="early_exit", exit_layer=1, k=3), V)  # noqa: E731
     elif method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
         from specdraft.api import SpecDecoder
 
         tree = dict(tree="dynamic", tree_topk=2, tree_budget=5) if method.endswith("tree") else {}
-        drafter = SpecDecoder(target, None).make_drafter(SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree))
+        spec, dec = SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree), SpecDecoder(target, None)
+        make = lambda: dec.make_drafter(spec)  # noqa: E731
     elif method == "prompt_lookup_tree":
-        drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))
+        make = lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))  # noqa: E731
     elif method == "prompt_lookup":
-        drafter = PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
+        make = lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))  # noqa: E731
     else:
-        drafter = NoDrafter()
-    counts, drafted, accepted = sample_first_two(target, drafter, sp, max_new)
+        make = NoDrafter
+    counts, drafted, accepted = sample_first_two(target, make, sp, max_new)
     if method == "plain":
         assert drafted == 0
     else:  # not vacuous: the tested tokens went through drafting and verification, with acceptances and rejections

@@ -177,11 +177,11 @@ def exact_first_three(target, sp):
     return joint
 
 
-def sample_first_three(target, drafter, sp, max_new, n=N):
+def sample_first_three(target, make_drafter, sp, max_new, n=N):
     """The engine's first step is a plain prefill step (no feature yet); the next step is the first
     drafted one, so tokens 2 and 3 come from the heads' draft and its verification. -> (counts of the
     first three tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
-    return sample_first_tokens(target, drafter, PROMPT, sp, max_new, 3, n, V, seed0=20_000)
+    return sample_first_tokens(target, make_drafter, PROMPT, sp, max_new, 3, n, V, seed0=20_000)
 
 
 def broken_topk_as_sampled(q, m, gen):
@@ -196,18 +196,28 @@ CASES = [("medusa_tree", 4, TRUNC), ("medusa_chain", 3, T1), ("eagle", 4, T1), (
 EAGLE_TREE = dict(tree="dynamic", tree_topk=2, tree_budget=5)
 
 
-def make(target, method):
+def factory(target, method, patch=None):
+    """-> a maker of drafters of ``method`` over one random head (a drafter serves one request);
+    ``patch(drafter)`` (optional) breaks each on purpose."""
     if method.startswith("medusa"):
         tree = dict(tree="static", tree_choices=CHOICES) if method == "medusa_tree" else dict(k=3)
-        return MedusaDrafter(target, random_medusa(), SpecConfig(method="medusa", **tree))
-    ids = torch.tensor([0, 2, 3, 5]) if method.endswith("reduced_vocab") else None
-    tree = EAGLE_TREE if method.startswith("eagle_tree") else {}
-    return EagleDrafter(target, random_eagle(target, ids), SpecConfig(method="eagle", k=3, **tree))
+        head, spec, cls = random_medusa(), SpecConfig(method="medusa", **tree), MedusaDrafter
+    else:
+        ids = torch.tensor([0, 2, 3, 5]) if method.endswith("reduced_vocab") else None
+        tree = EAGLE_TREE if method.startswith("eagle_tree") else {}
+        head, spec, cls = random_eagle(target, ids), SpecConfig(method="eagle", k=3, **tree), EagleDrafter
+
+    def make():
+        d = cls(target, head, spec)
+        if patch is not None:
+            patch(d)
+        return d
+    return make
 
 
 @pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
 def test_sampling_first_three_tokens_match_target(tiny_target, method, max_new, sp):
-    counts, drafted, accepted = sample_first_three(tiny_target, make(tiny_target, method), sp, max_new)
+    counts, drafted, accepted = sample_first_three(tiny_target, factory(tiny_target, method), sp, max_new)
     # not vacuous: the tested tokens went through drafting and verification, with acceptances and rejections
     assert 0 < accepted < drafted, (accepted, drafted)
     assert fit_pvalue(counts, exact_first_three(tiny_target, sp)) > 1e-3
@@ -266,24 +276,24 @@ def test_eagle_tree_greedy_equals_plain(tiny_target, tree, reduced):
 
 
 def test_broken_medusa_variant_is_detected(tiny_target):
-    drafter = make(tiny_target, "medusa_tree")
-    drafter.draw_children = broken_topk_as_sampled
-    counts, drafted, _ = sample_first_three(tiny_target, drafter, TRUNC, 4)
+    make = factory(tiny_target, "medusa_tree", lambda d: setattr(d, "draw_children", broken_topk_as_sampled))
+    counts, drafted, _ = sample_first_three(tiny_target, make, TRUNC, 4)
     assert drafted > 0
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
 
 
 def test_broken_eagle_tree_variant_is_detected(tiny_target):
     """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
-    drafter = make(tiny_target, "eagle_tree")
-    real = drafter._children
+    def patch(drafter):
+        real = drafter._children
 
-    def broken(logits, m, parent=-1):
-        kids = real(logits, m, parent)
-        return [(t, kids[0][1], lp) for t, _, lp in kids]
+        def broken(logits, m, parent=-1):
+            kids = real(logits, m, parent)
+            return [(t, kids[0][1], lp) for t, _, lp in kids]
+        drafter._children = broken
 
-    drafter._children = broken
-    counts, drafted, _ = sample_first_three(tiny_target, drafter, TRUNC, 4, n=3 * N)  # a subtle bug: more samples
+    make = factory(tiny_target, "eagle_tree", patch)
+    counts, drafted, _ = sample_first_three(tiny_target, make, TRUNC, 4, n=3 * N)  # a subtle bug: more samples
     assert drafted > 0
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
 

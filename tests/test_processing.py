@@ -211,8 +211,8 @@ def _at_step_start(orig):
 @pytest.mark.parametrize("method", ["draft_model", "dynamic_tree", "prompt_lookup_tree", "plain"])
 def test_sampling_follows_the_processed_target(pair, toy_grammar, method):
     target = pair[0]
-    drafter = NoDrafter() if method == "plain" else drafters(pair)[method]()
-    counts, drafted, accepted = sample_first_tokens(target, drafter, PROMPT, SAMPLED, 5, 2, N, V, seed0=20_000)
+    make = NoDrafter if method == "plain" else drafters(pair)[method]
+    counts, drafted, accepted = sample_first_tokens(target, make, PROMPT, SAMPLED, 5, 2, N, V, seed0=20_000)
     if method != "plain":
         assert 0 < accepted < drafted
     assert fit_pvalue(counts, exact_first_two(target, SAMPLED, toy=True)) > 1e-3
@@ -222,7 +222,7 @@ def test_draft_side_processing_is_not_needed_for_exactness(pair, toy_grammar, mo
     """A drafter that samples and reports its raw q stays exact (the verifier processes the target);
     processing the draft too only raises acceptance."""
     monkeypatch.setattr(DraftModelGroup, "_draw", staticmethod(_unprocessed(DraftModelGroup._draw)))
-    counts, _, _ = sample_first_tokens(pair[0], drafters(pair)["draft_model"](), PROMPT, SAMPLED, 5, 2, N, V, 30_000)
+    counts, _, _ = sample_first_tokens(pair[0], drafters(pair)["draft_model"], PROMPT, SAMPLED, 5, 2, N, V, 30_000)
     assert fit_pvalue(counts, exact_first_two(pair[0], SAMPLED, toy=True)) > 1e-3
 
 
@@ -239,9 +239,9 @@ def _unprocessed(orig):
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_broken_processing_is_caught(pair, toy_grammar, bug, monkeypatch):
     BUGS[bug](monkeypatch)
-    drafter = drafters(pair)["draft_model"]()
+    make = drafters(pair)["draft_model"]
     # N // 4 samples (CI time): each bug measured p < 1e-36 at 500 (2026-12-03), against the 1e-3 bound
-    counts, _, _ = sample_first_tokens(pair[0], drafter, PROMPT, SAMPLED, 5, 2, N // 4, V, seed0=20_000)
+    counts, _, _ = sample_first_tokens(pair[0], make, PROMPT, SAMPLED, 5, 2, N // 4, V, seed0=20_000)
     assert fit_pvalue(counts, exact_first_two(pair[0], SAMPLED, toy=True)) < 1e-3
 
 
