@@ -52,6 +52,7 @@ class SpecDecoder:
         self._policies: OrderedDict[str, CostAwarePolicy] = OrderedDict()
         self._costs: dict[int, float] = {}  # n tokens scored -> seconds (cost_curve)
         self._draft_costs: dict[int, float] = {}  # the same for the draft model
+        self.curves_given = False  # set_cost_curves: not measured, not corrected
         self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
         self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
 
@@ -100,6 +101,20 @@ class SpecDecoder:
     def draft_cost_curve(self, n_max: int) -> dict[int, float]:
         """The draft model's curve, likewise (``auto`` and the tree search price drafting with it)."""
         return _curve(self.draft_model(), self._draft_costs, n_max)
+
+    def set_cost_curves(self, target: dict[int, float], draft: dict[int, float] | None = None) -> None:
+        """Curves given instead of measured ({n: seconds}, e.g. a synthetic one in a test): used as they
+        are, and ``auto`` does not correct them from the steps it sees."""
+        self._costs.clear(), self._costs.update(target)
+        self._draft_costs.clear(), self._draft_costs.update(draft or {})
+        self._shared.pop("observed_costs", None)
+        self.curves_given = True
+
+    def observed_costs(self):
+        """What the steps of this decoder's ``auto`` requests cost (None when the curves were given)."""
+        from .drafters.auto import ObservedCosts
+
+        return None if self.curves_given else self.shared(("observed_costs",), ObservedCosts, limit=None)
 
     def arm_memory(self, spec: SpecConfig):
         """What ``auto``'s requests with this spec measured per arm, shared by the decoder's requests."""

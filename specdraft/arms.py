@@ -90,7 +90,8 @@ def build_auto(dec, spec: SpecConfig):
 
     arms_specs = _arm_specs(dec, spec)
     uses_draft = any(uses_model(s) for _, s, _ in arms_specs)
-    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None)
+    observed = dec.observed_costs() if spec.params.learn_costs else None
+    costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(32) if uses_draft else None, observed)
     arms = []
     for name, s, prior in arms_specs:
         ev = None

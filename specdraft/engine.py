@@ -402,6 +402,7 @@ class Engine:
         if row.error is not None:
             return True
         self._guard([row], row.drafter.feedback, n_acc, new)
+        self._guard([row], row.drafter.observe_step, 1 + draft.size, step_s, len(self.rows))
         row.length.observe(draft.size, n_acc, draft_s, step_s, 1 + draft.size)
         new, finish = _cut_at_stop(new, row.eos, row.sp.max_new_tokens - len(row.output))
         if row.stopper is not None:  # a stop string wins over EOS / the length limit it completes before

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
+from .drafters.auto import AutoParams
 from .drafters.remote_draft import RemoteDraftParams
 from .errors import ConfigError
 
@@ -244,7 +245,7 @@ REGISTRY.update({m.name: m for m in [
            "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model", backends=EVERY,
            params=RemoteDraftParams, served=False),
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
-           _auto, backends=EVERY, uses_draft=True),
+           _auto, backends=EVERY, uses_draft=True, params=AutoParams),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
            needs="head", trees=("chain", "static"), load_resource=_head),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,

@@ -34,11 +34,14 @@ def dec():
 
 def flat_costs(dec, slope=0.0, draft=0.001):
     """A synthetic cost curve (seconds = 0.01 + slope * (n - 1)) instead of a measured one."""
-    dec._costs.clear()
-    dec._costs.update({n: 0.01 + slope * (n - 1) for n in COST_POINTS})
-    dec._draft_costs.clear()
-    dec._draft_costs.update({n: draft * n for n in COST_POINTS})
+    dec.set_cost_curves({n: 0.01 + slope * (n - 1) for n in COST_POINTS}, {n: draft * n for n in COST_POINTS})
     dec._arm_memory.clear()
+
+
+def measured_costs(dec):
+    """Back to curves measured on this machine, corrected from observed steps, with nothing remembered."""
+    dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear(), dec._shared.pop("observed_costs", None)
+    dec.curves_given = False
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
@@ -101,7 +104,33 @@ def test_auto_falls_back_to_plain_and_drafts_where_it_pays(dec):
     assert first.stats.arms.get("draft_model", 0) >= 1, first.stats.arms
     out = dec.generate(p, sp, steep)  # what it learned carries over to the next request
     assert out.stats.arms.get("draft_model", 0) >= 0.7 * len(out.stats.steps), out.stats.arms
-    dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear()
+    measured_costs(dec)
+
+
+def test_auto_corrects_its_cost_curve_from_observed_steps(dec):
+    """A start-up curve that is off (scoring 4 tokens priced at 3x one, as a noisy measurement may say): the
+    steps of a batch of one correct it where each n was seen 3 times; a seeded sampling request keeps the
+    start-up curve; steps of a larger batch, curves given by hand and learn_costs=false are not corrected."""
+    measured_costs(dec)
+    dec._costs.update({n: 0.01 * (1 + 2 * (n > 1)) for n in COST_POINTS})  # as if measured
+    auto = dec.make_drafter(SpecConfig(method="auto", auto_arms=["draft_model"]))
+    auto.begin(PROMPT, SamplingParams(), None)
+    assert auto.pricing.target(4) == pytest.approx(0.03)
+    for _ in range(3):
+        auto.observe_step(1, 0.02, 1)  # the step around the forward costs too
+        auto.observe_step(4, 0.021, 1)
+        auto.observe_step(4, 0.5, 2)  # a batch of two: not a point of this curve
+    assert auto.pricing.target(1) == pytest.approx(0.02) and auto.pricing.target(4) == pytest.approx(0.021)
+    assert auto.pricing.target(16) == pytest.approx(0.021)  # the nearest seen n's correction beyond
+    out = dec.generate(PROMPT, SamplingParams(max_new_tokens=8), SpecConfig(method="auto"))
+    assert dec.observed_costs().seen[1] >= 1 and out.stats.new_tokens == 8  # the engine reports every step
+    seeded = dec.make_drafter(SpecConfig(method="auto"))
+    seeded.begin(PROMPT, SamplingParams(temperature=1.0, seed=1), torch.Generator())
+    assert seeded.pricing.target(4) == pytest.approx(0.03)
+    assert dec.make_drafter(SpecConfig.from_dict({"method": "auto", "learn_costs": False})).costs.observed is None
+    flat_costs(dec)
+    assert dec.observed_costs() is None
+    measured_costs(dec)
 
 
 def test_seeded_auto_request_does_not_depend_on_other_rows(dec):
@@ -113,7 +142,7 @@ def test_seeded_auto_request_does_not_depend_on_other_rows(dec):
     others = [(p, SamplingParams(max_new_tokens=30), dec.make_drafter(spec)) for p in PROMPTS]  # they teach memory
     together = generate_batch(dec.target, [(PROMPT, sp, dec.make_drafter(spec))] + others, eos_ids=set())
     assert together[0].token_ids == alone.token_ids and together[0].stats.arms == alone.stats.arms
-    dec._costs.clear(), dec._draft_costs.clear(), dec._arm_memory.clear()
+    measured_costs(dec)
 
 
 def test_config_errors(dec, tmp_path):

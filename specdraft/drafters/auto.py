@@ -5,7 +5,8 @@ the suffix automaton, the draft model at its k, the hybrid). Each step drafts wi
 scored by what it bought: (accepted + 1) tokens for the seconds the step costs *on this machine's
 cost curve* (``SpecDecoder.cost_curve``: a target forward scoring n tokens, plus the draft model's
 measured seconds per drafted token), not the step's wall clock, which is noisy and would make a
-seeded sample depend on load. The arm with the best rate drafts (plain's rate, 1 / cost(1), is
+seeded sample depend on load. The start-up curve is corrected by what the decoder's steps of a batch
+of one cost (``ObservedCosts``, averaged over many steps), except for a seeded sampling request. The arm with the best rate drafts (plain's rate, 1 / cost(1), is
 known without trying it, so nothing runs slower than plain for long):
 
 - exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
@@ -32,23 +33,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import Bool, param
 from ..policy import interpolate
 from .base import Drafter, NoDrafter
 from .composite import Composite, plan_of
 from .suffix import SuffixAutomaton
 
 
+@dataclass
+class AutoParams:
+    """auto's own parameters (flat keys of its spec)."""
+
+    learn_costs: bool = param(True, Bool())  # correct the start-up cost curve from observed steps (False: not)
+
+
+class ObservedCosts:
+    """What the steps of a batch of one cost, as the engine measured them (one per decoder, learned by
+    its ``auto`` requests): per n tokens scored, a moving average of the target side's seconds. The
+    start-up curve measures a few forwards after a short context, and a noisy VM moves those points by
+    30%; the steps that decode the requests themselves are many and include what the step around the
+    forward costs."""
+
+    def __init__(self, weight: float = 0.1, min_seen: int = 3):
+        self.weight, self.min_seen = weight, min_seen
+        self.seconds: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
+
+    def observe(self, scored: int, seconds: float) -> None:
+        old = self.seconds.get(scored)
+        self.seconds[scored] = seconds if old is None else old + self.weight * (seconds - old)
+        self.seen[scored] = self.seen.get(scored, 0) + 1
+
+    def factor(self, curve: dict[int, float], n: float) -> float:
+        """observed / start-up seconds at n: interpolated between the n seen ``min_seen`` times,
+        the nearest one's beyond them, 1 with none."""
+        ratios = {m: s / interpolate(curve, m) for m, s in self.seconds.items() if self.seen[m] >= self.min_seen}
+        if not ratios:
+            return 1.0
+        ns = sorted(ratios)
+        return interpolate(ratios, min(max(n, ns[0]), ns[-1]))
+
+
 class StepCosts:
     """Seconds of one step on this machine: the target scoring n tokens plus the draft model's
-    drafted tokens (measured curves, linear in between and beyond)."""
+    drafted tokens (measured curves, linear in between and beyond), the target's corrected by
+    ``observed`` (ObservedCosts, optional) where steps were seen."""
 
-    def __init__(self, target_curve: dict[int, float], draft_curve: dict[int, float] | None = None):
+    def __init__(self, target_curve: dict[int, float], draft_curve: dict[int, float] | None = None,
+                 observed: ObservedCosts | None = None):
         self.target_curve = target_curve
         self.draft_curve = draft_curve or {1: 0.0}
         self.draft_token_s = self.draft_curve[min(self.draft_curve)]
+        self.observed = observed
+
+    def as_measured(self) -> "StepCosts":
+        """The start-up curves alone (a seeded request's prices may depend on nothing else that runs)."""
+        return StepCosts(self.target_curve, self.draft_curve)
 
     def target(self, n: float) -> float:
-        return interpolate(self.target_curve, n)
+        s = interpolate(self.target_curve, n)
+        return s if self.observed is None else s * self.observed.factor(self.target_curve, n)
 
     def draft(self, n: float) -> float:
         """A draft forward of n tokens (its catch-up on tokens its cache lacks)."""
@@ -121,11 +165,12 @@ class AutoDrafter(Composite):
         self.arms, self.costs, self.memory = arms, costs, memory
         self.probe, self.explore_frac, self.decay, self.prior_steps = probe, explore_frac, decay, prior_steps
         self.min_match = min_match
-        self.plain_rate = 1.0 / costs.step(1)
+        self.pricing = costs  # begin: costs, or its start-up curves alone for an isolated request
 
     def begin(self, prompt_ids, sp, generator):
         super().begin(prompt_ids, sp, generator)
         isolated = sp.seed is not None and not sp.greedy  # its arms may depend on nothing else that runs
+        self.pricing = self.costs.as_measured() if isolated else self.costs
         self.ev = {}
         for ctx in CONTEXTS:
             self.ev[ctx] = []
@@ -159,14 +204,14 @@ class AutoDrafter(Composite):
     def rate(self, i: int, ctx: str) -> float | None:
         """Tokens per second of arm i in context ctx so far (None: no evidence); plain's is known."""
         if isinstance(self.arms[i].drafter, NoDrafter):
-            return self.plain_rate
+            return 1.0 / self.pricing.step(1)
         e = self.evidence(i, ctx)
         return e.emitted / e.seconds if e.steps else None
 
     def catch_up(self, i: int, n_tokens: int) -> float:
         """Seconds the draft model needs to catch up on the tokens since it last drafted, if arm i
         drafts with it (a long prompt's prefill, the first time): a one-off that exploring must pay."""
-        return self.costs.draft(n_tokens - self.model_seen) if self.arms[i].uses_draft else 0.0
+        return self.pricing.draft(n_tokens - self.model_seen) if self.arms[i].uses_draft else 0.0
 
     def choose(self, ctx: str, n_tokens: int) -> int:
         n = len(self.arms)
@@ -176,7 +221,7 @@ class AutoDrafter(Composite):
         b = self.budget
         unknown = [i for i in range(n) if ev[i].steps < self.probe - 1e-9 and not plain[i]]
         if unknown:  # probing is exploring too
-            c = self.costs.step(1) + self.catch_up(unknown[0], n_tokens)
+            c = self.pricing.step(1) + self.catch_up(unknown[0], n_tokens)
             if b.explored + c <= self.explore_frac * (b.elapsed + c) or not b.elapsed:
                 return unknown[0]
         rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
@@ -219,13 +264,17 @@ class AutoDrafter(Composite):
         super().feedback(num_accepted, emitted)
         if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
             return
-        seconds = self.costs.step(1 + self._size, self._model)
+        seconds = self.pricing.step(1 + self._size, self._model)
         self.budget.elapsed += seconds + self._catch_up
         self.budget.explored += seconds + self._catch_up if self.exploring else 0.0
         self.ev[self.ctx][self.current].add(num_accepted + 1, seconds, self.decay)
         if self.memory is not None:
             self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
         self.current, self._size, self._model = None, 0, 0
+
+    def observe_step(self, scored, seconds, batch):
+        if batch == 1 and self.costs.observed is not None:  # the start-up curve is for a batch of one
+            self.costs.observed.observe(scored, seconds)
 
 
 CONTEXTS = ("novel", "repeating")  # the suffix match is shorter / not shorter than min_match

@@ -2,8 +2,8 @@
 
 A drafter serves one request. It is told the request begins (``begin``), asked for a draft given
 the tokens so far (``propose``), shown the target's logits of every fed position
-(``observe_target``), and told what the verifier kept (``feedback``). It returns a DraftTree; a
-chain is a tree. When sampling, a drafter that samples must sample from ``probs_from_logits`` of its
+(``observe_target``), told what the verifier kept (``feedback``) and what the step cost
+(``observe_step``). It returns a DraftTree; a chain is a tree. When sampling, a drafter that samples must sample from ``probs_from_logits`` of its
 own logits with the request's SamplingParams and return those distributions as ``draft_probs``; a
 deterministic drafter returns ``draft_probs=None`` (one-hot).
 
@@ -49,6 +49,11 @@ class Drafter:
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         """The verifier kept ``num_accepted`` draft tokens; ``emitted`` is what was appended."""
+
+    def observe_step(self, scored: int, seconds: float, batch: int) -> None:
+        """After the verification of every step: the target forward scored ``scored`` tokens for this row
+        and the step's target side took ``seconds`` with ``batch`` rows (``auto`` corrects its cost curve
+        from the steps of a batch of one)."""
 
     def max_draft_depth(self) -> int | None:
         """The deepest draft this drafter makes per step (what the batch rule shrinks); None = as
