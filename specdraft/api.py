@@ -299,13 +299,8 @@ def load_draft(target, target_name: str, draft: str, dtype, draft_layers: int | 
         if draft_layers is not None:
             raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
                               "the target's layers")
-        d = _self_draft(target, target_name, draft[5:], dtype, backend)
-        d.source = None if backend == "hf" else {"name_or_path": f"{target_name.split(':')[0]}:{draft[5:]}",
-                                                  "dtype": dtype, "backend": backend}
-        return d
-    d = load_model(draft, dtype, num_layers=draft_layers, backend=backend)
-    d.source = {"name_or_path": draft, "dtype": dtype, "num_layers": draft_layers, "backend": backend}  # remote_draft
-    return d
+        return _self_draft(target, target_name, draft[5:], dtype, backend)
+    return load_model(draft, dtype, num_layers=draft_layers, backend=backend)
 
 
 def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
@@ -321,5 +316,6 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
     d.quantization = quantize_linears(d.model, quant, dense_from=target.model)
     d.name = f"{base}:{quant} (self-draft)"
     d.prefill_twin = target  # its prefills are the target's dense layers: it may start from the target's cache
+    d.source = None  # quantized in memory: no other process loads it by a name
     return d
 

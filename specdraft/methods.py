@@ -191,7 +191,7 @@ def _remote_draft(dec, spec):
     from .drafters.remote_draft import RemoteDraft, RemoteDraftDrafter
 
     draft = dec.draft_model()
-    source = getattr(draft, "source", None)
+    source = draft.source
     if source is None or dec.vocab_bridge() is not None:
         raise ConfigError(f"method 'remote_draft' loads the draft by its name in a process of its own, with the "
                           f"target's tokenizer; {draft.name} is not such a draft (a self:int4 copy, another "

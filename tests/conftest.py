@@ -30,6 +30,14 @@ def pytest_runtest_setup(item):
     torch.set_num_threads(n)
 
 
+def logits_of(model, ids, keep=1):
+    """Plain decoding's float32 logits [keep, V] of the last ``keep`` positions of ``ids``, fed at once to
+    fresh rows of ``model`` (any backend): the reference the decode loop is checked against."""
+    rows = model.new_rows()
+    rows.add_rows([[]])
+    return rows.forward([[int(t) for t in torch.as_tensor(ids).reshape(-1)]], keep=keep)[0]
+
+
 def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, noise_seed=None, noise=0.0):
     """A random-weight Llama: for the mechanics only (real models are used for exactness)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -4,7 +4,7 @@ rows join and leave between steps; the KV cache is compacted without changing an
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft.engine import Engine, generate, generate_batch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
@@ -304,8 +304,7 @@ def test_batchkv_tree_feed_keeps_only_the_path(pair):
     got = kv.forward([[10], [11]])[:, 0]
     ref = HFModel(target.model)
     for r, seq in enumerate([[1, 2, 3, 4, 7, 8, 9, 10], [4, 5, 6, 11]]):
-        ref.reset()
-        assert torch.allclose(got[r], ref.forward(torch.tensor(seq), keep=1)[-1], atol=1e-4)
+        assert torch.allclose(got[r], logits_of(ref, seq)[-1], atol=1e-4)
 
 
 # sampling: tree rows in a batch still sample the target's exact distribution (first two tokens)
@@ -321,12 +320,10 @@ def _exact_first_two(target, sp):
 
     import numpy as np
 
-    target.reset()
-    p1 = probs_from_logits(target.forward(torch.tensor(P6), keep=1)[-1], sp).double()
+    p1 = probs_from_logits(logits_of(target, P6)[-1], sp).double()
     joint = np.zeros((V6, V6))
     for a in range(V6):
-        target.reset()
-        p2 = probs_from_logits(target.forward(torch.tensor(P6 + [a]), keep=1)[-1], sp).double()
+        p2 = probs_from_logits(logits_of(target, P6 + [a])[-1], sp).double()
         joint[a] = (p1[a] * p2).numpy()
     return joint
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
 from specdraft.config import SamplingParams
 from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
@@ -99,8 +99,7 @@ def test_a_confidence_stop_proposes_a_prefix_of_the_full_draft(dec):
 
 def exact_first_two(target) -> np.ndarray:
     def dist(seq):
-        target.reset()
-        return torch.softmax(target.forward(torch.tensor(seq), keep=1)[-1].double(), -1)
+        return torch.softmax(logits_of(target, seq)[-1].double(), -1)
 
     p1 = dist(PROMPT)
     return np.stack([(p1[a] * dist(PROMPT + [a])).numpy() for a in range(V)])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
@@ -26,12 +26,10 @@ def pair():
 
 
 def exact_first_two(target, sp):
-    target.reset()
-    p1 = probs_from_logits(target.forward(torch.tensor(PROMPT), keep=1)[-1], sp).double()
+    p1 = probs_from_logits(logits_of(target, PROMPT)[-1], sp).double()
     joint = np.zeros((V, V))
     for a in range(V):
-        target.reset()
-        p2 = probs_from_logits(target.forward(torch.tensor(PROMPT + [a]), keep=1)[-1], sp).double()
+        p2 = probs_from_logits(logits_of(target, PROMPT + [a])[-1], sp).double()
         joint[a] = (p1[a] * p2).numpy()
     return joint
 
@@ -207,8 +205,7 @@ def test_draft_tree_rows_match_direct_decoding(pair):
                     i, kv = group.members.index(row), group.kv
                     got = kv.forward([row.tokens[kv.lens[j]:] if j == i else [] for j in range(kv.B)], keep=1)[i, -1]
                     kv.commit([0] * kv.B)  # the check's feed is dropped again
-                    fresh.reset()
-                    want = fresh.forward(torch.tensor(row.tokens), keep=1)[-1]
+                    want = logits_of(fresh, row.tokens)[-1]
                     assert torch.allclose(got, want, atol=1e-4)
                     checked += 1
             assert row.stats.accepted > 0 and len(row.output) == 30 and checked > 5

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama, tiny_model_dir
+from conftest import logits_of, tiny_llama, tiny_model_dir
 from specdraft.cli import main
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.eagle import EagleDrafter
@@ -165,8 +165,7 @@ def exact_first_three(target, sp):
     from specdraft.sampling import probs_from_logits
 
     def p_next(ctx):
-        target.reset()
-        return probs_from_logits(target.forward(torch.tensor(ctx), keep=1)[-1], sp).double()
+        return probs_from_logits(logits_of(target, ctx)[-1], sp).double()
 
     joint = np.zeros((V, V, V))
     p1 = p_next(PROMPT)

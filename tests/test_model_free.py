@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters import datastore as ds
 from specdraft.drafters.base import NoDrafter
@@ -230,8 +230,7 @@ def test_token_recycling_table_refreshed_by_engine():
     target = tiny_llama(vocab=V)
     d = TokenRecyclingDrafter(SpecConfig(method="token_recycling"), V)
     generate(target, d, PROMPT, SamplingParams(max_new_tokens=1), eos_ids=set())
-    target.reset()
-    logits = target.forward(torch.tensor(PROMPT), keep=1)
+    logits = logits_of(target, PROMPT)
     assert d.adj.table[PROMPT[-1]].tolist() == torch.topk(logits[-1], 4).indices.tolist()
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft import processors
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
@@ -166,8 +166,7 @@ def test_greedy_processed_equals_plain_processed(pair, toy_grammar, method):
 
 def exact_first_two(target, sp, toy):
     def dist(prefix_out):
-        target.reset()
-        lg = target.forward(torch.tensor(PROMPT + prefix_out), keep=1)[-1]
+        lg = logits_of(target, PROMPT + prefix_out)[-1]
         return probs_from_logits(reference_logits(lg, PROMPT, prefix_out, sp, toy).float(), sp).double()
 
     p1 = dist([])
@@ -255,8 +254,7 @@ def test_logprobs_are_the_processed_targets(pair):
     assert spec.token_ids == plain.token_ids and len(plain.logprobs) == 10
     for i, (e, f) in enumerate(zip(plain.logprobs, spec.logprobs)):
         out = plain.token_ids[:i]
-        target.reset()
-        lg = target.forward(torch.tensor(PROMPT + out), keep=1)[-1]
+        lg = logits_of(target, PROMPT + out)[-1]
         want = torch.log_softmax(reference_logits(lg, PROMPT, out, sp, toy=False), -1)
         assert e["token_id"] == plain.token_ids[i] and abs(e["logprob"] - float(want[e["token_id"]])) < 1e-4
         assert abs(f["logprob"] - e["logprob"]) < 1e-4

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model_dir
+from conftest import logits_of, tiny_model_dir
 from specdraft.cli import main
 from specdraft.models.views import layer_view
 
@@ -18,28 +18,26 @@ def test_views_equal_truncated_and_layer_deleted_models(smol_f32):
 
     m = smol_f32
     ids = torch.tensor(m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"])
-    m.reset()
-    before = m.forward(ids, keep=3)
+    before = logits_of(m, ids, keep=3)
     # early exit == a model truncated to its first 12 layers
     trunc = load_model("smollm2-135m", "float32", num_layers=12)
     v = layer_view(m, list(range(12)))
-    assert torch.allclose(v.forward(ids, keep=3), trunc.forward(ids, keep=3), atol=1e-5)
+    assert torch.allclose(logits_of(v, ids, keep=3), logits_of(trunc, ids, keep=3), atol=1e-5)
     # layer skip == a deep copy with those layers deleted
     skip = [3, 8, 15, 22]
     keep = [i for i in range(m.num_layers) if i not in skip]
     manual = copy.deepcopy(m.model)
     manual.model.layers = torch.nn.ModuleList([manual.model.layers[i] for i in keep])
-    want = HFModel(manual).forward(ids, keep=3)
+    want = logits_of(HFModel(manual), ids, keep=3)
     v2 = layer_view(m, keep)
-    got = v2.forward(ids, keep=2)
+    got = logits_of(v2, ids, keep=2)
     assert torch.allclose(got, want[1:], atol=1e-5)
-    # incremental decoding through the view's cache equals the one-shot forward
-    v2.reset()
-    v2.forward(ids[:-1], keep=1)
-    assert torch.allclose(v2.forward(ids[-1:], keep=1)[-1], want[-1], atol=1e-4)
+    # incremental decoding through the view's rows equals the one-shot forward
+    rows = v2.new_rows()
+    rows.add_rows([ids[:-1].tolist()])
+    assert torch.allclose(rows.forward([ids[-1:].tolist()])[0, -1], want[-1], atol=1e-4)
     # the target itself is untouched (shared weights, its own layers and cache)
-    m.reset()
-    assert torch.equal(m.forward(ids, keep=3), before)
+    assert torch.equal(logits_of(m, ids, keep=3), before)
     assert len(m.model.model.layers) == m.num_layers
 
 

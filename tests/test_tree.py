@@ -4,6 +4,7 @@ tree scoring through the stock model classes, and cache compaction to the accept
 import pytest
 import torch
 
+from conftest import logits_of
 from specdraft.tree import DraftTree
 
 NEG = torch.finfo(torch.float32).min
@@ -56,8 +57,7 @@ def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
     # each node's logits equal sequential decoding of its path
     for node in range(t.size):
         path = t.tokens[t.path_to(node)]
-        m.reset()
-        ref = m.forward(torch.cat([torch.tensor(prompt), path]), keep=1)[-1]
+        ref = logits_of(m, torch.cat([torch.tensor(prompt), path]))[-1]
         assert torch.allclose(logits[1 + node], ref, atol=1e-3), node
     # compaction: keep the prefix + path [0, 2, 5], then the next step equals a directly built cache
     path = t.path_to(5)
@@ -65,8 +65,7 @@ def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
     rows.compact()
     nxt = m.tokenizer(" and", add_special_tokens=False)["input_ids"][0]
     got = rows.forward([[nxt]])[0, -1]
-    m.reset()
-    want = m.forward(torch.tensor(prompt + t.tokens[path].tolist() + [nxt]), keep=1)[-1]
+    want = logits_of(m, prompt + t.tokens[path].tolist() + [nxt])[-1]
     assert torch.allclose(got, want, atol=1e-3)
 
 

@@ -58,20 +58,25 @@ class ObservedCosts:
         self.weight, self.min_seen = weight, min_seen
         self.seconds: dict[int, float] = {}
         self.seen: dict[int, int] = {}
+        self._ratios: tuple | None = None  # (the curve they divide by, {n: ratio}), until the next observe
 
     def observe(self, scored: int, seconds: float) -> None:
         old = self.seconds.get(scored)
         self.seconds[scored] = seconds if old is None else old + self.weight * (seconds - old)
         self.seen[scored] = self.seen.get(scored, 0) + 1
+        self._ratios = None
 
     def factor(self, curve: dict[int, float], n: float) -> float:
         """observed / start-up seconds at n: interpolated between the n seen ``min_seen`` times,
         the nearest one's beyond them, 1 with none."""
-        ratios = {m: s / interpolate(curve, m) for m, s in self.seconds.items() if self.seen[m] >= self.min_seen}
+        if self._ratios is None or self._ratios[0] is not curve:
+            self._ratios = (curve, {m: s / interpolate(curve, m) for m, s in self.seconds.items()
+                                    if self.seen[m] >= self.min_seen})
+        ratios = self._ratios[1]
         if not ratios:
             return 1.0
-        ns = sorted(ratios)
-        return interpolate(ratios, min(max(n, ns[0]), ns[-1]))
+        lo, hi = min(ratios), max(ratios)
+        return interpolate(ratios, min(max(n, lo), hi))
 
 
 class StepCosts:

@@ -33,7 +33,8 @@ class RemoteDraftParams:
 
 
 class RemoteDraft:
-    """The draft's actor, shared by every request of one decoder (``SpecDecoder.shared``)."""
+    """The draft's actor, shared by every request of one decoder (``SpecDecoder.shared``). It lives as long
+    as this object: Ray ends an unnamed actor once the last handle to it goes."""
 
     def __init__(self, source: dict, params: RemoteDraftParams, vocab: int):
         from ..scale.cluster import connect

@@ -100,8 +100,11 @@ def backend(name: str) -> Backend:
 
 
 def load_model(name_or_path: str, dtype="bfloat16", num_layers: int | None = None, backend: str = "hf"):
-    """Load a model and its tokenizer behind the backend named ``backend``: a ``TargetModel``."""
-    return _named(backend).load(name_or_path, dtype, num_layers)
+    """Load a model and its tokenizer behind the backend named ``backend``: a ``TargetModel`` whose
+    ``source`` holds these arguments (a process of its own loads it again from them: remote_draft)."""
+    m = _named(backend).load(name_or_path, dtype, num_layers)
+    m.source = {"name_or_path": name_or_path, "dtype": dtype, "num_layers": num_layers, "backend": backend}
+    return m
 
 
 _named = backend  # load_model's parameter ``backend`` hides the function

@@ -87,6 +87,7 @@ class TargetModel(Protocol):
     name: str
     tokenizer: object
     backend: str  # its key in models/backends.py ("hf", "llama", "openvino")
+    source: dict | None  # load_model's arguments that load it again (another process); None: made in memory
 
     @property
     def capabilities(self) -> Capabilities: ...

@@ -41,6 +41,7 @@ def check_cache_layout(model) -> None:
 
 class HFModel:
     backend = "hf"
+    source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
 
     def __init__(self, model, tokenizer=None, name: str = "model"):
         self.model = model.eval()
@@ -55,7 +56,6 @@ class HFModel:
         self.capture_hidden = False  # the final-norm hook's switch: on during a forward(hidden=True) only
         self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: what the hook saw
         self._hidden_hook = None
-        self._reference: HFRows | None = None  # reset / forward's one sequence
         check_cache_layout(model)
 
     # --- facts -------------------------------------------------------------------------------
@@ -116,22 +116,6 @@ class HFModel:
 
     def new_rows(self, compact_slack: int = 32) -> "HFRows":
         return HFRows(self, compact_slack)
-
-    # --- reference decoding (tests, tools): one sequence through new_rows() -------------------
-    def reset(self) -> None:
-        """Start a new reference sequence (``forward``)."""
-        self._reference = None
-
-    def forward(self, ids, keep: int = 1) -> torch.Tensor:
-        """Append ``ids`` to the reference sequence (a row of its own); float32 logits [keep, V] of its
-        last ``keep`` fed positions. Plain decoding, for checking what the decode loop computes."""
-        if self._reference is None:
-            self._reference = self.new_rows()
-            self._reference.add_rows([[]])
-        ids = [int(t) for t in torch.as_tensor(ids).reshape(-1)]
-        out = self._reference.forward([ids], keep=keep)[0]
-        self._reference.commit([len(ids)])
-        return out
 
 
 # --- the batched rows (the decode loop's KV state) -------------------------------------------

@@ -144,6 +144,7 @@ class LlamaModel:
     """A GGUF file loaded by llama.cpp (weights memory-mapped), with the target's tokenizer."""
 
     backend = "llama"
+    source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None):
         ll = lib()

@@ -146,6 +146,7 @@ class OVModel:
     """A GGUF model compiled by OpenVINO for this CPU, with the target's tokenizer."""
 
     backend = "openvino"
+    source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
     capabilities = Capabilities(hidden=False, trees=False)
 
     def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
