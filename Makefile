@@ -42,7 +42,7 @@ setup-browser:
 # Two workers (pytest-xdist), each test file on one of them (module fixtures load once): the tests run
 # on one thread each (tests/conftest.py), so the second core was idle. pytest exits 5 when no test ran.
 test: models setup-ray setup-browser
-	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=25
+	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=60
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"

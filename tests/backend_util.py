@@ -4,7 +4,7 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 import torch
 
 from specdraft.config import SamplingParams
-from specdraft.engine import generate
+from specdraft.engine import generate_batch
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
 
@@ -55,12 +55,16 @@ def exact_two_token_probs(target, prompt, top_k):
             for b, pb in dist(single_steps(target, prompt, [a])[-1]).items()}
 
 
-def sample_pairs(target, drafter, prompt, sp, n):
+def sample_pairs(target, make_drafter, prompt, sp, n, rows=50):
+    """The first two tokens of ``n`` seeded requests, ``rows`` at a time through the batched loop, each with
+    its own drafter from ``make_drafter()`` -> {(a, b): count}."""
     counts = {}
-    for i in range(n):
-        s = SamplingParams(**{**sp.to_dict(), "seed": 1000 + i})
-        out = generate(target, drafter, prompt, s, eos_ids=set()).token_ids
-        counts[tuple(out[:2])] = counts.get(tuple(out[:2]), 0) + 1
+    for start in range(0, n, rows):
+        jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
+                for i in range(start, min(start + rows, n))]
+        for out in generate_batch(target, jobs, eos_ids=set()):
+            key = tuple(out.token_ids[:2])
+            counts[key] = counts.get(key, 0) + 1
     return counts
 
 

@@ -141,8 +141,9 @@ def smol_reference(smol_dec):
 
 # The longest test files first (measured: `make test`'s durations), so that with two xdist workers taking
 # whole files (--dist loadfile) no long file starts last and leaves one worker alone at the end.
-LONGEST_FIRST = ["test_qwen_pair.py", "test_llama_backend.py", "test_greedy_real.py", "test_heads.py", "test_batch.py",
-                 "test_processing.py", "test_auto.py", "test_structured_real.py", "test_model_free_real.py"]
+LONGEST_FIRST = ["test_greedy_real.py", "test_auto.py", "test_llama_backend.py", "test_qwen_pair.py",
+                 "test_structured_real.py", "test_openvino_backend.py", "test_heads.py", "test_batch.py",
+                 "test_engine_tiny.py", "test_processing.py", "test_model_free_real.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

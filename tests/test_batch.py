@@ -149,26 +149,39 @@ def test_batchkv_empty_prefix_rows(pair):
     assert kv.B == 0 and kv.L == 0
 
 
+SMOL_TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+              "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
+              "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
+SMOL_LENS = [24, 16, 30, 12, 20, 28, 8, 18]
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smol_f32):
+    """{prompt: its first 30 greedy tokens}: plain decoding, one sequence at a time, of SMOL_TEXTS: what
+    every batched row must emit (greedy speculation is token-identical to it; test_greedy_real)."""
+    tok = smol_f32.tokenizer
+    prompts = [tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in SMOL_TEXTS]
+    t = HFModel(smol_f32.model, tok)
+    return {p: generate(t, NoDrafter(), list(p), SamplingParams(max_new_tokens=30), eos_ids=set()).token_ids
+            for p in prompts}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_smollm2_greedy_rows_equal_batch1(smol_f32, smol_draft4, method):
-    """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == batch-size-1."""
+def test_smollm2_greedy_rows_equal_batch1(smol_f32, smol_draft4, smol_plain, method):
+    """fp32 SmolLM2-135M: 8 rows (ragged prompts and lengths, staggered joins) == plain decoding of each
+    prompt alone."""
     tok = smol_f32.tokenizer
     draft = smol_draft4 if method == "draft_model" else None
-    texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-             "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
-             "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    lens = [24, 16, 30, 12, 20, 28, 8, 18]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in SMOL_TEXTS]
 
-    def mk(batched=True):
+    def mk():
         if draft is not None:
             return DraftModelDrafter(HFModel(draft.model, tok, name="d"), SpecConfig(k=4), smol_f32.vocab_size)
         return make(method, None, k=4)
 
-    refs = [generate(HFModel(smol_f32.model, tok), mk(False), p, SamplingParams(max_new_tokens=n), eos_ids=set()).token_ids
-            for p, n in zip(prompts, lens)]
-    jobs = [(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, lens)]
+    refs = [smol_plain[tuple(p)][:n] for p, n in zip(prompts, SMOL_LENS)]
+    jobs = [(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, SMOL_LENS)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=3)
     assert [r.token_ids for r in out] == refs
     if method != "plain":
@@ -367,23 +380,19 @@ SMOL_SPECS = {
 
 
 @pytest.mark.slow
-def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4):
+def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4, smol_plain):
     """fp32 SmolLM2-135M, every drafter in one batch: one row per method (plus a plain row), at most
     6 rows at a time, rows joining at different steps, 16 new tokens each; every row's greedy output
-    == the single-sequence engine's for that row and method."""
+    == plain decoding of its prompt alone."""
     tok = smol_f32.tokenizer
-    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-             "The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5, 6, 7,", "Once upon a time"]
+    texts = [SMOL_TEXTS[i] for i in (1, 5, 2, 3)]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     fac = BatchDrafters(SpecDecoder(smol_f32, smol_draft4))
     names = list(SMOL_SPECS) + ["plain"]
     jobs = [fac.job(prompts[i % 4], SamplingParams(max_new_tokens=16), SMOL_SPECS[n]) for i, n in enumerate(names)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=2)
-    ref = SpecDecoder(HFModel(smol_f32.model, tok, name="t"), HFModel(smol_draft4.model, tok, name="d"))
-    for n, (p, sp, *_), r in zip(names, jobs, out):
-        spec = SpecConfig.from_dict(SMOL_SPECS[n])
-        want = generate(ref.target, ref.make_drafter(spec), p, sp, eos_ids=set(), length=ref.draft_length(spec))
-        assert r.token_ids == want.token_ids, n
+    for n, (p, *_), r in zip(names, jobs, out):
+        assert r.token_ids == smol_plain[tuple(p)][:16], n
         if n != "plain":
             assert r.stats.drafted > 0, n
         if n in TREE_SPECS:

@@ -57,9 +57,9 @@ DRAFTS = {  # id: (draft dtype, draft layers, spec)
 
 
 def prompts_for(kind):
-    """Chains run every other prompt; trees (several draft forwards per step) two (CI time: the batch
-    tests run every drafter on the other prompts)."""
-    return PROMPTS[:2] if kind.endswith("tree") else PROMPTS[::2]
+    """Chains run every third prompt; trees (several draft forwards per step) the first (CI time: the
+    batch tests run every drafter on other prompts)."""
+    return PROMPTS[:1] if kind.endswith("tree") else PROMPTS[::3]
 
 
 @pytest.mark.parametrize("draft_kind", list(DRAFTS))
@@ -80,7 +80,7 @@ def test_draft_model_greedy_exact(smol_f32, smol_variant, reference, draft_kind)
 def test_prompt_lookup_greedy_exact(smol, reference):
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = 0
-    for p in PROMPTS:
+    for p in PROMPTS[1::2]:  # code, a summary, text that repeats itself
         out = smol.generate(p, sampling=sp, spec=SpecConfig(method="prompt_lookup", k=5), chat=True)
         assert out.token_ids == reference[p], f"prompt_lookup diverged on {p!r}"
         accepted += out.stats.accepted
@@ -91,7 +91,7 @@ def test_prompt_lookup_tree_greedy_exact(smol, reference):
     """Several lookup matches as one token tree, scored with a tree attention mask in one forward."""
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = 0
-    for p in PROMPTS:
+    for p in PROMPTS[1::2]:
         out = smol.generate(p, sampling=sp, spec=SpecConfig(method="prompt_lookup", k=4, branches=3), chat=True)
         assert out.token_ids == reference[p], f"prompt_lookup tree diverged on {p!r}"
         accepted += out.stats.accepted

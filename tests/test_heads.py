@@ -313,7 +313,7 @@ def smol_heads(tmp_path_factory):
     return medusa, eagle
 
 
-GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+GREEDY_PROMPTS = ["def fibonacci(n):", "Once upon a time, there was a"]  # 2 (3 before; CI time)
 
 
 @pytest.mark.slow
@@ -332,8 +332,8 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
     for p in GREEDY_PROMPTS:
         ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids
         for m, spec in specs.items():
-            if m == "eagle_tree" and p not in GREEDY_PROMPTS[:2]:
-                continue  # half the prompts: the tree path is the same for all
+            if m == "eagle_tree" and p != GREEDY_PROMPTS[0]:
+                continue  # one prompt: the tree path is the same for all
             out = dec.generate(p, sampling=sp, spec=spec)
             assert out.token_ids == ref, (m, p)
             accepted[m] += out.stats.accepted

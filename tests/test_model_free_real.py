@@ -48,7 +48,7 @@ def test_model_free_greedy_exact(smol, reference, store, name):
     spec = SpecConfig.from_dict(d)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
-    for p in PROMPTS:
+    for p in PROMPTS[:3] + PROMPTS[5:6]:  # two in the store, one not, one that repeats itself (CI time: 4 of 7)
         out = smol.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == reference[p], f"{name} diverged on {p!r}"
         accepted += out.stats.accepted

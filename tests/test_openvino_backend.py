@@ -183,10 +183,10 @@ def test_sampling_end_to_end(dec_with_draft):
     prompt = d.encode("Name a colour: red, green, blue, red, green,", chat=False)
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)
     probs = exact_two_token_probs(d.target, prompt, 3)
-    p = pvalue(sample_pairs(d.target, d.make_drafter(SpecConfig(method="draft_model", k=2)), prompt, sp, 100), probs)
+    p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="draft_model", k=2)), prompt, sp, 100), probs)
     assert p > 1e-3, f"draft_model: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
-    assert pvalue(sample_pairs(d.target, d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
+    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
 
 
 def test_refused_methods_and_trees(dec_with_draft):

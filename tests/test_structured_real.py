@@ -20,8 +20,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 16},
                          "languages": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
                          "born": {"type": "integer", "minimum": 1000, "maximum": 2100}}}
-PROMPTS = ["Describe Ada Lovelace as JSON.", "Give me a JSON record for Alan Turing.",
-           "Write JSON about Grace Hopper, the programmer."]
+PROMPTS = ["Describe Ada Lovelace as JSON.", "Write JSON about Grace Hopper, the programmer."]  # 2 (CI time)
 REGEX = r"(The answer is [0-9]{1,4}\.|I do not know\.)"
 CONSTRAINTS = {"json": dict(json_schema=PERSON), "regex": dict(regex=REGEX, frequency_penalty=0.4)}
 SPECS = {  # every drafter family on SmolLM2 alone (the draft model: its first 4 layers)
