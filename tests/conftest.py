@@ -57,6 +57,25 @@ def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, no
     return HFModel(m, None, name=f"tiny-{seed}")
 
 
+HOME_AT_START = os.environ.get("SPECDRAFT_HOME")  # where `make models` put the models (tests may move it)
+
+
+def smol_files():
+    """SmolLM2's provisioned directory in the models' home of the session's start: a test that points
+    SPECDRAFT_HOME at a temporary directory must not provision SmolLM2 again there (40 s)."""
+    from specdraft.models import catalog
+
+    now = os.environ.pop("SPECDRAFT_HOME", None)
+    if HOME_AT_START is not None:
+        os.environ["SPECDRAFT_HOME"] = HOME_AT_START
+    try:
+        return catalog.pull("smollm2-135m")
+    finally:
+        os.environ.pop("SPECDRAFT_HOME", None)
+        if now is not None:
+            os.environ["SPECDRAFT_HOME"] = now
+
+
 def tiny_model_dir(d, layers=2):
     """A tiny random Llama saved as a transformers directory with SmolLM2's tokenizer files
     (for CLI / harness tests that load models by path)."""
@@ -64,14 +83,12 @@ def tiny_model_dir(d, layers=2):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.models import catalog
-
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       eos_token_id=2, bos_token_id=1)
     LlamaForCausalLM(cfg).save_pretrained(d)
-    for f in catalog.pull("smollm2-135m").iterdir():  # only its tokenizer files are used
+    for f in smol_files().iterdir():  # only its tokenizer files are used
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, d / f.name)
     return d

@@ -194,11 +194,14 @@ def test_sampling_end_to_end(dec_with_draft):
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)
     probs = exact_two_token_probs(d.target, prompt, 3)
     n = 100  # a request costs ~0.1 s here (mostly its prefill); 9 cells (T=0.3 is still rejected at p < 1e-6)
+    # one request at a time: llama.cpp's logits depend on how many tokens one decode holds (50 rows x 3
+    # tokens moved them by up to 1.18 here, and the 3rd and 4th token after the first, 0.24 apart alone,
+    # swapped), so the single-step distribution is exact only for small forwards
     for spec in [SpecConfig(method="draft_model", k=2), SpecConfig(method="prompt_lookup", k=2)]:
-        p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, n), probs)
+        p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, n, rows=1), probs)
         assert p > 1e-3, f"{spec.method}: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
-    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, n), probs) < 1e-3
+    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, n, 1), probs) < 1e-3
 
 
 def test_refused_methods_and_options(dec):

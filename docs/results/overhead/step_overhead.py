@@ -5,10 +5,12 @@ measure (this file imports nothing it defines), e.g. before and after a change:
     PYTHONPATH=/tmp/before .venv/bin/python docs/results/overhead/step_overhead.py hf
     .venv/bin/python docs/results/overhead/step_overhead.py llama
 
-hf: the Qwen pair in bf16; llama: the Qwen pair's GGUF files; draft_model k=4 and prompt_lookup, 48 tokens.
+hf: the Qwen pair in bf16; llama: the Qwen pair's GGUF files; draft_model k=4 and prompt_lookup, 48 tokens
+(METHODS=auto,prompt_lookup: other methods).
 A third argument names another target (e.g. qwen2.5-coder-1.5b:Q4_0, the fastest file on an AMX CPU), a
 fourth another draft (openvino reads the 0.5B's Q4_0 file, not its Q4_K_M: qwen2.5-coder-0.5b:Q4_0).
 """
+import os
 import sys
 import time
 
@@ -40,7 +42,7 @@ for cls in rows_classes:
 dec = specdraft.SpecDecoder(t, d)
 ids = dec.encode("Write a Python function that merges two sorted lists and explain it.", chat=True)
 sp = specdraft.SamplingParams(max_new_tokens=48, ignore_eos=True)
-for method in ("draft_model", "prompt_lookup"):
+for method in os.environ.get("METHODS", "draft_model,prompt_lookup").split(","):
     spec = specdraft.SpecConfig(method=method, k=4)
     dec.generate(ids[:20], sampling=sp, spec=spec)  # warm-up
     for rep in range(3):
