@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Session 7: the overlapped pair as a draft group (remote_draft), k = 2, re-measured after the draft-group
+# design replaced the pair's own loop (docs/scale.md). Run from the repo root after `make models setup-ray`.
+set -euo pipefail
+S=".venv/bin/python -m specdraft.cli"
+$S bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 \
+  --methods plain,pair_serial,pair_overlap --preset core18 --max-new-tokens 64 --k 2 --threads 2 \
+  --out docs/results/scale/overlap_qwen_core18_k2_s7.json
+$S overlap docs/results/scale/overlap_qwen_core18_k2_s7.json -o docs/results/scale/overlap_qwen_core18_k2_s7_model.json
