@@ -6,8 +6,9 @@ scored by what it bought: (accepted + 1) tokens for the seconds the step costs *
 cost curve* (``SpecDecoder.cost_curve``: a target forward scoring n tokens, plus the draft model's
 measured seconds per drafted token), not the step's wall clock, which is noisy and would make a
 seeded sample depend on load. The start-up curve is corrected by what the decoder's steps of a batch
-of one cost (``ObservedCosts``, averaged over many steps), except for a seeded sampling request. The arm with the best rate drafts (plain's rate, 1 / cost(1), is
-known without trying it, so nothing runs slower than plain for long):
+of one cost (``ObservedCosts``, averaged over many steps), except for a seeded sampling request. The
+arm with the best rate drafts (plain's rate, 1 / cost(1), is known without trying it, so nothing runs
+slower than plain for long):
 
 - exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
   another arm than the best, least tried first) happens only while it stays within ``explore_frac``

@@ -3,9 +3,9 @@
 A drafter serves one request. It is told the request begins (``begin``), asked for a draft given
 the tokens so far (``propose``), shown the target's logits of every fed position
 (``observe_target``), told what the verifier kept (``feedback``) and what the step cost
-(``observe_step``). It returns a DraftTree; a chain is a tree. When sampling, a drafter that samples must sample from ``probs_from_logits`` of its
-own logits with the request's SamplingParams and return those distributions as ``draft_probs``; a
-deterministic drafter returns ``draft_probs=None`` (one-hot).
+(``observe_step``). It returns a DraftTree; a chain is a tree. When sampling, a drafter that samples
+must sample from ``probs_from_logits`` of its own logits with the request's SamplingParams and return
+those distributions as ``draft_probs``; a deterministic drafter returns ``draft_probs=None`` (one-hot).
 
 Drafters whose work batches across requests (a draft model: one batched draft forward per drafting
 iteration) set ``group_key``: the loop keeps one group per key (``new_group()`` makes it) and the
