@@ -189,6 +189,7 @@ class Engine:
         row.finish = reason
         st = row.stats
         st.wall_s = time.perf_counter() - row.t_start
+        st.prefill_s = row.prefill_s
         out = row.output
         st.new_tokens = len(out)
         st.finish_reason = reason

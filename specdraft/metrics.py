@@ -80,6 +80,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # of wall_s, the prompt's prefill (the first step's verify_s includes it)
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = "length"
     lossy: str | None = None  # the opt-in lossy verification rule that made this output (SpecConfig.lossy)

@@ -56,6 +56,8 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
     for r in doc["records"]:
         assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
+        if r["method"] in ("plain", "draft_model", "prompt_lookup"):  # the engine's runs: their prefill apart
+            assert 0 < r["prefill_s"] < r["wall_s"]
         if r["method"] != "plain":
             assert r["exact"] is True  # greedy: every method reproduces plain decoding
     env = doc["environment"]

@@ -80,6 +80,22 @@ def test_remote_draft_refusals(dec, smol_f32):
         d.make_drafter(dec_spec({"method": "remote_draft"}))
 
 
+def test_explain_reads_the_bench_records():
+    """The measured decode time is each run's wall time less its prefill (the engine's records); results
+    without a prefill time are refused with a message, not a KeyError."""
+    from specdraft.errors import SpecDraftError
+    from specdraft.scale.overlap import explain
+
+    rec = {"method": "pair_overlap", "steps": [[3, 3, 3], [3, 1, 1]], "hits": [False, True], "new_tokens": 6,
+           "wall_s": 1.0, "prefill_s": 0.25}
+    costs = {"target_ms": {1: 10.0, 4: 10.0}, "draft_ms": 3.0, "rtt_ms": 1.0}
+    m = explain({"records": [rec]}, costs, costs, 3)["methods"]["pair_overlap"]
+    assert m["decode_s_measured"] == pytest.approx(0.75) and m["hits"] == 1 and m["tokens"] == 6
+    del rec["prefill_s"]
+    with pytest.raises(SpecDraftError, match="record no prefill time"):
+        explain({"records": [rec]}, costs, costs, 3)
+
+
 def test_model_time_adds_up():
     costs = {"target_ms": {4: 10.0}, "draft_ms": 3.0, "rtt_ms": 1.0}
     assert model_time([(3, False)] * 3, 3, costs, overlap=False) == pytest.approx(3 * (9 + 10 + 1) / 1000)

@@ -29,6 +29,7 @@ class EngineRunner:
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,
+            "prefill_s": out.stats.prefill_s,
             "steps": [[s.drafted, s.accepted, s.positions] for s in out.stats.steps],
             "draft_s": out.stats.draft_s,
             "verify_s": out.stats.verify_s,
