@@ -107,6 +107,30 @@ def test_auto_falls_back_to_plain_and_drafts_where_it_pays(dec):
     measured_costs(dec)
 
 
+def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
+    """A draft-model arm whose first try pays a long prompt's prefill (catch-up): cheap re-tries of the
+    known arms must not spend the budget it waits for, and a long request may afford it at once."""
+    flat_costs(dec, slope=0.0, draft=0.002)  # a plain step 10 ms; the draft's catch-up of 100 tokens 0.2 s
+    auto = dec.make_drafter(SpecConfig(method="auto", auto_arms=["prompt_lookup", "suffix", "draft_model"]))
+    prompt = [i % V for i in range(100)]
+    auto.begin(prompt, SamplingParams(max_new_tokens=1), None)
+    names = [a.name for a in auto.arms]
+    for i in (names.index("prompt_lookup"), names.index("suffix")):  # probed arms, lookup the better
+        for _ in range(auto.probe):
+            auto.ev["novel"][i].add(2.0 + (i == names.index("prompt_lookup")), 0.01)
+    auto.budget.elapsed, auto.budget.explored = 3.0, 0.01  # room for a re-try (10 ms), not for the probe
+    assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")  # the best; suffix not re-tried
+    assert not auto.exploring
+    auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.21 s
+    assert auto.choose("novel", len(prompt)) == names.index("draft_model") and auto.exploring
+    auto.budget.elapsed = 0.5  # too little behind, but 60 tokens ahead at 10 ms each: affordable...
+    auto.last_token = len(prompt) + 400
+    assert auto.choose("novel", len(prompt)) == names.index("draft_model")
+    auto.last_token = len(prompt) + 1  # ...and not when the request ends now
+    assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")
+    measured_costs(dec)
+
+
 def test_auto_corrects_its_cost_curve_from_observed_steps(dec):
     """A start-up curve that is off (scoring 4 tokens priced at 3x one, as a noisy measurement may say): the
     steps of a batch of one correct it where each n was seen 3 times; a seeded sampling request keeps the

@@ -13,9 +13,12 @@ slower than plain for long):
 - exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
   another arm than the best, least tried first) happens only while it stays within ``explore_frac``
   (5%) of the time on the cost curve: where a drafting step costs several plain ones, a failed try is
-  rare; where drafting is nearly free, tries are frequent. The budget is the decoder's (its requests
-  explore for each other, and a short request could never afford a costly arm alone), or the
-  request's own when it is isolated (below);
+  rare; where drafting is nearly free, tries are frequent. The time is what the decoder spent so far
+  plus what this request's remaining tokens cost at plain speed (so one long request can afford to
+  probe a costly arm once). The budget is the decoder's (its requests explore for each other), or the
+  request's own when it is isolated (below). An arm never probed comes first: while one cannot be
+  afforded yet, the budget is saved for it rather than spent re-trying known arms (else cheap re-tries
+  of retrieval arms would keep a draft model, whose first try pays a prompt's prefill, untried forever);
 - otherwise the arm with the best rate drafts;
 - estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
 - evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``
@@ -193,6 +196,7 @@ class AutoDrafter(Composite):
         self.sam.extend_many(int(t) for t in prompt_ids)
         self.ctx, self.current, self._size, self._model = CONTEXTS[0], None, 0, 0
         self.model_seen = 0  # the tokens the draft model's cache holds (it starts empty)
+        self.last_token = len(prompt_ids) + sp.max_new_tokens  # the length at which the request ends at the latest
 
     def context(self, tokens: list[int]) -> str:
         self.sam.extend_many(int(t) for t in tokens[len(self.sam):])
@@ -224,22 +228,26 @@ class AutoDrafter(Composite):
         ev = [self.evidence(i, ctx) for i in range(n)]
         plain = [isinstance(a.drafter, NoDrafter) for a in self.arms]
         self.exploring = True
-        b = self.budget
         unknown = [i for i in range(n) if ev[i].steps < self.probe - 1e-9 and not plain[i]]
-        if unknown:  # probing is exploring too
-            c = self.pricing.step(1) + self.catch_up(unknown[0], n_tokens)
-            if b.explored + c <= self.explore_frac * (b.elapsed + c) or not b.elapsed:
-                return unknown[0]
+        for i in unknown:  # probing is exploring too
+            if self.affords(self.pricing.step(1) + self.catch_up(i, n_tokens), n_tokens) or not self.budget.elapsed:
+                return i
         rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
         best = max(range(n), key=lambda i: rates[i])
         others = [i for i in range(n) if i != best and not plain[i] and ev[i].steps]
-        if others:  # try another arm while exploration stays within its share of the (cost-curve) time
+        if others and not unknown:  # try another arm (the budget is saved while an arm is still unprobed)
             cand = min(others, key=lambda i: ev[i].steps)
-            c = ev[cand].seconds / ev[cand].steps + self.catch_up(cand, n_tokens)
-            if b.explored + c <= self.explore_frac * (b.elapsed + c):
+            if self.affords(ev[cand].seconds / ev[cand].steps + self.catch_up(cand, n_tokens), n_tokens):
                 return cand
         self.exploring = False
         return best
+
+    def affords(self, seconds: float, n_tokens: int) -> bool:
+        """Whether exploring for ``seconds`` keeps exploration within its share of the time: the budget's
+        so far plus this request's remaining tokens at plain speed."""
+        b = self.budget
+        ahead = self.pricing.step(1) * max(0, self.last_token - n_tokens)
+        return b.explored + seconds <= self.explore_frac * (b.elapsed + seconds + ahead)
 
     @property
     def spec(self):  # the draft model's group reads the drafting arm's config
