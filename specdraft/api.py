@@ -308,7 +308,10 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
     own dense layers) or ``self:Q4_0`` (llama: the target's registered GGUF variant)."""
     base = target_name.split(":")[0]
     if backend != "hf":
-        return load_model(f"{base}:{quant}", dtype, backend=backend)
+        d = load_model(f"{base}:{quant}", dtype, backend=backend)
+        if target.backend == "hf" and backend == "llama" and d.state_layout is not None:
+            d.prefill_twin = target  # its cache starts from the target's prompt cache (models/llama_kv.py)
+        return d
     from .models.lowbit import parse_quant, quantize_linears
 
     parse_quant(quant)

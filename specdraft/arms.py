@@ -100,7 +100,8 @@ def build_auto(dec, spec: SpecConfig):
             ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
                                                                            prior.get("model_tokens", 0.0)))
         arms.append(Arm(name, dec.make_drafter(s), ev, uses_model(s)))
-    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match)
+    adopts = dec.draft is not None and getattr(dec.draft, "prefill_twin", None) is dec.target
+    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match, draft_adopts_prompt=adopts)
 
 
 def uses_model(s: SpecConfig) -> bool:

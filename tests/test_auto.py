@@ -118,16 +118,16 @@ def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
     for i in (names.index("prompt_lookup"), names.index("suffix")):  # probed arms, lookup the better
         for _ in range(auto.probe):
             auto.ev["novel"][i].add(2.0 + (i == names.index("prompt_lookup")), 0.01)
+    ev = auto.ev["novel"]
     auto.budget.elapsed, auto.budget.explored = 3.0, 0.01  # room for a re-try (10 ms), not for the probe
     assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")  # the best; suffix not re-tried
     assert not auto.exploring
     auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.21 s
     assert auto.choose("novel", len(prompt)) == names.index("draft_model") and auto.exploring
-    auto.budget.elapsed = 0.5  # too little behind, but 60 tokens ahead at 10 ms each: affordable...
-    auto.last_token = len(prompt) + 400
+    auto.budget.elapsed = 3.0  # too little behind, but with 128 tokens ahead at 10 ms each: affordable
+    auto.begin(prompt, SamplingParams(max_new_tokens=1000), None)  # (counted as AHEAD = 128)
+    auto.ev["novel"] = ev
     assert auto.choose("novel", len(prompt)) == names.index("draft_model")
-    auto.last_token = len(prompt) + 1  # ...and not when the request ends now
-    assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")
     measured_costs(dec)
 
 

@@ -14,8 +14,8 @@ slower than plain for long):
   another arm than the best, least tried first) happens only while it stays within ``explore_frac``
   (5%) of the time on the cost curve: where a drafting step costs several plain ones, a failed try is
   rare; where drafting is nearly free, tries are frequent. The time is what the decoder spent so far
-  plus what this request's remaining tokens cost at plain speed (so one long request can afford to
-  probe a costly arm once). The budget is the decoder's (its requests explore for each other), or the
+  plus what this request's remaining tokens (at most ``AHEAD``) cost at plain speed (so one long
+  request can afford to probe a costly arm once). The budget is the decoder's (its requests explore for each other), or the
   request's own when it is isolated (below). An arm never probed comes first: while one cannot be
   afforded yet, the budget is saved for it rather than spent re-trying known arms (else cheap re-tries
   of retrieval arms would keep a draft model, whose first try pays a prompt's prefill, untried forever);
@@ -169,11 +169,13 @@ class AutoDrafter(Composite):
     name = "auto"
 
     def __init__(self, arms: list[Arm], costs: StepCosts, memory: ArmMemory | None = None, probe: int = 2,
-                 explore_frac: float = 0.05, decay: float = 0.9, prior_steps: float = 8.0, min_match: int = 4):
+                 explore_frac: float = 0.05, decay: float = 0.9, prior_steps: float = 8.0, min_match: int = 4,
+                 draft_adopts_prompt: bool = False):
         super().__init__([a.drafter for a in arms])
         self.arms, self.costs, self.memory = arms, costs, memory
         self.probe, self.explore_frac, self.decay, self.prior_steps = probe, explore_frac, decay, prior_steps
         self.min_match = min_match
+        self.draft_adopts_prompt = draft_adopts_prompt  # the draft's cache starts from the target's prefill
         self.pricing = costs  # begin: costs, or its start-up curves alone for an isolated request
 
     def begin(self, prompt_ids, sp, generator):
@@ -195,8 +197,10 @@ class AutoDrafter(Composite):
         self.sam = SuffixAutomaton()
         self.sam.extend_many(int(t) for t in prompt_ids)
         self.ctx, self.current, self._size, self._model = CONTEXTS[0], None, 0, 0
-        self.model_seen = 0  # the tokens the draft model's cache holds (it starts empty)
-        self.last_token = len(prompt_ids) + sp.max_new_tokens  # the length at which the request ends at the latest
+        # the tokens the draft model's cache holds: empty, or the prefilled prompt[:-1] it adopts
+        self.model_seen = len(prompt_ids) - 1 if self.draft_adopts_prompt else 0
+        # where the request ends at the latest, counting at most AHEAD tokens: many stop long before max_new_tokens
+        self.last_token = len(prompt_ids) + min(sp.max_new_tokens, AHEAD)
 
     def context(self, tokens: list[int]) -> str:
         self.sam.extend_many(int(t) for t in tokens[len(self.sam):])
@@ -291,4 +295,5 @@ class AutoDrafter(Composite):
             self.costs.observed.observe(scored, seconds)
 
 
+AHEAD = 128  # the most tokens ahead that exploration's budget counts on
 CONTEXTS = ("novel", "repeating")  # the suffix match is shorter / not shorter than min_match

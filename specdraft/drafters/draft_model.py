@@ -68,9 +68,9 @@ class DraftModelGroup:
 
     def join(self, rows, prefix_from=None) -> None:
         """``prefix_from``: (the target's rows, each row's index there) just after its prefill. A draft
-        whose prefill computes exactly what the target's did (``prefill_twin``: a self-draft whose
-        prefills run through the target's dense layers) starts from a copy of that cache instead of
-        prefilling the prompt again."""
+        whose prefill computes what the target's did (``prefill_twin``: a self-draft whose prefills run
+        through the target's dense layers, or a low-bit copy of a transformers target on llama.cpp)
+        starts from a copy of that cache instead of prefilling the prompt again."""
         src = prefix_from[0] if prefix_from is not None else None
         if src is not None and getattr(self.draft, "prefill_twin", None) is getattr(src, "model", None):
             self.kv.adopt_rows(src, prefix_from[1])

@@ -210,6 +210,19 @@ class HFRows:
         self._append(new)
         return list(range(first, self.B))
 
+    @torch.inference_mode()
+    def row_kv(self, r: int) -> list:
+        """Row r's cached keys and values per layer, as float16 arrays [tokens, kv_heads * head_dim] in
+        position order (for another backend's copy of this model: llama.py ``adopt_rows``)."""
+        sel = self.valid[r].nonzero().flatten()
+        out = []
+        for layer in self._layers():
+            kv = _kv(layer)
+            if kv is None:
+                return []
+            out.append(tuple(x[r][:, sel].transpose(0, 1).reshape(len(sel), -1).to(torch.float16).numpy() for x in kv))
+        return out
+
     def _append(self, other: "HFRows") -> None:
         """Concatenate another HFRows' rows below ours, left-padding the shorter one."""
         L, P, B2 = self.L, other.L, other.B

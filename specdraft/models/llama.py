@@ -26,6 +26,7 @@ divergence reported with the target's top-2 logit gap (tests/test_llama_backend.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,25 @@ class LlamaModel:
     def new_rows(self, compact_slack: int = 32) -> "LlamaRows":
         return LlamaRows(self)
 
+    @functools.cached_property
+    def state_layout(self):
+        """The layout of this model's saved sequence states (llama_kv.py), read from a one-token state;
+        None where it is not the one ``adopt_rows`` writes."""
+        from .llama_kv import parse_one_cell
+
+        ll, rows = lib(), self.new_rows()
+        rows.add_rows([[0]])
+        n = int(ll.llama_state_seq_get_size(rows.ctx, rows.seq[0]))
+        buf = (ctypes.c_uint8 * n)()
+        got = ll.llama_state_seq_get_data(rows.ctx, buf, n, rows.seq[0])
+        layout = parse_one_cell(bytes(buf)) if got == n else None
+        if layout is None:
+            return None
+        m = self._model
+        interleaved = ll.llama_model_rope_type(m) == ll.LLAMA_ROPE_TYPE_NORM
+        return dataclasses.replace(layout, head_dim=ll.llama_model_n_embd(m) // ll.llama_model_n_head(m),
+                                   interleaved=interleaved)
+
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """llama.cpp's own tokenizer (the tests compare it with the transformers tokenizer)."""
         ll = lib()
@@ -329,6 +349,32 @@ class LlamaRows:
         self.seq += new
         self.lens += [len(p) for p in prefixes]
         self.prefill_hidden = [None] * len(prefixes)
+        return list(range(first, self.B))
+
+    def adopt_rows(self, src, idx: list[int]) -> list[int]:
+        """Rows holding the keys and values of ``src``'s rows ``idx`` (a transformers target whose
+        low-bit copy this model is: llama_kv.py), written into llama.cpp's cache; a row that cannot be
+        written starts empty and its drafter catches up by prefilling, as without this."""
+        from .llama_kv import state_blob
+
+        layout = self.model.state_layout
+        first = self.B
+        for i in idx:
+            kv = src.row_kv(i) if layout is not None and hasattr(src, "row_kv") else []
+            fits = (len(kv) == getattr(layout, "n_layer", -1) and kv[0][0].shape[1] == layout.n_embd_k
+                    and kv[0][1].shape[1] == layout.n_embd_v and kv[0][0].shape[0] <= self.draft_room()[1])
+            if len(self.free) < 1:
+                raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
+            s, n = self.free.pop(), kv[0][0].shape[0] if fits else 0
+            if fits:
+                blob = state_blob(layout, s, kv)
+                buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+                if self.ll.llama_state_seq_set_data(self.ctx, buf, len(blob), s) != len(blob):
+                    self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
+                    n = 0
+            self.seq.append(s)
+            self.lens.append(n)
+        self.prefill_hidden = [None] * len(idx)
         return list(range(first, self.B))
 
     def remove_rows(self, idx: list[int]) -> None:
