@@ -15,8 +15,8 @@ slower than plain for long):
   (5%) of the time on the cost curve: where a drafting step costs several plain ones, a failed try is
   rare; where drafting is nearly free, tries are frequent. The time is what the decoder spent so far
   plus what this request's remaining tokens (at most ``AHEAD``) cost at plain speed (so one long
-  request can afford to probe a costly arm once). The budget is the decoder's (its requests explore for each other), or the
-  request's own when it is isolated (below). An arm never probed comes first: while one cannot be
+  request can afford to probe a costly arm once). The budget is the decoder's (its requests explore
+  for each other), or the request's own when it is isolated (below). An arm never probed comes first: while one cannot be
   afforded yet, the budget is saved for it rather than spent re-trying known arms (else cheap re-tries
   of retrieval arms would keep a draft model, whose first try pays a prompt's prefill, untried forever);
 - otherwise the arm with the best rate drafts;

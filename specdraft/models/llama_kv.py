@@ -6,7 +6,8 @@ target's own (measured 2026-12-03, AMD EPYC: 7-9 s), and was a third of such a d
 The only way into llama.cpp's cache is a sequence's saved state (``llama_state_seq_set_data``), whose
 layout is llama.cpp's own (src/llama-kv-cache.cpp, ``state_write``; unified cache, so one stream):
 
-    u32 magic, i32 seq_id (llama-context.cpp); u32 n_stream (1); u32 cell_count; per cell: i32 pos, u32 n_seq_id (1), i32 seq_id;
+    u32 magic, i32 seq_id (llama-context.cpp); u32 n_stream (1); u32 cell_count;
+    per cell: i32 pos, u32 n_seq_id (1), i32 seq_id;
     u32 v_trans; u32 n_layer; per layer: i32 k_type, u64 k_row_bytes, cell_count rows of K;
     V per layer, either i32 v_type, u64 v_row_bytes, rows (v_trans 0) or i32 v_type, u32 v_elem_bytes,
     u32 n_embd_v, then n_embd_v rows of cell_count elements (v_trans 1: V transposed).
