@@ -74,8 +74,11 @@ def test_paced_sends_errors_on_the_grid_after_buffered_tokens():
     out = asyncio.run(collect())
     assert [(k, p if k == "error" else p[0]) for _, k, p in out] == [
         ("tokens", [1, 2]), ("tokens", [3, 4]), ("tokens", [5]), ("error", "boom")]
-    gaps = [b[0] - a[0] for a, b in zip(out, out[1:])]
-    assert all(g >= 0.045 for g in gaps), gaps
+    # each event on its own tick of the grid, never ahead of it (the first one interval after the tokens);
+    # a late event does not move the ticks after it, so gaps between events are not checked (a late one
+    # then an on-time one gave 62 ms and 43 ms on a loaded 2-core CI machine, 2026-12-03)
+    times = [t for t, _, _ in out]
+    assert all(t >= (i + 1) * 0.05 - 0.005 for i, t in enumerate(times)), times
 
 
 def test_padding_makes_equal_sizes():
