@@ -352,30 +352,32 @@ class LlamaRows:
         return list(range(first, self.B))
 
     def adopt_rows(self, src, idx: list[int]) -> list[int]:
-        """Rows holding the keys and values of ``src``'s rows ``idx`` (a transformers target whose
+        """Rows holding the keys and values of ``src``'s rows ``idx`` (the transformers target whose
         low-bit copy this model is: llama_kv.py), written into llama.cpp's cache; a row that cannot be
         written starts empty and its drafter catches up by prefilling, as without this."""
+        if len(idx) > len(self.free):
+            raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
+        first = self.B
+        for i in idx:
+            s = self.free.pop()
+            self.seq.append(s)
+            self.lens.append(self._write_state(s, src.row_kv(i)))
+        self.prefill_hidden = [None] * len(idx)
+        return list(range(first, self.B))
+
+    def _write_state(self, s: int, kv: list) -> int:
+        """Sequence s holds ``kv`` (HFRows.row_kv) from position 0; -> its tokens (0: not written)."""
         from .llama_kv import state_blob
 
         layout = self.model.state_layout
-        first = self.B
-        for i in idx:
-            kv = src.row_kv(i) if layout is not None and hasattr(src, "row_kv") else []
-            fits = (len(kv) == getattr(layout, "n_layer", -1) and kv[0][0].shape[1] == layout.n_embd_k
-                    and kv[0][1].shape[1] == layout.n_embd_v and kv[0][0].shape[0] <= self.draft_room()[1])
-            if len(self.free) < 1:
-                raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
-            s, n = self.free.pop(), kv[0][0].shape[0] if fits else 0
-            if fits:
-                blob = state_blob(layout, s, kv)
-                buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-                if self.ll.llama_state_seq_set_data(self.ctx, buf, len(blob), s) != len(blob):
-                    self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
-                    n = 0
-            self.seq.append(s)
-            self.lens.append(n)
-        self.prefill_hidden = [None] * len(idx)
-        return list(range(first, self.B))
+        blob = state_blob(layout, s, kv) if layout is not None and layout.fits(kv) else None
+        if blob is None or kv[0][0].shape[0] > self.draft_room()[1]:
+            return 0
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if self.ll.llama_state_seq_set_data(self.ctx, buf, len(blob), s) != len(blob):
+            self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
+            return 0
+        return kv[0][0].shape[0]
 
     def remove_rows(self, idx: list[int]) -> None:
         drop = set(idx)

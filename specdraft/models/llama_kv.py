@@ -1,7 +1,8 @@
 """Keys and values written into a llama.cpp sequence, so that a low-bit copy of a transformers target
 (``--draft self:Q4_0 --draft-backend llama``) starts from the target's prompt cache instead of
 prefilling the prompt again: on 2 cores a 700-token prefill on llama.cpp costs about as much as the
-target's own (measured 2026-12-03, AMD EPYC: 7-9 s), and was a third of such a draft's time.
+target's own (measured 2026-12-03, AMD EPYC: 7-9 s); without them the draft's time on 27 Spec-Bench
+prompts fell from 141 s to 52 s (docs/benchmarks.md).
 
 The only way into llama.cpp's cache is a sequence's saved state (``llama_state_seq_set_data``), whose
 layout is llama.cpp's own (src/llama-kv-cache.cpp, ``state_write``; unified cache, so one stream):
@@ -39,6 +40,11 @@ class StateLayout:
     v_trans: bool
     head_dim: int = 0  # set with interleaved, by the model (the state does not say)
     interleaved: bool = False  # llama.cpp's RoPE rotates pairs (2i, 2i + 1): keys are permuted to it
+
+    def fits(self, kv: list) -> bool:
+        """Whether ``kv`` (per layer: keys, values [n_tokens, n_embd]) is this model's shape."""
+        return (len(kv) == self.n_layer and kv[0][0].shape[1] == self.n_embd_k
+                and kv[0][1].shape[1] == self.n_embd_v)
 
 
 def parse_one_cell(blob: bytes) -> StateLayout | None:
