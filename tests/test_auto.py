@@ -47,6 +47,8 @@ def measured_costs(dec):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
 def test_greedy_equals_plain(dec, spec):
     sp = SamplingParams(max_new_tokens=40)
+    if spec["method"] == "auto":  # drafting cheap, so auto's choices (not this machine's curve) make it draft
+        flat_costs(dec, slope=0.0, draft=0.0001)
     for p in PROMPTS:
         ref = dec.generate(p, sp, {"method": "plain"}).token_ids
         out = dec.generate(p, sp, spec)
@@ -54,6 +56,7 @@ def test_greedy_equals_plain(dec, spec):
         assert out.stats.drafted > 0
         if spec["method"] != "cascade":
             assert sum(out.stats.arms.values()) == len(out.stats.steps)
+    measured_costs(dec)
 
 
 def test_mixed_batch_rows_equal_alone(dec):
@@ -122,12 +125,37 @@ def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
     auto.budget.elapsed, auto.budget.explored = 3.0, 0.01  # room for a re-try (10 ms), not for the probe
     assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")  # the best; suffix not re-tried
     assert not auto.exploring
-    auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.21 s
+    # a probe of the draft (k=4) risks 0.215 s: a step of 18 ms emitting one token (lookup's 3.3 ms) + the catch-up
+    auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.215 s
     assert auto.choose("novel", len(prompt)) == names.index("draft_model") and auto.exploring
-    auto.budget.elapsed = 3.0  # too little behind, but with 128 tokens ahead at 10 ms each: affordable
+    auto.budget.elapsed = 3.2  # too little behind, but with 128 tokens ahead at 10 ms each: affordable
     auto.begin(prompt, SamplingParams(max_new_tokens=1000), None)  # (counted as AHEAD = 128)
     auto.ev["novel"] = ev
     assert auto.choose("novel", len(prompt)) == names.index("draft_model")
+    measured_costs(dec)
+
+
+def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothing(dec):
+    """A bf16 target's shape of curve (one token dearer than several; a draft token 16% of one) and a draft
+    that adopted the prompt (no catch-up): lookups that find nothing lose no time against plain, so they
+    must not spend the budget the draft model's probe needs. Counted in whole seconds, they did, and on
+    the real pair the first two requests never tried the draft."""
+    curve = {n: 0.28 if n == 1 else 0.21 + 0.008 * n for n in COST_POINTS}
+    dec.set_cost_curves(curve, {n: 0.045 * n for n in COST_POINTS})
+    dec._arm_memory.clear()
+    auto = dec.make_drafter(SpecConfig(method="auto", k=6, auto_arms=["prompt_lookup", "draft_model"]))
+    prompt = list(range(V)) * 7
+    auto.begin(prompt, SamplingParams(max_new_tokens=48), None)
+    auto.model_seen = len(prompt) - 1  # as when the draft adopts the target's prompt cache
+    chosen = []
+    for step in range(6):
+        i = auto.choose("novel", len(prompt) + step)
+        chosen.append(auto.arms[i].name)
+        if auto.arms[i].uses_draft:
+            break
+        auto.current, auto.cap, auto._catch_up = i, 6, 0.0  # the lookup found nothing: a plain step
+        auto.feedback(0, [0])
+    assert chosen[-1] == "draft_model", chosen
     measured_costs(dec)
 
 

@@ -11,14 +11,19 @@ arm with the best rate drafts (plain's rate, 1 / cost(1), is known without tryin
 slower than plain for long):
 
 - exploring (probing an arm without ``probe`` steps of evidence, its own or a prior, or trying
-  another arm than the best, least tried first) happens only while it stays within ``explore_frac``
-  (5%) of the time on the cost curve: where a drafting step costs several plain ones, a failed try is
-  rare; where drafting is nearly free, tries are frequent. The time is what the decoder spent so far
-  plus what this request's remaining tokens (at most ``AHEAD``) cost at plain speed (so one long
-  request can afford to probe a costly arm once). The budget is the decoder's (its requests explore
-  for each other), or the request's own when it is isolated (below). An arm never probed comes first: while one cannot be
-  afforded yet, the budget is saved for it rather than spent re-trying known arms (else cheap re-tries
-  of retrieval arms would keep a draft model, whose first try pays a prompt's prefill, untried forever);
+  another arm than the best, least tried first) happens only while the time it *loses* stays within
+  ``explore_frac`` (5%) of the time on the cost curve. A step's loss is its seconds less what the best
+  arm known when it was chosen would have taken for the tokens it emitted: a lookup that finds nothing
+  loses nothing, a draft model that keeps 6 tokens gains, a rejected draft loses its cost. A probe may
+  go ahead if its worst case (its longest draft, one token emitted, plus the draft model's catch-up)
+  fits. The time is what the decoder spent so far plus what this request's remaining tokens (at most
+  ``AHEAD``) cost at plain speed (so one long request can afford to probe a costly arm once). The
+  budget is the decoder's (its requests explore for each other), or the request's own when it is
+  isolated (below). An arm never probed comes first: while one cannot be afforded yet, the budget is
+  saved for it rather than spent re-trying known arms (else cheap re-tries of retrieval arms would
+  keep a draft model, whose first try pays a prompt's prefill, untried forever). Before the budget
+  counted whole seconds of exploring steps: on a bf16 target the first two requests then never
+  tried the draft model (docs/benchmarks.md, session 9);
 - otherwise the arm with the best rate drafts;
 - estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
 - evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``
@@ -194,6 +199,7 @@ class AutoDrafter(Composite):
         # each other: a short request cannot afford to try a costly arm) or, isolated, the request's own
         self.budget = ExploreBudget() if isolated or self.memory is None else self.memory.budget
         self.exploring = False
+        self.best_rate = 1.0 / self.pricing.step(1)  # the best arm's rate at the last choice (plain's first)
         self.sam = SuffixAutomaton()
         self.sam.extend_many(int(t) for t in prompt_ids)
         self.ctx, self.current, self._size, self._model = CONTEXTS[0], None, 0, 0
@@ -231,27 +237,38 @@ class AutoDrafter(Composite):
         n = len(self.arms)
         ev = [self.evidence(i, ctx) for i in range(n)]
         plain = [isinstance(a.drafter, NoDrafter) for a in self.arms]
+        rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
+        # ties go to plain: an arm that found nothing to draft has exactly plain's rate
+        best = max(range(n), key=lambda i: (rates[i], plain[i]))
+        self.best_rate = rates[best]
         self.exploring = True
         unknown = [i for i in range(n) if ev[i].steps < self.probe - 1e-9 and not plain[i]]
         for i in unknown:  # probing is exploring too
-            if self.affords(self.pricing.step(1) + self.catch_up(i, n_tokens), n_tokens) or not self.budget.elapsed:
+            if self.affords(self.probe_regret(i, n_tokens), n_tokens) or not self.budget.elapsed:
                 return i
-        rates = [self.rate(i, ctx) or 0.0 for i in range(n)]
-        best = max(range(n), key=lambda i: rates[i])
         others = [i for i in range(n) if i != best and not plain[i] and ev[i].steps]
         if others and not unknown:  # try another arm (the budget is saved while an arm is still unprobed)
             cand = min(others, key=lambda i: ev[i].steps)
-            if self.affords(ev[cand].seconds / ev[cand].steps + self.catch_up(cand, n_tokens), n_tokens):
+            per_step = (ev[cand].seconds - ev[cand].emitted / self.best_rate) / ev[cand].steps
+            if self.affords(max(0.0, per_step) + self.catch_up(cand, n_tokens), n_tokens):
                 return cand
         self.exploring = False
         return best
 
-    def affords(self, seconds: float, n_tokens: int) -> bool:
-        """Whether exploring for ``seconds`` keeps exploration within its share of the time: the budget's
-        so far plus this request's remaining tokens at plain speed."""
+    def probe_regret(self, i: int, n_tokens: int) -> float:
+        """The most a first try of arm i can lose against the best known rate: its longest draft priced,
+        one token emitted, plus the draft model's catch-up."""
+        depth = self.arms[i].drafter.max_draft_depth() or 0
+        seconds = self.pricing.step(1 + depth, depth if self.arms[i].uses_draft else 0)
+        return max(0.0, seconds - 1.0 / self.best_rate) + self.catch_up(i, n_tokens)
+
+    def affords(self, regret: float, n_tokens: int) -> bool:
+        """Whether exploring at the risk of losing ``regret`` seconds (against the best known arm) keeps
+        the time lost to exploring within its share of the time: the budget's so far plus this request's
+        remaining tokens at plain speed."""
         b = self.budget
         ahead = self.pricing.step(1) * max(0, self.last_token - n_tokens)
-        return b.explored + seconds <= self.explore_frac * (b.elapsed + seconds + ahead)
+        return b.explored + regret <= self.explore_frac * (b.elapsed + regret + ahead)
 
     @property
     def spec(self):  # the draft model's group reads the drafting arm's config
@@ -284,7 +301,8 @@ class AutoDrafter(Composite):
             return
         seconds = self.pricing.step(1 + self._size, self._model)
         self.budget.elapsed += seconds + self._catch_up
-        self.budget.explored += seconds + self._catch_up if self.exploring else 0.0
+        if self.exploring:  # what the step lost against the best arm known when it was chosen
+            self.budget.explored += max(0.0, seconds + self._catch_up - (num_accepted + 1) / self.best_rate)
         self.ev[self.ctx][self.current].add(num_accepted + 1, seconds, self.decay)
         if self.memory is not None:
             self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
