@@ -135,11 +135,16 @@ class SpecDecoder:
         draft_backend: str | None = None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
-        ``backend``: "hf" (transformers) or "llama" (llama.cpp on GGUF files; ``dtype`` does not
-        apply); the draft loads on the same backend unless ``draft_backend`` says otherwise.
+        ``backend``: "hf" (transformers), "llama" (llama.cpp on GGUF files; ``dtype`` does not
+        apply), "openvino", or "auto" (the backend and weights measured fastest here: paths.py);
+        the draft loads on the same backend unless ``draft_backend`` says otherwise.
         ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
         with the target's own weights at lower precision."""
         set_threads(threads)
+        if backend == "auto":  # the path measured fastest for this model here (paths.py)
+            from .paths import resolve
+
+            target, backend = resolve(target, dtype)
         t = load_model(target, dtype, backend=backend)
         return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None)
 

@@ -3,7 +3,6 @@ DEFAULT_ARMS that the decoder can run, and ``build_auto``, the auto entry's fact
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -26,13 +25,8 @@ def slug(s: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", s or "none")
 
 
-def cpu_key() -> str:
-    from .costs import cpu_name
-
-    return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
-
-
 def default_path(dec) -> Path:
+    from .costs import cpu_key
     from .models.catalog import home
 
     t = dec.target

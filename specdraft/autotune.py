@@ -40,6 +40,7 @@ class AutotuneOptions:
     arms: int = 3
     no_tree_search: bool = False
     drafts: str | None = None  # a comma list of candidate drafts, screened first; the fastest is tuned
+    paths: str | None = None  # a comma list of paths (paths.py: BACKEND[:VARIANT]), screened first; the fastest is tuned
     out: str | None = None  # default: where method=auto looks for it (arms.default_path)
 
 
@@ -57,6 +58,9 @@ def add_parser(sub):
     at.add_argument("--drafts", default=None, metavar="A,B,...", help="candidate drafts (names as --draft takes, e.g. "
                     "self:Q4_0,qwen2.5-coder-0.5b:Q4_0): each drafts on the calibration prompts at k = 4 and 6, against "
                     "plain; the fastest becomes --draft and is tuned (its measured acceptance x cost decides)")
+    at.add_argument("--paths", default=None, metavar="A,B,...", help="candidate backends and weights of --target "
+                    "(BACKEND[:VARIANT], e.g. llama,llama:Q4_0,openvino,hf,hf:w8a8): each decodes the calibration prompts "
+                    "plainly and with auto; the fastest (tokens/s) is tuned, and --backend auto takes it from then on")
     at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
     return at
 
@@ -108,10 +112,12 @@ def main_autotune(opts: AutotuneOptions) -> int:
     sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
                         max_new_tokens=opts.max_new_tokens).validate()
     screened = None
+    if opts.paths:
+        opts = screen_paths(opts, rows, sp, threads)
     if opts.drafts:
         dec, screened = screen_drafts(opts, rows, sp, threads)
         opts = dataclasses.replace(opts, models=dataclasses.replace(opts.models, draft=screened["chosen"]))
-    else:
+    else:  # (a path screened above is loaded again: one model in memory at a time)
         dec = opts.models.load(threads=threads, draft_layers=None)  # (autotune has always measured the whole draft)
     cands = candidates(dec)
     if opts.only:
@@ -143,6 +149,41 @@ def main_autotune(opts: AutotuneOptions) -> int:
     print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
           + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
     return 0
+
+
+def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int) -> AutotuneOptions:
+    """Each of ``opts.paths`` decodes the calibration prompts plainly and with ``auto`` (its default arms,
+    nothing remembered); the path with the most tokens/s (the better of the two) is kept for --backend
+    auto (paths.write) -> the options with that path's target and backend."""
+    from . import paths
+
+    model = opts.models.target
+    tried = []
+    candidates = [paths.ModelPath.parse(x) for x in opts.paths.split(",") if x.strip()]  # all checked before loading
+    for p in candidates:
+        text = str(p)
+        models = dataclasses.replace(opts.models, target=p.target(model), backend=p.backend)
+        try:
+            dec = models.load(threads=threads)
+        except SpecDraftError as e:
+            print(f"autotune: path {text}: cannot run here: {e}", file=sys.stderr)
+            continue
+        ids = [dec.encode(r["prompt"], chat=True) for r in rows]
+        runs = run_candidates(dec, {"plain": SpecConfig(method="plain"), "auto": SpecConfig(method="auto", autotune="off")}, ids, sp)
+        plain, auto = summarize(runs["plain"], {}), summarize(runs["auto"], {})
+        tried.append({"path": text, "plain_tokens_per_s": plain["tokens_per_s"], "auto_tokens_per_s": auto["tokens_per_s"],
+                      "auto_mat": auto["mat"], "tokens_per_s": max(plain["tokens_per_s"], auto["tokens_per_s"])})
+        print(f"autotune: path {text}: plain {plain['tokens_per_s']:.2f} tok/s, auto {auto['tokens_per_s']:.2f} "
+              f"tok/s (MAT {auto['mat']:.2f})", file=sys.stderr)
+        del dec
+    if not tried:
+        raise SpecDraftError(f"autotune --paths: none of {opts.paths} can run {model} here")
+    best = max(tried, key=lambda t: t["tokens_per_s"])
+    f = paths.write(model, pick={"path": best["path"], "tokens_per_s": best["tokens_per_s"], "tried": tried,
+                                 "prompts": [r["id"] for r in rows], "sampling": sp.to_dict()})
+    p = paths.ModelPath.parse(best["path"])
+    print(f"autotune: path {p} is the fastest here; --backend auto takes it (wrote {f})", file=sys.stderr)
+    return dataclasses.replace(opts, models=dataclasses.replace(opts.models, target=p.target(model), backend=p.backend))
 
 
 def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int):

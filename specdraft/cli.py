@@ -475,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _apply_backend_auto(a) -> None:
+    """--backend auto: the path measured fastest here for --target (paths.py), before anything checks the backend."""
+    if getattr(a, "backend", None) != "auto" or getattr(a, "paths", None):  # autotune --paths measures them all
+        return
+    from .paths import resolve
+
+    a.target, a.backend = resolve(a.target, getattr(a, "dtype", "bfloat16"))
+
+
 def _apply_quantize(a) -> None:
     """--quantize Q is --target NAME:Q (hf backend only: a GGUF file carries its own quantization)."""
     if getattr(a, "quantize", None) is None:
@@ -492,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _apply_quantize(args)
+        _apply_backend_auto(args)
         return args.fn(args)
     except SpecDraftError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -47,6 +47,13 @@ def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tre
     return out
 
 
+def cpu_key() -> str:
+    """A short key of this CPU kind (file names of what was measured on it)."""
+    import hashlib
+
+    return hashlib.sha256(cpu_name().encode()).hexdigest()[:10]
+
+
 def cpu_name() -> str:
     """The CPU model and whether it has AVX-512 / AVX512_BF16 (the cost curve depends on them)."""
     try:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-TOKENS = (1, 4, 8, 16)
-
 
 @dataclass
 class Report:
@@ -94,63 +92,56 @@ def check_models(r: Report) -> list[str]:
     return ready
 
 
-# label: (suffix, backend); openvino is optional: a model it cannot convert is a note, not a problem
-PATHS = {"hf bf16": ("", "hf"), "hf w8a8": (":w8a8", "hf"), "llama gguf": ("", "llama"), "openvino gguf": ("", "openvino")}
+def measure(r: Report, model: str, paths: list[str]) -> dict[str, dict[int, float]]:
+    from .paths import CURVE_TOKENS, measure_curves
+
+    r.say("costs", f"ms per forward of {' / '.join(map(str, CURVE_TOKENS))} tokens, {model}, 60-token context "
+                   "(ratio to one token); kept for --backend auto")
+    # openvino is optional: a model it cannot convert is a note, not a problem
+    fail = lambda path, msg: (r.say if path.startswith("openvino") else r.problem)("", f"{path}: {msg}")  # noqa: E731
+    return measure_curves(model, paths, say=lambda s: r.say("", s), fail=fail)
 
 
-def measure_curves(r: Report, model: str, labels: list[str]) -> dict[str, dict[int, float]]:
-    from .costs import measure_costs
-    from .errors import SpecDraftError
-    from .models.backends import load_model
+def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> None:
+    """Read the pick off the measured curves: the fastest one-token path (what --backend auto takes
+    without an autotune pick), and whether a step that scores 8 tokens is cheap enough there for
+    speculation to pay on generic prompts."""
+    from .paths import ModelPath, fastest_one_token, read
 
-    curves = {}
-    r.say("costs", f"ms per forward of {' / '.join(map(str, TOKENS))} tokens, {model}, 60-token context "
-                   "(ratio to one token)")
-    for label in labels:
-        suffix, b = PATHS[label]
-        t0 = time.time()
-        try:
-            m = load_model(model + suffix, "bfloat16", backend=b)
-            measure_costs(m, [1, 16], repeats=2)  # the first forwards of a process pay for kernel set-up
-            c = measure_costs(m, list(TOKENS), repeats=3)
-        except (SpecDraftError, RuntimeError, OSError) as e:
-            (r.say if b == "openvino" else r.problem)("costs" if b != "openvino" else "", f"{label}: {e}")
-            continue
-        curves[label] = c
-        r.say("", f"{label:11s} {c[1]:6.0f} ms | " + " | ".join(f"{c[n] / c[1]:.2f}x" for n in TOKENS[1:])
-              + f"   ({time.time() - t0:.0f} s)")
-        del m
-    return curves
-
-
-def recommend(r: Report, curves: dict[str, dict[int, float]]) -> None:
-    """Read the pick off the measured curves: the fastest one-token backend for speed, and whether a
-    step that scores 8 tokens is cheap enough there for speculation to pay on generic prompts."""
+    pick = read(model).get("pick")
+    if pick:
+        p = ModelPath.parse(pick["path"])
+        r.say("path", f"--backend auto takes --backend {p.backend} --target {p.target(model)}: `specdraft autotune "
+                      f"--paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)")
     if not curves:
         r.say("pick", "--backend hf (nothing was measured)")
         return
-    fast = min(curves, key=lambda k: curves[k][1])
+    fast = fastest_one_token(curves)
     c = curves[fast]
     r8 = c[8] / c[1]
-    backend = {"llama gguf": "llama", "hf w8a8": "hf --target NAME:w8a8", "openvino gguf": "openvino"}.get(
-        fast, "hf --dtype bfloat16")
+    p = ModelPath.parse(fast)
     why = (f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, "
            + ("so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
               "(code edits, repeated text) and decodes plainly elsewhere" if r8 > 2 else
               "so speculation pays on most prompts"))
-    r.say("pick", f"--backend {backend} --method auto: {why}")
-    bf = curves.get("hf bf16")
-    if bf and fast != "hf bf16":
-        r.say("", f"full-precision answers: --backend hf --dtype bfloat16 --draft self:int4 (scoring 8 tokens "
-                  f"costs {bf[8] / bf[1]:.2f}x one in bf16; its one token costs {bf[1] / c[1]:.1f}x {fast}'s)")
-    ov = curves.get("openvino gguf")
-    if ov and fast != "openvino gguf":
+    r.say("pick", f"--backend {p.backend} --target {p.target(model)} --method auto"
+                  + (" (what --backend auto takes here)" if not pick else "") + f": {why}")
+    r.say("", f"`specdraft autotune --target {model} --paths {','.join(curves)}` measures whole requests on each "
+              "and makes --backend auto take the fastest")
+    bf = curves.get("hf")
+    if bf and fast != "hf":
+        r.say("", f"full-precision answers: --backend hf --dtype bfloat16 --draft self:Q4_0 --draft-backend llama "
+                  f"(scoring 8 tokens costs {bf[8] / bf[1]:.2f}x one in bf16; its one token costs {bf[1] / c[1]:.1f}x "
+                  f"{fast}'s)")
+    ov = curves.get("openvino")
+    if ov and fast != "openvino":
         r.say("", f"cheap verification at 4-bit bytes: --backend openvino (8 tokens cost {ov[8] / ov[1]:.2f}x one; its "
                   f"one token costs {ov[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long (code edits)")
-    w8 = curves.get("hf w8a8")
-    if w8 and fast != "hf w8a8":
-        r.say("", f"flat verification at 8-bit bytes: --backend hf --target NAME:w8a8 (8 tokens cost {w8[8] / w8[1]:.2f}x "
-                  f"one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long")
+    w8 = curves.get("hf:w8a8")
+    if w8 and fast != "hf:w8a8":
+        r.say("", f"flat verification at 8-bit bytes: --backend hf --target {model}:w8a8 (8 tokens cost "
+                  f"{w8[8] / w8[1]:.2f}x one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts "
+                  "are long")
 
 
 def _has(module: str) -> bool:
@@ -184,7 +175,7 @@ def main_doctor(model: str | None = None, costs: bool = True, threads: int | Non
     llama_ok = check_llama(r, gguf)
     model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
     if costs and model:
-        paths = ["hf bf16", "hf w8a8"] + (["llama gguf"] if llama_ok else []) + (["openvino gguf"] if _has("openvino") else [])
-        recommend(r, measure_curves(r, model, paths))
+        paths = ["hf", "hf:w8a8"] + (["llama"] if llama_ok else []) + (["openvino"] if _has("openvino") else [])
+        recommend(r, measure(r, model, paths), model)
     print(f"{'status':8s} " + ("ok" if not r.problems else f"{len(r.problems)} problem(s): " + "; ".join(r.problems)))
     return 1 if r.problems else 0

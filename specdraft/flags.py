@@ -41,8 +41,10 @@ def add_draft_backend_arg(p: argparse.ArgumentParser):
 def add_backend_arg(p: argparse.ArgumentParser):
     from .models.backends import BACKENDS
 
-    p.add_argument("--backend", default="hf", choices=tuple(BACKENDS),
-                   help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values()))
+    p.add_argument("--backend", default="hf", choices=tuple(BACKENDS) + ("auto",),
+                   help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())
+                   + "; auto: the backend and weights measured fastest for --target on this CPU (`specdraft autotune "
+                     "--paths`, else `specdraft doctor`'s curves, else measured once now)")
 
 
 def method_name(name: str) -> str:

@@ -84,7 +84,7 @@ LAYERS = [
     ("values", ["specdraft.config", "specdraft.sampling", "specdraft.tree", "specdraft.treeshape", "specdraft.verify",
                 "specdraft.metrics", "specdraft.processors", "specdraft.policy", "specdraft.fidelity"]),
     ("models", ["specdraft.models", "specdraft.heads"]),
-    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.scale"]),  # scale: its package and cluster
+    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.paths", "specdraft.scale"]),  # scale: its package and cluster
     ("drafters", ["specdraft.drafters"]),
     ("engine", ["specdraft.engine"]),
     ("methods", ["specdraft.methods", "specdraft.arms", "specdraft.flags"]),

@@ -8,6 +8,7 @@ extra buffer types on, as ggml's AMX buffers do on an Intel Xeon with AMX; "all"
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -153,15 +154,19 @@ def test_cmake_args_name_every_feature(monkeypatch):
     assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF"} <= set(llama_setup.cmake_args({"amx", "avx512"}).split())
 
 
-def test_doctor(gguf, monkeypatch, capsys):
+def test_doctor(gguf, monkeypatch, capsys, tmp_path):
+    from specdraft import paths
     from specdraft.cli import main
 
+    monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")  # the curves it keeps
     assert main(["doctor", "--model", "smollm2-135m", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for line in ("cpu ", "torch ", "llama ", "probe ", "models ", "costs ", "pick ", "status   ok"):
         assert line in out, out
-    assert "hf bf16" in out and "hf w8a8" in out and "llama gguf" in out
-    assert "openvino gguf" in out  # measured, or the note that OpenVINO cannot convert this model
+    assert "hf " in out and "hf:w8a8 " in out and "llama " in out and "(what --backend auto takes here)" in out
+    assert "openvino" in out  # measured, or the note that OpenVINO cannot convert this model
+    kept = json.loads((tmp_path / "smollm2-135m.json").read_text())["curves"]
+    assert {"hf", "hf:w8a8", "llama"} <= set(kept) and all(c["1"] > 0 for c in kept.values())
 
 
 def test_doctor_says_when_llama_is_unusable(gguf, fresh_probe_cache, monkeypatch, capsys):
