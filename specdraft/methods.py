@@ -36,7 +36,7 @@ from .errors import ConfigError
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
 EVERY = ("hf", "llama", "openvino")  # the model backends (models/backends.py)
-TREES = ("hf", "llama")  # those whose targets score token trees (the methods that always draft trees)
+TREES = EVERY  # those whose targets score token trees (the methods that always draft trees): all of them
 
 
 @dataclass(frozen=True)

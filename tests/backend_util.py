@@ -5,6 +5,7 @@ import torch
 
 from specdraft.config import SamplingParams
 from specdraft.engine import generate_batch
+from specdraft.tree import DraftTree, feed_mask
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
 
@@ -42,6 +43,45 @@ def check_greedy(target, prompt, ref, got, label):
     print(f"{label}: diverges at {pos}, plain's top-2 gap there {gap:.4f}")
     assert gap < NEAR_TIE, f"{label}: diverges at {pos} where plain's top-2 gap is {gap:.3f}: not a near-tie"
     return gap
+
+
+def check_tree_nodes_and_accepted_path(t, p):
+    """A token tree fed in one forward: each node's logits are those of its own path (no sibling, no
+    other branch visible); after committing a path the cache continues exactly that path."""
+    ref = plain_tokens(t, p, 6)
+    parents = [-1, -1, 0, 0, 2, 1, 4]  # the true path is nodes 0 -> 2 -> 4 -> 6; others are wrong guesses
+    tokens = [ref[0], 7, ref[1], 9, ref[2], 11, ref[3]]
+    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    rows = t.new_rows()
+    rows.add_rows([p[:-1]])
+    lg = rows.forward([[p[-1]] + tokens], trees=[feed_mask(tree)])[0]
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        want = single_steps(t, p, path)[-1]
+        assert (lg[i + 1] - want).abs().max() < NEAR_TIE, f"node {i} sees more than its path"
+    rows.commit([[0, 1, 3, 5]])  # pending + nodes 0, 2, 4
+    assert rows.lens == [len(p) + 3]
+    after = rows.forward([[ref[3]]])[0, -1]
+    want = single_steps(t, p, ref[:4])[-1]
+    assert (after - want).abs().max() < NEAR_TIE
+    assert int(after.argmax()) == int(want.argmax())
+
+
+def check_wrong_attention_is_caught(t, p):
+    """The tolerance above has power: a node that sees the wrong branch (the sibling of its parent
+    instead of its parent) is off by far more than the kernel noise."""
+    ref = plain_tokens(t, p, 3)
+    tree = DraftTree(torch.tensor([ref[0], 7, ref[1]]), torch.tensor([-1, -1, 0]))
+    allow, off = feed_mask(tree)
+    allow[3, 1], allow[3, 2] = False, True  # node 2 attends to node 1 instead of its parent node 0
+    rows = t.new_rows()
+    rows.add_rows([p[:-1]])
+    lg = rows.forward([[p[-1], ref[0], 7, ref[1]]], trees=[(allow, off)])[0]
+    want = single_steps(t, p, ref[:2])[-1]
+    assert (lg[3] - want).abs().max() > 3 * NEAR_TIE
 
 
 def exact_two_token_probs(target, prompt, top_k):

@@ -17,10 +17,8 @@ import torch
 
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
-from specdraft.tree import DraftTree, feed_mask
-
-from backend_util import (NEAR_TIE, check_greedy, exact_two_token_probs, plain_tokens, pvalue, sample_pairs,
-                          single_steps)
+from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
+                          exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("llama_cpp", reason="the llama backend needs llama-cpp-python (make setup builds it)")
 pytestmark = pytest.mark.slow
@@ -50,44 +48,12 @@ def test_facts(smol_gguf):
 
 
 def test_tree_nodes_and_accepted_path(smol_gguf, ids):
-    """A token tree as sequences: each node's logits are those of its own path (no sibling, no other
-    branch visible); after committing a path the cache continues exactly that path."""
-    t, p = smol_gguf, ids[0]
-    ref = plain_tokens(t, p, 6)
-    parents = [-1, -1, 0, 0, 2, 1, 4]  # the true path is nodes 0 -> 2 -> 4 -> 6; others are wrong guesses
-    tokens = [ref[0], 7, ref[1], 9, ref[2], 11, ref[3]]
-    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
-    rows = t.new_rows()
-    rows.add_rows([p[:-1]])
-    lg = rows.forward([[p[-1]] + tokens], trees=[feed_mask(tree)])[0]
-    for i in range(len(tokens)):
-        path, j = [], i
-        while j >= 0:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        want = single_steps(t, p, path)[-1]
-        assert (lg[i + 1] - want).abs().max() < NEAR_TIE, f"node {i} sees more than its path"
-    rows.commit([[0, 1, 3, 5]])  # pending + nodes 0, 2, 4
-    assert rows.lens == [len(p) + 3]
-    after = rows.forward([[ref[3]]])[0, -1]
-    want = single_steps(t, p, ref[:4])[-1]
-    assert (after - want).abs().max() < NEAR_TIE
-    assert int(after.argmax()) == int(want.argmax())
+    """A token tree as sequences (backend_util)."""
+    check_tree_nodes_and_accepted_path(smol_gguf, ids[0])
 
 
 def test_wrong_attention_is_caught(smol_gguf, ids):
-    """The tolerance above has power: a node that sees the wrong branch (the sibling of its parent
-    instead of its parent) is off by far more than the kernel noise."""
-    t, p = smol_gguf, ids[0]
-    ref = plain_tokens(t, p, 3)
-    tree = DraftTree(torch.tensor([ref[0], 7, ref[1]]), torch.tensor([-1, -1, 0]))
-    allow, off = feed_mask(tree)
-    allow[3, 1], allow[3, 2] = False, True  # node 2 attends to node 1 instead of its parent node 0
-    rows = t.new_rows()
-    rows.add_rows([p[:-1]])
-    lg = rows.forward([[p[-1], ref[0], 7, ref[1]]], trees=[(allow, off)])[0]
-    want = single_steps(t, p, ref[:2])[-1]
-    assert (lg[3] - want).abs().max() > 3 * NEAR_TIE
+    check_wrong_attention_is_caught(smol_gguf, ids[0])
 
 
 def test_rollback_and_rows(smol_gguf, ids):

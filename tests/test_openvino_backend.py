@@ -1,8 +1,9 @@
 """The OpenVINO backend (models/openvino.py) on Qwen2.5-Coder-0.5B as a Q4_0 GGUF (made by `specdraft
 models quantize` once; OpenVINO GenAI cannot read this model's Q4_K_M file, and converts SmolLM2's Q4_1
 file wrongly, which the backend refuses: test_a_wrong_conversion_is_refused): the conversion against the
-dense copy, mechanics (chains, rollback as attention-mask holes, compaction, rows), every drafter it
-runs greedy against plain decoding on the same backend, lossless sampling end to end, and refusals.
+dense copy, mechanics (chains, token trees through the attention-bias input, rollback as attention-mask
+holes, compaction, rows), every drafter it runs greedy against plain decoding on the same backend (trees
+included), lossless sampling end to end, and refusals.
 
 Numerics: OpenVINO computes in bf16 where the CPU has it, quantizes activations to int8 for the 4-bit
 matmuls and keeps an int8 KV cache, so an n-token feed and n single steps differ a little; a greedy
@@ -14,7 +15,8 @@ import torch
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
 
-from backend_util import NEAR_TIE, check_greedy, exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps
+from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
+                          exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("openvino", reason="the openvino backend needs openvino (make setup installs it)")
 pytestmark = pytest.mark.slow
@@ -73,7 +75,7 @@ def dec_with_draft(smol_ov):
 
 def test_facts(smol_ov):
     assert smol_ov.backend == "openvino" and smol_ov.vocab_size == 151936
-    assert not smol_ov.capabilities.trees and not smol_ov.capabilities.hidden
+    assert smol_ov.capabilities.trees and not smol_ov.capabilities.hidden
     assert 151645 in smol_ov.eos_token_ids()  # <|im_end|>
     assert smol_ov.conversion["argmax_agree"] and smol_ov.conversion["median_diff"] < 4.0
 
@@ -148,7 +150,8 @@ def test_keep_returns_the_last_positions(smol_ov, ids):
 
 
 SPECS = [{"method": "prompt_lookup"}, {"method": "prompt_lookup", "schedule": "cost_aware"},
-         {"method": "draft_model", "k": 4}, {"method": "cascade"}, {"method": "auto"}]
+         {"method": "draft_model", "k": 4}, {"method": "cascade"}, {"method": "auto"},
+         {"method": "suffix"}, {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]}]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
@@ -160,8 +163,10 @@ def test_every_drafter_greedy(dec_with_draft, ids, spec):
         s = SpecConfig.from_dict(spec)
         out = generate(d.target, d.make_drafter(s), p, sp, length=d.draft_length(s))
         check_greedy(d.target, p, ref, out.token_ids, spec["method"])
-        if spec["method"] == "draft_model":
+        if spec["method"] == "draft_model" and "tree" not in spec:
             assert out.stats.acceptance_rate > 0.5
+        if "tree" in spec or spec["method"] == "suffix":  # trees were scored, and paths of them accepted
+            assert any(st.depth is not None for st in out.stats.steps) and out.stats.accepted > 0
 
 
 def test_batch_rows_equal_batch_of_one(dec, ids):
@@ -189,16 +194,20 @@ def test_sampling_end_to_end(dec_with_draft):
     assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
 
 
-def test_refused_methods_and_trees(dec_with_draft):
+def test_tree_nodes_and_accepted_path(smol_ov, ids):
+    check_tree_nodes_and_accepted_path(smol_ov, ids[0])
+
+
+def test_wrong_attention_is_caught(smol_ov, ids):
+    check_wrong_attention_is_caught(smol_ov, ids[0])
+
+
+def test_refused_methods(dec_with_draft):
     from specdraft.errors import ConfigError
 
-    d = dec_with_draft
-    for m in ["suffix", "lookahead", "token_recycling", "hybrid", "medusa"]:
-        spec = {"method": m, **({"head": "x"} if m == "medusa" else {})}
+    for m in ["medusa", "eagle"]:
         with pytest.raises(ConfigError, match=f"method '{m}' is not available on the openvino backend"):
-            d.make_drafter(SpecConfig.from_dict(spec))
-    with pytest.raises(ConfigError, match="does not score token trees"):
-        d.make_drafter(SpecConfig(method="draft_model", tree="static"))
+            dec_with_draft.make_drafter(SpecConfig.from_dict({"method": m, "head": "x"}))
 
 
 def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):

@@ -4,7 +4,7 @@
 (``NAME:int8``, ``NAME:int4``; models/lowbit.py), every method.
 ``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
-``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains only.
+``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an attention-bias input replaces its mask).
 
 Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here; the
 CLI's ``--backend`` choices, ``SpecDecoder.load`` and the method checks read this table.
@@ -89,7 +89,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
-                        "verification, chains only", _load_openvino, False),
+                        "verification, chains and trees", _load_openvino, False),
 ]}
 
 

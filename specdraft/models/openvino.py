@@ -13,8 +13,11 @@ head, so a prefill computes one row of logits and a verification only the positi
   row's ``attention_mask`` (token positions come from ``position_ids``, so a hole shifts nothing);
   ``trim`` compacts a row whose holes pass ``compact_slack`` by rewriting its state tensors.
 
-Token trees are not supported (``capabilities.trees`` False): the stateful graph builds its own
-causal mask from a 2D attention mask. Numerics differ between a 1-token and an n-token feed (bf16
+Token trees: every attention of the graph reads its mask from an input we add (``attention_bias``,
+additive, [1, 1, fed, slots + fed]) instead of the mask the graph builds from the 2D attention mask
+(which knows causal order and holes, not a tree). So a row's fed tokens may be a tree: node i sees
+the live cache slots and its ancestors, at position lens + depth; ``commit`` keeps the accepted
+path's slots and makes the others holes. Numerics differ between a 1-token and an n-token feed (bf16
 activations, an int8 KV cache), so greedy output is compared with plain decoding on this backend
 under the near-tie rule, like llama.cpp (tests/test_openvino_backend.py).
 """
@@ -34,6 +37,8 @@ from .base import Capabilities
 PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
 DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
 KEEP = "logits_keep"  # the input added to the graph: how many last fed positions get logits
+BIAS = "attention_bias"  # the input added to the graph: every attention's additive mask
+MASKED = -65504.0  # what the graph's own mask adds where attention is not allowed (float16's lowest)
 # the conversion check (check_conversion): logits of this text against llama.cpp's on the same file
 CHECK_TEXT = "def fibonacci(n):\n    # return the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):"
 CHECK_TOLERANCE = 4.0  # logits, the median position's largest error (see check_conversion)
@@ -142,12 +147,30 @@ def _with_keep_input(model):
     return model
 
 
+def _with_bias_input(model):
+    """Every attention (ScaledDotProductAttention) reads its mask from a new f32 [1, 1, fed, slots + fed]
+    input, which the rows fill: holes, causal order, a token tree's ancestors."""
+    ov = runtime()
+    from openvino import opset13 as ops
+
+    attn = [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"]
+    if not attn or any(n.get_input_size() < 4 for n in attn):
+        raise ModelFileError("unexpected OpenVINO graph: no attention with a mask input to score token trees with")
+    bias = ops.parameter([-1, 1, -1, -1], ov.Type.f32, name=BIAS)
+    bias.output(0).set_names({BIAS})
+    for n in attn:
+        n.input(3).replace_source_output(bias.output(0))
+    model.add_parameters([bias])
+    model.validate_nodes_and_infer_types()
+    return model
+
+
 class OVModel:
     """A GGUF model compiled by OpenVINO for this CPU, with the target's tokenizer."""
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
-    capabilities = Capabilities(hidden=False, trees=False)
+    capabilities = Capabilities(hidden=False, trees=True)
 
     def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
         ov = runtime()
@@ -159,7 +182,7 @@ class OVModel:
         core = ov.Core()
         self.gguf = gguf
         self.ir = ir_path(gguf, self.name)
-        model = _with_keep_input(core.read_model(str(self.ir)))
+        model = _with_bias_input(_with_keep_input(core.read_model(str(self.ir))))
         self._vocab = int(model.get_results()[0].get_output_partial_shape(0)[2].get_length())
         self.inputs = {p.get_any_name() for p in model.inputs}
         n = threads or max(1, torch.get_num_threads())
@@ -233,17 +256,22 @@ class OVRows:
         except Exception:  # interpreter shutdown
             pass
 
-    def _infer(self, r: int, tokens: list[int], keep: int) -> np.ndarray:
-        """Feed row r ``tokens`` after its cache; -> float32 logits of the last ``keep`` of them [keep, V]."""
+    def _infer(self, r: int, tokens: list[int], keep: int, tree=None) -> np.ndarray:
+        """Feed row r ``tokens`` after its cache (``tree``: (allow [n, n], offsets [n]) as in
+        ``forward``, else a chain); -> float32 logits of the last ``keep`` of them [keep, V]."""
         n = len(tokens)
         live = self.live[r]
         if len(live) + n > self.model.n_ctx:
             raise ContextLengthError(f"row of {self.lens[r]} tokens + {n} fed passes the openvino backend's "
                                      f"{self.model.n_ctx} cache slots (SPECDRAFT_OV_CTX)")
-        pos = self.lens[r]
+        allow = np.tril(np.ones((n, n), bool)) if tree is None else np.asarray(tree[0], bool)
+        offsets = np.arange(n) if tree is None else np.asarray(tree[1], np.int64)
+        bias = np.full((1, 1, n, len(live) + n), MASKED, np.float32)
+        bias[0, 0, :, np.flatnonzero(live)] = 0.0
+        bias[0, 0, :, len(live):][allow] = 0.0
         feed = {"input_ids": np.asarray([tokens], np.int64),
                 "attention_mask": np.concatenate([live, np.ones(n, bool)]).astype(np.int64)[None],
-                "position_ids": np.arange(pos, pos + n, dtype=np.int64)[None],
+                "position_ids": (self.lens[r] + offsets).astype(np.int64)[None], BIAS: bias,
                 "beam_idx": np.zeros(1, np.int32), KEEP: np.asarray([keep], np.int64)}
         req = self.reqs[r]
         req.infer(feed)
@@ -283,8 +311,6 @@ class OVRows:
                 hidden: bool = False) -> torch.Tensor:
         if hidden:
             _no_hidden()
-        if trees is not None and any(t is not None for t in trees):
-            raise ConfigError("the openvino backend does not score token trees; use tree='chain'")
         N = max(max((len(s) for s in seqs), default=0), 1)
         n_out = keep or N
         # numpy, not torch: a torch fill or copy of this size wakes torch's OpenMP workers, whose spinning
@@ -295,7 +321,7 @@ class OVRows:
             self.fed[r] = len(s)
             if s:
                 want = max(0, len(s) - first_out)
-                logits = self._infer(r, [int(t) for t in s], max(want, 1))
+                logits = self._infer(r, [int(t) for t in s], max(want, 1), trees[r] if trees is not None else None)
                 if want:
                     out[r, :want] = logits
         return torch.from_numpy(out)
