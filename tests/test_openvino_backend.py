@@ -181,15 +181,18 @@ def test_batch_rows_equal_batch_of_one(dec, ids):
 
 def test_sampling_end_to_end(dec_with_draft):
     """The first two tokens of seeded requests (top-k 3, T=1) follow the target's exact distribution
-    with a draft model (rejections happen); plain decoding at T=0.3 fails the same test. (Prompt
+    with a draft model, drafting chains and token trees (rejections happen); plain decoding at T=0.3
+    fails the same test. (Prompt
     lookup's sampling runs through the same rows and verifier: tested on the other backends, which
     keeps this file's time down.)"""
     d = dec_with_draft
     prompt = d.encode("Name a colour: red, green, blue, red, green,", chat=False)
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)
     probs = exact_two_token_probs(d.target, prompt, 3)
-    p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="draft_model", k=2)), prompt, sp, 100), probs)
-    assert p > 1e-3, f"draft_model: p = {p:.2e}"
+    for spec in (SpecConfig(method="draft_model", k=2),  # a chain, and a token tree scored through attention_bias
+                 SpecConfig(method="draft_model", tree="static", tree_branching=[2, 1])):
+        p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, 100), probs)
+        assert p > 1e-3, f"draft_model {spec.tree}: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
     assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
 
