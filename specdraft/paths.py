@@ -125,13 +125,13 @@ def resolve(model: str, dtype: str = "bfloat16", say=None) -> tuple[str, str]:
     from .models import catalog
 
     say = say or (lambda s: print(s, file=sys.stderr, flush=True))
-    if model.split(":")[0] not in catalog.MODELS or ":" in model:
+    if model not in catalog.MODELS:  # (a NAME:VARIANT is one path already)
         raise ConfigError(f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
                           f"{model!r} is not one: name a backend (--backend hf | llama | openvino)")
     doc = read(model)
     if doc.get("pick"):
-        p, why = ModelPath.parse(doc["pick"]["path"]), f"`specdraft autotune --paths` measured it fastest here " \
-                                                        f"({doc['pick']['tokens_per_s']:.2f} tok/s)"
+        p = ModelPath.parse(doc["pick"]["path"])
+        why = f"`specdraft autotune --paths` measured it fastest here ({doc['pick']['tokens_per_s']:.2f} tok/s)"
     else:
         curves = curves_of(doc)
         if not curves:
@@ -141,7 +141,7 @@ def resolve(model: str, dtype: str = "bfloat16", say=None) -> tuple[str, str]:
             if not curves:
                 raise ConfigError(f"--backend auto: no backend could run {model} here")
         p = ModelPath.parse(fastest_one_token(curves))
-        why = "the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures " \
-              "whole requests)"
+        why = ("the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures "
+               "whole requests)")
     say(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
     return p.target(model), p.backend

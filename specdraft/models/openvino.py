@@ -9,8 +9,8 @@ head, so a prefill computes one row of logits and a verification only the positi
 
 - ``OVModel``: the compiled model and the model's facts; ``new_rows()`` hands out ``OVRows``.
 - ``OVRows``: one OpenVINO infer request per row; its state variables hold the row's KV cache.
-  The stateful model appends every fed token to that cache, so rollback marks slots as holes in the
-  row's ``attention_mask`` (token positions come from ``position_ids``, so a hole shifts nothing);
+  The stateful model appends every fed token to that cache, so rollback marks slots as holes, which
+  the row's attention bias masks out (token positions come from ``position_ids``, so a hole shifts nothing);
   ``trim`` compacts a row whose holes pass ``compact_slack`` by rewriting its state tensors.
 
 Token trees: every attention of the graph reads its mask from an input we add (``attention_bias``,
