@@ -1,8 +1,8 @@
 """The bf16 target (torch) and its self:Q4_0 draft (llama.cpp) take turns on the same 2 cores: does one's
 thread pool, spinning after its work, slow the other? Times a draft_model k=6 decode per step, the draft's
 and the target's side apart, against each side alone. Run under different OpenMP wait policies:
-    .venv/bin/python docs/results/bf16_amd_s8/spin.py            (defaults)
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python docs/results/bf16_amd_s8/spin.py
+    .venv/bin/python docs/results/bf16_self_q4_0_epyc/spin.py            (defaults)
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python docs/results/bf16_self_q4_0_epyc/spin.py
 """
 import os
 import statistics

@@ -2,7 +2,7 @@
 # Issue 31 on an AMD EPYC with AVX512_BF16 (no AMX), session 8: the bf16 target drafted by its own Q4_0
 # copy on llama.cpp, against bf16 plain and llama.cpp's plain decoding of the Q4_K_M and Q4_0 files.
 set -e
-D=docs/results/bf16_amd_s8
+D=docs/results/bf16_self_q4_0_epyc
 specdraft costs --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft self:Q4_0 --draft-backend llama \
   --tokens 1,2,4,8,12,16 --threads 2 --json $D/costs_selfq4_0.json
 specdraft bench --backend hf --dtype bfloat16 --target qwen2.5-coder-1.5b --draft self:Q4_0 --draft-backend llama \
