@@ -1,5 +1,5 @@
 #!/bin/sh
-# Session 9, AMD EPYC (AVX-512, AVX512_BF16, no AMX): auto after its exploration counts lost time (commit
+# 2026-12-03, AMD EPYC (AVX-512, AVX512_BF16, no AMX): auto after its exploration counts lost time (commit
 # after 51d7be4), on the bf16 target drafted by its own Q4_0 copy on llama.cpp (prompt cache adopted).
 set -e
 D=docs/results/auto_bf16_self_q4_0_epyc

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Session 9, AMD EPYC (AVX-512, AVX512_BF16, AVX512_VNNI, no AMX), 2 threads: which path --backend auto takes for
+# 2026-12-03, AMD EPYC (AVX-512, AVX512_BF16, AVX512_VNNI, no AMX), 2 threads: which path --backend auto takes for
 # the Qwen 1.5B target, measured end to end (autotune's 8 calibration prompts: Spec-Bench's last per task + code edits).
 set -e
 D=docs/results/backend_auto_pick_epyc_avx512

@@ -1,19 +1,18 @@
-"""Issue 31: which draft is cheapest per accepted token for the bf16 Qwen 1.5B target on this machine.
+"""Which draft is cheapest per accepted token for the bf16 Qwen 1.5B target on this machine.
 Usage (from the repository root): .venv/bin/python docs/results/bf16_draft05/drafts.py self:Q4_0 self:Q3_K_M
 self:Q2_K qwen2.5-coder-0.5b:Q4_0 qwen2.5-coder-0.5b   (make the variants first: specdraft models quantize)
 Per draft (llama.cpp): one-token ms, and acceptance / MAT of draft_model k=6 on 12 Spec-Bench prompts, 48 tokens."""
 import json, sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
 from specdraft.api import SpecDecoder
 from specdraft.costs import measure_costs
 from specdraft.models.loading import set_threads
 from specdraft.models.backends import load_model
+from specdraft.prompts import default_dataset
 set_threads(2)
 target = load_model("qwen2.5-coder-1.5b", "bfloat16")
-qs = [json.loads(l) for l in open(ROOT.parent / "shared/data/spec_bench/question.jsonl")]
+qs = [json.loads(l) for l in open(default_dataset())]
 by_task = {}
 for q in qs:
     by_task.setdefault(q["category"], []).append(q)

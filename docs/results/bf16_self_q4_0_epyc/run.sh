@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 31 on an AMD EPYC with AVX512_BF16 (no AMX), session 8: the bf16 target drafted by its own Q4_0
+# 2026-12-03, AMD EPYC with AVX-512 and AVX512_BF16 (no AMX), 2 threads: the bf16 target drafted by its own Q4_0
 # copy on llama.cpp, against bf16 plain and llama.cpp's plain decoding of the Q4_K_M and Q4_0 files.
 set -e
 D=docs/results/bf16_self_q4_0_epyc

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Session 9, AMD EPYC (AVX-512, AVX512_BF16, AVX512_VNNI, no AMX), 2 threads: the openvino backend with token trees
+# 2026-12-03, AMD EPYC (AVX-512, AVX512_BF16, AVX512_VNNI, no AMX), 2 threads: the openvino backend with token trees
 # (commit c3e80b5) against every plain and speculative CPU decoder of the same file, one process, interleaved.
 set -e
 D=docs/results/openvino_trees_epyc

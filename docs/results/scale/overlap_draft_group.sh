@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 7: the overlapped pair as a draft group (remote_draft), k = 2, re-measured after the draft-group
-# design replaced the pair's own loop (docs/scale.md). Run from the repo root after `make models setup-ray`.
+# 2026-12-03, AMD EPYC (AVX-512, AVX512_BF16, no AMX), 2 threads: the overlapped pair as a draft group
+# (remote_draft), k = 2, the draft in a Ray actor (docs/scale.md). Run from the repo root after `make models setup-ray`.
 set -euo pipefail
 S=".venv/bin/python -m specdraft.cli"
 $S bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 \

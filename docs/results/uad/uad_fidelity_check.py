@@ -2,9 +2,10 @@
 under exact sampling; Z = sum d / sqrt(sum Var(log p)) ~ N(0, 1)."""
 import json, sys, time, torch, copy, math
 from specdraft import SpecDecoder, SamplingParams, SpecConfig
+from specdraft.prompts import default_dataset
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="smollm2-135m", dtype="bfloat16", draft_backend="llama")
 hfd = SpecDecoder.load("smollm2-135m", dtype="bfloat16").target
-qs = {str(q['question_id']): q for q in map(json.loads, open('/work/shared/data/spec_bench/question.jsonl'))}
+qs = {str(q['question_id']): q for q in map(json.loads, open(default_dataset()))}
 tgt, asst = dec.target.model, copy.deepcopy(hfd.model)
 eos = sorted(dec.eos_ids)
 ids = ['161', '241', '321', '401', '481', '81', '121', '101', '162']
