@@ -15,16 +15,14 @@ BENCH_FILES = Path(__file__).with_name("bench")  # the prompt and schema files s
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
+# Spec-Bench's 480 questions (Apache-2.0, see its NOTICE.md), shipped with the package so that the
+# demo, the bench, autotune and train read the same file wherever the project is installed.
+SPEC_BENCH = BENCH_FILES / "spec_bench" / "question.jsonl"
+
+
 def default_dataset() -> Path:
     env = os.environ.get("SPECDRAFT_DATASET")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for base in [Path.cwd(), *here.parents]:
-        p = base / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
-        if p.exists():
-            return p.resolve()
-    return Path("../shared/data/spec_bench/question.jsonl")
+    return Path(env) if env else SPEC_BENCH
 
 
 # Presets with a prompt file of their own (--preset NAME, whatever --dataset says): code_edit = 9 prompts
@@ -64,14 +62,17 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
         raise SpecDraftError(f"dataset {path} not found (pass --dataset PATH.jsonl)")
     rows = []
     for i, r in iter_jsonl(path, SpecDraftError, "dataset"):
-        if "turns" in r and r["turns"]:
-            prompt = r["turns"][0]
+        turns = r.get("turns")
+        if isinstance(turns, list) and turns:
+            prompt = turns[0]
         else:
             prompt = next((r[k] for k in ("prompt", "question", "text", "instruction") if k in r), None)
         if not isinstance(prompt, str) or not prompt:
             raise SpecDraftError(f"{path}:{i}: no prompt (need a 'turns', 'prompt', 'question' or 'text' field)")
         cat = str(r.get("category", "default"))
         rows.append({"id": str(r.get("question_id", r.get("id", i - 1))), "category": cat, "task": task_of(cat), "prompt": prompt})
+    if not rows:
+        raise SpecDraftError(f"dataset {path} has no rows (need one JSON object a line with a 'turns' or 'prompt' field)")
     return rows
 
 

@@ -160,3 +160,15 @@ def test_cli_generate_json():
     r2 = _cli("generate", "--target", "smollm2-135m", "--method", "plain", "--dtype", "float32",
               "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
     assert json.loads(r2.stdout)["token_ids"] == d["token_ids"]
+
+
+def test_bad_dataset_is_one_error_line(tmp_path):
+    empty, no_prompt, missing = tmp_path / "empty.jsonl", tmp_path / "rows.jsonl", tmp_path / "missing.jsonl"
+    empty.write_text("\n")
+    no_prompt.write_text('{"turns": ["fine"]}\n{"category": "qa", "turns": "not a list"}\n')
+    for path, want in [(empty, f"dataset {empty} has no rows"), (no_prompt, f"{no_prompt}:2: no prompt"),
+                       (missing, f"dataset {missing} not found")]:
+        r = _cli("bench", "--target", "smollm2-135m", "--methods", "plain", "--dataset", str(path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {want}"), r.stderr
