@@ -131,21 +131,26 @@ class SpecDecoder:
         dtype: str = "bfloat16",
         draft_layers: int | None = None,
         threads: int | None = None,
-        backend: str = "hf",
+        backend: str | None = None,
         draft_backend: str | None = None,
+        backends: tuple[str, ...] | None = None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``backend``: "hf" (transformers), "llama" (llama.cpp on GGUF files; ``dtype`` does not
-        apply), "openvino", or "auto" (the backend and weights measured fastest here: paths.py);
-        the draft loads on the same backend unless ``draft_backend`` says otherwise.
+        apply), "openvino", or "auto" (the backend and weights measured fastest here: paths.py, among
+        ``backends`` when the method to run needs some); None: auto for a catalog model, else hf.
+        The draft loads on the target's backend unless ``draft_backend`` says otherwise.
         ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
         with the target's own weights at lower precision."""
         set_threads(threads)
+        backend = backend or default_backend(target)
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
-            from .paths import resolve
+            from .paths import load_fastest
 
-            target, backend = resolve(target, dtype)
-        t = load_model(target, dtype, backend=backend)
+            t, path = load_fastest(target, dtype, backends=backends)
+            target, backend = path.target(target), path.backend
+        else:
+            t = load_model(target, dtype, backend=backend)
         return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None)
 
     def with_draft(self, target_name: str, draft: str, dtype: str = "bfloat16", draft_backend: str | None = None):
@@ -268,6 +273,14 @@ COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
 
+def default_backend(target: str) -> str:
+    """The backend when none is named: a catalog model runs on the path measured fastest here (auto);
+    a directory, a file or a NAME:VARIANT on transformers, as named."""
+    from .models import catalog
+
+    return "auto" if target in catalog.MODELS else "hf"
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The models a command loads (the CLI's --target, --draft, --draft-layers, --dtype, --threads,
@@ -277,8 +290,9 @@ class ModelSettings:
     draft_layers: int | None = None
     dtype: str = "bfloat16"
     threads: int | None = None
-    backend: str = "hf"
+    backend: str | None = None  # None: default_backend(target)
     draft_backend: str | None = None
+    backends: tuple[str, ...] | None = None  # auto chooses among these (the method's), None: any
 
     def load(self, **override) -> SpecDecoder:
         """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``)."""

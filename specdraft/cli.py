@@ -29,10 +29,10 @@ def settings_from_args(cls, a, **given):
     return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if f.name not in given}, **given)
 
 
-def models_from_args(a) -> ModelSettings:
+def models_from_args(a, backends: tuple[str, ...] | None = None) -> ModelSettings:
     """--target (with --quantize folded in: _apply_quantize), --draft, --draft-layers, --dtype, --threads,
-    --backend, --draft-backend."""
-    return settings_from_args(ModelSettings, a)
+    --backend, --draft-backend; ``backends``: those the method to run needs, where auto chooses."""
+    return settings_from_args(ModelSettings, a, backends=backends)
 
 
 def spec_from_args(a) -> "SpecConfig":
@@ -123,8 +123,7 @@ def _check_before_loading(spec, a) -> str | None:
     """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
     model, or a head of the method's type. Returns the need."""
     m = methods.method(spec.method)
-    problem = m.unavailable(getattr(a, "backend", "hf"), bool(a.draft),
-                            no_draft=f"--method {m.name} needs --draft NAME")
+    problem = m.unavailable(_backend_for(a, m), bool(a.draft), no_draft=f"--method {m.name} needs --draft NAME")
     if problem:
         raise SpecDraftError(problem)
     needs = m.needs
@@ -162,6 +161,15 @@ def cmd_models(a) -> int:
     return 0
 
 
+def _backend_for(a, m) -> str:
+    """The backend ``m`` is checked against before loading: the named one; with none named, the default
+    (auto takes a path among the method's backends, so any of them)."""
+    from .api import default_backend
+
+    named = getattr(a, "backend", None) or default_backend(a.target)
+    return m.backends[0] if named == "auto" else named
+
+
 def cmd_generate(a) -> int:
     sp = sampling_from_args(a)
     spec = spec_from_args(a)
@@ -171,7 +179,7 @@ def cmd_generate(a) -> int:
 
         Datastore(spec.datastore)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
-    dec = models_from_args(a).load(draft=a.draft if wants_draft else None)
+    dec = models_from_args(a, methods.method(spec.method).backends).load(draft=a.draft if wants_draft else None)
     if a.method_defaulted:
         spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
@@ -231,7 +239,8 @@ def _serve_settings(a):
                               locked=a.stream_mode == "fixed-only")
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
-    return models_from_args(a), _server_settings(a, spec, api_key, pacing), _replica_options(a), a.method_defaulted
+    return (models_from_args(a, methods.method(spec.method).backends), _server_settings(a, spec, api_key, pacing),
+            _replica_options(a), a.method_defaulted)
 
 
 def _server_settings(a, spec, api_key: str | None, pacing):
@@ -264,6 +273,9 @@ def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
             raise SpecDraftError(f"--resource must be FIELD:NAME=PATH with FIELD one of {', '.join(PATH_FIELDS)}, "
                                  f"got {item!r}")
         out.setdefault(field, {})[name] = path
+    from .server.resources import check_all
+
+    check_all(out)  # each one as its field reads it (a directory, a regular file), before any model loads
     return out
 
 
@@ -313,6 +325,7 @@ def cmd_demo(a) -> int:
 def cmd_costs(a) -> int:
     from .bench.costs import CostsOptions, main_costs
 
+    _apply_backend_auto(a)
     return main_costs(settings_from_args(CostsOptions, a))
 
 
@@ -476,8 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _apply_backend_auto(a) -> None:
-    """--backend auto: the path measured fastest here for --target (paths.py), before anything checks the backend."""
-    if getattr(a, "backend", None) != "auto" or getattr(a, "paths", None):  # autotune --paths measures them all
+    """--backend auto for a command that reads --backend itself (costs); the others load through
+    SpecDecoder.load, which resolves it after their own checks."""
+    if a.backend != "auto":
         return
     from .paths import resolve
 
@@ -490,18 +504,17 @@ def _apply_quantize(a) -> None:
         return
     from .models.lowbit import parse_quant
 
-    if a.backend != "hf":
+    if a.backend not in (None, "hf"):
         raise SpecDraftError(f"--quantize is for the hf backend; on {a.backend}, pick a GGUF variant "
                              "(--target NAME:Q8_0, made by `specdraft models quantize`)")
     parse_quant(a.quantize)
-    a.target = f"{a.target}:{a.quantize}"
+    a.target, a.backend = f"{a.target}:{a.quantize}", "hf"
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _apply_quantize(args)
-        _apply_backend_auto(args)
         return args.fn(args)
     except SpecDraftError as e:
         print(f"error: {e}", file=sys.stderr)

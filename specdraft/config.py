@@ -413,6 +413,9 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
+DEFAULT_METHOD = "auto"  # what runs when no method is named: SpecConfig(), the library, `generate`, `serve`
+
+
 @dataclass
 class SpecConfig:
     """How to speculate. ``method`` picks the drafter; the other fields configure it.
@@ -511,7 +514,7 @@ class SpecConfig:
     what is drafted, never what is emitted.
     """
 
-    method: str = _f("draft_model", Choice(REGISTRY, what="method"))
+    method: str = _f(DEFAULT_METHOD, Choice(REGISTRY, what="method"))
     k: int = _f(4, Int(min=1, max=MAX_DRAFT, what="draft tokens per step"))
     schedule: str = _f("constant", Choice(SCHEDULES, what="schedule"))
     max_k: int = _f(16, Int(max=MAX_DRAFT))
@@ -743,9 +746,6 @@ def unread(d: dict, methods) -> str | None:
 def with_method(spec: SpecConfig, method: str) -> SpecConfig:
     """``spec`` with another method; the fields only other methods read go back to their defaults."""
     return SpecConfig.from_dict(for_method(spec.to_dict(), method))
-
-
-DEFAULT_METHOD = "auto"  # what runs when no method is named: the library, `specdraft generate` and `serve`
 
 
 def fallback_method(has_draft: bool) -> str:

@@ -38,13 +38,14 @@ def add_draft_backend_arg(p: argparse.ArgumentParser):
                         "llama.cpp for a transformers target (any tokenizer; lossless either way)")
 
 
-def add_backend_arg(p: argparse.ArgumentParser):
+def add_backend_arg(p: argparse.ArgumentParser, default: str | None = None):
     from .models.backends import BACKENDS
 
-    p.add_argument("--backend", default="hf", choices=tuple(BACKENDS) + ("auto",),
+    p.add_argument("--backend", default=default, choices=tuple(BACKENDS) + ("auto",),
                    help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())
                    + "; auto: the backend and weights measured fastest for --target on this CPU (`specdraft autotune "
-                     "--paths`, else `specdraft doctor`'s curves, else measured once now)")
+                     "--paths`, else `specdraft doctor`'s curves, else measured once now). Default: "
+                   + (default or "auto for a catalog model, else hf"))
 
 
 def method_name(name: str) -> str:

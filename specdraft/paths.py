@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import homefiles
 from .errors import ConfigError, SpecDraftError
 
 CURVE_TOKENS = (1, 4, 8, 16)
@@ -60,24 +61,50 @@ def file_for(model: str) -> Path:
     return home() / "paths" / f"{model.replace('/', '-')}__{cpu_key()}.json"
 
 
-def read(model: str) -> dict:
-    f = file_for(model)
+def _path_text(v, at) -> str | None:
+    """A path's text (BACKEND[:VARIANT] of a known backend)."""
+    if not isinstance(v, str):
+        return f"{at} must be a path such as 'llama:Q4_0', got {homefiles.show(v)}"
     try:
-        doc = json.loads(f.read_text()) if f.is_file() else {}
-    except json.JSONDecodeError:
-        doc = {}  # a torn write: measured again
-    return doc if isinstance(doc, dict) else {}
+        ModelPath.parse(v)
+    except ConfigError as e:
+        return f"{at}: {str(e).split(';')[0]}"
+    return None
+
+
+_CURVE = homefiles.obj({str(n): homefiles.POSITIVE for n in CURVE_TOKENS}, required=tuple(map(str, CURVE_TOKENS)),
+                       keys=homefiles.of(lambda k: k.isdigit(), "a token count"), values=homefiles.POSITIVE)
+SCHEMA = homefiles.obj({  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
+    "model": homefiles.TEXT, "cpu": homefiles.TEXT,
+    "curves": homefiles.obj({}, keys=_path_text, values=_CURVE),
+    "pick": homefiles.obj({"path": _path_text, "tokens_per_s": homefiles.POSITIVE,
+                           "tried": homefiles.items(homefiles.obj({}, keys=homefiles.TEXT)),
+                           "prompts": homefiles.items(homefiles.ANY), "sampling": homefiles.obj({}, keys=homefiles.TEXT)},
+                          required=("path", "tokens_per_s")),
+})
+
+
+def read(model: str) -> dict:
+    """The model's file for this CPU kind ({} when there is none), checked against SCHEMA: a bad one is an
+    error naming the file and what is wrong in it (not measured again behind the user's back: deleting it is)."""
+    return homefiles.read_json(file_for(model), SCHEMA, "the paths file") or {}
+
+
+def check_writable(model: str) -> dict:
+    """Before measuring: the model's file as read() reads it, and an error now if it could not be written."""
+    doc = read(model)
+    homefiles.check_writable(file_for(model).parent, "the paths file")
+    return doc
 
 
 def write(model: str, **fields) -> Path:
     """Merge ``fields`` ("curves" merges per path) into the model's file for this CPU kind."""
     from .costs import cpu_name
 
-    doc = read(model)
+    doc = check_writable(model)
     curves = {**doc.get("curves", {}), **fields.pop("curves", {})}
     doc.update(model=model, cpu=cpu_name(), curves=curves, **fields)
     f = file_for(model)
-    f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(f)
@@ -120,28 +147,66 @@ def fastest_one_token(curves: dict[str, dict[int, float]]) -> str:
     return min(curves, key=lambda k: curves[k][1])
 
 
-def resolve(model: str, dtype: str = "bfloat16", say=None) -> tuple[str, str]:
-    """``--backend auto`` for ``model``: -> (the target name to load, its backend); says which and why."""
-    from .models import catalog
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
-    say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+
+def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list[tuple[ModelPath, str]]:
+    """``--backend auto``'s candidates for ``model``, best first, each with why it ranks there; only paths
+    on ``backends`` (a method's, None: any) count. Measures the curves when none were kept."""
+    from .models import catalog
+    from .models.backends import BACKENDS
+
+    say = say or _say
     if model not in catalog.MODELS:  # (a NAME:VARIANT is one path already)
         raise ConfigError(f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
                           f"{model!r} is not one: name a backend (--backend hf | llama | openvino)")
+    allowed = [b for b in BACKENDS if backends is None or b in backends]
+    if len(allowed) == 1:  # the method runs on one backend only: nothing to measure
+        return [(ModelPath(allowed[0]), "the only backend this method runs on")]
     doc = read(model)
-    if doc.get("pick"):
-        p = ModelPath.parse(doc["pick"]["path"])
-        why = f"`specdraft autotune --paths` measured it fastest here ({doc['pick']['tokens_per_s']:.2f} tok/s)"
-    else:
-        curves = curves_of(doc)
+    out = []
+    pick = doc.get("pick")
+    if pick and ModelPath.parse(pick["path"]).backend in allowed:
+        out.append((ModelPath.parse(pick["path"]),
+                    f"`specdraft autotune --paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)"))
+    curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in allowed}
+    if not out and not curves:
+        check_writable(model)
+        todo = [p for p in DEFAULT_PATHS if ModelPath.parse(p).backend in allowed]
+        say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in "
+            f"{file_for(model)})")
+        curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s))
         if not curves:
-            say(f"backend auto: measuring {', '.join(DEFAULT_PATHS)} for {model} on this CPU (once; kept in "
-                f"{file_for(model)})")
-            curves = measure_curves(model, list(DEFAULT_PATHS), dtype, say=lambda s: say("  " + s))
-            if not curves:
-                raise ConfigError(f"--backend auto: no backend could run {model} here")
-        p = ModelPath.parse(fastest_one_token(curves))
-        why = ("the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures "
-               "whole requests)")
-    say(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
+            raise ConfigError(f"--backend auto: no backend could run {model} here")
+    why = "the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole requests)"
+    out += [(ModelPath.parse(k), why) for k in sorted(curves, key=lambda k: curves[k][1])]
+    unique = {}
+    for p, why in out:  # the pick is also among the curves
+        unique.setdefault(str(p), (p, why))
+    return list(unique.values())
+
+
+def load_fastest(model: str, dtype: str = "bfloat16", say=None, backends=None):
+    """The model on the best of ``ranked``'s paths that loads here -> (model, ModelPath); a path that
+    fails to load (a backend missing on this machine) is said and the next one taken."""
+    from .models.backends import load_model
+
+    say = say or _say
+    for p, why in ranked(model, dtype, say, backends):
+        try:
+            m = load_model(p.target(model), dtype, backend=p.backend)
+        except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
+            say(f"backend auto: {p} cannot load here ({e}); taking the next measured path")
+            continue
+        say(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
+        return m, p
+    raise ConfigError(f"--backend auto: none of {model}'s measured paths loads here")
+
+
+def resolve(model: str, dtype: str = "bfloat16", say=None) -> tuple[str, str]:
+    """``--backend auto`` for ``model`` without loading it: -> (the target name to load, its backend)."""
+    p, why = ranked(model, dtype, say)[0]
+    (say or _say)(
+        f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
     return p.target(model), p.backend

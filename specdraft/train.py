@@ -360,7 +360,7 @@ def train_main(opts: TrainOptions, ray_builder=None) -> int:
         raise ConfigError("--ray needs the Ray data builder: train_main(opts, scale.shard.data_builder)")
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
-    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads)
+    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf")  # the heads read its features
     target = dec.target
     for p in target.model.parameters():
         p.requires_grad_(False)

@@ -172,7 +172,7 @@ def main_tune_skip(opts: TuneSkipOptions) -> int:
     from .costs import measure_costs
     from .config import SamplingParams, SpecConfig
 
-    dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads)
+    dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf")  # skips its layers
     target = dec.target
     L = target.num_layers
     prompts = tuning_prompts(dec, opts.prompts_per_task, opts.dataset)

@@ -130,34 +130,34 @@ def _cli(*args):
 
 
 def test_cli_errors_are_one_line():
-    r = _cli("generate", "--target", "smollm2-135m", "--method", "nope", "hi")
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "nope", "hi")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown method 'nope'")
     assert "Traceback" not in r.stderr
-    r = _cli("generate", "--target", "smollm2-135m", "--temperature", "-1", "hi")
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--temperature", "-1", "hi")
     assert r.returncode == 2 and "temperature must be" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("generate", "--target", "smollm2-135m", "--method", "draft_model", "hi")
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "draft_model", "hi")
     assert r.returncode == 2 and "needs --draft" in r.stderr
 
 
 @pytest.mark.slow
 def test_cli_cross_tokenizer_tree_and_long_prompt():
-    r = _cli("generate", "--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model",
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model",
              "--tree", "dynamic", "hi")
     assert r.returncode == 2 and "drafts chains through text" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("generate", "--target", "smollm2-135m", "--method", "plain", "--max-new-tokens", "2", "word " * 9000)
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "plain", "--max-new-tokens", "2", "word " * 9000)
     assert r.returncode == 2 and "context is 8192 tokens" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
 def test_cli_generate_json():
-    r = _cli("generate", "--target", "smollm2-135m", "--method", "prompt_lookup", "--k", "3", "--dtype", "float32",
+    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "prompt_lookup", "--k", "3", "--dtype", "float32",
              "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert isinstance(d["text"], str) and len(d["token_ids"]) == d["stats"]["new_tokens"] <= 12
     for key in ("new_tokens", "steps", "drafted", "accepted", "mat", "acceptance_rate", "tokens_per_s", "wall_s"):
         assert key in d["stats"]
-    r2 = _cli("generate", "--target", "smollm2-135m", "--method", "plain", "--dtype", "float32",
+    r2 = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "plain", "--dtype", "float32",
               "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
     assert json.loads(r2.stdout)["token_ids"] == d["token_ids"]
 

@@ -59,7 +59,7 @@ def server():
     """`specdraft serve` in a child process, one request at a time, default method auto."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "SPECDRAFT_THREADS": "1"}
-    cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--target", "smollm2-135m", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--target", "smollm2-135m", "--backend", "hf", "--dtype", "float32",
            "--port", str(port), "--max-tokens", "64"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

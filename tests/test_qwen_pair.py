@@ -24,7 +24,7 @@ NEAR_TIE = 0.25  # bf16 logits of magnitude ~20 are spaced 0.125 apart
 
 @pytest.fixture(scope="module")
 def qwen():
-    return SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype="bfloat16")
+    return SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype="bfloat16", backend="hf")
 
 
 SP = SamplingParams(max_new_tokens=24)

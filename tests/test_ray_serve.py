@@ -29,7 +29,7 @@ N = 10
 @pytest.fixture(scope="module")
 def front():
     ray = connect(None, num_cpus=2)
-    a = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--dtype", "float32", "--replicas", "2",
+    a = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--backend", "hf", "--dtype", "float32", "--replicas", "2",
                                    "--max-batch", "4"])
     app = start_replicas(*_serve_settings(a))
     try:

@@ -247,7 +247,7 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
     if len(rows) < opts.prompts:
         raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {opts.prompts}")
     dec = SpecDecoder.load(opts.target, draft=opts.draft, dtype=opts.dtype, draft_layers=opts.draft_layers,
-                           threads=opts.threads)
+                           threads=opts.threads, backend="hf")  # the batched rows of transformers
     prompts = [dec.encode(r["prompt"], chat=not opts.no_chat) for r in rows]
     run = _Runner(dec, specs, sp, policy)
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)

@@ -32,7 +32,7 @@ class CostsOptions:
 def add_parser(sub):
     c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
-    add_backend_arg(c)
+    add_backend_arg(c, default="hf")  # a measurement of one backend: the one named
     c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
     c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
                    help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "

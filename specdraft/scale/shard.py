@@ -92,7 +92,7 @@ class DataWorker:
     def load(self, target: str, threads: int) -> dict:
         from ..api import SpecDecoder
 
-        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads)
+        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads, backend="hf")  # features need transformers
         return {**cluster.node_info(), "threads": threads}
 
     def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:
