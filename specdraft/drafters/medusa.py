@@ -159,5 +159,5 @@ class MedusaDrafter(Drafter):
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
-        self.feat = self._hidden[rows[-1]].clone()
+        self.feat = self._hidden[rows[-1], : self.heads.hidden].clone()  # the final norm's block (models/base.py)
         self._hidden = None

@@ -32,11 +32,13 @@ class Capabilities:
 
     hidden: bool = False  # forward(hidden=True) / add_rows(hidden=True) leave the final-norm features
     trees: bool = True  # forward(trees=...) scores token trees (the target's verification, model-drafted trees)
+    layers: bool = False  # add_feature_layers: decoder layers' outputs handed over beside them (EAGLE-3)
 
 
 class SequenceRows(Protocol):
     lens: list[int]  # tokens each row holds in the cache
-    last_hidden: torch.Tensor | None  # [B, N, H] final-norm features of the last forward(hidden=True)
+    last_hidden: torch.Tensor | None  # [B, N, H * (1 + layers)] features of the last forward(hidden=True):
+    # the final norm's output, then each layer the model hands over (TargetModel.add_feature_layers)
     prefill_hidden: list  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
     # (hidden=True needs TargetModel.capabilities.hidden; a backend without it raises ConfigError)
 
@@ -103,3 +105,8 @@ class TargetModel(Protocol):
     def eos_token_ids(self) -> set[int]: ...
 
     def new_rows(self, compact_slack: int = 32) -> SequenceRows: ...
+
+    # only where capabilities.layers:
+    # def add_feature_layers(self, layers) -> list[int]: hand over these decoder layers' outputs
+    #     (hidden-states indices, 1 = the first layer's output) in every forward(hidden=True) too; -> the
+    #     H-wide block of last_hidden each fills (block 0: the final norm). Blocks never move once given.

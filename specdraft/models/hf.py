@@ -53,15 +53,16 @@ class HFModel:
         # transformers 5.x renamed past_key_values to cache; accept models of either style
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.capture_hidden = False  # the final-norm hook's switch: on during a forward(hidden=True) only
-        self.last_hidden_batch: torch.Tensor | None = None  # [B, n, H]: what the hook saw
-        self._hidden_hook = None
+        self.capture_hidden = False  # the feature hooks' switch: on during a forward(hidden=True) only
+        self.last_hidden_batch: dict | None = None  # during a forward(hidden=True): what each hook saw
+        self.feature_layers: tuple[int, ...] = ()  # decoder layers handed over beside the final norm
+        self._hooks: dict = {}  # "norm" or a layer's hidden-states index -> its forward hook
         check_cache_layout(model)
 
     # --- facts -------------------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden=self._final_norm() is not None, trees=True)
+        return Capabilities(hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,23 +97,52 @@ class HFModel:
         norm = getattr(getattr(self.model, "model", None), "norm", None)
         return norm if isinstance(norm, torch.nn.Module) else None
 
-    def _hook_final_norm(self) -> None:
-        """One forward hook on the final norm (installed once): while ``capture_hidden`` is on it keeps
-        the norm's output (the LM head's input) for every fed position in ``last_hidden_batch``
-        [B, n, H]; no other layer's hidden states are materialized."""
-        if self._hidden_hook is not None:
-            return
+    def _layers(self) -> torch.nn.ModuleList | None:
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+    def add_feature_layers(self, layers) -> list[int]:
+        """Hand over these decoder layers' outputs too (hidden-states indices as ``output_hidden_states``
+        counts them: i = the output of decoder layer i - 1, 1 <= i <= num_layers) in every
+        forward(hidden=True) from now on; -> the block of ``last_hidden`` each one fills (block 0 is
+        the final norm's, block b the columns [b * H, (b + 1) * H)). Layers already handed over keep
+        their blocks, so drafters that registered earlier read the same columns."""
+        n = self.num_layers
+        bad = [i for i in layers if not 1 <= int(i) <= n]
+        if bad or self._layers() is None:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{self.name} has no decoder layer output {bad or list(layers)} to hand over "
+                              f"(hidden-states indices 1..{n} of model.model.layers)")
+        self.feature_layers += tuple(int(i) for i in dict.fromkeys(layers) if int(i) not in self.feature_layers)
+        return [1 + self.feature_layers.index(int(i)) for i in layers]
+
+    def _hook_features(self) -> None:
+        """Forward hooks on the final norm and on each handed-over layer (each installed once): while
+        ``capture_hidden`` is on they keep those modules' outputs; nothing else is materialized and the
+        model code is not forked."""
         norm = self._final_norm()
         if norm is None:
             from ..errors import ConfigError
 
             raise ConfigError(f"{type(self.model).__name__} has no model.norm; Medusa/EAGLE heads need the final norm")
 
-        def hook(module, inputs, output, owner=self):
+        def hook(module, inputs, output, owner=self, key="norm"):
             if owner.capture_hidden:
-                owner.last_hidden_batch = output if output.dim() == 3 else output[None]
+                out = output[0] if isinstance(output, tuple) else output  # decoder layers of older versions
+                owner.last_hidden_batch[key] = out if out.dim() == 3 else out[None]
 
-        self._hidden_hook = norm.register_forward_hook(hook)
+        todo = [("norm", norm)] + [(i, self._layers()[i - 1]) for i in self.feature_layers]
+        for key, module in todo:
+            if key not in self._hooks:
+                self._hooks[key] = module.register_forward_hook(lambda m, i, o, k=key: hook(m, i, o, key=k))
+
+    def _take_features(self) -> torch.Tensor:
+        """What the hooks saw in this forward: [B, n, H * (1 + len(feature_layers))], the final norm's
+        output first."""
+        seen, self.last_hidden_batch = self.last_hidden_batch, None
+        parts = [seen["norm"]] + [seen[i] for i in self.feature_layers]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def new_rows(self, compact_slack: int = 32) -> "HFRows":
         return HFRows(self, compact_slack)
@@ -291,8 +321,8 @@ class HFRows:
         m = self.model
         self.last_hidden = None
         if hidden:
-            m._hook_final_norm()
-            m.capture_hidden, m.last_hidden_batch = True, None
+            m._hook_features()
+            m.capture_hidden, m.last_hidden_batch = True, {}
         try:
             out = m.model(input_ids=ids.to(dev), attention_mask=None if mask is None else mask.to(dev), position_ids=pos.to(dev),
                           use_cache=True, logits_to_keep=keep or N, **kw)
@@ -300,7 +330,7 @@ class HFRows:
             if hidden:
                 m.capture_hidden = False
         if hidden:
-            self.last_hidden, m.last_hidden_batch = m.last_hidden_batch, None
+            self.last_hidden = m._take_features()
         self._last_n = N
         self.valid = torch.cat([self.valid, torch.zeros(self.B, N, dtype=torch.bool)], dim=1)
         return out.logits.float()
