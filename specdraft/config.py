@@ -485,6 +485,8 @@ class SpecConfig:
       ``tree="chain"`` drafts a chain of ``k`` tokens; ``tree="dynamic"`` drafts EAGLE-2's dynamic
       tree and ``tree="static"`` a fixed shape (the same ``tree_*`` fields as the draft model's
       trees), the head scoring one tree level per forward with its own tree mask.
+    - eagle3 (specdraft.drafters.eagle3): the same, on three of the target's layers fused, with the
+      head's own LM head over a reduced draft vocabulary (EAGLE-3); the same ``tree`` values.
 
     The engine choosing how to draft (docs/design.md, "Choosing how to draft"):
 

@@ -219,6 +219,12 @@ def _eagle(dec, spec):
     return EagleDrafter(dec.target, dec.head(spec), spec)
 
 
+def _eagle3(dec, spec):
+    from .drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(dec.target, dec.head(spec), spec)
+
+
 REGISTRY.update({m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
@@ -249,6 +255,8 @@ REGISTRY.update({m.name: m for m in [
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
            needs="head", trees=("chain", "static"), load_resource=_head),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
+           needs="head", trees=ALL_TREES, load_resource=_head),
+    Method("eagle3", "a trained one-layer head on three of the target's layers (specdraft train eagle3)", _eagle3,
            needs="head", trees=ALL_TREES, load_resource=_head),
 ]})
 

@@ -52,9 +52,14 @@ class EagleDrafter(TreeGrower, Drafter):
             self.max_depth = spec.k
         else:
             self._tree_shape(spec)
-        self.lm_head = lm_head_of(target)
         self.embed = embed_of(target)
         self.V = target.vocab_size
+        self.width = head.hidden  # of the target's features per position, as this head reads them
+        self._draft_vocab(target, head)
+
+    def _draft_vocab(self, target: TargetModel, head) -> None:
+        """The draft logits' rows: the target's LM head, or its rows for the head's ``draft_ids``."""
+        self.lm_head = lm_head_of(target)
         ids = head.draft_ids
         self.ids = ids if ids.numel() else None
         if self.ids is not None:
@@ -65,7 +70,7 @@ class EagleDrafter(TreeGrower, Drafter):
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.sp, self.gen = sp, generator
-        self.feats = torch.empty(0, self.head.hidden, dtype=self.target.dtype)
+        self.feats = torch.empty(0, self.width, dtype=self.target.dtype)
         self.cache = self.head.new_cache()
         self.n_true = 0
         self._draft = DraftTree.empty()
@@ -78,10 +83,14 @@ class EagleDrafter(TreeGrower, Drafter):
         """Draft logits over the full vocabulary [..., V] (float32) for predicted features [..., H]."""
         if self.ids is None:
             return self.lm_head(f).float()
-        sub = torch.nn.functional.linear(f, self.w_sub, self.b_sub).float()
+        sub = self._sub_logits(f).float()
         out = sub.new_full((*sub.shape[:-1], self.V), float("-inf"))
         out[..., self.ids] = sub
         return out
+
+    def _sub_logits(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., len(ids)] logits of the draft vocabulary."""
+        return torch.nn.functional.linear(f, self.w_sub, self.b_sub)
 
     def _step(self, feats: torch.Tensor, toks: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + feats.shape[0])[None]
@@ -136,5 +145,9 @@ class EagleDrafter(TreeGrower, Drafter):
 
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
-        self.feats = torch.cat([self.feats, self._hidden[rows].to(self.feats.dtype)])
+        self.feats = torch.cat([self.feats, self._features(self._hidden[rows]).to(self.feats.dtype)])
         self._hidden = None
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The feature this head reads from the target's [n, H * blocks] (block 0: the final norm's)."""
+        return hidden[:, : self.width]
