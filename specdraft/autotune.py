@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import prompts
+from . import homefiles, prompts
 from .api import ModelSettings
 from .arms import DEFAULT_ARMS, default_path, uses_model
 from .config import SamplingParams, SpecConfig
@@ -105,6 +105,7 @@ def summarize(records: list[dict], base: dict) -> dict:
 
 def main_autotune(opts: AutotuneOptions) -> int:
     from .costs import cpu_name
+    from .models.catalog import home
     from .models.loading import set_threads
 
     threads = set_threads(opts.models.threads)
@@ -112,6 +113,7 @@ def main_autotune(opts: AutotuneOptions) -> int:
     sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
                         max_new_tokens=opts.max_new_tokens).validate()
     screened = None
+    homefiles.check_writable(Path(opts.out).parent if opts.out else home() / "autotune", "the autotune file")
     if opts.paths:
         opts = screen_paths(opts, rows, sp, threads)
     if opts.drafts:
@@ -160,6 +162,7 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
     model = opts.models.target
     tried = []
     candidates = [paths.ModelPath.parse(x) for x in opts.paths.split(",") if x.strip()]  # all checked before loading
+    paths.check_writable(model)  # a bad paths file, an unwritable home: said now, not after measuring
     for p in candidates:
         text = str(p)
         models = dataclasses.replace(opts.models, target=p.target(model), backend=p.backend)

@@ -46,6 +46,19 @@ def check_cpu_and_torch(r: Report, threads: int) -> None:
                    f", {threads} threads")
 
 
+def build_variant(works) -> str:
+    """The llama.cpp variant `make setup` installed, from its marker file (or what is wrong with the marker)."""
+    from .models.llama_setup import VARIANTS
+
+    if not works.exists():
+        return "not built by `make setup` here"
+    try:
+        name = works.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        name = None
+    return name if name in [v[0] for v in VARIANTS] else f"unknown ({works} names no variant; `make setup` rewrites it)"
+
+
 def check_llama(r: Report, model_path) -> bool:
     """The llama.cpp build and the probe's verdict on ``model_path``; -> whether the backend works."""
     import importlib.metadata as md
@@ -58,8 +71,7 @@ def check_llama(r: Report, model_path) -> bool:
     except md.PackageNotFoundError:
         r.problem("llama", "llama-cpp-python is not installed (`make setup` builds it)")
         return False
-    works = cache_root() / "works"
-    variant = works.read_text() if works.exists() else "not built by `make setup` here"
+    variant = build_variant(cache_root() / "works")
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode()
@@ -82,11 +94,17 @@ def check_llama(r: Report, model_path) -> bool:
     return True
 
 
+def ready_models() -> list[str]:
+    from .models import catalog
+
+    return [s["name"] for s in catalog.status() if s["dense"]]
+
+
 def check_models(r: Report) -> list[str]:
     from .models import catalog
 
-    ready = [s["name"] for s in catalog.status() if s["dense"]]
-    missing = [s["name"] for s in catalog.status() if not s["dense"]]
+    ready = ready_models()
+    missing = [s["name"] for s in catalog.status() if s["name"] not in ready]
     r.say("models", (f"ready: {', '.join(ready)}" if ready else "none ready")
           + (f"; not pulled: {', '.join(missing)} (`make models`)" if missing else ""))
     return ready
@@ -167,13 +185,17 @@ def main_doctor(model: str | None = None, costs: bool = True, threads: int | Non
     from .models.loading import set_threads
 
     threads = set_threads(threads)
+    model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready_models()), None)
+    if costs and model:  # a bad paths file, an unwritable home: one error now, before any report line
+        from .paths import check_writable
+
+        check_writable(model)
     r = Report()
     print(f"specdraft doctor, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     check_cpu_and_torch(r, threads)
     ready = check_models(r)
     gguf = catalog.gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
     llama_ok = check_llama(r, gguf)
-    model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready), None)
     if costs and model:
         paths = ["hf", "hf:w8a8"] + (["llama"] if llama_ok else []) + (["openvino"] if _has("openvino") else [])
         recommend(r, measure(r, model, paths), model)

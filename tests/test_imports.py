@@ -80,7 +80,7 @@ def import_graph() -> dict[str, set[str]]:
 # at module level or inside a function. A name covers itself and its submodules (the longest one wins),
 # but "specdraft" is the package's __init__ only.
 LAYERS = [
-    ("base", ["specdraft.errors", "specdraft.jsonl"]),
+    ("base", ["specdraft.errors", "specdraft.jsonl", "specdraft.homefiles"]),
     ("values", ["specdraft.config", "specdraft.sampling", "specdraft.tree", "specdraft.treeshape", "specdraft.verify",
                 "specdraft.metrics", "specdraft.processors", "specdraft.policy", "specdraft.fidelity"]),
     ("models", ["specdraft.models", "specdraft.heads"]),

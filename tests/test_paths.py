@@ -3,6 +3,7 @@ autotune --paths' measured pick first, else the cheapest one-token forward of do
 paths and models that are no catalog name get one clear error."""
 
 import json
+from importlib.util import find_spec
 
 import pytest
 
@@ -11,8 +12,12 @@ from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.errors import ConfigError
 
-pytest.importorskip("llama_cpp", reason="the llama path needs llama-cpp-python (make setup builds it)")
-pytestmark = pytest.mark.slow
+
+
+def slow_llama(test):
+    """A test that measures real paths (the llama one needs llama-cpp-python, which make setup builds)."""
+    skip = pytest.mark.skipif(find_spec("llama_cpp") is None, reason="the llama path needs llama-cpp-python")
+    return pytest.mark.slow(skip(test))
 
 
 @pytest.fixture
@@ -22,6 +27,7 @@ def kept(tmp_path, monkeypatch):
     return tmp_path
 
 
+@slow_llama
 def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kept, capsys):
     rc = main(["autotune", "--target", "smollm2-135m", "--dtype", "float32", "--paths", "hf,llama", "--n", "2",
                "--max-new-tokens", "8", "--only", "prompt_lookup", "--no-tree-search", "-o", str(kept / "tune.json")])
@@ -38,6 +44,7 @@ def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kep
     assert f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`" in capsys.readouterr().err
 
 
+@slow_llama
 def test_backend_auto_without_a_pick_takes_the_cheapest_one_token_curve(kept, capsys):
     paths.write("smollm2-135m", curves={"hf": {"1": 9.0, "8": 10.0}, "llama": {"1": 4.0, "8": 20.0}})
     assert paths.resolve("smollm2-135m") == ("smollm2-135m", "llama")
@@ -46,6 +53,7 @@ def test_backend_auto_without_a_pick_takes_the_cheapest_one_token_curve(kept, ca
     assert "the cheapest one-token forward" in capsys.readouterr().err
 
 
+@slow_llama
 def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
     rc = main(["autotune", "--target", "smollm2-135m", "--paths", "hf,gpu:fast"])
     assert rc == 2 and "error: path 'gpu:fast': unknown backend 'gpu'" in capsys.readouterr().err
@@ -53,3 +61,39 @@ def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
         paths.resolve("/some/dir")
     rc = main(["generate", "--target", "/some/model.gguf", "--backend", "auto", "x"])
     assert rc == 2 and "--backend auto chooses among a catalog model's paths" in capsys.readouterr().err
+
+
+# contents of the paths file that crashed --backend auto, doctor and autotune --paths with a traceback
+BAD = [b'{"pick":"hf"}', b'{"pick":["hf"]}', b'{"pick":{"path":"hf"}}', b'{"pick":{"path":7,"tokens_per_s":1}}',
+       b'{"pick":{"path":"hf","tokens_per_s":"fast"}}', b'{"curves":["hf"]}', b'{"curves":{"hf":5}}', b'{"hf":5}',
+       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}"]
+COMMANDS = [["generate", "--target", "smollm2-135m", "--backend", "auto", "x"], ["doctor", "--model", "smollm2-135m"],
+            ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"]]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("content", BAD)
+def test_a_bad_paths_file_is_one_error_line_naming_it(home, content, capsys):
+    f = paths.file_for("smollm2-135m")
+    f.parent.mkdir(parents=True)
+    f.write_bytes(content)
+    for argv in COMMANDS:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the paths file {f}: ") and err.count("\n") == 1, err
+    with pytest.raises(ConfigError, match="the paths file"):  # and a write merges into it only when it is sound
+        paths.write("smollm2-135m", curves={"hf": {"1": 1.0, "4": 1.0, "8": 1.0, "16": 1.0}})
+
+
+def test_an_unwritable_home_is_said_before_measuring(home, capsys):
+    """With $SPECDRAFT_HOME/paths a file, autotune --paths measured every path, then died (FileExistsError)."""
+    (home / "paths").write_text("a file where the folder goes")
+    for argv in COMMANDS:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot write the paths file in {home / 'paths'}") and err.count("\n") == 1, err

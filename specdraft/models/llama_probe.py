@@ -121,6 +121,20 @@ def _key(path: Path) -> str:
     return f"{path.name}:{st.st_size}"
 
 
+def _seen(file: Path) -> dict:
+    """The kept verdicts, {"NAME:SIZE": probe_record's dict}; a cache, so a bad file is said and probed again.
+    (Imported here: this module also runs as the child script, outside the package.)"""
+    from specdraft import homefiles as h
+
+    verdict = h.obj({"extra_bufts": h.nullable(h.BOOL), "crashed": h.BOOL, "default": h.TEXT,
+                     "fallback": h.nullable(h.TEXT)}, required=("extra_bufts", "crashed", "default", "fallback"))
+    try:
+        return h.read_json(file, h.obj({}, keys=h.TEXT, values=verdict), "the llama.cpp probe record") or {}
+    except h.HomeFileError as e:
+        print(f"warning: {e}; probing again", file=sys.stderr)
+        return {}
+
+
 def probe_record(path: str | Path, fresh: bool = False) -> dict:
     """The probe's verdict for this model on this build and CPU, cached: {"extra_bufts": True (the
     default buffers work) | False (only without the extra buffer types) | None (neither),
@@ -129,10 +143,7 @@ def probe_record(path: str | Path, fresh: bool = False) -> dict:
     path = Path(path)
     bid = build_id()
     file = cache_dir() / f"{bid}.json"
-    try:
-        seen = json.loads(file.read_text())
-    except (OSError, ValueError):
-        seen = {}
+    seen = _seen(file)
     if not fresh and _key(path) in seen:
         return seen[_key(path)]
     default = run_probe(path, True)

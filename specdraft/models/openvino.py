@@ -83,10 +83,21 @@ def _source(gguf: Path) -> str:
 
 
 def _stamp(d: Path) -> dict:
+    """The IR's stamp: its source GGUF, and check_conversion's figures once measured. A cache: a bad one is
+    said and left out (the IR is made and checked again)."""
+    import sys
+
+    from .. import homefiles as h
+
+    schema = h.obj({"source": h.TEXT, "median_diff": h.NUMBER, "max_diff": h.NUMBER, "argmax_agree": h.BOOL})
     try:
-        return json.loads((d / "stamp.json").read_text())
-    except (OSError, ValueError):
+        stamp = h.read_json(d / "stamp.json", schema, "the OpenVINO conversion stamp") or {}
+    except h.HomeFileError as e:
+        print(f"warning: {e}; converting again", file=sys.stderr)
         return {}
+    if "argmax_agree" not in stamp:  # the figures go together: checked again
+        stamp.pop("median_diff", None)
+    return stamp
 
 
 def check_conversion(model: "OVModel") -> dict:

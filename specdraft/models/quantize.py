@@ -14,6 +14,7 @@ import ctypes
 import json
 from pathlib import Path
 
+from .. import homefiles
 from ..errors import ConfigError, ModelFileError
 from . import catalog
 
@@ -25,9 +26,12 @@ def _index_path() -> Path:
     return catalog.home() / "quantized.json"
 
 
+INDEX = homefiles.obj({}, keys=homefiles.TEXT, values=homefiles.obj(  # {"NAME:TYPE": the record quantize() writes}
+    {"path": homefiles.TEXT, "size": homefiles.POSITIVE}, required=("path", "size"), keys=homefiles.TEXT))
+
+
 def _index() -> dict:
-    p = _index_path()
-    return json.loads(p.read_text()) if p.exists() else {}
+    return homefiles.read_json(_index_path(), INDEX, "the quantized-variant index") or {}
 
 
 def variants() -> dict:
