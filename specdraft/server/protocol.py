@@ -103,10 +103,12 @@ def _check_types(body: dict) -> None:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise RequestError("stream_options must be an object", param="stream_options", code="invalid_type")
+    for name in ("include_usage", "include_steps"):
+        v = (so or {}).get(name)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError(f"stream_options.{name} must be a boolean, got {v!r}", param=f"stream_options.{name}",
+                               code="invalid_type")
     steps = (so or {}).get("include_steps")
-    if steps is not None and not isinstance(steps, bool):
-        raise RequestError(f"stream_options.include_steps must be a boolean, got {steps!r}",
-                           param="stream_options.include_steps", code="invalid_type")
     if steps and not body.get("stream"):
         raise RequestError("stream_options.include_steps needs \"stream\": true", param="stream_options.include_steps")
     mode = body.get("stream_mode")
@@ -128,6 +130,9 @@ def spec_over(s, default: SpecConfig, resources: dict | None = None) -> SpecConf
     if not isinstance(s, dict):
         raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
                            code="invalid_type")
+    if "params" in s:  # merged over the default's flat keys, a nested object would be dropped unread
+        raise RequestError("spec.params is not a spec key: a method's own parameters are flat keys of spec "
+                           "(e.g. {\"method\": \"auto\", \"learn_costs\": false})", param="spec.params")
     s = {k: (_resource(k, v, resources or {}) if k in PATH_FIELDS else v) for k, v in s.items()}
     d = for_method(default.to_dict(), s.get("method", default.method))
     if "k" in s and "max_k" not in s:
@@ -457,29 +462,66 @@ class ResponseBuilder:
         return d
 
 
+class Detokenizer:
+    """Incremental detokenization, linear in the output's length (the offset-based scheme of vLLM and TGI):
+    each push decodes a window of the last tokens only, from ``CONTEXT`` tokens before the new ones, so that
+    what a tokenizer joins across tokens (a word's leading space, a UTF-8 character split over byte tokens)
+    comes out as in the whole text. A partial character at the end is held back until it completes."""
+
+    CONTEXT = 6  # tokens kept before the new ones: more than the 4 bytes of the longest UTF-8 character
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.start = 0  # the window: ids[start:]
+        self.done = 0  # characters of the window's text already returned
+
+    def _decode(self) -> str:
+        return self.tok.decode(self.ids[self.start:], skip_special_tokens=True)
+
+    def push(self, new: list[int]) -> str:
+        """The text the ``new`` tokens complete."""
+        self.ids.extend(int(t) for t in new)
+        window = self._decode()
+        ready = window.rstrip("\ufffd")
+        delta = ready[self.done:]
+        self.done = max(self.done, len(ready))
+        if len(ready) == len(window) and len(self.ids) - self.start > 2 * self.CONTEXT:  # nothing held: slide
+            self.start = len(self.ids) - self.CONTEXT
+            self.done = len(self._decode())
+        return delta
+
+
+def _cut_at_stop(text: str, stops: list[str], after: int = 0) -> int:
+    """Where the first stop string found at or after char ``after`` starts, or -1."""
+    return min((i for i in (text.find(s, after) for s in stops) if i >= 0), default=-1)
+
+
 class TextStream:
     """Incremental detokenization for streaming: emits only text that is final (no partial UTF-8
-    character, nothing that might become part of a stop string), cut at the first stop string."""
+    character, nothing that might become part of a stop string), cut at the first stop string. The last
+    push decodes the whole output once, so that the stream's text is exactly the non-streamed answer's."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tok = tokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
+        self.detok = Detokenizer(tokenizer)
+        self.text = ""  # decoded so far, cut at a stop string once one is found
+        self.stopped = False
         self.sent = 0
 
-    def text(self) -> str:
-        t = self.tok.decode(self.ids, skip_special_tokens=True)
-        cut = min((t.find(s) for s in self.stops if s in t), default=-1)
-        return t if cut < 0 else t[:cut]
-
     def push(self, new: list[int], final: bool = False) -> str:
-        self.ids.extend(new)
-        t = self.text()
-        if not final:
-            t = t.rstrip("\ufffd")
-            if self.hold:
-                t = t[: max(self.sent, len(t) - self.hold)]
+        after = max(0, len(self.text) - self.hold)  # a stop string ending in the new text starts here or later
+        if final:
+            self.detok.ids.extend(int(t) for t in new)
+            self.text, self.stopped, after = self.tok.decode(self.detok.ids, skip_special_tokens=True), False, 0
+        elif not self.stopped:
+            self.text += self.detok.push(new)
+        cut = -1 if self.stopped else _cut_at_stop(self.text, self.stops, after)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+        t = self.text if final or self.stopped else self.text[: max(self.sent, len(self.text) - self.hold)]
         delta = t[self.sent:]
         self.sent = max(self.sent, len(t))
         return delta
@@ -495,8 +537,7 @@ class StepTrace:
     the stream, e.g. half a UTF-8 character, comes with a later chunk, still under its own token)."""
 
     def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
+        self.detok = Detokenizer(tokenizer)
         self.ends: list[int] = []  # characters of the decoded output through each token
         self.n = 0
 
@@ -506,11 +547,9 @@ class StepTrace:
         acc = rec.accepted if rec is not None else 0
         arm = getattr(rec, "arm", None)
         tokens = []
-        for j, t in enumerate(new):  # one decode per emitted token (not per vocabulary entry)
-            self.ids.append(int(t))
-            end = len(self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
-            self.ends.append(max(end, self.ends[-1] if self.ends else 0))
-            tok = {"index": len(self.ids) - 1, "step": self.n, "position": j, "accepted": j < acc, "arm": arm}
+        for j, t in enumerate(new):  # one short decode per emitted token
+            self.ends.append((self.ends[-1] if self.ends else 0) + len(self.detok.push([t])))
+            tok = {"index": len(self.ends) - 1, "step": self.n, "position": j, "accepted": j < acc, "arm": arm}
             if logprobs is not None and j < len(logprobs):
                 tok["logprob"] = logprobs[j]["logprob"]
             tokens.append(tok)
