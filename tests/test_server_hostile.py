@@ -343,3 +343,49 @@ def test_llama_trees_fit_the_free_sequences_and_cells(small_llama):
     while eng.rows:
         eng.step()
     assert row.error is None and len(row.result.token_ids) == 256 - len(prompt)
+
+REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def moved_by_one_request(url, body, headers=None, victim=None) -> dict:
+    """The /metrics samples one request (sent with ``victim`` headers) changes, as an observer reading before
+    and after (with ``headers``) sees them."""
+    before = _samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+    assert post(url, body, headers=victim).status_code == 200
+    after = _samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+@pytest.mark.parametrize("settings", [
+    {"stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0, locked=True)},  # fixed-only, keyless
+    {"stream_mode": "fixed", "api_key": "k3y", "open_metrics": True,
+     "stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0)},
+])
+def test_fixed_mode_metrics_do_not_reveal_a_requests_acceptance(settings):
+    """/metrics read around one non-streamed prompt_lookup request gave its drafted / accepted / steps exactly,
+    what fixed mode hides from usage and /health. Now a fixed-mode server shows what the engine moves per
+    request to the API key's holders only; the observer sees the request counted, nothing else."""
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4},
+                        **settings) as (url, app):
+        key = {"Authorization": "Bearer k3y"} if settings.get("api_key") else None
+        for prompt in ([1, 2, 3, 1, 2, 3, 1, 2, 3], [5, 9, 2, 14, 7]):  # repetitive (accepts) and novel
+            moved = moved_by_one_request(url, {**BODY, "prompt": prompt, "max_tokens": 8}, victim=key)
+            assert {name for name, _ in moved} <= REQUEST_COUNTS, moved
+        if key:
+            moved = moved_by_one_request(url, {**BODY, "max_tokens": 8}, key, victim=key)
+            assert moved[("specdraft_verify_steps_total", ())] > 0  # the key's holders see it all
+            from specdraft.server.front import create_front
+            from specdraft.server.local import app_in_thread
+
+            with app_in_thread(create_front([url], api_key="k3y", open_metrics=True)) as front:  # replicas' front
+                for headers, shown in [({}, False), ({"Authorization": "Bearer k3y"}, True)]:
+                    names = {n for n, _ in _samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)}
+                    assert "specdraft_requests_total" in names and ("specdraft_verify_steps_total" in names) == shown
+

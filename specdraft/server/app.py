@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..api import ModelSettings
 from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
@@ -166,10 +166,15 @@ def key_check(api_key: str, open_metrics: bool = False):
 
 
 def health_details(request: Request, api_key: str | None, hidden: bool = False) -> bool:
-    """Whether /health may tell ``request`` more than up / draining: queue, rows and cache length move with
-    each step's accepted drafts. With an API key, only to its holders; without one, unless ``hidden``
-    (a fixed-only server hides acceptance from everyone)."""
+    """Whether ``request`` may see what moves with each step's accepted drafts (/health's queue, rows and
+    cache length; /metrics' engine series). With an API key, only its holders; without one, unless
+    ``hidden`` (a server streaming fixed by default hides acceptance from everyone)."""
     return key_problem(request, api_key) is None if api_key else not hidden
+
+
+def fixed_by_default(request: Request) -> bool:
+    """Whether this server streams in fixed mode when a request names none (--stream-mode fixed or fixed-only)."""
+    return _serving(request).stream_mode == "fixed" or request.app.state.stream_pacing.locked
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -405,14 +410,18 @@ async def health(request: Request):
     worker = state_of.worker
     state = worker.health(sv.settings.stuck_after_s)
     body = {"status": "ok" if state == "ok" else f"worker {state}"}
-    if health_details(request, sv.settings.api_key, hidden=state_of.stream_pacing.locked):
+    if health_details(request, sv.settings.api_key, hidden=fixed_by_default(request)):
         body.update({"model": sv.settings.model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
                      "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
     return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
 
 async def prom(request: Request):
-    return Response(generate_latest(_serving(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """The request counters; the engine's series too, unless they would show what fixed mode hides (a
+    fixed-mode server shows them to the API key's holders only, --metrics-open or not)."""
+    sv = _serving(request)
+    engine = not fixed_by_default(request) or health_details(request, sv.settings.api_key, hidden=True)
+    return Response(sv.metrics.exposition(engine), media_type=CONTENT_TYPE_LATEST)
 
 
 async def parse(request: Request, sv: _Serving, chat: bool):

@@ -90,11 +90,11 @@ class _Front:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def replica_get(self, path: str) -> list:
-        """GET ``path`` of every replica (None where one did not answer)."""
+    async def replica_get(self, path: str, headers: dict | None = None) -> list:
+        """GET ``path`` of every replica (None where one did not answer), with the front's key unless ``headers``."""
         async def one(u):
             try:
-                return await self.client.get(u + path, headers=self.auth, timeout=10)
+                return await self.client.get(u + path, headers=self.auth if headers is None else headers, timeout=10)
             except httpx.HTTPError:
                 return None
         return await asyncio.gather(*(one(u) for u in self.urls))
@@ -177,6 +177,8 @@ async def front_health(request: Request):
 
 
 async def front_metrics(request: Request):
-    answers = await request.app.state.front.replica_get("/metrics")
+    # with the caller's own key (or none): a replica shows its engine series to whom it would show them
+    auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    answers = await request.app.state.front.replica_get("/metrics", headers=auth)
     return Response(merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
                     media_type=CONTENT_TYPE_LATEST)

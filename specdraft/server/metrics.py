@@ -1,13 +1,19 @@
 """Prometheus metrics of the server. Speculative metrics (MAT, acceptance rate, per-position
 acceptance) are computed with specdraft.metrics over a window of the most recent verification
-steps; counters are totals since the server started."""
+steps; counters are totals since the server started.
+
+Two registries: ``public``, the request counters, counted when an answer's last byte leaves (paced in
+fixed mode); ``engine``, everything the engine moves as it decodes (drafted / accepted / steps, the window's
+gauges, tokens, queue and running, step and first-token times). Read before and after one request, the
+engine's series give that request's acceptance, or its decoding time and so its acceptance: what fixed
+stream mode hides, so a fixed-mode server shows them to the API key's holders only (app.prom)."""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_position_acceptance
@@ -38,9 +44,10 @@ class _SpecCollector:
 
 class ServerMetrics:
     def __init__(self, window: int = 4096):
-        self.registry = r = CollectorRegistry()
+        self.public = CollectorRegistry()
         self.requests = Counter("specdraft_requests", "HTTP generation requests by endpoint and outcome",
-                                ["endpoint", "status"], registry=r)
+                                ["endpoint", "status"], registry=self.public)
+        self.engine = r = CollectorRegistry()
         self.prompt_tokens = Counter("specdraft_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("specdraft_generation_tokens", "tokens generated", registry=r)
         self.drafted = Counter("specdraft_draft_tokens", "draft tokens scored by the target", registry=r)
@@ -55,6 +62,10 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._window: deque[StepRecord] = deque(maxlen=window)
         r.register(_SpecCollector(self))
+
+    def exposition(self, engine: bool) -> bytes:
+        """The Prometheus text of the request counters, and of the engine's series when ``engine``."""
+        return generate_latest(self.public) + (generate_latest(self.engine) if engine else b"")
 
     def window_steps(self) -> list[StepRecord]:
         with self._lock:
