@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_llama
 from server_util import running_server
 from specdraft.api import SpecDecoder, _cached
+from specdraft.cli import main
 from specdraft.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.engine import Engine, generate
@@ -344,6 +345,7 @@ def test_llama_trees_fit_the_free_sequences_and_cells(small_llama):
         eng.step()
     assert row.error is None and len(row.result.token_ids) == 256 - len(prompt)
 
+
 REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
 
 
@@ -389,3 +391,79 @@ def test_fixed_mode_metrics_do_not_reveal_a_requests_acceptance(settings):
                     names = {n for n, _ in _samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)}
                     assert "specdraft_requests_total" in names and ("specdraft_verify_steps_total" in names) == shown
 
+
+def test_resource_errors_name_the_resource_not_its_path(tmp_path):
+    """A missing datastore answered "datastore /srv/.../nonexistent not found"; a directory missing its
+    manifest "No such file or directory: '/etc/meta.json'". Errors name the resource; the log has the path."""
+    secret = tmp_path / "secret-layout"
+    secret.mkdir()
+    (secret / "skip.json").write_text('{"skip_layers": [0], "num_layers": 99}')  # another model's
+    table = {"datastore": {"ds": str(secret / "nonexistent"), "dir": str(secret)},
+             "skip_config": {"other": str(secret / "skip.json"), "dir": str(secret)}}
+    with running_server(tiny_pair(), model_name="tiny", resources=table) as (url, app):
+        for field, name, method in [("datastore", "ds", "suffix"), ("datastore", "dir", "suffix"),
+                                    ("skip_config", "other", "layer_skip"), ("skip_config", "dir", "layer_skip")]:
+            r = post(url, {**BODY, "spec": {"method": method, field: name}})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == f"spec.{field}", r.text
+            assert err["message"] == f"spec.{field}: resource {name!r} is not available" and "/" not in r.text
+
+
+def test_serve_refuses_resources_that_are_not_what_their_field_reads(tmp_path, capsys):
+    """Checked at start (exists; a directory or regular file as its field reads it): a FIFO as skip_config
+    hung its request and shutdown."""
+    fifo, d = tmp_path / "fifo", tmp_path / "dir"
+    os.mkfifo(fifo)
+    d.mkdir()
+    for item, why in [(f"skip_config:s={fifo}", "not a regular file"), (f"skip_config:s={d}", "not a regular file"),
+                      (f"datastore:ds={fifo}", "not a directory"), (f"head:h={tmp_path / 'none'}", "no such file"),
+                      (f"datastore:ds={d}", "meta.json: no such file")]:
+        assert main(["serve", "--resource", item]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --resource {item}: {why}") and err.count("\n") == 1, err
+
+
+def test_a_blocking_resource_is_reached_by_the_timeout_and_by_shutdown(tmp_path, monkeypatch):
+    """A resource that blocks its reader (a FIFO that became one after the start check) hung its request
+    forever, past --timeout, and kept the process alive after SIGTERM. Loading runs in a daemon thread that
+    the request's timeout and the drain both stop waiting for."""
+    from specdraft.server import resources
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(resources, "problem", lambda field, path: None)  # as if it changed after the check
+    try:
+        with running_server(tiny_pair(), model_name="tiny", timeout_s=1.0,
+                            resources={"skip_config": {"s": str(fifo)}}) as (url, app):
+            body = {**BODY, "spec": {"method": "layer_skip", "skip_config": "s"}}
+            t0 = time.monotonic()
+            r = post(url, body)
+            assert r.status_code == 408 and r.json()["error"]["param"] == "spec.skip_config", r.text
+            assert time.monotonic() - t0 < 5 and httpx.get(url + "/health", timeout=5).status_code == 200
+            out = {}
+            th = threading.Thread(target=lambda: out.update(r=post(url, body)))
+            th.start()
+            time.sleep(0.3)
+            app.state.draining = True  # SIGTERM's drain (server/graceful.py)
+            th.join(5)
+            app.state.draining = False
+            assert out["r"].status_code == 503 and out["r"].json()["error"]["code"] == "shutting_down"
+    finally:
+        try:  # lets the blocked readers go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+
+def test_a_blocked_resource_load_does_not_keep_the_process_alive(tmp_path):
+    """asyncio.to_thread's pool is joined at exit: a load blocked on a FIFO kept `serve` alive after SIGTERM."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = ("import asyncio\nfrom specdraft.server.resources import _bounded\n"
+            f"async def main():\n    try:\n        await _bounded(lambda: open({str(fifo)!r}).read(), 0.3, lambda: False)\n"
+            "    except TimeoutError:\n        print('timeout')\nasyncio.run(main())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert p.returncode == 0 and p.stdout.strip() == "timeout", p.stderr

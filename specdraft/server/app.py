@@ -17,13 +17,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..api import ModelSettings
-from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
+from ..config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..errors import SpecDraftError
 from ..methods import REGISTRY, method as registered
 from .metrics import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
 from .batch_worker import BatchWorker
+from .resources import LOAD_S, load as load_resources
 from .scheduler import Job, QueueFull, shutdown_error
 
 log = logging.getLogger("specdraft.server")
@@ -432,11 +433,9 @@ async def parse(request: Request, sv: _Serving, chat: bool):
                       default_spec=sv.default_spec, default_max_tokens=sv.settings.default_max_tokens,
                       resources=request.app.state.resources)
     m = check_method(sv.decoder, p.spec)  # what the method needs must exist before admission
-    try:  # in a thread: loading an operator's head or skip config must not stall the event loop
-        if m.load_resource is not None:  # a layer view of this target; a head of the method's type for it
-            await asyncio.to_thread(m.load_resource, sv.decoder, p.spec)
-    except SpecDraftError as e:
-        raise RequestError(f"spec: {e}", param="spec") from None
+    named = {k: v for k, v in (body.get("spec") or {}).items() if k in PATH_FIELDS}
+    limit = min(LOAD_S, sv.settings.timeout_s or LOAD_S)  # checked and loaded where timeout and shutdown reach
+    await load_resources(sv.decoder, p.spec, named, m, limit, lambda: request.app.state.draining)
     p.stream_mode = p.stream_mode or sv.stream_mode
     if request.app.state.stream_pacing.locked and p.stream_mode != "fixed":
         raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "

@@ -1,0 +1,157 @@
+"""The operator's resources: the files a request's spec may name, by name only (``serve --resource
+FIELD:NAME=PATH``; server/protocol.py resolves the names). ``serve`` checks every one at start; a request's
+are checked again and loaded before it is admitted, in a thread of their own, within a time limit that the
+request's timeout and shutdown reach. A client is told which resource failed, never its path (the reason
+goes to the server's log): paths say how the operator's machine is laid out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import threading
+
+from ..config import PATH_FIELDS
+from ..errors import SpecDraftError
+from .protocol import RequestError
+from .scheduler import shutdown_error
+
+log = logging.getLogger("specdraft.server")
+
+# field: the files a loader reads, relative to the path ("" is the path itself, a file); a directory otherwise
+FILES = {"skip_config": ("",), "autotune": ("",), "datastore": ("meta.json", "tokens.npy", "sa.npy"),
+         "head": ("config.json", "head.safetensors")}
+MAX_JSON_BYTES = 1 << 20  # a JSON file (skip config, autotune file, a manifest) larger than this is refused unread
+LOAD_S = 60.0  # the longest one request's resources may take to load (less with a shorter --timeout)
+
+
+def problem(field: str, path: str) -> str | None:
+    """Why ``path`` cannot be a ``field`` resource, or None: it must exist as a directory or regular file, as
+    the field reads it, with the files its loader opens regular (a FIFO or device would block the reader) and
+    its JSON under MAX_JSON_BYTES. Only stat()ed: nothing is opened."""
+    files = FILES[field]
+    if files != ("",):
+        try:
+            if not stat.S_ISDIR(os.stat(path).st_mode):
+                return "not a directory"
+        except OSError as e:
+            return e.strerror.lower()
+    for name in files:
+        f = os.path.join(path, name) if name else path
+        where = f"{name}: " if name else ""
+        try:
+            st = os.stat(f)
+        except OSError as e:
+            return where + e.strerror.lower()
+        if not stat.S_ISREG(st.st_mode):
+            return where + "not a regular file"
+        if (f.endswith(".json") or field in ("skip_config", "autotune")) and st.st_size > MAX_JSON_BYTES:
+            return f"{where}{st.st_size} bytes, over the {MAX_JSON_BYTES}-byte limit of a JSON file"
+    return None
+
+
+def check_all(resources: dict[str, dict[str, str]]) -> None:
+    """``serve``'s start: a SpecDraftError naming the first resource that is not what its field reads."""
+    for field, table in resources.items():
+        for name, path in table.items():
+            why = problem(field, path)
+            if why:
+                raise SpecDraftError(f"--resource {field}:{name}={path}: {why}")
+
+
+def _loaders():
+    from ..arms import load_file
+    from ..models.views import load_skip_config
+
+    return {"head": lambda dec, spec: dec.head(spec), "datastore": lambda dec, spec: dec.datastore(spec.datastore),
+            "skip_config": lambda dec, spec: load_skip_config(spec.skip_config, dec.target),
+            "autotune": lambda dec, spec: load_file(spec.autotune)}
+
+
+def used(spec, named: dict) -> list[tuple[str, str]]:
+    """(field, how errors call it) of each file ``spec`` reads: the resource a request named, else the
+    server's own (its --config or flags)."""
+    out = []
+    for field in PATH_FIELDS:
+        v = getattr(spec, field)
+        if v is not None and not (field == "autotune" and v == "off"):
+            out.append((field, f"resource {named[field]!r}" if field in named else f"the server's {field}"))
+    return out
+
+
+async def load(decoder, spec, named: dict, method, limit_s: float, draining) -> None:
+    """Checks and loads what ``spec`` reads (cached by the decoder), then ``method.load_resource``; a
+    RequestError naming the field: 400 when a resource is not available, 408 past ``limit_s``, 503 once
+    ``draining()``."""
+    fields = used(spec, named)
+    for field, what in fields:
+        why = problem(field, getattr(spec, field))
+        if why:
+            raise _unavailable(field, what, spec, why)
+    loaders, at = _loaders(), {"field": None}
+
+    def work():
+        for field, _ in fields:
+            at["field"] = field
+            loaders[field](decoder, spec)
+        at["field"] = None
+        if method.load_resource is not None:  # a layer view of this target, a head of the method's type
+            method.load_resource(decoder, spec)
+
+    try:
+        await _bounded(work, limit_s, draining)
+    except RequestError:  # shutting down
+        raise
+    except TimeoutError:
+        field = at["field"]
+        what = dict(fields)[field] if field else "the method's resource"
+        raise RequestError(f"spec{'.' + field if field else ''}: {what} did not load within {limit_s:g} s",
+                           param=f"spec.{field}" if field else "spec", status=408, type="timeout_error",
+                           code="request_timeout") from None
+    except Exception as e:
+        if at["field"] is not None:  # reading an operator's file (a corrupt one fails in numpy, safetensors...)
+            raise _unavailable(at["field"], dict(fields)[at["field"]], spec, e) from None
+        if isinstance(e, SpecDraftError):  # the method's own check (exit_layer past the target's layers)
+            raise RequestError(f"spec: {e}", param="spec") from None
+        raise
+
+
+def _unavailable(field: str, what: str, spec, why) -> RequestError:
+    """The client's error names the resource; the server's log says where it is and what is wrong with it."""
+    log.warning("spec.%s: %s at %s is not available: %s", field, what, getattr(spec, field), why)
+    return RequestError(f"spec.{field}: {what} is not available", param=f"spec.{field}")
+
+
+async def _bounded(fn, limit_s: float, draining):
+    """``fn()`` in a daemon thread (one that blocks forever neither holds the event loop nor keeps the process
+    alive at exit); TimeoutError past ``limit_s``, the shutdown error once ``draining()``."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(out):
+        if not done.done():
+            done.set_result(out)
+
+    def run():
+        try:
+            out = (fn(), None)
+        except BaseException as e:  # handed to the request; a bug is its 500
+            out = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, out)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name="resource-load", daemon=True).start()
+    end = loop.time() + limit_s
+    while not done.done():
+        if draining():
+            raise shutdown_error()
+        if loop.time() >= end:
+            raise TimeoutError
+        await asyncio.wait({done}, timeout=min(0.25, end - loop.time()))
+    value, err = done.result()
+    if err is not None:
+        raise err
+    return value
