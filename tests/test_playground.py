@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -188,3 +189,65 @@ def test_api_key_is_asked_and_sent(browser):
         _generate(b)
         assert not _q(b, "#error")[0].is_displayed(), _q(b, "#error")[0].text
         assert len(b.execute_script("return document.querySelector('#col-main .text').textContent")) > 0
+
+
+def _tiny_page(b, url):
+    b.get(url + "/")
+    wait_until(lambda: len(_q(b, "#method option")) > 1, timeout=30)
+    _set(b, "mode", "completion")
+    _set(b, "prompt", "abcabc")
+    _set(b, "max_tokens", "6")
+
+
+HOSTILE_ID = "<img src=x onerror=window.__xss=1>"
+
+
+def test_server_text_is_never_markup_and_the_policy_forbids_inline_script(browser):
+    """A method id from /v1/specdraft/methods went into innerHTML, under a policy allowing inline script: a
+    plugin method named <img onerror=...> ran script. Every server string is a text node; the page's script
+    is its own file, so the policy forbids inline script and framing."""
+    from specdraft import methods
+    from specdraft.methods import _prompt_lookup
+    from test_server_fast import tiny_pair
+
+    b = browser
+    methods.REGISTRY[HOSTILE_ID] = methods.Method(HOSTILE_ID, "a plugin " + HOSTILE_ID, _prompt_lookup,
+                                                  backends=methods.EVERY)
+    try:
+        with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3}) as (url, _):
+            csp = httpx.get(url + "/", timeout=30).headers["content-security-policy"]
+            assert "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp and "script-src 'self'" in csp
+            _tiny_page(b, url)
+            _set(b, "method", HOSTILE_ID)
+            if not _q(b, "#race")[0].is_selected():
+                _q(b, "#race")[0].click()
+            _generate(b)
+            assert not _q(b, "#error")[0].is_displayed(), _q(b, "#error")[0].text
+            assert HOSTILE_ID in _q(b, "#summary")[0].text and not _q(b, "#summary img, #cols img")
+            # and were a string to reach markup, the policy would not run its handler
+            b.execute_script(f"document.body.insertAdjacentHTML('beforeend', {HOSTILE_ID!r})")
+            time.sleep(0.3)
+            assert b.execute_script("return window.__xss") is None
+    finally:
+        del methods.REGISTRY[HOSTILE_ID]
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_fixed_mode_server_streams_plain_text_with_a_note(browser, locked):
+    """On --stream-mode fixed / fixed-only every Generate was a 400 (the page always asked include_steps).
+    The page reads the server's mode and streams plain text, uncoloured, saying why."""
+    from specdraft.server.pacing import StreamPacing
+    from test_server_fast import tiny_pair
+
+    b = browser
+    pacing = StreamPacing(chunk_tokens=2, interval_s=0.02, pad_bytes=64, locked=locked)
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3},
+                        stream_mode="fixed", stream_pacing=pacing) as (url, _):
+        _tiny_page(b, url)
+        assert "fixed mode" in _q(b, "#note")[0].text and not _q(b, "#legend")[0].is_displayed()
+        _generate(b)
+        assert not _q(b, "#error")[0].is_displayed(), _q(b, "#error")[0].text
+        shown = b.execute_script("return document.querySelector('#col-main .text').textContent")
+        body = {"prompt": "abcabc", "max_tokens": 6, "temperature": 0, "top_p": 1, "spec": _spec_of_page(b)}
+        assert shown == httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert shown and not _q(b, "#col-main .t") and _q(b, "#col-main .ntok")[0].text == "6"

@@ -313,7 +313,8 @@ def test_api_key(open_metrics):
         assert httpx.get(url + "/", timeout=60).status_code == 200  # the page holds nothing; it asks for the key
         assert httpx.get(url + "/v1/specdraft/methods", timeout=60).status_code == 401
         assert httpx.get(url + "/v1/specdraft/methods", headers=ok, timeout=60).status_code == 200
-        assert httpx.get(url + "/playground.html", timeout=60).status_code == 401  # only / is open
+        assert httpx.get(url + "/playground.js", timeout=60).status_code == 200  # its script and style too
+        assert httpx.get(url + "/playground.html", timeout=60).status_code == 401  # only the page's paths are open
 
 
 def _step_chunks(url, body):
@@ -366,10 +367,13 @@ def test_methods_listing_and_page(tiny_server):
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0,
                                                        "spec": {"method": m["id"]}}, timeout=60)
         assert (r.status_code == 200) == m["available"], (m["id"], r.text)
-    page = httpx.get(url + "/", timeout=30)
+    assert doc["stream_mode"] == "normal"  # the page asks include_steps only then
+    page, script, style = (httpx.get(url + p, timeout=30) for p in ("/", "/playground.js", "/playground.css"))
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "/v1/specdraft/methods" in page.text and "include_steps" in page.text and "http" not in page.text.replace(
-        "http-equiv", "")
+    assert script.headers["content-type"].startswith("text/javascript") and style.status_code == 200
+    assert "/v1/specdraft/methods" in script.text and "include_steps" in script.text
+    assert all("http" not in r.text.replace("http-equiv", "") for r in (page, script, style))  # this origin only
+
 
 @pytest.mark.parametrize("extra, param", [
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),

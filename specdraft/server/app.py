@@ -129,10 +129,6 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-OPEN_PATHS = ("/health", "/")  # answered without an API key (load balancers' probes; the static playground page,
-# which asks for the key and sends it with its own requests)
-
-
 def _unauthorized(message: str) -> JSONResponse:
     e = RequestError(message, status=401, code="invalid_api_key")
     return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -150,10 +146,12 @@ def key_problem(request: Request, api_key: str) -> str | None:
 
 
 def key_check(api_key: str, open_metrics: bool = False):
-    """An HTTP middleware: every path but /health, / (and /metrics with ``open_metrics``) needs
+    """An HTTP middleware: every path but /health, the playground's (and /metrics with ``open_metrics``) needs
     ``Authorization: Bearer <api_key>``; otherwise 401 in OpenAI's shape. (/health answers without it,
     but only whether the server is up: see ``health_details``.)"""
-    open_paths = OPEN_PATHS + (("/metrics",) if open_metrics else ())
+    # answered without the key: load balancers' probes; the static playground page, which asks for the key
+    # and sends it with its own requests
+    open_paths = ("/health", *PLAYGROUND) + (("/metrics",) if open_metrics else ())
 
     async def check(request: Request, call_next):
         if request.url.path in open_paths:
@@ -241,9 +239,11 @@ def check_method(decoder, spec: SpecConfig):
     return m
 
 
-def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resources: dict) -> dict:
+def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resources: dict,
+                    stream_mode: str = "normal") -> dict:
     """GET /v1/specdraft/methods: every registered method (auto first), whether a request's
-    ``{"spec": {"method": NAME}}`` runs here (else why not), and its knobs (trees, schedules)."""
+    ``{"spec": {"method": NAME}}`` runs here (else why not), and its knobs (trees, schedules); the server's
+    ``stream_mode`` ("normal", "fixed" or "fixed-only"), which says whether include_steps may be asked."""
     names = ["auto"] + [n for n in REGISTRY if n != "auto"]
     data = []
     for name in names:
@@ -257,27 +257,36 @@ def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resource
                      "available": reason is None, "reason": reason, "trees": list(m.trees),
                      "schedules": list(m.schedules), "backends": list(m.backends)})
     d = default_spec.to_dict()
-    return {"object": "list", "model": model_name, "backend": decoder.backend,
+    return {"object": "list", "model": model_name, "backend": decoder.backend, "stream_mode": stream_mode,
             "draft": getattr(decoder.draft, "name", None),
             "default_spec": {k: d[k] for k in ("method", "k", "max_k", "schedule", "tree")}, "data": data}
 
 
-PLAYGROUND = "playground.html"  # package data beside this module: one static page, no build step
+PLAYGROUND = {"/": ("playground.html", "text/html; charset=utf-8"),  # package data beside this module: static,
+              "/playground.js": ("playground.js", "text/javascript; charset=utf-8"),  # no build step
+              "/playground.css": ("playground.css", "text/css; charset=utf-8")}
+# the page's scripts and styles come from its own files only (no inline script: a server string that reached
+# markup could not run), it talks to this origin only, and no other site may frame it (clickjacking)
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; "
+            "form-action 'none'; frame-ancestors 'none'")
 
 
 def add_playground(app: FastAPI) -> None:
-    """GET /: the playground page (server/playground.html), read once. It holds nothing secret: with an API
-    key it asks for the key and sends it as a Bearer token with its own requests."""
+    """GET /: the playground page (server/playground.html, .js, .css), read once. It holds nothing secret:
+    with an API key it asks for the key and sends it as a Bearer token with its own requests."""
     from importlib.resources import files
 
-    page = files(__package__).joinpath(PLAYGROUND).read_text(encoding="utf-8")
+    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Content-Security-Policy": PAGE_CSP,
+               "X-Frame-Options": "DENY"}
 
-    @app.get("/", include_in_schema=False)
-    async def playground():
-        return Response(page, media_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
-                                 "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
-                                                            "style-src 'unsafe-inline'; img-src 'self' data:"})
+    def route(body: str, media_type: str):
+        async def static():
+            return Response(body, media_type=media_type, headers=headers)
+        return static
+
+    for path, (name, media_type) in PLAYGROUND.items():
+        app.get(path, include_in_schema=False)(route(files(__package__).joinpath(name).read_text(encoding="utf-8"),
+                                                     media_type))
 
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is parsed
@@ -403,7 +412,8 @@ async def list_models(request: Request):
 
 async def list_methods(request: Request):
     sv = _serving(request)
-    return methods_listing(sv.decoder, sv.settings.model_name, sv.default_spec, request.app.state.resources)
+    mode = "fixed-only" if request.app.state.stream_pacing.locked else sv.stream_mode
+    return methods_listing(sv.decoder, sv.settings.model_name, sv.default_spec, request.app.state.resources, mode)
 
 
 async def health(request: Request):
