@@ -249,3 +249,166 @@ def test_fuzz_dead_end_constraints_on_smol(smol_server, body):
     SPEC_STATUS["dead_end", out["hostile"].status_code] += 1
     check(out["hostile"])
     assert out["normal"].json()["choices"][0]["text"] == want
+
+
+# --- the fixed-mode /metrics observer ---------------------------------------------------------------------
+VICTIMS = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.lists(st.integers(0, 15), min_size=1, max_size=12),
+                         st.integers(1, 4).map(lambda n: [1, 2, 3] * n)),
+     "max_tokens": st.integers(1, 10), "temperature": st.sampled_from([0, 0.8])},
+    optional={"stream": st.booleans(), "ignore_eos": st.booleans(), "seed": st.integers(0, 3),
+              "spec": st.sampled_from([{"method": m} for m in ("prompt_lookup", "draft_model", "suffix", "plain",
+                                                               "lookahead")] + [{"method": "draft_model", "k": 6}])})
+METRICS_STATUS = Counter()
+
+
+@pytest.fixture(scope="module")
+def fixed_only():
+    from specdraft.server.pacing import StreamPacing
+
+    pacing = StreamPacing(chunk_tokens=3, interval_s=0.01, pad_bytes=0, locked=True)
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4},
+                        stream_pacing=pacing) as (url, app):
+        with httpx.Client(base_url=url, timeout=60, headers={"Content-Type": "application/json"}) as c:
+            yield c
+
+
+REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=VICTIMS)
+def test_fuzz_fixed_mode_metrics_observer(fixed_only, body):
+    """An observer reading /metrics before and after each victim's request, on a keyless fixed-only server:
+    only the request counters move (nothing that counts its steps, drafts or decoding time)."""
+    before = _samples(fixed_only.get("/metrics").text)
+    r = fixed_only.post("/v1/completions", content=json.dumps(body))
+    r.read()
+    after = _samples(fixed_only.get("/metrics").text)
+    moved = {k for k in after if after[k] != before.get(k)}
+    METRICS_STATUS[r.status_code] += 1
+    assert r.status_code < 500 and {name for name, _ in moved} <= REQUEST_COUNTS, moved
+
+
+# --- the files kept under $SPECDRAFT_HOME: wrong shapes and bytes ------------------------------------------
+CURVE = {"1": 9.0, "4": 9.5, "8": 10.0, "16": 12.0}
+VALID_PATHS = {"model": "smollm2-135m", "cpu": "x", "curves": {"hf": CURVE, "llama:Q4_0": {**CURVE, "1": 4.0}},
+               "pick": {"path": "llama", "tokens_per_s": 30.0, "tried": [{"path": "llama", "tokens_per_s": 30.0}],
+                        "prompts": ["a"], "sampling": {"temperature": 0.0}}}
+SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"),
+         ("curves", "llama:Q4_0"), ("curves", "gpu"), ("extra",), ("pick",), ("pick", "path"), ("pick", "tokens_per_s"),
+         ("pick", "tried"), ("pick", "tried", 0), ("pick", "sampling")]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6)
+    | st.sampled_from(["hf", "llama:Q4_0", "gpu:fast", "1", ""]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(
+        st.sampled_from(["1", "4", "8", "16", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c, max_size=4),
+    max_leaves=10)
+DELETE = object()
+HOME_STATUS = Counter()
+
+
+def _replaced(doc, slot, value):
+    doc = json.loads(json.dumps(doc))
+    if not slot:
+        return value
+    *up, last = slot
+    at = doc
+    for k in up:
+        at = at[k]
+    if value is DELETE:
+        del at[last]
+    else:
+        at[last] = value
+    return doc
+
+
+@pytest.fixture(scope="module")
+def paths_file(tmp_path_factory):
+    """The paths file of every model in a temporary directory (not the machine's cache)."""
+    from specdraft import paths
+
+    d = tmp_path_factory.mktemp("paths")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "file_for", lambda model: d / f"{model}.json")
+        yield d / "smollm2-135m.json"
+
+
+def use_paths_file(f, raw: bytes) -> str:
+    """What --backend auto, doctor and autotune --paths do with the file: it is "read" whole, or "refused" in
+    one line naming it; any other exception fails the test."""
+    from specdraft import doctor, paths
+    from specdraft.errors import ConfigError
+
+    f.write_bytes(raw)
+    try:
+        doc = paths.read("smollm2-135m")
+    except ConfigError as e:
+        assert str(e).startswith(f"the paths file {f}: ") and "\n" not in str(e), e
+        return "refused"
+    curves = paths.curves_of(doc)
+    if curves or doc.get("pick"):  # (with neither, --backend auto measures: not here)
+        paths.resolve("smollm2-135m", say=lambda s: None)
+    if curves:
+        doctor.recommend(doctor.Report(), curves, "smollm2-135m")
+    paths.write("smollm2-135m", curves={"hf": CURVE})
+    return "read"
+
+
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(slot=st.sampled_from(SLOTS), value=JSON | st.just(DELETE))
+def test_fuzz_paths_file_shapes(paths_file, slot, value):
+    if value is DELETE and (not slot or slot[-1] in ("gpu", "extra")):  # (not in the valid file: junk instead)
+        value = {}
+    HOME_STATUS["shape", use_paths_file(paths_file, json.dumps(_replaced(VALID_PATHS, slot, value)).encode())] += 1
+
+
+VALID_BYTES = json.dumps(VALID_PATHS).encode()
+RAW = st.one_of(st.binary(max_size=64), st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
+                st.tuples(st.integers(0, len(VALID_BYTES) - 1), st.binary(min_size=1, max_size=3)).map(
+                    lambda t: VALID_BYTES[:t[0]] + t[1] + VALID_BYTES[t[0] + len(t[1]):]))
+
+
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(raw=RAW)
+def test_fuzz_paths_file_bytes(paths_file, raw):
+    HOME_STATUS["bytes", use_paths_file(paths_file, raw)] += 1
+
+
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(doc=JSON | st.dictionaries(st.text(max_size=4), JSON, max_size=3))
+def test_fuzz_other_home_files(tmp_path_factory, doc):
+    """The llama.cpp probe's verdicts and the OpenVINO stamp are caches: a bad one is left out (said), never
+    a crash; the quantized-variant index is read whole or refused in one line."""
+    from specdraft.homefiles import HomeFileError, read_json
+    from specdraft.models import openvino, quantize
+    from specdraft.models.llama_probe import _seen
+
+    d = tmp_path_factory.getbasetemp() / "home-files"
+    d.mkdir(exist_ok=True)
+    for name in ("probe.json", "stamp.json", "index.json"):
+        (d / name).write_text(json.dumps(doc))
+    seen = _seen(d / "probe.json")
+    assert all({"extra_bufts", "crashed", "default", "fallback"} <= set(v) for v in seen.values())
+    stamp = openvino._stamp(d)
+    assert isinstance(stamp, dict) and ("median_diff" not in stamp or "argmax_agree" in stamp)
+    try:
+        read_json(d / "index.json", quantize.INDEX, "the index")
+        HOME_STATUS["other", "read"] += 1
+    except HomeFileError:
+        HOME_STATUS["other", "refused"] += 1
+
+
+def test_fuzz_home_files_reached_both_outcomes():
+    """Not vacuous: generated files are both read and refused; the fixed-mode victims both decode and get 400s."""
+    assert HOME_STATUS["shape", "read"] >= 10 and HOME_STATUS["shape", "refused"] >= 50, HOME_STATUS
+    assert HOME_STATUS["bytes", "refused"] >= 50, HOME_STATUS  # (mostly not JSON: a few decode)
+    assert METRICS_STATUS[200] >= 30, METRICS_STATUS
+    print("home file fuzz:", dict(HOME_STATUS), "fixed-mode /metrics observer:", dict(METRICS_STATUS))
