@@ -114,6 +114,27 @@ def test_streaming_wire_format_and_text(server, ref_dec):
                                     spec={"method": "plain"}).text
 
 
+EMOJI = "Repeat after me: 🎉👋🏽 世界 naïve café 🎉👋🏽 世界 naïve café 🎉👋🏽"
+
+
+def test_stream_pieces_add_up_with_emoji(server, smol_tok):
+    """Decoded incrementally, a stream's text and its include_steps pieces are the non-streamed text:
+    SmolLM2's byte tokens split emoji over steps (and the tokenizer alone, over every step size)."""
+    from test_server_fast import stream_pieces
+
+    ids = smol_tok(EMOJI, add_special_tokens=False)["input_ids"]
+    want = smol_tok.decode(ids, skip_special_tokens=True)
+    assert any(smol_tok.decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))  # a character over tokens
+    for n in (1, 2, 3, 5):
+        assert stream_pieces(smol_tok, ids, [n] * len(ids)) == (want, want)
+    url = server[0]
+    body = {"model": "smol", "prompt": EMOJI, "max_tokens": 24, "temperature": 0, "spec": {"method": "prompt_lookup"}}
+    text = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+    chunks = _sse_lines(url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_steps": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert "".join(p for c in chunks for p, _ in c["specdraft"]["pieces"]) == text
+
+
 @pytest.mark.parametrize("body,param,fragment", [
     ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
