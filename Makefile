@@ -30,10 +30,9 @@ $(RAY_STAMP): requirements-ray.txt $(STAMP)
 models: setup
 	$(PY) -m specdraft.cli models pull $(MODELS)
 
-# The Qwen pair on transformers (bf16), then the same prompts on llama.cpp (the GGUF files, 4-bit kernels).
+# The Qwen pair on a few Spec-Bench prompts, on the backend and weights measured fastest on this CPU.
 demo: models
 	$(PY) -m specdraft.cli demo
-	$(PY) -m specdraft.cli demo --backend llama
 
 # Chromium and its driver for the playground's browser test (apt, only when missing: scripts/install_browser.sh).
 setup-browser:
@@ -47,15 +46,11 @@ test: models setup-ray setup-browser
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
 
-# The core18 table of docs/benchmarks.md (Qwen 1.5B fp32, all 6 tasks, draft model and model-free
-# drafters; about 1.5 hours on a 2-core CPU). Rerunning resumes results/qwen_fp32_core18.json.
+# The README's results table, measured on this machine: specdraft bench --preset headline (one process,
+# interleaved, core18 + code_edit, greedy; specdraft/bench/headline.py). Rerunning resumes results/headline.json.
 bench: models
-	$(PY) -m specdraft.bench.corpus results/corpus.jsonl
-	test -f results/store/specbench_stdlib/meta.json || $(PY) -m specdraft.cli datastore build results/corpus.jsonl \
-	  --target qwen2.5-coder-1.5b -o results/store/specbench_stdlib
-	$(PY) -m specdraft.cli bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype float32 --preset core18 \
-	  --max-new-tokens 48 --config docs/configs/qwen_fp32_model_free.json \
-	  --methods plain,draft_model,prompt_lookup,suffix,suffix_ds,lookahead,token_recycling --out results/qwen_fp32_core18.json
+	$(PY) -m specdraft.cli models quantize qwen2.5-coder-1.5b --type Q4_0 >/dev/null
+	$(PY) -m specdraft.cli bench --preset headline --threads $$(nproc)
 
 # The SmolLM2-135M Medusa and EAGLE heads of docs/benchmarks.md and their bench (self-distillation on
 # the 462 Spec-Bench prompts that are not bench prompts; about 1.5 hours on one core of a 2-core CPU).

@@ -51,9 +51,9 @@ def same_as_plain(target, prompt_ids: list[int], plain: list[int], got: list[int
 def run_demo(opts: DemoOptions) -> int:
     models = opts.models
     t0 = time.time()
-    what = models.dtype if models.backend == "hf" else "GGUF on llama.cpp"
-    print(f"loading {models.target} (target) and {models.draft} (draft), {what} ...", file=sys.stderr)
+    print(f"loading {models.target} (target) and {models.draft} (draft) ...", file=sys.stderr)
     dec = models.load()
+    what = models.dtype if dec.backend == "hf" else "GGUF weights"
     print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     # Short prompts: on a 2-core CPU a 700-token Spec-Bench article takes minutes to prefill in bf16.
     rows = data.select(data.load_prompts(), preset="core18")
@@ -96,6 +96,14 @@ def run_demo(opts: DemoOptions) -> int:
         rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.2f}"
         print(f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
               f"| {t.mat:.2f} | {rate} |")
-    print(f"\n(greedy, {opts.max_new_tokens} new tokens, {len(prompts)} prompts, {what}; "
-          f"full benchmark: specdraft bench --help, docs/benchmarks.md)")
+    print(f"\n(greedy, {opts.max_new_tokens} new tokens, {len(prompts)} prompts, {what} on {dec.backend})")
+    print(NEXT_STEPS.format(py=sys.executable))
     return 0
+
+
+NEXT_STEPS = """
+Next:
+  {py} -m specdraft.cli serve --target smollm2-135m --port 8000   # then open http://127.0.0.1:8000/ (the playground)
+  make bench                                                       # the README's results table, measured on this machine
+  {py} -m specdraft.cli doctor                                     # this CPU, what runs here, the fastest path
+  make test                                                        # the test suite"""

@@ -80,13 +80,13 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
     if preset == "structured":
         return structured_rows(rows, tasks, n_per_task)
     if preset == "core18":
-        # The 18 prompts of the core-engine issue: the first 3 of each of translation,
-        # summarization, qa, math_reasoning, rag, and the first of writing, coding, reasoning.
+        # 18 generic prompts: the first 3 of each of translation, summarization, qa, math_reasoning, rag,
+        # and the first of writing, coding, reasoning (n_per_task caps each category).
         out = []
         for cat, n in [("translation", 3), ("summarization", 3), ("qa", 3), ("math_reasoning", 3), ("rag", 3),
                        ("writing", 1), ("coding", 1), ("reasoning", 1)]:
-            out += [r for r in rows if r["category"] == cat][:n]
-        return out
+            out += [r for r in rows if r["category"] == cat][:min(n, n_per_task or n)]
+        return [r for r in out if not tasks or r["task"] in tasks]
     if preset and preset not in PRESET_FILES:
         raise SpecDraftError(f"unknown preset {preset!r}; known: core18, structured, {', '.join(PRESET_FILES)}")
     by: OrderedDict[str, list[dict]] = OrderedDict()
@@ -113,8 +113,15 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
 
 def preset_rows(preset: str | None, dataset=None, tasks: list[str] | None = None, n_per_task: int | None = None) -> list[dict]:
     """The prompts of ``--preset`` (presets joined by "+" are concatenated: core18+code_edit), else of
-    ``dataset`` (Spec-Bench by default)."""
+    ``dataset`` (Spec-Bench by default); ``tasks`` and ``n_per_task`` narrow either."""
+    parts = preset.split("+") if preset else [None]
     out = []
-    for p in (preset.split("+") if preset else [None]):
-        out += select(load_prompts(preset_dataset(p) or dataset), tasks, n_per_task, p)
+    for p in parts:
+        rows = load_prompts(preset_dataset(p) or dataset)
+        mine = tasks if not tasks or len(parts) == 1 else [t for t in tasks if any(r["task"] == t for r in rows)]
+        if mine != []:  # joined presets: each keeps the asked tasks it has
+            out += select(rows, mine, n_per_task, p)
+    missing = sorted(set(tasks or ()) - {r["task"] for r in out})
+    if missing:
+        raise SpecDraftError(f"unknown task(s) {missing} in --preset {preset}")
     return out

@@ -200,3 +200,33 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
                  "--temperature", "1", "--no-plots", "--out", str(out)]) == 0
     recs = json.loads(out.read_text())["records"]
     assert {r["method"] for r in recs} == {"plain", "draft_model", "hf_assisted"} and len(recs) == 12
+
+
+@pytest.mark.slow
+def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, capsys):
+    """`make bench`'s command on Qwen 0.5B Q4_0 (SmolLM2's Q4_1 file does not convert to OpenVINO), 2 short
+    prompts, 4 tokens: every decoder of the preset runs, the speedups are over the fastest plain decoder,
+    and the README's row names the CPU and the date."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("openvino_genai")
+    from specdraft.cli import main
+    from specdraft.costs import cpu_name
+    from specdraft.errors import ModelFileError
+    from specdraft.models import quantize
+
+    try:
+        quantize.variant_path("qwen2.5-coder-0.5b", "Q4_0")
+    except ModelFileError:  # made once per machine, as the openvino tests do
+        quantize.quantize("qwen2.5-coder-0.5b", "Q4_0")
+    out = tmp_path / "headline.json"
+    assert main(["bench", "--preset", "headline", "--target", "qwen2.5-coder-0.5b:Q4_0", "--tasks", "qa,code_edit", "--n-per-task", "1",
+                 "--max-new-tokens", "4", "--threads", "1", "--no-plots", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    methods = {r["method"] for r in doc["records"]}
+    assert methods == {"plain", "llama_cpp", "llama_cpp@qwen2.5-coder-0.5b", "ov_genai", "ov_genai_lookup", "llama_cpp_lookup", "auto",
+                       "openvino:plain", "openvino:suffix_k16"}, methods
+    assert len({r["prompt_id"] for r in doc["records"]}) == 2  # a qa prompt of core18, a code edit
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith(f"| {cpu_name()}, "))
+    assert doc["environment"]["date"][:10] in row and "tok/s" in row and "identical" in row
+    assert "over the fastest plain decoder" in printed or "Speedup" in printed

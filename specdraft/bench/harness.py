@@ -39,7 +39,14 @@ BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "lla
 # the engine's remote_draft method (the draft in a Ray actor) in turns and drafting while the target verifies
 PAIRS = {"pair_serial": False, "pair_overlap": True}
 WARM_UP = {"id": "warm-up", "prompt": "Say hello in three languages."}  # not one of any preset's prompts
-HF = "hf:"  # with --backend llama, "hf:METHOD" runs METHOD on the transformers backend in the same run
+HF = "hf:"  # "BACKEND:METHOD" (hf:, llama:, openvino:) runs METHOD on that backend in the same run
+
+
+def on_backend(name: str) -> tuple[str | None, str]:
+    """A method name -> (the backend it names, the method): 'llama:suffix' -> ('llama', 'suffix');
+    a name without a backend prefix -> (None, name)."""
+    b, sep, inner = name.partition(":")
+    return (b, inner) if sep and b in BACKENDS else (None, name)
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,8 @@ def add_parser(sub):
     b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft and ov_genai_draft (a comma "
                    "list, likewise)")
     b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
-                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or {HF}METHOD (see --backend), or "
+                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
+                   "METHOD on that backend, beside --backend's, in the same run), or "
                    "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
                    "e.g. the Q4_K_M file beside a NAME:Q4_0 target)")
     b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
@@ -119,8 +127,10 @@ def add_parser(sub):
     b.add_argument("--dataset", default=None)
     b.add_argument("--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)")
     b.add_argument("--n-per-task", type=int, default=None)
-    b.add_argument("--preset", default=None, help="core18: the 18 prompts of the core-engine issue; code_edit: 9 "
-                   "snippet-rewriting prompts shipped with specdraft (bench/code_edit.jsonl); join with +: core18+code_edit")
+    b.add_argument("--preset", default=None, help="headline: the README's results table (every fastest plain and "
+                   "speculative CPU decoder against specdraft's methods, core18+code_edit; `make bench`); core18: 18 "
+                   "generic Spec-Bench prompts; code_edit: 9 snippet-rewriting prompts shipped with specdraft "
+                   "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--json-schema", default=None, metavar="FILE", help="constrain every engine method's output to this "
                    "JSON schema (plain included; e.g. specdraft/bench/structured_schema.json with --preset structured); "
@@ -188,11 +198,11 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     listed = [x.strip() for x in opts.methods.split(",") if x.strip()]
-    _check_read(base, sweeps, [m.removeprefix(HF) for m in listed if m.removeprefix(HF) in methods.REGISTRY])
+    _check_read(base, sweeps, [on_backend(m)[1] for m in listed if on_backend(m)[1] in methods.REGISTRY])
     out = []
     for m in listed:
-        if m.startswith(HF) and (m[len(HF):] in methods.REGISTRY or m[len(HF):] in named):
-            inner = m[len(HF):]
+        b, inner = on_backend(m)
+        if b and (inner in methods.REGISTRY or inner in named):
             spec = named[inner] if inner in named else SpecConfig.from_dict(for_method(base, inner))
             out.append((m, spec.method, spec))
         elif m in named:
@@ -223,10 +233,14 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
         else:
             raise ConfigError(f"unknown method {m!r}; choose from {', '.join(tuple(methods.REGISTRY) + BASELINES)} "
                               f"or a variant named in --config")
-    if not any(n == "plain" for n, _, _ in out):
+    names = {n for n, _, _ in out}
+    for b in sorted({on_backend(n)[0] for n in names} - {None, opts.backend}):  # each backend's own reference
+        if f"{b}:plain" not in names:
+            out.append((f"{b}:plain", "plain", SpecConfig(method="plain")))
+    if "plain" not in names:
         out.insert(0, ("plain", "plain", SpecConfig(method="plain")))  # the reference for speedup and exactness
-    else:  # plain first, so that exactness can be checked as soon as a method finishes
-        out.sort(key=lambda t: t[0] not in ("plain", HF + "plain"))
+    # plain decoding first, so that exactness can be checked as soon as a method finishes
+    out.sort(key=lambda t: on_backend(t[0])[1] != "plain" or t[1] != "plain")
     return out
 
 
@@ -315,21 +329,22 @@ def compare(target, ids, ref: list[int], got: list[int], sp: SamplingParams | No
 
 def reference_of(name: str, backend: str) -> str:
     """The plain run a method's greedy output is compared with: its own backend's."""
-    if backend != "hf" and (name.startswith(HF) or name.startswith("hf_")):
-        return HF + "plain"
-    return "plain"
+    b = on_backend(name)[0] or ("hf" if name.startswith("hf_") else backend)
+    return "plain" if b == backend else f"{b}:plain"
 
 
-def make_runners(opts: BenchOptions, variants, dec, hf_dec, threads: int) -> tuple[list, dict]:
+def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tuple[list, dict]:
+    """The runner of each variant; ``decs``: the decoder of each backend the run uses."""
     from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner
 
     runners, skipped = [], {}
+    dec, hf_dec = decs[opts.backend], decs.get("hf")
     for name, kind, spec in variants:
         if kind in methods.REGISTRY:
-            d = hf_dec if name.startswith(HF) else dec
+            d = decs[on_backend(name)[0] or opts.backend]
             why = methods.method(kind).unavailable(d.backend, has_draft=True)  # a missing draft: make_drafter's error
             if why:
-                raise ConfigError(f"{why} (or {HF}{kind} for transformers)")
+                raise ConfigError(f"{why} (or BACKEND:{kind} for a backend it runs on)")
             runners.append(EngineRunner(name, d, spec))
         elif kind == "hf_generate":
             runners.append(HFRunner(name, hf_dec, "plain"))
@@ -378,6 +393,12 @@ def _ov_genai_runner(opts: BenchOptions, name: str, kind: str, spec, threads: in
                          draft, (spec or {}).get("k", 4))
 
 
+def _target_on(backend: str, target: str) -> str:
+    """The name ``target`` (--backend's) loads under on another backend: transformers reads the base
+    model (NAME:Q4_0 is a GGUF variant), llama.cpp and OpenVINO the GGUF (NAME:int4 is a transformers copy)."""
+    return target.partition(":")[0] if backend == "hf" else _gguf_name(target)
+
+
 def _gguf_name(target: str) -> str:
     """The GGUF llama.cpp's baselines decode for ``target``: NAME:int4 / NAME:w8a8 are hf copies of NAME."""
     from ..models.lowbit import is_quant_suffix
@@ -422,11 +443,14 @@ class Plan:
 class Bench:
     """The loaded models and their runners: one per process (a local run, or each Ray worker)."""
     plan: Plan
-    dec: object
-    hf_dec: object
+    decs: dict  # backend -> its decoder (--backend's, and those BACKEND:METHOD names)
     runners: list
     skipped: dict
     encoded: dict = field(default_factory=dict)
+
+    @property
+    def dec(self):
+        return self.decs[self.plan.opts.backend]
 
     def encode(self, r: dict) -> list[int]:
         if r["id"] not in self.encoded:  # the chat template applied once per prompt, outside any timing
@@ -434,9 +458,25 @@ class Bench:
         return self.encoded[r["id"]]
 
 
+def _apply_preset(opts: BenchOptions) -> tuple[BenchOptions, dict]:
+    """--preset headline: its options where the flags left the default -> (options, its variants)."""
+    from .headline import NAME, TARGET, headline_config
+
+    if opts.preset != NAME:
+        return opts, {}
+    defaults = BenchOptions()
+    target = TARGET if opts.target == defaults.target else opts.target
+    cfg = headline_config(target)
+    given = {k: v for k, v in cfg.items() if k != "variants" and getattr(opts, k) == getattr(defaults, k)}
+    given.update(target=target, preset=cfg["preset"])  # the prompts: core18+code_edit
+    return replace(opts, **given), {"variants": cfg["variants"]}
+
+
 def _apply_config(opts: BenchOptions) -> tuple[BenchOptions, dict]:
-    """--config's options over the flags; -> (options, the config: its 'spec' and 'variants' too)."""
-    cfg = _load_config(opts.config) if opts.config else {}
+    """--preset headline's options, then --config's over the flags; -> (options, the config: its 'spec' and
+    'variants' too)."""
+    opts, preset = _apply_preset(opts)
+    cfg = {**preset, **(_load_config(opts.config) if opts.config else {})}
     names = {f.name for f in fields(opts)}
     changes = {}
     for key, val in cfg.items():
@@ -485,17 +525,17 @@ def load_bench(plan: Plan, threads: int) -> Bench:
     opts = plan.opts
     dec = SpecDecoder.load(opts.target, draft=plan.draft, dtype=opts.dtype, draft_layers=opts.draft_layers, threads=threads,
                            backend=opts.backend, draft_backend=opts.draft_backend)
-    hf_dec = dec
-    wants_hf = any(n.startswith(HF) or k.startswith("hf_") for n, k, _ in plan.variants)
-    if wants_hf and opts.backend != "hf":
-        hf_dec = SpecDecoder.load(opts.target.partition(":")[0], draft=plan.draft, dtype=opts.dtype,  # NAME:TYPE is a GGUF variant
-                                  draft_layers=opts.draft_layers, threads=threads)
-    elif wants_hf and plan.draft and opts.draft_backend not in (None, "hf"):  # transformers' baselines need its own draft
-        from ..models.backends import load_model
+    decs = {opts.backend: dec}
+    wanted = {on_backend(n)[0] or ("hf" if k.startswith("hf_") else None) for n, k, _ in plan.variants}
+    for b in sorted(wanted - {None, opts.backend}):
+        decs[b] = SpecDecoder.load(_target_on(b, opts.target), draft=plan.draft, dtype=opts.dtype,
+                                   draft_layers=opts.draft_layers, threads=threads, backend=b)
+    if "hf" in wanted and opts.backend == "hf" and plan.draft and opts.draft_backend not in (None, "hf"):
+        from ..models.backends import load_model  # transformers' baselines need a transformers draft
 
-        hf_dec = SpecDecoder(dec.target, load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf"))
-    runners, skipped = make_runners(opts, plan.variants, dec, hf_dec, threads)
-    bench = Bench(plan, dec, hf_dec, runners, skipped)
+        decs["hf"] = SpecDecoder(dec.target, load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf"))
+    runners, skipped = make_runners(opts, plan.variants, decs, threads)
+    bench = Bench(plan, decs, runners, skipped)
     # warm-up: every method once on a short generation, of a prompt that is not measured (a baseline that
     # caches prefixes across requests, as OpenVINO GenAI's does by default, would find a measured prompt
     # already prefilled)
@@ -526,7 +566,7 @@ def done_keys(records: list[dict]) -> set:
 def reference_outputs(records: list[dict]) -> dict:
     """(plain method, prompt id) -> the plain output (repeat 0) greedy outputs are compared with."""
     return {(r["method"], r["prompt_id"]): r["token_ids"] for r in records
-            if r["method"] in ("plain", HF + "plain") and r["repeat"] == 0}
+            if on_backend(r["method"])[1] == "plain" and r["repeat"] == 0}
 
 
 def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) -> None:
@@ -541,10 +581,10 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
         base = reference_of(rn.name, bench.plan.opts.backend)
-        target = (bench.hf_dec if base.startswith(HF) else bench.dec).target
+        target = bench.decs[on_backend(base)[0] or bench.plan.opts.backend].target
         if rn.name == base and rep == 0:
             ref[base, r["id"]] = res["token_ids"]
-        elif sp.greedy and (base, r["id"]) in ref:
+        elif sp.greedy and (base, r["id"]) in ref and "@" not in rn.name:  # (name@MODEL decodes another file)
             rec.update(compare(target, ids, ref[base, r["id"]], res["token_ids"], rsp))
         if not sp.greedy:  # scored after the timed run: is this the target's distribution?
             rec.update(output_terms(target, ids, res["token_ids"], rsp))

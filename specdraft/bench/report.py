@@ -12,13 +12,19 @@ from ..metrics import (StepRecord, acceptance_rate, fidelity_z, mean_accepted_to
 from ..prompts import TASKS
 
 
-OTHER_BASES = ("plain", "hf:plain", "hf_generate", "llama_cpp")  # extra speedup columns, when in the run
+OTHER_BASES = ("plain", "hf_generate", "llama_cpp", "ov_genai")  # extra speedup columns, when in the run
+FASTEST_PLAIN = "fastest_plain"  # --reference: the plain decoder with the most tokens/s in the run
+
+
+def is_plain_decoder(name: str) -> bool:
+    """The engine's plain decoding (on any backend: BACKEND:plain) and the plain baselines (llama_cpp@MODEL,
+    ov_genai@MODEL: another GGUF's)."""
+    return name in OTHER_BASES or name.endswith(":plain") or name.startswith(("llama_cpp@", "ov_genai@"))
 
 
 def other_bases(methods) -> list[str]:
-    """The plain decoders in the run, the speedup columns besides the reference's (llama_cpp@MODEL:
-    llama.cpp's plain decoding of another GGUF)."""
-    return [b for b in methods if b in OTHER_BASES or b.startswith("llama_cpp@")]
+    """The plain decoders in the run, the speedup columns besides the reference's."""
+    return [b for b in methods if is_plain_decoder(b)]
 
 
 def _steps(recs) -> list[StepRecord]:
@@ -66,10 +72,13 @@ def aggregate(doc: dict) -> dict:
               and (rep is None or r["repeat"] == rep)]
         return sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs), rs
 
-    ref = doc.get("settings", {}).get("reference", "plain")
+    asked = doc.get("settings", {}).get("reference", "plain")
+    ref = asked
+    if asked == FASTEST_PLAIN:
+        ref = max(other_bases(methods), key=lambda b: tokens_per_second(*tot(b)[:2]) or 0.0)
     ref = ref if ref in methods else "plain"
     out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
-           "repeats": len(repeats), "reference": ref, "rows": {},
+           "repeats": len(repeats), "reference": ref, "fastest_plain": asked == FASTEST_PLAIN, "rows": {},
            "workers": sorted({r["worker"] for r in recs if "worker" in r})}
     for m in methods:
         row = {"task_speedup": {}, "task_mat": {}}
@@ -101,6 +110,30 @@ def aggregate(doc: dict) -> dict:
     return out
 
 
+def engine_methods(doc: dict) -> list[str]:
+    """The run's speculative engine methods (not a baseline, not plain decoding, no lossy rule)."""
+    specs = doc["settings"].get("methods", {})
+    return [m for m, d in specs.items() if d and "method" in d and d["method"] != "plain" and not d.get("lossy")]
+
+
+def headline(doc: dict, agg: dict) -> str:
+    """The README's results row: CPU and date, the fastest plain decoder, specdraft's fastest lossless
+    method, its speedup over that decoder, and how its greedy output compared with plain decoding."""
+    env, rows = doc["environment"], agg["rows"]
+    ref = agg["reference"]
+    best = max((m for m in engine_methods(doc) if m in rows), key=lambda m: rows[m]["tokens_per_s"] or 0, default=None)
+    if best is None:
+        return ""
+    r = rows[best]
+    gaps = [x["top2_gap"] for x in r["mismatches"] if x.get("top2_gap") is not None]
+    same = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]} identical" + (
+        f", divergences at top-2 gaps <= {max(gaps):.3f}" if gaps else "")
+    return ("| CPU, date | fastest plain decoder | specdraft's fastest lossless | speedup | greedy output vs plain |\n"
+            "|---|---|---|---|---|\n"
+            f"| {env.get('cpu')}, {str(env.get('date'))[:10]} | {ref} {_f(rows[ref]['tokens_per_s'], '{:.2f}')} tok/s "
+            f"| {best} {_f(r['tokens_per_s'], '{:.2f}')} tok/s | **{_f(r['speedup'], '{:.2f}x')}** | {same} |\n")
+
+
 def _weights(s: dict) -> str:
     if s.get("backend", "hf") == "hf":
         return s["dtype"]
@@ -113,7 +146,8 @@ def _draft_on(s: dict) -> str:
 
 def _ref_label(name: str) -> str:
     return {"plain": "the engine's plain decoding", "hf:plain": "the engine's plain decoding on transformers",
-            "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding"}.get(name, name)
+            "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding",
+            "ov_genai": "OpenVINO GenAI plain decoding"}.get(name, name)
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -137,7 +171,8 @@ def markdown(doc: dict, agg: dict) -> str:
         f"### {s['target']}" + (f" (draft {s['draft']})" if s.get("draft") else "") +
         f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
-        f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}; MAT = mean over steps "
+        f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}"
+        + (" (the fastest plain decoder of this run)" if agg.get("fastest_plain") else "") + "; MAT = mean over steps "
         f"of (accepted + 1). Backend: {s.get('backend', 'hf')}{_draft_on(s)}. "
         f"{env.get('cpu')}, {env.get('threads')} threads, "
         f"torch {env.get('torch')}, llama-cpp-python {env.get('llama_cpp_python')}, "
@@ -279,6 +314,9 @@ def render(doc: dict, results_path: Path, plots: bool = True) -> str:
     """Markdown report (also written next to the results as *_report.md) and PNG plots."""
     agg = aggregate(doc)
     md = markdown(doc, agg)
+    row = headline(doc, agg)
+    if row:
+        md += "\nThe fastest lossless configuration against the fastest plain decoder (the README's row):\n\n" + row
     stem = results_path.with_suffix("")
     files = make_plots(doc, agg, stem) if plots else []
     if files:

@@ -70,6 +70,9 @@ def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
     catalog.pull(base)
     src = catalog.gguf_path(base)
     out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
+    made = _index().get(f"{base}:{qtype}")
+    if made and made.get("source_sha256") == spec.sha256 and out.is_file() and out.stat().st_size == made["size"]:
+        return out  # made before from the same file (its IR and caches stay valid)
     tmp = out.with_suffix(".partial")
     ll = lib()
     params = ll.llama_model_quantize_default_params()
