@@ -20,6 +20,7 @@ The file: ``$SPECDRAFT_HOME/paths/<model>__<cpu key>.json``, {"model", "cpu", "c
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -111,27 +112,32 @@ def write(model: str, **fields) -> Path:
     return f
 
 
-def measure_curves(model: str, paths: list[str], dtype: str = "bfloat16", say=print, fail=None) -> dict[str, dict[int, float]]:
+def measure_curves(model: str, paths: list[str], dtype: str = "bfloat16", say=print, fail=None,
+                   repeats: int = 3) -> dict[str, dict[int, float]]:
     """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
-    time); a path that cannot run here goes to ``fail(path, message)`` (default: said) and is skipped.
-    Kept in the model's file."""
+    time), the median of ``repeats``; a path that cannot run here goes to ``fail(path, message)``
+    (default: said) and is skipped. Kept in the model's file."""
     from .costs import measure_costs
     from .models.backends import load_model
 
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores / 2:  # other processes' threads stall a backend's own (llama.cpp's most)
+        say(f"note: load average {load:.1f} on {cores} cores: other work shares this CPU, so these costs may be "
+            f"off (`specdraft doctor` measures again)")
     curves = {}
     for text in paths:
         p = ModelPath.parse(text)
         t0 = time.time()
         try:
             m = load_model(p.target(model), dtype, backend=p.backend)
-            measure_costs(m, [1, 16], repeats=2)  # the first forwards of a process pay for kernel set-up
-            c = measure_costs(m, list(CURVE_TOKENS), repeats=3)
+            measure_costs(m, [1, CURVE_TOKENS[-1]], repeats=1)  # the first forwards of a process pay for kernel set-up
+            c = measure_costs(m, list(CURVE_TOKENS), repeats=repeats)
         except (SpecDraftError, RuntimeError, OSError) as e:
             (fail or (lambda path, msg: say(f"{path}: cannot run here: {msg}")))(text, str(e))
             continue
         del m
         curves[text] = c
-        say(f"{text:11s} {c[1]:6.0f} ms | " + " | ".join(f"{c[n] / c[1]:.2f}x" for n in CURVE_TOKENS[1:])
+        say(f"{text:11s} {c[1]:6.0f} ms | " + " | ".join(f"{n}: {c[n] / c[1]:.2f}x" for n in CURVE_TOKENS[1:])
             + f"   ({time.time() - t0:.0f} s)")
     if curves:
         write(model, curves={k: {str(n): v for n, v in c.items()} for k, c in curves.items()})
@@ -176,7 +182,7 @@ def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list
         todo = [p for p in DEFAULT_PATHS if ModelPath.parse(p).backend in allowed]
         say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in "
             f"{file_for(model)})")
-        curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s))
+        curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s), repeats=1)  # doctor: 3 repeats
         if not curves:
             raise ConfigError(f"--backend auto: no backend could run {model} here")
     why = "the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole requests)"

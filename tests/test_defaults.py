@@ -87,7 +87,8 @@ def test_a_named_backend_or_a_non_catalog_model_is_loaded_as_named(monkeypatch, 
 
 def test_backend_auto_takes_the_next_measured_path_when_one_fails_to_load(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")
-    paths.write("smollm2-135m", curves={"openvino": {"1": 3.0}, "llama": {"1": 4.0}, "hf": {"1": 9.0}})
+    curve = lambda one: {str(n): one * n for n in paths.CURVE_TOKENS}  # noqa: E731
+    paths.write("smollm2-135m", curves={"openvino": curve(3.0), "llama": curve(4.0), "hf": curve(9.0)})
     tried = []
 
     def load(name, dtype="bfloat16", num_layers=None, backend="hf"):
