@@ -1,5 +1,5 @@
 """Command line: ``specdraft doctor``, ``models list|pull|quantize``, ``generate``, ``datastore build``, ``demo``,
-``costs``, ``tune-skip``, ``train medusa|eagle``, ``serve``, ``overlap``, ``leak``, ``loadtest``, ``batchbench``,
+``costs``, ``tune-skip``, ``train medusa|eagle|eagle3``, ``serve``, ``overlap``, ``leak``, ``loadtest``, ``batchbench``,
 ``autotune``, ``bench``. Errors in user input print one line ``error: ...`` and exit 2.
 
 The parsed flags (an argparse namespace) stay in this module: each command gets typed settings built here

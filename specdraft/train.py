@@ -1,4 +1,4 @@
-"""``specdraft train medusa|eagle``: train a draft head on the target's own outputs (self-distillation).
+"""``specdraft train medusa|eagle|eagle3``: train a draft head on the target's own outputs (self-distillation).
 
 1. Data (cached in DIR/data.pt, reused by later runs and by ``--resume``): the target answers each
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
@@ -17,11 +17,24 @@
    and data path) + DIR/train_state.pt (optimizer state, step). ``--resume`` continues from there.
    Batches are drawn from a generator seeded by (seed, step), so a resumed run sees the same
    batches as an uninterrupted one.
+
+eagle3 (EAGLE-3) has data of its own, under DIR/data, each stage appended batch by batch and
+continued by the next run (``--data-only`` stops after them):
+   a. prompts from --data, or written by the target itself (``--synth N``: Magpie, the chat
+      template's user prefix fed alone, sampled with seeds, deduplicated);
+   b. the target's greedy answers, many rows per forward on ``--gen-backend`` (llama.cpp by default);
+   c. the three layers' outputs (heads.eagle3_layers) of every position, one transformers forward per
+      sequence, stored bf16 and memory-mapped for training;
+   d. the training-time test (``ttt_loss``): K draft steps per anchor, step j feeding the head's own
+      output of step j - 1, cross-entropy to the target's token j + 2 ahead weighted 0.8^j; AdamW,
+      clipped at 0.5, on ``--device`` (cuda when there is one). The head is shipped in int8; the
+      float32 weights for ``--resume`` live in train_state.pt.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -38,13 +51,19 @@ DATA_FILE = "data.pt"
 STATE_FILE = "train_state.pt"
 
 
+class _NoBar:  # pragma: no cover - without tqdm
+    def update(self, n=1): ...
+    def set_postfix(self, **kw): ...
+    def close(self): ...
+
+
 def _tqdm(it=None, **kw):
     try:
         from tqdm import tqdm
 
         return tqdm(it, file=sys.stderr, **kw)
     except ImportError:  # pragma: no cover
-        return it
+        return it if it is not None else _NoBar()
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -206,19 +225,29 @@ def top_token_ids(seqs: list[dict], n: int, vocab: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TrainOptions:
     """``specdraft train``'s flags."""
-    kind: str  # medusa | eagle
+    kind: str  # medusa | eagle | eagle3
     target: str
-    data: str  # prompts jsonl
+    data: str | None  # prompts jsonl (eagle3: or --synth)
     output: str  # the head directory (checkpoints, cached data)
     steps: int = 300
-    lr: float = 1e-3
-    batch_size: int | None = None  # default: 256 positions (medusa), 4 sequences (eagle)
+    lr: float | None = None  # default: 1e-3 (medusa, eagle), 3e-4 (eagle3)
+    batch_size: int | None = None  # default: 256 positions (medusa), 4 sequences (eagle), 2 (eagle3)
     max_new_tokens: int = 96
     max_prompts: int | None = None
     max_prompt_tokens: int | None = None
     heads: int = 3  # medusa
     blocks: int = 1  # medusa
-    draft_vocab: int | None = None  # eagle
+    draft_vocab: int | None = None  # eagle; eagle3 (default EAGLE3_DRAFT_VOCAB)
+    synth: int | None = None  # eagle3: prompts the target writes itself (Magpie)
+    synth_temperature: float = 1.0
+    synth_max_tokens: int = 96
+    gen_backend: str = "auto"  # eagle3: the backend that writes prompts and answers (auto: llama if it can)
+    gen_batch: int = 16
+    ttt_steps: int = 5  # eagle3: draft steps of the training-time test
+    intermediate_size: int | None = None  # eagle3: the head's MLP width (default EAGLE3_INTERMEDIATE)
+    max_len: int = 768  # eagle3: tokens of a sequence trained on (prompt + answer, cut)
+    device: str = "auto"  # eagle3: where the head trains (auto: cuda when there is one)
+    data_only: bool = False  # eagle3: build the data, do not train
     checkpoint_every: int = 50
     resume: bool = False
     no_chat: bool = False
@@ -234,15 +263,17 @@ class TrainOptions:
 
 
 def add_parser(sub):
-    t = sub.add_parser("train", help="train a Medusa or EAGLE head on the target's own answers (self-distillation)")
-    t.add_argument("kind", choices=["medusa", "eagle"], help="which head to train")
+    t = sub.add_parser("train", help="train a Medusa, EAGLE or EAGLE-3 head on the target's own answers "
+                       "(self-distillation)")
+    t.add_argument("kind", choices=["medusa", "eagle", "eagle3"], help="which head to train")
     t.add_argument("--target", required=True, help="the target model (name, directory or .gguf)")
-    t.add_argument("--data", required=True, help="prompts jsonl (turns / prompt / text field per line)")
+    t.add_argument("--data", default=None, help="prompts jsonl (turns / prompt / text field per line); eagle3: "
+                   "or --synth")
     t.add_argument("-o", "--output", required=True, help="head directory (checkpoints, cached data)")
     t.add_argument("--steps", type=int, default=300)
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--lr", type=float, default=None, help="default 1e-3 (medusa, eagle), 3e-4 (eagle3)")
     t.add_argument("--batch-size", type=int, default=None,
-                   help="positions per step (medusa, default 256) or sequences per step (eagle, default 4)")
+                   help="positions per step (medusa, default 256) or sequences per step (eagle 4, eagle3 2)")
     t.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target answers per prompt")
     t.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     t.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -251,6 +282,7 @@ def add_parser(sub):
     t.add_argument("--blocks", type=int, default=1, help="medusa: residual blocks per head")
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="eagle: draft over the N most frequent tokens of the data only")
+    add_eagle3_args(t)
     t.add_argument("--checkpoint-every", type=int, default=50)
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in -o DIR")
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
@@ -264,13 +296,37 @@ def add_parser(sub):
     return t
 
 
+def add_eagle3_args(t) -> None:
+    t.add_argument("--synth", type=int, default=None, metavar="N",
+                   help="eagle3: N prompts written by the target itself from its chat template's user prefix "
+                   "(Magpie), sampled with --seed; kept in -o DIR/data/ and extended on the next run")
+    t.add_argument("--synth-temperature", type=float, default=1.0)
+    t.add_argument("--synth-max-tokens", type=int, default=96, help="eagle3: longest synthesized prompt")
+    t.add_argument("--gen-backend", choices=["auto", "llama", "hf", "openvino"], default="auto",
+                   help="eagle3: the backend that writes prompts and answers, many rows per forward (auto: "
+                   "llama.cpp where the target has a GGUF file, else transformers); features always come from "
+                   "one transformers forward")
+    t.add_argument("--gen-batch", type=int, default=16, help="eagle3: sequences decoded together")
+    t.add_argument("--ttt-steps", type=int, default=5, help="eagle3: draft steps of the training-time test")
+    t.add_argument("--intermediate-size", type=int, default=None, help="eagle3: the head's MLP width")
+    t.add_argument("--max-len", type=int, default=768, help="eagle3: tokens per training sequence (cut)")
+    t.add_argument("--device", default="auto", help="eagle3: cpu, cuda, cuda:N or auto")
+    t.add_argument("--data-only", action="store_true", help="eagle3: build (or extend) the data, do not train")
+
+
 def check_options(opts: TrainOptions) -> tuple[TrainOptions, dict | None]:
     """The options checked (and the batch size defaulted) before anything loads; -> (options, the saved
     head's config when resuming)."""
     if opts.batch_size is None:
-        opts = replace(opts, batch_size=256 if opts.kind == "medusa" else 4)
-    if opts.draft_vocab is not None and (opts.kind != "eagle" or opts.draft_vocab < 1):
-        raise ConfigError("--draft-vocab N (N >= 1) is for eagle heads only")
+        opts = replace(opts, batch_size={"medusa": 256, "eagle": 4}.get(opts.kind, 2))
+    if opts.lr is None:
+        opts = replace(opts, lr=3e-4 if opts.kind == "eagle3" else 1e-3)
+    if opts.draft_vocab is not None and (opts.kind == "medusa" or opts.draft_vocab < 1):
+        raise ConfigError("--draft-vocab N (N >= 1) is for eagle and eagle3 heads only")
+    if opts.kind == "eagle3":
+        check_eagle3_options(opts)
+    elif opts.data is None:
+        raise ConfigError(f"train {opts.kind} needs --data PROMPTS.jsonl")
     out = Path(opts.output)
     opts.ray_options().check()
     if opts.steps < 1:
@@ -283,7 +339,7 @@ def check_options(opts: TrainOptions) -> tuple[TrainOptions, dict | None]:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {opts.checkpoint_every}")
     if opts.kind == "medusa" and opts.heads < 1:
         raise ConfigError(f"--heads must be >= 1, got {opts.heads}")
-    if not Path(opts.data).exists():
+    if opts.data is not None and not Path(opts.data).exists():
         raise SpecDraftError(f"--data {opts.data} not found")
     if not opts.resume:
         return opts, None
@@ -356,6 +412,8 @@ def train_main(opts: TrainOptions, ray_builder=None) -> int:
     from .api import SpecDecoder
 
     opts, saved = check_options(opts)
+    if opts.kind == "eagle3":
+        return eagle3_main(opts, saved)
     if opts.ray is not None and ray_builder is None:
         raise ConfigError("--ray needs the Ray data builder: train_main(opts, scale.shard.data_builder)")
     out = Path(opts.output)
@@ -368,6 +426,12 @@ def train_main(opts: TrainOptions, ray_builder=None) -> int:
     seqs, data_meta = load_or_build_data(dec, out, opts.data, opts.target, opts.max_new_tokens, not opts.no_chat,
                                          opts.max_prompts, opts.max_prompt_tokens, build)
     head, loss = (medusa_setup if opts.kind == "medusa" else eagle_setup)(target, seqs, saved, opts)
+    return fit(head, loss, target, opts, saved, data_meta)
+
+
+def fit(head, loss, target, opts: TrainOptions, saved: dict | None, data_meta: dict) -> int:
+    """AdamW on the head's weights from step 0 or the checkpoint's, until ``opts.steps``; prints the result."""
+    out = Path(opts.output)
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
     step, losses = 0, []
@@ -391,17 +455,22 @@ def _restore(head, opt, out: Path) -> tuple[int, list[float]]:
     """The checkpoint in ``out`` loaded into ``head`` and ``opt``; -> (its step, its losses)."""
     from safetensors.torch import load_file
 
-    head.load_state_dict(load_file(str(out / "head.safetensors")))
     st = torch.load(out / STATE_FILE, weights_only=False)
+    # the float32 weights (an int8-stored head keeps them here only), else the head file's
+    head.load_state_dict(st["weights"] if "weights" in st else load_file(str(out / "head.safetensors")))
     opt.load_state_dict(st["optimizer"])
     return int(st["step"]), list(st.get("losses", []))
 
 
 def _checkpoint(head, opt, out: Path, extra: dict, step: int, losses: list[float], train_s: float) -> None:
+    int8 = head.meta()["type"] == "eagle3"  # shipped in int8 (heads.Eagle3Head's sizes)
     save_head(head, out, {**extra, "step": step, "loss_first": losses[0] if losses else None,
                           "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
-                          "train_s": round(train_s, 1)})
-    torch.save({"optimizer": opt.state_dict(), "step": step, "losses": losses}, out / (STATE_FILE + ".tmp"))
+                          "train_s": round(train_s, 1)}, int8=int8)
+    state = {"optimizer": opt.state_dict(), "step": step, "losses": losses}
+    if int8:
+        state["weights"] = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
+    torch.save(state, out / (STATE_FILE + ".tmp"))
     (out / (STATE_FILE + ".tmp")).replace(out / STATE_FILE)
 
 
@@ -416,11 +485,13 @@ def run_steps(head, opt, loss_of, opts: TrainOptions, out: Path, step: int, loss
         loss = loss_of(g)
         opt.zero_grad()
         loss.backward()
+        if opts.kind == "eagle3":  # EAGLE's clipping: early steps on features of magnitude 1e4 spike otherwise
+            nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
         step += 1
         losses.append(float(loss.detach()))
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", **getattr(loss_of, "postfix", {}))
             bar.update(1)
         if step % opts.checkpoint_every == 0 or step == opts.steps:
             train_s += time.perf_counter() - t0
@@ -429,3 +500,389 @@ def run_steps(head, opt, loss_of, opts: TrainOptions, out: Path, step: int, loss
     if hasattr(bar, "close"):
         bar.close()
     return step, train_s
+
+
+# --- EAGLE-3: data that grows and resumes -------------------------------------------------------
+# DIR/data/: meta.json (what the data was made with), synth.jsonl (every synthesized draw, kept or
+# not: a resumed run continues at the next draw's seed), answers.jsonl (prompt + the target's greedy
+# answer, one line per prompt), features.bin (bf16 [tokens, 3H], the three layers' outputs of every
+# position, appended) and features.jsonl (where each sequence's rows start). Each file is appended
+# after every batch, so a run stopped at any point loses at most one batch.
+def check_eagle3_options(opts: TrainOptions) -> None:
+    if (opts.data is None) == (opts.synth is None):
+        raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N")
+    for name in ("synth", "gen_batch", "ttt_steps", "max_len", "synth_max_tokens", "intermediate_size"):
+        v = getattr(opts, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if opts.max_len < opts.ttt_steps + 2:
+        raise ConfigError(f"--max-len {opts.max_len} leaves no room for {opts.ttt_steps} draft steps")
+
+
+def _append_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of an appended file (a line torn by a stopped run is dropped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def data_meta(opts: TrainOptions, layers, out: Path) -> dict:
+    """What DIR/data was made with; a run with other settings is refused (it would mix data)."""
+    want = {"target": opts.target, "layers": list(layers), "max_new_tokens": opts.max_new_tokens,
+            "chat": not opts.no_chat, "prompts": str(opts.data) if opts.data else "synth",
+            "max_prompt_tokens": opts.max_prompt_tokens}
+    if opts.synth:
+        want.update(seed=opts.seed, synth_temperature=opts.synth_temperature, synth_max_tokens=opts.synth_max_tokens)
+    f = out / "data" / "meta.json"
+    if f.exists():
+        have = json.loads(f.read_text())
+        if have != want:
+            diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+            raise ConfigError(f"{out}/data was made with other settings ({', '.join(diff)}: "
+                              f"{[have.get(k) for k in diff]}); use another -o DIR or the same settings")
+    else:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(want, indent=1))
+    return want
+
+
+def user_prefix(tokenizer) -> list[int]:
+    """The chat template up to where the user's text starts (its default system prompt included): what
+    Magpie feeds an instruct model so that it writes a user turn."""
+    mark = "\u2063MAGPIE\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if mark not in text:
+        raise ConfigError("the target's chat template does not show the user's text; --synth needs one")
+    return [int(t) for t in tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"]]
+
+
+def _decode(gen, jobs: list[tuple[list[int], dict]], eos: set[int]) -> list:
+    """The jobs ((prompt ids, sampling fields)) decoded plainly together on ``gen`` (any backend)."""
+    from .config import SamplingParams
+    from .drafters.base import NoDrafter
+    from .engine import generate_batch
+
+    return generate_batch(gen, [(ids, SamplingParams(**sp), NoDrafter()) for ids, sp in jobs], eos_ids=eos,
+                          max_batch=len(jobs))
+
+
+def _norm_text(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+SYNTH_TRIES = 20  # draws per wanted prompt before synthesis gives up (a model that never ends a turn)
+
+
+def synth_prompts(gen, tokenizer, opts: TrainOptions, data: Path) -> list[str]:
+    """``opts.synth`` distinct prompts written by the target from its user prefix (Magpie): draw i samples
+    at ``synth_temperature`` with seed (seed, i); a draw is kept if it ended (EOS, not the token limit),
+    holds at least 8 characters and is new (case and spacing ignored). Continues the draws in
+    synth.jsonl."""
+    log = data / "synth.jsonl"
+    draws = _read_jsonl(log)
+    kept = [d["text"] for d in draws if d["kept"]]
+    seen = {_norm_text(t) for t in kept}
+    prefix, eos = user_prefix(tokenizer), gen.eos_token_ids()
+    bar = _tqdm(total=opts.synth, initial=min(len(kept), opts.synth), desc="synthesize prompts", unit="prompt")
+    while len(kept) < opts.synth:
+        first = len(draws)
+        if first >= SYNTH_TRIES * opts.synth + opts.gen_batch:
+            raise SpecDraftError(f"only {len(kept)} of {first} synthesized prompts ended within --synth-max-tokens "
+                                 f"{opts.synth_max_tokens} and were new; raise it or pass --data PROMPTS.jsonl")
+        sp = {"temperature": opts.synth_temperature, "max_new_tokens": opts.synth_max_tokens}
+        seeds = [opts.seed * 1_000_003 + first + j for j in range(opts.gen_batch)]
+        outs = _decode(gen, [(prefix, {**sp, "seed": s}) for s in seeds], eos)
+        new = []
+        for j, o in enumerate(outs):
+            text = tokenizer.decode(o.token_ids, skip_special_tokens=True).strip()
+            take = (o.stats.finish_reason != "length" and len(text) >= 8 and _norm_text(text) not in seen
+                    and len(kept) < opts.synth)
+            if take:
+                seen.add(_norm_text(text))
+                kept.append(text)
+                bar.update(1)
+            new.append({"draw": first + j, "text": text, "kept": take})
+        _append_jsonl(log, new)
+        draws += new
+    bar.close()
+    return kept[: opts.synth]
+
+
+def answer_prompts(gen, dec, prompts: list[str], opts: TrainOptions, data: Path) -> list[dict]:
+    """The target's greedy answer to every prompt (chat template unless --no-chat) not answered yet in
+    answers.jsonl, ``gen_batch`` rows at a time on ``gen``; -> every answered sequence, in prompt order."""
+    f = data / "answers.jsonl"
+    have = {r["i"]: r for r in _read_jsonl(f)}
+    todo = []
+    for i, p in enumerate(prompts):
+        if i in have:
+            continue
+        ids = dec.encode(p, chat=not opts.no_chat)
+        if len(ids) + opts.max_new_tokens <= gen.max_context and len(ids) <= (opts.max_prompt_tokens or len(ids)):
+            todo.append((i, ids))
+    todo.sort(key=lambda x: len(x[1]))  # rows of one batch finish prefilling together
+    eos = gen.eos_token_ids()
+    bar = _tqdm(total=len(have) + len(todo), initial=len(have), desc=f"answers ({gen.backend})", unit="prompt")
+    t0, made = time.perf_counter(), 0
+    for b in range(0, len(todo), opts.gen_batch):
+        chunk = todo[b: b + opts.gen_batch]
+        outs = _decode(gen, [(ids, {"max_new_tokens": opts.max_new_tokens}) for _, ids in chunk], eos)
+        rows = [{"i": i, "tokens": ids + o.token_ids, "n_prompt": len(ids)} for (i, ids), o in zip(chunk, outs)]
+        _append_jsonl(f, rows)
+        have.update((r["i"], r) for r in rows)
+        made += sum(len(o.token_ids) for o in outs)
+        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.1f}")
+        bar.update(len(chunk))
+    bar.close()
+    return [have[i] for i in sorted(have) if i < len(prompts)]
+
+
+def layer_features(model, tokens: list[int], layers) -> torch.Tensor:
+    """[T, len(layers) * H]: the target's hidden states at ``layers`` (output_hidden_states' indices) for
+    every position, from one plain forward (what the drafter gets handed over in a verifying forward)."""
+    with torch.inference_mode():
+        out = model.model(input_ids=torch.tensor([tokens], device=model.device), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+
+
+def extract_features(target, answers: list[dict], layers, data: Path) -> None:
+    """Append the layer features of every answered sequence not in features.jsonl yet (bf16 rows of
+    features.bin; the index line is written after its rows, and rows past the index, left by a stopped
+    run, are cut off first)."""
+    index, binf = data / "features.jsonl", data / "features.bin"
+    done = _read_jsonl(index)
+    width = len(layers) * int(target.config.hidden_size)
+    rows = sum(r["n"] for r in done)
+    with open(binf, "ab") as f:
+        f.truncate(rows * width * 2)
+    have = {r["i"] for r in done}
+    todo = [a for a in answers if a["i"] not in have]
+    bar = _tqdm(total=sum(len(a["tokens"]) for a in todo), desc="features", unit="tok")
+    with open(binf, "ab") as f:
+        for a in todo:
+            x = layer_features(target.model, a["tokens"], layers).to(torch.bfloat16).cpu()
+            f.write(x.view(torch.int16).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+            _append_jsonl(index, [{"i": a["i"], "row": rows, "n": x.shape[0]}])
+            rows += x.shape[0]
+            bar.update(x.shape[0])
+    bar.close()
+
+
+class Eagle3Data:
+    """The sequences with features, read from DIR/data (features memory-mapped)."""
+
+    def __init__(self, data: Path, width: int):
+        import numpy as np
+
+        answers = {r["i"]: r for r in _read_jsonl(data / "answers.jsonl")}
+        self.index = [r for r in _read_jsonl(data / "features.jsonl") if r["i"] in answers]
+        if not self.index:
+            raise SpecDraftError(f"{data} holds no sequences with features yet")
+        self.tokens = [torch.tensor(answers[r["i"]]["tokens"], dtype=torch.long) for r in self.index]
+        self.n_prompt = [answers[r["i"]]["n_prompt"] for r in self.index]
+        n = sum(r["n"] for r in self.index)
+        # copy-on-write: torch wants a writable array; nothing writes to it
+        mm = np.memmap(data / "features.bin", dtype=np.int16, mode="c", shape=(n, width))
+        self.feats = torch.from_numpy(mm).view(torch.bfloat16)  # read-only; rows are copied per batch
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def features(self, k: int, n: int) -> torch.Tensor:
+        r = self.index[k]["row"]
+        return self.feats[r: r + n].float()
+
+
+def draft_vocab(data: Eagle3Data, n: int, vocab: int) -> torch.Tensor:
+    """The n most frequent answer tokens (ties: the lower id), sorted: the draft vocabulary (d2t)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for toks, n0 in zip(data.tokens, data.n_prompt):
+        counts += torch.bincount(toks[n0:], minlength=vocab)[:vocab]
+    order = torch.sort(counts, descending=True, stable=True).indices[: min(n, vocab)]
+    covered = float(counts[order].sum()) / max(float(counts.sum()), 1.0)
+    print(f"eagle3: draft vocabulary of {order.numel()} tokens covers {covered:.1%} of the answer tokens",
+          file=sys.stderr)
+    return torch.sort(order).values
+
+
+# --- EAGLE-3: the training-time test -----------------------------------------------------------
+def ttt_batch(data: Eagle3Data, idx: list[int], t2d: torch.Tensor, K: int, max_len: int):
+    """Right-padded batch of P = L - 1 anchors: features F_t [B, P, 3H]; tokens [B, P + K] (x_{t+1}
+    onwards: step j feeds column t + j); labels [B, P, K] (step j at anchor t: x_{t+j+2} as a draft
+    vocabulary index, -100 off the answer, past the end or outside the draft vocabulary)."""
+    seqs = [(data.tokens[i][:max_len], data.n_prompt[i], i) for i in idx]
+    P = max(len(t) for t, _, _ in seqs) - 1
+    width = data.feats.shape[1]
+    F = torch.zeros(len(seqs), P, width)
+    toks = torch.zeros(len(seqs), P + K, dtype=torch.long)
+    labels = torch.full((len(seqs), P, K), -100, dtype=torch.long)
+    for b, (x, n0, i) in enumerate(seqs):
+        T = len(x)
+        F[b, : T - 1] = data.features(i, T - 1)
+        toks[b, : T - 1] = x[1:]
+        t = torch.arange(T - 1)
+        for j in range(K):
+            at = t + j + 2
+            ok = (at < T) & (at >= n0)
+            labels[b, t[ok], j] = t2d[x[at[ok]]]
+    return F, toks, labels
+
+
+def ttt_mask(P: int, j: int, dtype: torch.dtype) -> torch.Tensor:
+    """Step j's additive mask [1, 1, P, (j + 1) P] over the head's cache of steps 0..j: anchor t sees
+    step 0's positions <= t (the true context) and its own entries of steps 1..j (its draft so far),
+    as a chain drafted from anchor t attends at test time."""
+    blocks = [torch.tril(torch.ones(P, P, dtype=torch.bool))] + [torch.eye(P, dtype=torch.bool)] * j
+    allow = torch.cat(blocks, dim=1)
+    return torch.zeros(allow.shape, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
+
+
+TTT_DECAY = 0.8  # step j's loss weight is 0.8^j (EAGLE-3's and SpecForge's)
+
+
+def ttt_loss(head, embed, F, toks, labels, device) -> tuple[torch.Tensor, list[float]]:
+    """The training-time test over K = labels.shape[-1] draft steps: step 0 reads the target's fused
+    features, step j >= 1 the head's own output of step j - 1 at the same anchor, one position further
+    on (t + j), with step j - 1's keys in the cache. -> (sum_j 0.8^j cross-entropy_j, step accuracies)."""
+    B, P, K = labels.shape
+    cache = head.new_cache()
+    feats = F.to(device)
+    labels = labels.to(device)
+    total, accs = 0.0, []
+    for j in range(K):
+        with torch.no_grad():
+            e = embed(toks[:, j: j + P]).to(device)
+        pos = (torch.arange(P, device=device) + j)[None].expand(B, P)
+        mask = ttt_mask(P, j, feats.dtype).to(device).expand(B, 1, P, (j + 1) * P)
+        out = head(feats, e, cache=cache, position_ids=pos, attention_mask=mask)
+        logits = head.draft_logits(out)
+        y = labels[:, :, j]
+        ok = y >= 0
+        if ok.any():
+            total = total + TTT_DECAY ** j * nn.functional.cross_entropy(logits[ok], y[ok])
+            accs.append(float((logits[ok].argmax(-1) == y[ok]).float().mean()))
+        feats = out
+    if not torch.is_tensor(total):
+        total = out.sum() * 0
+    return total, accs
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: torch sees no CUDA device here")
+    return torch.device(name)
+
+
+def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: TrainOptions, device):
+    """-> (the head on ``device``, loss(generator) of one batch). A new head's LM head starts as the
+    target's rows of the draft vocabulary and its final norm as the target's, so step 0 starts near
+    the target's own next-token guess from a feature like the target's last."""
+    from .heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head, build_head
+
+    V = target.vocab_size
+    if saved:
+        head = build_head(saved, target)  # its weights and draft_ids come from the checkpoint
+    else:
+        ids = draft_vocab(data, opts.draft_vocab or EAGLE3_DRAFT_VOCAB, V)
+        head = Eagle3Head(target.config, layers, ids, opts.intermediate_size or EAGLE3_INTERMEDIATE)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_head_of(target).weight.detach().index_select(0, ids))
+            head.norm.weight.copy_(target.model.model.norm.weight.detach())
+    n = sum(p.numel() for p in head.parameters())
+    print(f"eagle3: layers {list(head.layers)}, {n / 1e6:.1f}M parameters, draft vocabulary "
+          f"{head.draft_ids.numel()}, {len(data)} sequences, {opts.ttt_steps} draft steps, on {device}",
+          file=sys.stderr)
+    head = head.to(device)
+    embed = embed_of(target)
+
+    t2d = []  # target id -> draft index; made on the first batch (a resumed head's ids load after setup)
+
+    def loss(g):
+        idx = torch.randint(0, len(data), (opts.batch_size,), generator=g).tolist()
+        if not t2d:
+            t2d.append(torch.full((V,), -100, dtype=torch.long))
+            t2d[0][head.draft_ids.cpu()] = torch.arange(head.draft_ids.numel())
+        F, toks, labels = ttt_batch(data, idx, t2d[0], opts.ttt_steps, opts.max_len)
+        total, accs = ttt_loss(head, embed, F, toks, labels, device)
+        loss.postfix = {"acc": "/".join(f"{a:.2f}" for a in accs)}
+        return total
+
+    return head, loss
+
+
+def generation_model(opts: TrainOptions, dec):
+    """The model that writes prompts and answers: the target on --gen-backend (auto: llama.cpp where
+    the target has a GGUF file, since it decodes many rows per forward on 4-bit weights; else the
+    transformers target already loaded)."""
+    from .models.backends import load_model
+
+    if opts.gen_backend == "hf":
+        return dec.target
+    try:
+        return load_model(opts.target, backend="llama" if opts.gen_backend == "auto" else opts.gen_backend)
+    except (SpecDraftError, ImportError, OSError) as e:
+        if opts.gen_backend != "auto":
+            raise
+        print(f"eagle3: answers on transformers ({str(e).splitlines()[0]})", file=sys.stderr)
+        return dec.target
+
+
+def eagle3_data(opts: TrainOptions, dec, layers, out: Path) -> dict:
+    """Prompts (--data, or synthesized), the target's answers and their features, each stage continuing
+    what DIR/data holds; -> the data's meta."""
+    from .prompts import load_prompts
+
+    meta = data_meta(opts, layers, out)
+    data = out / "data"
+    gen = None
+    if opts.synth:
+        gen = generation_model(opts, dec)
+        prompts = synth_prompts(gen, dec.tokenizer, opts, data)
+    else:
+        prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
+    if len(_read_jsonl(data / "answers.jsonl")) < len(prompts):
+        gen = gen or generation_model(opts, dec)
+    answers = answer_prompts(gen, dec, prompts, opts, data) if gen is not None else \
+        [r for r in _read_jsonl(data / "answers.jsonl") if r["i"] < len(prompts)]
+    extract_features(dec.target, answers, layers, data)
+    return {**meta, "n_prompts": len(prompts), "n_seqs": len(answers),
+            "n_tokens": sum(len(a["tokens"]) for a in answers)}
+
+
+def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
+    """``train eagle3``: the data (each stage resumable), then the training-time test."""
+    from .api import SpecDecoder
+    from .heads import eagle3_layers
+
+    out = Path(opts.output)
+    torch.manual_seed(opts.seed)
+    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf")  # the head reads its features
+    target = dec.target
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    layers = tuple(saved["layers"]) if saved else eagle3_layers(target.num_layers)
+    meta = eagle3_data(opts, dec, layers, out)
+    print(f"eagle3 data: {meta['n_seqs']} sequences, {meta['n_tokens']} tokens", file=sys.stderr)
+    if opts.data_only:
+        print(json.dumps({"data": str(out / "data"), **meta}))
+        return 0
+    data = Eagle3Data(out / "data", len(layers) * int(target.config.hidden_size))
+    head, loss = eagle3_setup(target, data, layers, saved, opts, _device(opts.device))
+    return fit(head, loss, target, opts, saved, meta)
