@@ -13,6 +13,12 @@ head, so a prefill computes one row of logits and a verification only the positi
   the row's attention bias masks out (token positions come from ``position_ids``, so a hole shifts nothing);
   ``trim`` compacts a row whose holes pass ``compact_slack`` by rewriting its state tensors.
 
+Features for trained heads (EAGLE-3): once a drafter asks (``add_feature_layers``), the model is
+compiled again with extra outputs: the final norm's output at every fed position (the LM head's input,
+before the ``logits_keep`` slice) and the residual stream after each requested decoder layer (the add
+that ends it, which GenAI's GGUF reader names ``model.layers.self_attn.add1.layer{i}``), so the
+verifying forward hands them over.
+
 Token trees: every attention of the graph reads its mask from an input we add (``attention_bias``,
 additive, [1, 1, fed, slots + fed]) instead of the mask the graph builds from the 2D attention mask
 (which knows causal order and holes, not a tree). So a row's fed tokens may be a tree: node i sees
@@ -132,9 +138,23 @@ def check_conversion(model: "OVModel") -> dict:
     return stamp
 
 
-def _no_hidden():
-    raise ConfigError("the openvino backend does not expose the target's hidden features; Medusa and EAGLE heads "
-                      "need --backend hf")
+FEATURE_ADD = "model.layers.self_attn.add1.layer{}"  # the residual add that ends decoder layer i (0-based)
+
+
+def _with_feature_outputs(model, layers: tuple[int, ...]):
+    """Outputs 1.. after the logits: the final norm's output at every fed position (the input of the
+    ``logits_keep`` slice before the LM head), then each of ``layers`` (hidden-states indices: i is the
+    output of decoder layer i - 1)."""
+    head = model.get_results()[0].input_value(0).get_node()
+    norm = head.input_value(0).get_node().input_value(0)  # head <- the keep slice <- the final norm
+    by_name = {n.get_friendly_name(): n for n in model.get_ordered_ops()}
+    missing = [i for i in layers if FEATURE_ADD.format(i - 1) not in by_name]
+    if missing:
+        raise ModelFileError(f"unexpected OpenVINO graph: no node {FEATURE_ADD.format(missing[0] - 1)!r} to hand "
+                             f"over layer output {missing[0]} from")
+    for out in [norm] + [by_name[FEATURE_ADD.format(i - 1)].output(0) for i in layers]:
+        model.add_outputs(out)
+    return model
 
 
 def _with_keep_input(model):
@@ -181,7 +201,7 @@ class OVModel:
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
-    capabilities = Capabilities(hidden=False, trees=True)
+    capabilities = Capabilities(hidden=True, trees=True, layers=True)
 
     def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
         ov = runtime()
@@ -190,17 +210,40 @@ class OVModel:
             raise ModelFileError(f"GGUF file {gguf} not found")
         self.name = name or gguf.stem
         self.tokenizer = tokenizer
-        core = ov.Core()
+        self.core = ov.Core()
         self.gguf = gguf
         self.ir = ir_path(gguf, self.name)
-        model = _with_bias_input(_with_keep_input(core.read_model(str(self.ir))))
+        model = self._graph()
         self._vocab = int(model.get_results()[0].get_output_partial_shape(0)[2].get_length())
+        self.num_layers = sum(n.get_friendly_name().startswith(FEATURE_ADD.format("")) for n in model.get_ordered_ops())
         self.inputs = {p.get_any_name() for p in model.inputs}
-        n = threads or max(1, torch.get_num_threads())
-        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": n, "PERFORMANCE_HINT": "LATENCY"})
+        self._threads = threads or max(1, torch.get_num_threads())
+        self.feature_layers: tuple[int, ...] = ()
+        self.blocks = 0  # feature blocks (final norm + layers) the compiled model outputs; 0: logits only
+        self.compiled = self._compile(model)
         self.n_ctx = int(os.environ.get("SPECDRAFT_OV_CTX", 0) or DEFAULT_CTX)
-        self._pool: list = []  # idle infer requests (state reset), reused by new_rows
+        self._pool: list = []  # idle infer requests (state reset) of the compiled model, reused by new_rows
         self.conversion = check_conversion(self)
+
+    def _graph(self):
+        return _with_bias_input(_with_keep_input(self.core.read_model(str(self.ir))))
+
+    def _compile(self, model):
+        return self.core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": self._threads,
+                                                      "PERFORMANCE_HINT": "LATENCY"})
+
+    def add_feature_layers(self, layers) -> list[int]:
+        """As ``HFModel.add_feature_layers``: from now on the model is compiled with the final norm's and
+        these layers' outputs (rows made later hand them over; a row made before hands over zeros)."""
+        bad = [i for i in layers if not 1 <= int(i) <= self.num_layers]
+        if bad:
+            raise ConfigError(f"{self.name} has no decoder layer output {bad} to hand over (1..{self.num_layers})")
+        new = tuple(int(i) for i in dict.fromkeys(layers) if int(i) not in self.feature_layers)
+        if new or not self.blocks:
+            self.feature_layers += new
+            self.compiled = self._compile(_with_feature_outputs(self._graph(), self.feature_layers))
+            self.blocks, self._pool = 1 + len(self.feature_layers), []
+        return [1 + self.feature_layers.index(int(i)) for i in layers]
 
     @property
     def vocab_size(self) -> int:
@@ -228,14 +271,26 @@ class OVModel:
         return {t for t in ids if 0 <= t < self._vocab}
 
     def request(self):
-        return self._pool.pop() if self._pool else self.compiled.create_infer_request()
+        """-> (an infer request of the compiled model, the feature blocks it outputs)."""
+        return (self._pool.pop() if self._pool else self.compiled.create_infer_request()), self.blocks
 
-    def release(self, req) -> None:
-        req.reset_state()
-        self._pool.append(req)
+    def release(self, req, blocks: int) -> None:
+        if blocks == self.blocks:  # else it belongs to a model compiled before the features changed
+            req.reset_state()
+            self._pool.append(req)
 
     def new_rows(self, compact_slack: int = 256) -> "OVRows":
         return OVRows(self, compact_slack)
+
+
+def _padded(rows: list, N: int) -> torch.Tensor:
+    """Per-row features [n_r, W] (None: the row fed nothing) -> [B, N, W], zeros past each row's n_r."""
+    W = max((x.shape[1] for x in rows if x is not None), default=0)
+    out = np.zeros((len(rows), N, W), np.float32)
+    for r, x in enumerate(rows):
+        if x is not None and x.shape[1] == W:
+            out[r, : x.shape[0]] = x
+    return torch.from_numpy(out)
 
 
 class OVRows:
@@ -263,7 +318,7 @@ class OVRows:
     def __del__(self):
         try:
             for req in self.reqs:
-                self.model.release(req)
+                self.model.release(*req)
         except Exception:  # interpreter shutdown
             pass
 
@@ -284,15 +339,27 @@ class OVRows:
                 "attention_mask": np.concatenate([live, np.ones(n, bool)]).astype(np.int64)[None],
                 "position_ids": (self.lens[r] + offsets).astype(np.int64)[None], BIAS: bias,
                 "beam_idx": np.zeros(1, np.int32), KEEP: np.asarray([keep], np.int64)}
-        req = self.reqs[r]
+        req = self.reqs[r][0]
         req.infer(feed)
         self.live[r] = np.concatenate([live, np.ones(n, bool)])
         return req.get_output_tensor(0).data[0]
 
+    def _features(self, r: int, n: int) -> np.ndarray:
+        """The feature blocks of row r's last ``n`` fed tokens [n, H * model.blocks] (zeros for blocks its
+        request was compiled without)."""
+        req, blocks = self.reqs[r]
+        parts = [req.get_output_tensor(k).data[0, -n:] for k in range(1, blocks + 1)]
+        H = parts[0].shape[-1] if parts else 0
+        out = np.zeros((n, H * self.model.blocks) if parts else (n, 0), np.float32)
+        for k, x in enumerate(parts):
+            out[:, k * H:(k + 1) * H] = x
+        return out
+
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
-        if hidden:
-            _no_hidden()
+        if hidden and not self.model.blocks:
+            self.model.add_feature_layers([])  # the final norm's output at least
         first = self.B
+        self.prefill_hidden = [None] * len(prefixes)
         for p in prefixes:
             self.reqs.append(self.model.request())
             self.live.append(np.zeros(0, bool))
@@ -301,17 +368,18 @@ class OVRows:
             try:
                 if p:  # no logits are read from a prefill: one row keeps the LM head cheap
                     self._infer(self.B - 1, list(p), 1)
+                    if hidden:
+                        self.prefill_hidden[self.B - 1 - first] = torch.from_numpy(self._features(self.B - 1, len(p)))
             except BaseException:
                 self.remove_rows([self.B - 1])
                 raise
             self.lens[-1] = len(p)
-        self.prefill_hidden = [None] * len(prefixes)
         return list(range(first, self.B))
 
     def remove_rows(self, idx: list[int]) -> None:
         drop = set(idx)
         for r in sorted(drop):
-            self.model.release(self.reqs[r])
+            self.model.release(*self.reqs[r])
         keep = [r for r in range(self.B) if r not in drop]
         self.reqs = [self.reqs[r] for r in keep]
         self.live = [self.live[r] for r in keep]
@@ -320,13 +388,12 @@ class OVRows:
 
     def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
                 hidden: bool = False) -> torch.Tensor:
-        if hidden:
-            _no_hidden()
         N = max(max((len(s) for s in seqs), default=0), 1)
         n_out = keep or N
         # numpy, not torch: a torch fill or copy of this size wakes torch's OpenMP workers, whose spinning
         # then takes cores from OpenVINO's next infer (measured: the engine's plain decoding 4-5% slower)
         out = np.zeros((self.B, n_out, self.model.vocab_size), np.float32)
+        feats = [None] * self.B
         first_out = N - n_out  # fed index i of any row lands in column i - first_out
         for r, s in enumerate(seqs):
             self.fed[r] = len(s)
@@ -335,6 +402,9 @@ class OVRows:
                 logits = self._infer(r, [int(t) for t in s], max(want, 1), trees[r] if trees is not None else None)
                 if want:
                     out[r, :want] = logits
+                if hidden:
+                    feats[r] = self._features(r, len(s))
+        self.last_hidden = _padded(feats, N) if hidden else None
         return torch.from_numpy(out)
 
     def commit(self, keep: list) -> None:
@@ -360,7 +430,7 @@ class OVRows:
             if len(live) - self.lens[r] <= self.slack:
                 continue
             idx = np.flatnonzero(live)
-            for state in self.reqs[r].query_state():
+            for state in self.reqs[r][0].query_state():
                 kv = state.state.data  # [1, kv heads, slots, head dim]
                 if kv.ndim != 4 or kv.shape[2] != len(live):
                     raise RuntimeError(f"unexpected OpenVINO state {state.name} of shape {kv.shape}")
