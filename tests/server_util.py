@@ -21,3 +21,14 @@ def wait_until(pred, timeout=60.0, every=0.05):
 
 def health(url):
     return httpx.get(url + "/health", timeout=10).json()
+
+
+REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
+
+
+def metric_samples(text: str) -> dict:
+    """A Prometheus exposition as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

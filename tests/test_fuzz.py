@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_util import running_server
+from server_util import REQUEST_COUNTS, metric_samples, running_server
 from specdraft.config import SpecConfig
 from specdraft.methods import REGISTRY
 from test_server_fast import tiny_pair
@@ -273,25 +273,15 @@ def fixed_only():
             yield c
 
 
-REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
-
-
-def _samples(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(body=VICTIMS)
 def test_fuzz_fixed_mode_metrics_observer(fixed_only, body):
     """An observer reading /metrics before and after each victim's request, on a keyless fixed-only server:
     only the request counters move (nothing that counts its steps, drafts or decoding time)."""
-    before = _samples(fixed_only.get("/metrics").text)
+    before = metric_samples(fixed_only.get("/metrics").text)
     r = fixed_only.post("/v1/completions", content=json.dumps(body))
     r.read()
-    after = _samples(fixed_only.get("/metrics").text)
+    after = metric_samples(fixed_only.get("/metrics").text)
     moved = {k for k in after if after[k] != before.get(k)}
     METRICS_STATUS[r.status_code] += 1
     assert r.status_code < 500 and {name for name, _ in moved} <= REQUEST_COUNTS, moved

@@ -375,17 +375,17 @@ def test_methods_listing_and_page(tiny_server):
     assert all("http" not in r.text.replace("http-equiv", "") for r in (page, script, style))  # this origin only
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"spec": {"method": "auto", "params": {"learn_costs": "bogus"}}}, "spec.params"),
-    ({"spec": {"method": "prompt_lookup", "params": {}}}, "spec.params"),
-])
-def test_nested_params_and_a_non_boolean_include_usage_are_400s(tiny_server, extra, param):
-    """spec.params was merged under the default's flat keys and dropped unread (auto ran its defaults);
-    include_usage took any value."""
-    url = tiny_server[0]
-    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+def test_nested_params_and_a_non_boolean_include_usage_are_400s():
+    """On a server whose default is auto, spec.params was merged under the default's flat keys and dropped
+    unread (auto ran its defaults); include_usage took any value."""
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "auto"}) as (url, app):
+        for extra, param in [({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+                             ({"spec": {"method": "auto", "params": {"learn_costs": "bogus"}}}, "spec.params"),
+                             ({"spec": {"params": {"learn_costs": False}}}, "spec.params"),
+                             ({"spec": {"method": "prompt_lookup", "params": {}}}, "spec.params")]:
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra},
+                           timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
 class ByteTok:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from server_util import running_server
+from server_util import REQUEST_COUNTS, metric_samples, running_server
 from specdraft.api import SpecDecoder, _cached
 from specdraft.cli import main
 from specdraft.config import SamplingParams, SpecConfig
@@ -346,22 +346,12 @@ def test_llama_trees_fit_the_free_sequences_and_cells(small_llama):
     assert row.error is None and len(row.result.token_ids) == 256 - len(prompt)
 
 
-REQUEST_COUNTS = {"specdraft_requests_total", "specdraft_requests_created"}  # counted when the answer has left
-
-
-def _samples(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 def moved_by_one_request(url, body, headers=None, victim=None) -> dict:
     """The /metrics samples one request (sent with ``victim`` headers) changes, as an observer reading before
     and after (with ``headers``) sees them."""
-    before = _samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+    before = metric_samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
     assert post(url, body, headers=victim).status_code == 200
-    after = _samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+    after = metric_samples(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
@@ -388,7 +378,7 @@ def test_fixed_mode_metrics_do_not_reveal_a_requests_acceptance(settings):
 
             with app_in_thread(create_front([url], api_key="k3y", open_metrics=True)) as front:  # replicas' front
                 for headers, shown in [({}, False), ({"Authorization": "Bearer k3y"}, True)]:
-                    names = {n for n, _ in _samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)}
+                    names = {n for n, _ in metric_samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)}
                     assert "specdraft_requests_total" in names and ("specdraft_verify_steps_total" in names) == shown
 
 
