@@ -73,7 +73,7 @@ def _path_text(v, at) -> str | None:
     return None
 
 
-_CURVE = homefiles.obj({str(n): homefiles.POSITIVE for n in CURVE_TOKENS}, required=tuple(map(str, CURVE_TOKENS)),
+_CURVE = homefiles.obj({}, required=("1", "8"),  # what --backend auto and doctor read: 1 token, and 8 against it
                        keys=homefiles.of(lambda k: k.isdigit(), "a token count"), values=homefiles.POSITIVE)
 SCHEMA = homefiles.obj({  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
     "model": homefiles.TEXT, "cpu": homefiles.TEXT,
