@@ -19,6 +19,11 @@ DEFAULT_ARMS = {
     "hybrid": {"method": "hybrid"},
 }
 ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
+# with an EAGLE-3 head (auto's ``head``): its chain and its dynamic tree
+HEAD_ARMS = {
+    "eagle3": {"method": "eagle3", "k": 5},
+    "eagle3_tree": {"method": "eagle3", "tree": "dynamic", "k": 5, "tree_topk": 3, "tree_budget": 10},
+}
 
 
 def slug(s: str | None) -> str:
@@ -67,6 +72,7 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
                 continue
             fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
             arms.append((name, SpecConfig.from_dict(fields), None))
+    arms += [a for a in _head_arms(dec, spec) if a[0] not in {n for n, _, _ in arms}]
     if spec.auto_arms:
         unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
         if unknown:
@@ -76,6 +82,19 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
     if any(s.method == "auto" for _, s, _ in arms):
         raise ConfigError("an auto arm cannot itself be 'auto'")
     return [("plain", SpecConfig(method="plain"), None)] + arms
+
+
+def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
+    """HEAD_ARMS when auto's ``head`` is an EAGLE-3 head and the backend hands over its features."""
+    from .heads import read_head_config
+
+    if spec.head is None:
+        return []
+    if read_head_config(spec.head)["type"] != "eagle3":
+        raise ConfigError(f"auto's head {spec.head} must be an eagle3 head (its arms are eagle3's)")
+    if REGISTRY["eagle3"].unavailable(dec.backend, dec.draft is not None):
+        return []
+    return [(name, SpecConfig.from_dict({**d, "head": spec.head}), None) for name, d in HEAD_ARMS.items()]
 
 
 def build_auto(dec, spec: SpecConfig):

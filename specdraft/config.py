@@ -567,9 +567,9 @@ class SpecConfig:
     # backend and CPU, if any; "off" = none, online calibration only)
     auto_arms: list[str] = _f([], StrList(max_len=64), used_by=("auto",))
     autotune: str | None = _f(None, OptStr("a path"), used_by=("auto",))
-    # medusa / eagle: the trained head's directory (specdraft train); its type and target are checked
-    # when it is loaded (heads.load_head), not here
-    head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head"))
+    # medusa / eagle / eagle3 (and auto, whose eagle3 arms read it): the trained head's directory (specdraft
+    # train); its type and target are checked when it is loaded (heads.load_head), not here
+    head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head") + ("auto",))
     # opt-in LOSSY verification (any method, sampling only): "typical" = Medusa's typical acceptance
     lossy: str | None = _f(None, Choice(LOSSY_RULES, what="lossy rule", optional=True,
                                         note="(or null, the default: lossless verification)"))

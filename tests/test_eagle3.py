@@ -257,3 +257,22 @@ def test_openvino_hands_over_the_same_layers(tmp_path):
         got, want = whole[:, b * H:(b + 1) * H], ref[:, b * H:(b + 1) * H]
         assert cos(split[:, b * H:(b + 1) * H], got) > 0.97, b  # measured 0.98 at layer 2, 0.995+ above
         assert cos(got, want) > 0.95 and cos(got, want) > cos(got, nxt) + 0.02, b  # Q4_0 against the Q4_K_M copy
+
+
+@pytest.mark.slow
+def test_auto_drafts_with_the_eagle3_arm(smol_f32, smol_reference, smol_eagle3):
+    """auto with an eagle3 head: its arms include eagle3's chain and tree; with suffix beside them (a
+    tree another arm drafts, whose accepted path the eagle3 drafter must keep features of: seen_draft)
+    greedy output still equals plain and eagle3 drafts some steps."""
+    from specdraft.api import COST_POINTS, SpecDecoder
+
+    dec = SpecDecoder(smol_f32)
+    dec.set_cost_curves({n: 0.05 + 0.002 * (n - 1) for n in COST_POINTS})  # a flat CPU curve, not measured here
+    sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    spec = SpecConfig.from_dict({"method": "auto", "head": str(smol_eagle3[0] / "head"), "autotune": "off",
+                                 "auto_arms": ["suffix", "eagle3"]})
+    p = GREEDY_PROMPTS[0]
+    out = dec.generate(p, sampling=sp, spec=spec, chat=True)
+    assert out.token_ids == smol_reference[p]
+    arms = [s.arm for s in out.stats.steps]
+    assert "eagle3" in arms and len(set(arms)) > 1, arms

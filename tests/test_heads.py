@@ -106,13 +106,13 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     data = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
     hd = tmp_path / "head"
     train("medusa", tiny_dir, data, hd, 1, "--max-new-tokens", 4, "--batch-size", 8, "--heads", 2)
-    with pytest.raises(ConfigError, match="medusa, eagle and eagle3 only, not 'prompt_lookup'"):
+    with pytest.raises(ConfigError, match="medusa, eagle, eagle3 and auto only, not 'prompt_lookup'"):
         SpecConfig(method="prompt_lookup", head=str(hd)).validate()
     with pytest.raises(ConfigError, match="is a medusa head; method 'eagle' needs an? eagle head"):
         dec.generate([1, 2, 3], spec=SpecConfig(method="eagle", head=str(hd)))
     assert main(["generate", "--target", str(tiny_dir), "--dtype", "float32", "--method", "layer_skip",
                  "--head", str(hd), "hi"]) == 2
-    assert "medusa, eagle and eagle3 only" in capsys.readouterr().err
+    assert "medusa, eagle, eagle3 and auto only" in capsys.readouterr().err
     assert main(["generate", "--target", "no-such-model", "--method", "eagle", "--head", str(hd), "hi"]) == 2
     assert "is a medusa head; method 'eagle' needs a" in capsys.readouterr().err  # before loading the model
 

@@ -94,7 +94,7 @@ def test_config_reads_the_registry(repeat_last):
         SpecConfig(method="repeat_last", tree="static").validate()
     with pytest.raises(ConfigError, match="schedule 'heuristic' is not available for method 'repeat_last'"):
         SpecConfig(method="repeat_last", schedule="heuristic").validate()
-    with pytest.raises(ConfigError, match="head is used by methods medusa and eagle only, not 'repeat_last'"):
+    with pytest.raises(ConfigError, match="head is used by methods medusa, eagle, eagle3 and auto only, not 'repeat_last'"):
         SpecConfig(method="repeat_last", head="h").validate()
 
 

@@ -291,6 +291,9 @@ class AutoDrafter(Composite):
     def combine(self, own, model):
         d = self.arms[self.current].drafter
         tree = d.combine(own, model) if isinstance(d, Composite) else Composite.combine(self, own, model)
+        for p in self.parts:  # a head's drafter keeps the target's features of the verified path, whoever drafted
+            if p is not d:
+                p.seen_draft(tree)
         self._size = tree.size
         self._model = model.size if model is not None else 0
         return tree

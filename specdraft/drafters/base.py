@@ -50,6 +50,10 @@ class Drafter:
     def feedback(self, num_accepted: int, emitted: list[int]) -> None:
         """The verifier kept ``num_accepted`` draft tokens; ``emitted`` is what was appended."""
 
+    def seen_draft(self, draft: DraftTree) -> None:
+        """Inside a composite (auto): another part drafted the ``draft`` the target verifies this step
+        (a head's drafter then keeps the target's features of its accepted path)."""
+
     def observe_step(self, scored: int, seconds: float, batch: int) -> None:
         """After the verification of every step: the target forward scored ``scored`` tokens for this row
         and the step's target side took ``seconds`` with ``batch`` rows (``auto`` corrects its cost curve

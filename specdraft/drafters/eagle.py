@@ -140,6 +140,11 @@ class EagleDrafter(TreeGrower, Drafter):
             self._pf[i] = out[j]
         return self.logits(out)
 
+    def seen_draft(self, draft: DraftTree) -> None:
+        """Another drafter's draft is verified this step (a composite's arm drafted): feedback then keeps
+        the features of its accepted path."""
+        self._draft = draft
+
     def observe_target(self, row_tokens, logits, hidden) -> None:
         self._hidden = hidden
 
