@@ -792,8 +792,8 @@ def _device(name: str) -> torch.device:
 
 def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: TrainOptions, device):
     """-> (the head on ``device``, loss(generator) of one batch). A new head's LM head starts as the
-    target's rows of the draft vocabulary and its final norm as the target's, so step 0 starts near
-    the target's own next-token guess from a feature like the target's last."""
+    target's rows of the draft vocabulary; its final norm starts at 1, not the target's (whose scale on
+    the untrained layer's output made the first losses 1.6x higher on SmolLM2)."""
     from .heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head, build_head
 
     V = target.vocab_size
@@ -804,7 +804,6 @@ def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: Tra
         head = Eagle3Head(target.config, layers, ids, opts.intermediate_size or EAGLE3_INTERMEDIATE)
         with torch.no_grad():
             head.lm_head.weight.copy_(lm_head_of(target).weight.detach().index_select(0, ids))
-            head.norm.weight.copy_(target.model.model.norm.weight.detach())
     n = sum(p.numel() for p in head.parameters())
     print(f"eagle3: layers {list(head.layers)}, {n / 1e6:.1f}M parameters, draft vocabulary "
           f"{head.draft_ids.numel()}, {len(data)} sequences, {opts.ttt_steps} draft steps, on {device}",
