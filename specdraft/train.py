@@ -766,7 +766,7 @@ def ttt_loss(head, embed, F, toks, labels, device) -> tuple[torch.Tensor, list[f
     total, accs = 0.0, []
     for j in range(K):
         with torch.no_grad():
-            e = embed(toks[:, j: j + P]).to(device)
+            e = embed(toks[:, j: j + P].to(embed.weight.device)).to(device)
         pos = (torch.arange(P, device=device) + j)[None].expand(B, P)
         mask = ttt_mask(P, j, feats.dtype).to(device).expand(B, 1, P, (j + 1) * P)
         out = head(feats, e, cache=cache, position_ids=pos, attention_mask=mask)
@@ -803,7 +803,8 @@ def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: Tra
         ids = draft_vocab(data, opts.draft_vocab or EAGLE3_DRAFT_VOCAB, V)
         head = Eagle3Head(target.config, layers, ids, opts.intermediate_size or EAGLE3_INTERMEDIATE)
         with torch.no_grad():
-            head.lm_head.weight.copy_(lm_head_of(target).weight.detach().index_select(0, ids))
+            w = lm_head_of(target).weight.detach()
+            head.lm_head.weight.copy_(w.index_select(0, ids.to(w.device)))
     n = sum(p.numel() for p in head.parameters())
     print(f"eagle3: layers {list(head.layers)}, {n / 1e6:.1f}M parameters, draft vocabulary "
           f"{head.draft_ids.numel()}, {len(data)} sequences, {opts.ttt_steps} draft steps, on {device}",
@@ -843,9 +844,9 @@ def generation_model(opts: TrainOptions, dec):
         return dec.target
 
 
-def eagle3_data(opts: TrainOptions, dec, layers, out: Path) -> dict:
+def eagle3_data(opts: TrainOptions, dec, layers, out: Path, device: torch.device) -> dict:
     """Prompts (--data, or synthesized), the target's answers and their features, each stage continuing
-    what DIR/data holds; -> the data's meta."""
+    what DIR/data holds; -> the data's meta. On a GPU (``device``) the features' forwards run there."""
     from .prompts import load_prompts
 
     meta = data_meta(opts, layers, out)
@@ -860,6 +861,8 @@ def eagle3_data(opts: TrainOptions, dec, layers, out: Path) -> dict:
         gen = gen or generation_model(opts, dec)
     answers = answer_prompts(gen, dec, prompts, opts, data) if gen is not None else \
         [r for r in _read_jsonl(data / "answers.jsonl") if r["i"] < len(prompts)]
+    if device.type != "cpu":  # after the answers: the engine's transformers rows stay on the CPU
+        dec.target.model.to(device)
     extract_features(dec.target, answers, layers, data)
     return {**meta, "n_prompts": len(prompts), "n_seqs": len(answers),
             "n_tokens": sum(len(a["tokens"]) for a in answers)}
@@ -877,11 +880,12 @@ def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
     for p in target.model.parameters():
         p.requires_grad_(False)
     layers = tuple(saved["layers"]) if saved else eagle3_layers(target.num_layers)
-    meta = eagle3_data(opts, dec, layers, out)
+    device = _device(opts.device)
+    meta = eagle3_data(opts, dec, layers, out, device)
     print(f"eagle3 data: {meta['n_seqs']} sequences, {meta['n_tokens']} tokens", file=sys.stderr)
     if opts.data_only:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
     data = Eagle3Data(out / "data", len(layers) * int(target.config.hidden_size))
-    head, loss = eagle3_setup(target, data, layers, saved, opts, _device(opts.device))
+    head, loss = eagle3_setup(target, data, layers, saved, opts, device)
     return fit(head, loss, target, opts, saved, meta)
