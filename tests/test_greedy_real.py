@@ -74,7 +74,9 @@ def test_draft_model_greedy_exact(smol_f32, smol_variant, reference, draft_kind)
         assert out.token_ids == reference[p], f"{draft_kind} diverged on {p!r}"
         accepted += out.stats.accepted
         drafted += out.stats.drafted
-    assert 0 < accepted < drafted  # both the accept and the reject paths were exercised
+    assert 0 < accepted <= drafted
+    if layers is not None:  # a truncated draft is wrong somewhere: the reject path was exercised too (a bf16
+        assert accepted < drafted  # copy can agree with every token, as on an AVX2-only CPU's emulated bf16)
 
 
 def test_prompt_lookup_greedy_exact(smol, reference):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_llama
+from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
 from specdraft.bench.harness import compare
 from specdraft.cli import main
@@ -33,7 +33,7 @@ def test_kernel_matches_dequantized_weight(kind, dtype, rows):
     tol = 0.1 if dtype == torch.bfloat16 else 2e-2 if dynamic else 2e-3
     assert got.shape == (2, rows, 96) and (got - want).abs().max() < tol * want.abs().max()
     # and the quantization error itself is bounded: half a step of the grid
-    step = lin.weight.float().abs().amax(1, keepdim=True) / 127 if bits == 8 else None
+    step = lin.weight.float().abs().amax(1, keepdim=True) / q.levels if bits == 8 else None
     if step is not None:
         assert ((q.weight.float() - lin.weight.float()).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
 
@@ -188,4 +188,7 @@ def test_w8a8_target_agrees_with_its_own_plain_on_smollm2(smol_f32, text):
         d = compare(t, ids, plain, got)
         assert d["exact"] or d["top2_gap"] < near_tie_bound(t), d
     dense = SpecDecoder(smol_f32, None).generate(ids, sampling=sp, spec={"method": "plain"}).token_ids
-    assert plain[:4] == dense[:4]  # a different model, but a close one
+    # a different model, but a close one: teacher-forced on the dense model's answer, it mostly agrees
+    # (on CPUs without VNNI its weights take 7 bits, lowbit.w8a8_weight_levels, so a token may differ early)
+    pred = logits_of(t, ids + dense[:-1], keep=len(dense)).argmax(-1).tolist()
+    assert sum(a == b for a, b in zip(pred, dense)) >= 0.75 * len(dense)

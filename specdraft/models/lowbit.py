@@ -61,13 +61,15 @@ def is_quant_suffix(q: str) -> bool:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W stored as int8 rows and one scale per row (symmetric)."""
+    """y = x W^T + b with W stored as int8 rows (``levels`` steps each side of 0) and one scale per row
+    (symmetric)."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, lin: nn.Linear, levels: int = 127):
         super().__init__()
         w = lin.weight.detach().float()
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.levels = levels
+        scale = (w.abs().amax(1) / levels).clamp(min=1e-10)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-levels, levels).to(torch.int8))
         self.register_buffer("scales", scale.to(lin.weight.dtype))
         self.bias = lin.bias
         self.in_features, self.out_features = lin.in_features, lin.out_features
@@ -86,12 +88,22 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def w8a8_weight_levels() -> int:
+    """Weight levels each side of 0 for oneDNN's u8 x s8 matmul on this CPU. Without VNNI (AVX2 only) it
+    sums pairs of products in int16 (vpmaddubsw), which saturates past 32767: 2 x 255 x 127 does,
+    2 x 255 x 63 does not, so there the weights take 7 bits (FBGEMM's reduce_range; measured: 25% of the
+    output's scale off with 127 levels on an AVX2-only EPYC)."""
+    from .llama_probe import cpu_flags
+
+    return 127 if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()) else 63
+
+
 class W8A8Linear(Int8Linear):
     """Int8Linear whose input rows are quantized too (one symmetric scale per row, at each call), so
     the product runs on oneDNN's int8 matmul with a prepacked weight."""
 
     def __init__(self, lin: nn.Linear):
-        super().__init__(lin)
+        super().__init__(lin, levels=w8a8_weight_levels())
         # opaque and oneDNN's own layout: a plain attribute, not a buffer (it never moves devices)
         self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [1, self.in_features])
         self.register_buffer("scales_f32", self.scales.float())
