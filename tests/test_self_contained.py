@@ -42,8 +42,8 @@ def test_no_file_names_a_path_above_the_repository():
 
 
 def test_the_guard_catches_each_kind_of_outside_path(tmp_path):
-    cases = {"a.py": 'p = Path("../shared/data/spec_bench/question.jsonl")\n',
-             "b.py": "open('/work/shared/models.md')\n",
+    cases = {"a.py": 'p = Path("../beside/question.jsonl")\n',
+             "b.py": "open('/work/beside/models.md')\n",
              "c.py": 'src = Path(__file__).resolve().parents[3] / "x"\n'}
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
