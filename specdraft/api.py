@@ -16,15 +16,22 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .config import DEFAULT_METHOD, SamplingParams, SpecConfig, fallback_method, spec_with_default, with_method
+from .core.config import (
+    DEFAULT_METHOD,
+    SamplingParams,
+    SpecConfig,
+    fallback_method,
+    spec_with_default,
+    with_method,
+)
 from .engine import GenerationResult, generate
-from .errors import ConfigError, TokenizerMismatchError
-from .methods import method
+from .core.errors import ConfigError, TokenizerMismatchError
+from .drafters.registry import method
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
 from .models.backends import load_model
 from .models.views import layer_view
-from .policy import CostAwarePolicy, DraftLength, draft_length, interpolate
+from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
 
 CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
@@ -64,7 +71,7 @@ class SpecDecoder:
 
     def head(self, spec: SpecConfig):
         """The trained head in ``spec.head``, loaded once per decoder and checked against the target."""
-        from .heads import load_head
+        from .models.heads import load_head
 
         # keyed by method too: the type check is load_head's, and a medusa head is no eagle head
         return self.shared(("head", spec.head, spec.method),
@@ -145,7 +152,7 @@ class SpecDecoder:
         set_threads(threads)
         backend = backend or default_backend(target)
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
-            from .paths import load_fastest
+            from .models.paths import load_fastest
 
             t, path = load_fastest(target, dtype, backends=backends)
             target, backend = path.target(target), path.backend
@@ -163,16 +170,14 @@ class SpecDecoder:
         return self.target.backend
 
     def make_drafter(self, spec: SpecConfig):
-        """The drafter for ``spec`` (the method registry's factory); it carries the spec's opt-in lossy
-        rule (``drafter.lossy``, None unless ``spec.lossy`` is set), which verification reads."""
+        """The drafter for ``spec`` (the method registry's factory). The spec's opt-in lossy rule is the
+        engine's to apply (``spec.lossy_rule()``, passed with the request)."""
         spec.validate()
         m = method(spec.method)
         problem = m.unavailable(self.backend, self.draft is not None)
         if problem:
             raise ConfigError(problem)
-        drafter = m.make(self, spec)
-        drafter.lossy = spec.lossy_rule()
-        return drafter
+        return m.make(self, spec)
 
     def usable(self, spec: SpecConfig) -> SpecConfig:
         """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
@@ -254,7 +259,7 @@ class SpecDecoder:
             drafter = self.make_drafter(spec)
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
-                        on_emit=on_emit)
+                        on_emit=on_emit, lossy=spec.lossy_rule())
 
 
 def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
@@ -302,7 +307,7 @@ class ModelSettings:
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     """{n: seconds} for n = 1..n_max, measuring the points of ``COST_POINTS`` up to n_max (and n_max)
     that ``measured`` lacks, interpolating linearly between them."""
-    from .costs import measure_costs
+    from .models.cost_curve import measure_costs
 
     points = sorted({n for n in COST_POINTS if n <= n_max} | {n_max})
     missing = [n for n in points if n not in measured]

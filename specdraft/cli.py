@@ -15,11 +15,11 @@ import json
 import os
 import sys
 
-from . import methods
+from .drafters import registry as methods
 from .api import ModelSettings
-from .config import SPEC_OFF_AT, SPEC_SHRINK_AT
-from .errors import SpecDraftError
-from .flags import add_model_args, add_sampling_args, add_spec_args
+from .core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
+from .core.errors import SpecDraftError
+from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
 
 
 # --- flags -> typed settings ----------------------------------------------------------------------
@@ -38,7 +38,7 @@ def models_from_args(a, backends: tuple[str, ...] | None = None) -> ModelSetting
 def spec_from_args(a) -> "SpecConfig":
     """The spec of --config and the spec flags; naming no method (--method or the config's), ``auto``
     (config.spec_with_default; ``a.method_defaulted`` is set, for SpecDecoder.usable once models load)."""
-    from .config import spec_with_default
+    from .core.config import spec_with_default
 
     d = {}
     if a.config:
@@ -76,7 +76,7 @@ def spec_from_args(a) -> "SpecConfig":
 
 
 def sampling_from_args(a) -> "SamplingParams":
-    from .config import SamplingParams
+    from .core.config import SamplingParams
 
     return SamplingParams(
         temperature=a.temperature,
@@ -128,7 +128,7 @@ def _check_before_loading(spec, a) -> str | None:
         raise SpecDraftError(problem)
     needs = m.needs
     if needs == "head":
-        from .heads import read_head_config
+        from .models.heads import read_head_config
 
         read_head_config(spec.head, expect_type=spec.method)
     return needs
@@ -256,14 +256,14 @@ def _server_settings(a, spec, api_key: str | None, pacing):
 
 
 def _replica_options(a):
-    from .scale.replicas import ReplicaOptions
+    from .server.replicas import ReplicaOptions
 
     return settings_from_args(ReplicaOptions, a)
 
 
 def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
     """--resource FIELD:NAME=PATH, repeated -> {field: {name: path}} (server/protocol.py reads it)."""
-    from .config import PATH_FIELDS
+    from .core.config import PATH_FIELDS
 
     out: dict[str, dict[str, str]] = {}
     for item in items:
@@ -285,7 +285,7 @@ def cmd_serve(a) -> int:
     from .server.graceful import serve
 
     if replicas.replicas > 1 or replicas.ray_address:
-        from .scale.replicas import start_replicas
+        from .server.replicas import start_replicas
 
         app = start_replicas(models, server, replicas, defaulted)
         what = f"{a.replicas} replicas on Ray"
@@ -311,7 +311,7 @@ def _loopback(host: str) -> bool:
 
 # --- the tools' commands: their typed settings from the flags -----------------------------------------
 def cmd_doctor(a) -> int:
-    from .doctor import main_doctor
+    from .commands.doctor import main_doctor
 
     return main_doctor(a.model, costs=not a.no_costs, threads=a.threads)
 
@@ -330,20 +330,20 @@ def cmd_costs(a) -> int:
 
 
 def cmd_tune_skip(a) -> int:
-    from .tune_skip import TuneSkipOptions, main_tune_skip
+    from .commands.tune_skip import TuneSkipOptions, main_tune_skip
 
     return main_tune_skip(settings_from_args(TuneSkipOptions, a))
 
 
 def cmd_train(a) -> int:
-    from .scale.shard import data_builder
-    from .train import TrainOptions, train_main
+    from .bench.shard import data_builder
+    from .commands.train import TrainOptions, train_main
 
     return train_main(settings_from_args(TrainOptions, a), ray_builder=data_builder)
 
 
 def cmd_overlap(a) -> int:
-    from .scale.overlap import OverlapOptions, main_overlap
+    from .bench.overlap import OverlapOptions, main_overlap
 
     return main_overlap(settings_from_args(OverlapOptions, a))
 
@@ -367,14 +367,14 @@ def cmd_batchbench(a) -> int:
 
 
 def cmd_autotune(a) -> int:
-    from .autotune import AutotuneOptions, main_autotune
+    from .commands.autotune import AutotuneOptions, main_autotune
 
     return main_autotune(settings_from_args(AutotuneOptions, a, models=models_from_args(a)))
 
 
 def cmd_bench(a) -> int:
     from .bench.harness import BenchOptions, main_bench
-    from .scale.shard import run_sharded
+    from .bench.shard import run_sharded
 
     return main_bench(settings_from_args(BenchOptions, a), run_sharded)
 
@@ -463,9 +463,10 @@ def _add_serve_parser(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import autotune, demo, doctor, train, tune_skip
+    from .commands import autotune, doctor, train, tune_skip
+    from . import demo
     from .bench import batchbench, costs, harness
-    from .scale import overlap
+    from .bench import overlap
     from .tools import leak, loadtest
 
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
@@ -493,7 +494,7 @@ def _apply_backend_auto(a) -> None:
     SpecDecoder.load, which resolves it after their own checks."""
     if a.backend != "auto":
         return
-    from .paths import resolve
+    from .models.paths import resolve
 
     a.target, a.backend = resolve(a.target, getattr(a, "dtype", "bfloat16"))
 

@@ -7,11 +7,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import prompts as data
+from .core import prompts as data
 from .api import ModelSettings
-from .config import SamplingParams, SpecConfig
-from .flags import add_model_args
-from .metrics import GenerationStats, near_tie_bound, speedup
+from .core.config import SamplingParams, SpecConfig
+from .drafters.flags import add_model_args
+from .core.metrics import GenerationStats, near_tie_bound, speedup
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SamplingParams
-from .errors import ConfigError, ContextLengthError
-from .metrics import GenerationStats, StepRecord
-from .policy import BatchRule, DraftLength
-from .processors import RequestProcessor, logprob_entries
-from .sampling import make_generator
-from .tree import DraftTree, feed_mask
-from .verify import greedy_verify, lossy_label, sample_verify, verify_tree
+from .core.config import SamplingParams
+from .core.errors import ConfigError, ContextLengthError
+from .core.metrics import GenerationStats, StepRecord
+from .core.policy import BatchRule, DraftLength
+from .core.processors import RequestProcessor, logprob_entries
+from .core.sampling import make_generator
+from .core.tree import DraftTree, feed_mask
+from .core.verify import greedy_verify, lossy_label, sample_verify, verify_tree
+from .drafters.base import StepOutcome
 
 
 @dataclass
@@ -79,7 +80,9 @@ class Request:
     result: GenerationResult | None = None
     t_start: float = 0.0
     prefill_s: float = 0.0
-    hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe_target
+    lossy: object = None  # the request's opt-in lossy rule (SpecConfig.lossy_rule()); None: exact verification
+    hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe
+    seen: tuple | None = None  # this step's (fed tokens, logits, features), for the drafter's observe
     processor: RequestProcessor | None = None  # penalties, bias, min_tokens, grammar (None: none asked)
     logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
     error: Exception | None = None  # what failed in this row's own work (its drafter, its processing)
@@ -117,12 +120,14 @@ class Engine:
         return self.kv.L
 
     # --- rows join and leave ----------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], sp, drafter, on_emit=None, tag=None, length: DraftLength | None = None) -> Request:
-        """Admit a request: validate, prefill its prompt (all but the last token, which is pending)."""
-        return self.add_many([(prompt_ids, sp, drafter, on_emit, tag, length)])[0]
+    def add(self, prompt_ids: list[int], sp, drafter, on_emit=None, tag=None, length: DraftLength | None = None,
+            lossy=None) -> Request:
+        """Admit a request: validate, prefill its prompt (all but the last token, which is pending).
+        ``lossy``: the request's opt-in lossy verification rule (None: exact; core/verify.py)."""
+        return self.add_many([(prompt_ids, sp, drafter, on_emit, tag, length, lossy)])[0]
 
     def add_many(self, items: list[tuple]) -> list:
-        """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length]) at once, prefilled
+        """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length[, lossy]]) at once, prefilled
         together in one forward. Returns, per item, its Request or the exception that refused it."""
         rows, out = [], []
         for item in items:
@@ -137,7 +142,7 @@ class Engine:
             raise out[0]
         return out
 
-    def _new_request(self, prompt_ids, sp, drafter, on_emit=None, tag=None, length=None) -> Request:
+    def _new_request(self, prompt_ids, sp, drafter, on_emit=None, tag=None, length=None, lossy=None) -> Request:
         sp = SamplingParams.from_dict(sp)
         prompt_ids = [int(t) for t in prompt_ids]
         check_fits(self.target, len(prompt_ids), sp)
@@ -148,10 +153,10 @@ class Engine:
                               f"{self.target.backend} backend does not expose (Medusa and EAGLE heads need --backend hf "
                               "and a model with model.norm)")
         row = Request(prompt_ids, sp, drafter, on_emit, tag, length or DraftLength(), tokens=list(prompt_ids),
-                      stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter())
-        row.stats.lossy = lossy_label(drafter.lossy, sp)
+                      stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter(), lossy=lossy)
+        row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
-            row.stats.reproducible = drafter.reproducible and row.length.reproducible and drafter.lossy is None
+            row.stats.reproducible = drafter.reproducible and row.length.reproducible and lossy is None
         row.gen = make_generator(sp.seed)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
@@ -327,7 +332,7 @@ class Engine:
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
         """The target's forward over every row's pending token + draft; each drafter observes its own
-        row's logits [k + 1, V] (and features, when it wants them)."""
+        row's fed tokens, logits [k + 1, V] and features (when it wants them), kept for its observe."""
         seqs = [[row.tokens[-1]] + d.tokens.tolist() for row, d in zip(rows, drafts)]
         trees = [None if d.is_chain() else feed_mask(d) for d in drafts]
         want = [row.drafter.wants_hidden for row in rows]
@@ -340,7 +345,7 @@ class Engine:
                 if row.hidden_prefix is not None:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
                     row.hidden_prefix = None
-            self._guard([row], row.drafter.observe_target, torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
+            row.seen = (torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
         return logits
 
     def _process(self, rows: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
@@ -383,14 +388,14 @@ class Engine:
                 if not row.sp.greedy:
                     q = None if d.draft_probs is None else d.draft_probs[None]
                     na, nx = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q,
-                                         logits[r: r + 1, : d.size + 1], row.sp, row.gen, row.drafter.lossy,
+                                         logits[r: r + 1, : d.size + 1], row.sp, row.gen, row.lossy,
                                          default=(torch.zeros(1, dtype=torch.long),) * 2)
                     n_acc[r], new[r] = int(na[0]), [int(nx[0])]
                 keep[r] = 1 + n_acc[r]
                 new[r] = d.tokens[: n_acc[r]].tolist() + new[r]
             else:  # (a row whose verification fails, e.g. on NaN logits, finishes "error" in _advance)
                 path, t = self._guard([row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen,
-                                      row.drafter.lossy, default=([], 0))
+                                      row.lossy, default=([], 0))
                 n_acc[r] = len(path)
                 keep[r] = [0] + [1 + i for i in path]
                 new[r] = d.tokens[path].tolist() + [t]
@@ -402,8 +407,10 @@ class Engine:
         conditions, the step record, streaming. True when the row finished."""
         if row.error is not None:
             return True
-        self._guard([row], row.drafter.feedback, n_acc, new)
-        self._guard([row], row.drafter.observe_step, 1 + draft.size, step_s, len(self.rows))
+        fed, logits, hidden = row.seen
+        row.seen = None
+        self._guard([row], row.drafter.observe,
+                    StepOutcome(fed, logits, hidden, draft, n_acc, new, step_s, len(self.rows)))
         row.length.observe(draft.size, n_acc, draft_s, step_s, 1 + draft.size)
         new, finish = _cut_at_stop(new, row.eos, row.sp.max_new_tokens - len(row.output))
         if row.stopper is not None:  # a stop string wins over EOS / the length limit it completes before
@@ -489,14 +496,15 @@ class _StopChecker:
 
 # --- entry points -----------------------------------------------------------------------------------
 def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
-             tokenizer=None, length: DraftLength | None = None, on_emit=None, on_admit=None) -> GenerationResult:
+             tokenizer=None, length: DraftLength | None = None, on_emit=None, on_admit=None,
+             lossy=None) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
     after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
     when the request asks for logprobs); returning True cancels the request (finish_reason
     "cancelled"). ``on_admit(row)`` (optional) sees the row once prefilled: its ``stats.steps`` gains the
     step's StepRecord before each ``on_emit``."""
     eng = Engine(target, eos_ids, tokenizer)
-    row = eng.add(prompt_ids, sp, drafter, on_emit, length=length)
+    row = eng.add(prompt_ids, sp, drafter, on_emit, length=length, lossy=lossy)
     if on_admit is not None:
         on_admit(row)
     while eng.rows:
@@ -508,7 +516,7 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
 
 def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
                    max_batch: int | None = None, join_every: int = 0) -> list[GenerationResult]:
-    """Decode several (prompt_ids, sampling, drafter[, length]) jobs together; results in job order.
+    """Decode several (prompt_ids, sampling, drafter[, length[, lossy]]) jobs together; results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
     ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins)."""
@@ -522,7 +530,7 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
             room = min(room, 0 if steps % join_every else 1)
         if room > 0 and waiting:
             admit, waiting = waiting[:room], waiting[room:]
-            items = [(job[0], job[1], job[2], None, i, job[3] if len(job) > 3 else None) for i, job in admit]
+            items = [(*job[:3], None, i, *job[3:]) for i, job in admit]
             for r in eng.add_many(items):
                 if isinstance(r, Exception):
                     raise r

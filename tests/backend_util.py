@@ -3,9 +3,9 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 
 import torch
 
-from specdraft.config import SamplingParams
+from specdraft.core.config import SamplingParams
 from specdraft.engine import generate_batch
-from specdraft.tree import DraftTree, feed_mask
+from specdraft.core.tree import DraftTree, feed_mask
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
 

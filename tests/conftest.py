@@ -148,7 +148,7 @@ def smol_reference(smol_dec):
     """Plain greedy outputs (test_greedy_real.NEW = 40 new tokens, chat template, EOS ignored) of
     SmolLM2-135M float32 for test_greedy_real.PROMPTS: the one reference every real-model exactness
     test compares with (a shorter run is compared with a prefix of it)."""
-    from specdraft.config import SamplingParams, SpecConfig
+    from specdraft.core.config import SamplingParams, SpecConfig
     from test_greedy_real import NEW, PROMPTS
 
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

@@ -22,7 +22,7 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
     ``target`` (an HFModel), usable as SpecConfig.head."""
     from torch.nn.functional import cross_entropy, linear, smooth_l1_loss
 
-    from specdraft.heads import EagleHead, MedusaHeads, save_head, target_signature
+    from specdraft.models.heads import EagleHead, MedusaHeads, save_head, target_signature
 
     torch.manual_seed(0)
     seqs = greedy_continuations(target, prompts)

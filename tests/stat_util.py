@@ -88,7 +88,7 @@ def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_s
     """Decode ``n_samples`` seeded requests end to end, ``rows`` at a time through the batched loop, each
     with its own drafter from ``make_drafter()`` -> (counts [vocab] * n_tokens of their first
     ``n_tokens`` tokens, draft tokens drafted / accepted in the steps that made those tokens)."""
-    from specdraft.config import SamplingParams
+    from specdraft.core.config import SamplingParams
     from specdraft.engine import generate_batch
 
     counts = np.zeros((vocab,) * n_tokens)

@@ -11,9 +11,10 @@ import torch
 
 from conftest import tiny_llama
 from specdraft.api import COST_POINTS, SpecDecoder
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.drafters.base import StepOutcome
 from specdraft.engine import generate_batch
-from specdraft.errors import ConfigError
+from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
 from test_engine_tiny import N, PROMPT, V, exact_first_two
 
@@ -154,9 +155,14 @@ def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothi
         if auto.arms[i].uses_draft:
             break
         auto.current, auto.cap, auto._catch_up = i, 6, 0.0  # the lookup found nothing: a plain step
-        auto.feedback(0, [0])
+        auto.observe(StepOutcome(torch.zeros(1, dtype=torch.long), torch.zeros(1, V), accepted=0, emitted=[0], batch=2))
     assert chosen[-1] == "draft_model", chosen
     measured_costs(dec)
+
+
+def scored(n: int, seconds: float, batch: int) -> StepOutcome:
+    """A step that scored ``n`` tokens for the row in ``seconds``, ``batch`` rows together."""
+    return StepOutcome(torch.zeros(n, dtype=torch.long), torch.zeros(n, 1), seconds=seconds, batch=batch)
 
 
 def test_auto_corrects_its_cost_curve_from_observed_steps(dec):
@@ -169,9 +175,9 @@ def test_auto_corrects_its_cost_curve_from_observed_steps(dec):
     auto.begin(PROMPT, SamplingParams(), None)
     assert auto.pricing.target(4) == pytest.approx(0.03)
     for _ in range(3):
-        auto.observe_step(1, 0.02, 1)  # the step around the forward costs too
-        auto.observe_step(4, 0.021, 1)
-        auto.observe_step(4, 0.5, 2)  # a batch of two: not a point of this curve
+        auto.observe(scored(1, 0.02, 1))  # the step around the forward costs too
+        auto.observe(scored(4, 0.021, 1))
+        auto.observe(scored(4, 0.5, 2))  # a batch of two: not a point of this curve
     assert auto.pricing.target(1) == pytest.approx(0.02) and auto.pricing.target(4) == pytest.approx(0.021)
     assert auto.pricing.target(16) == pytest.approx(0.021)  # the nearest seen n's correction beyond
     out = dec.generate(PROMPT, SamplingParams(max_new_tokens=8), SpecConfig(method="auto"))
@@ -235,7 +241,7 @@ def all_trees(max_nodes: int, ranks: int):
 
 
 def test_tree_search_is_optimal_at_every_size():
-    from specdraft.treeshape import best_tree
+    from specdraft.core.treeshape import best_tree
 
     p = [0.55, 0.2, 0.1]
     value = lambda q: float(np.prod([p[r] for r in q]))  # noqa: E731
@@ -252,7 +258,7 @@ def test_tree_search_is_optimal_at_every_size():
 
 
 def test_rank_acceptance(dec):
-    from specdraft.treeshape import rank_acceptance, rank_stats
+    from specdraft.core.treeshape import rank_acceptance, rank_stats
 
     outs = [dec.generate(p, SamplingParams(max_new_tokens=12), {"method": "plain"}).token_ids for p in PROMPTS]
     self_p, self_next = rank_stats(dec.target, PROMPTS, outs, ranks=4)  # a model drafting for itself: rank 0 always
@@ -264,7 +270,7 @@ def test_rank_acceptance(dec):
 def test_tree_search_values_depth_when_agreement_persists():
     """Acceptance that depends on the parent's rank (a draft that agreed keeps agreeing) makes deep
     chains worth more than independence says, and the search goes deeper."""
-    from specdraft.treeshape import best_tree
+    from specdraft.core.treeshape import best_tree
 
     p = [0.7, 0.1, 0.05]
     cost = lambda n: 1.0 + 0.1 * n  # noqa: E731
@@ -347,7 +353,7 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
 
 
 def test_bench_mixed_preset_and_arm_table():
-    from specdraft import prompts as data
+    from specdraft.core import prompts as data
     from specdraft.bench.report import arm_lines
 
     rows = data.preset_rows("core18+code_edit")

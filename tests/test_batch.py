@@ -6,13 +6,13 @@ import torch
 
 from conftest import logits_of, tiny_llama
 from specdraft.engine import Engine, generate, generate_batch
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.models.hf import HFModel
-from specdraft.policy import BatchRule
-from specdraft.tree import feed_mask
+from specdraft.core.policy import BatchRule
+from specdraft.core.tree import feed_mask
 
 V = 16
 PROMPTS = [[1, 2, 3, 1, 2], [5], [7, 7, 7, 7, 7, 7, 7, 3, 4], [2, 9, 4, 2, 9], [11, 12, 13, 14, 15, 11, 12, 13],
@@ -305,7 +305,7 @@ def test_draft_trees_batch_across_rows(pair):
 def test_batchkv_tree_feed_keeps_only_the_path(pair):
     """A tree fed through the rows and committed to its accepted path leaves a cache whose next
     logits equal a plain forward of prefix + path."""
-    from specdraft.tree import DraftTree
+    from specdraft.core.tree import DraftTree
 
     target, _ = pair
     kv = target.new_rows()
@@ -329,7 +329,7 @@ SAMPLING_CASES = [("draft_static", 4, T1), ("draft_dynamic", 5, TRUNC), ("prompt
 
 
 def _exact_first_two(target, sp):
-    from specdraft.sampling import probs_from_logits
+    from specdraft.core.sampling import probs_from_logits
 
     import numpy as np
 

@@ -166,7 +166,7 @@ def test_datastore_corpus_excludes_the_bench_prompts(tmp_path):
 
 def test_training_prompts_exclude_the_bench_prompts(tmp_path):
     from specdraft.bench.corpus import write_prompts
-    from specdraft.prompts import load_prompts
+    from specdraft.core.prompts import load_prompts
 
     ds = spec_bench_like(tmp_path)
     out = tmp_path / "train.jsonl"
@@ -210,8 +210,8 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
     from specdraft.cli import main
-    from specdraft.costs import cpu_name
-    from specdraft.errors import ModelFileError
+    from specdraft.models.cost_curve import cpu_name
+    from specdraft.core.errors import ModelFileError
     from specdraft.models import quantize
 
     try:

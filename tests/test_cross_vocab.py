@@ -8,9 +8,9 @@ import torch
 
 from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
-from specdraft.config import SamplingParams
+from specdraft.core.config import SamplingParams
 from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
-from specdraft.errors import ConfigError
+from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
 
 TARGET_VOCAB = list("abcdef") + ["gg", "hh"]
@@ -85,7 +85,7 @@ def test_greedy_is_token_identical(dec, extra):
 
 def test_a_confidence_stop_proposes_a_prefix_of_the_full_draft(dec):
     """Stopping early (after feeding a token it then drops) proposes the start of the same greedy draft."""
-    from specdraft.config import SamplingParams as SP
+    from specdraft.core.config import SamplingParams as SP
 
     full, cut = [], []
     for prompt in (PROMPT, [7, 6, 7, 6], [3], [0, 1, 2, 3, 4, 5, 6]):
@@ -132,13 +132,13 @@ def test_sampling_follows_the_target(dec, broken, threshold, monkeypatch):
 
 
 def dec_spec(**kw):
-    from specdraft.config import SpecConfig
+    from specdraft.core.config import SpecConfig
 
     return SpecConfig(method="draft_model", **kw)
 
 
 def test_a_draft_that_cannot_write_the_targets_text_is_refused():
-    from specdraft.errors import TokenizerMismatchError
+    from specdraft.core.errors import TokenizerMismatchError
 
     t = tiny_llama(vocab=V)
     t.tokenizer = ToyTok(TARGET_VOCAB)

@@ -5,10 +5,12 @@ on the path measured fastest here (``--backend auto``); `bench` names its report
 import logging
 
 from conftest import tiny_llama
-from specdraft import api, methods, paths
+from specdraft import api
+from specdraft.drafters import registry as methods
+from specdraft.models import paths
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser, models_from_args, spec_from_args
-from specdraft.config import SamplingParams, SpecConfig, spec_with_default
+from specdraft.core.config import SamplingParams, SpecConfig, spec_with_default
 
 
 def test_spec_with_default():

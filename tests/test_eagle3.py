@@ -14,10 +14,10 @@ import torch
 
 from conftest import logits_of, tiny_llama
 from specdraft.cli import main
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import eagle as eagle_mod
 from specdraft.drafters.eagle3 import Eagle3Drafter
-from specdraft.heads import Eagle3Head, eagle3_layers, int8_state
+from specdraft.models.heads import Eagle3Head, eagle3_layers, int8_state
 from stat_util import fit_pvalue, sample_first_tokens
 from test_greedy_real import NEW, PROMPTS as GREEDY_PROMPTS
 
@@ -147,7 +147,7 @@ def random_head(target):
 
 
 def exact_first_two(target, sp):
-    from specdraft.sampling import probs_from_logits
+    from specdraft.core.sampling import probs_from_logits
 
     p = lambda ctx: probs_from_logits(logits_of(target, ctx)[-1], sp).double()  # noqa: E731
     p1 = p(PROMPT)
@@ -207,7 +207,7 @@ def test_qwen_head_ships_under_50_mb():
     45.6M parameters, under 50 MB (with the target's MLP width, 8960, it would not fit)."""
     from transformers import Qwen2Config
 
-    from specdraft.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE
+    from specdraft.models.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE
 
     cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                       num_key_value_heads=2, vocab_size=151936)
@@ -225,7 +225,7 @@ def test_openvino_hands_over_the_same_layers(tmp_path):
     cosine per position), and each block against the dense transformers copy's output_hidden_states,
     closer to the named layer than to the next one (a node of the wrong layer fails)."""
     pytest.importorskip("openvino")
-    from specdraft.errors import ModelFileError
+    from specdraft.core.errors import ModelFileError
     from specdraft.models import quantize
     from specdraft.models.backends import load_model
 

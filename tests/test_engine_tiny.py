@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import generate
-from specdraft.errors import ContextLengthError
-from specdraft.sampling import probs_from_logits
+from specdraft.core.errors import ContextLengthError
+from specdraft.core.sampling import probs_from_logits
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
@@ -118,7 +118,7 @@ def test_context_length_errors():
 
 
 def test_cost_aware_schedule_is_exact_and_learns(pair):
-    from specdraft.policy import CostAwareLength, CostAwarePolicy
+    from specdraft.core.policy import CostAwareLength, CostAwarePolicy
 
     target, draft = pair
     sp = SamplingParams(max_new_tokens=40)
@@ -140,7 +140,7 @@ def test_cost_aware_schedule_is_exact_and_learns(pair):
 
 
 def test_cost_aware_policy_decisions():
-    from specdraft.policy import CostAwarePolicy
+    from specdraft.core.policy import CostAwarePolicy
 
     p = CostAwarePolicy(4, explore_every=3)
     assert p.choose(4) == 0  # measure a plain step first
@@ -215,7 +215,7 @@ def test_tiny_temperature_is_greedy(pair):
     """A temperature below config.GREEDY_BELOW is greedy: 1e-39 used to pass validation, overflow
     logits / temperature to NaN probabilities and fail in torch.multinomial."""
     from specdraft.api import SpecDecoder
-    from specdraft.config import GREEDY_BELOW
+    from specdraft.core.config import GREEDY_BELOW
 
     target, draft = pair
     dec = SpecDecoder(target, draft)

@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from specdraft.config import SamplingParams, SpecConfig
-from specdraft.errors import ConfigError, ModelFileError, TokenizerMismatchError
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError, ModelFileError, TokenizerMismatchError
 from specdraft.models import catalog
 from specdraft.models.loading import check_same_tokenizer
 from specdraft.models.backends import load_model

@@ -4,7 +4,7 @@ that request only; the other rows of the batch decode on, token-identical to dec
 import pytest
 
 from conftest import tiny_llama
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -31,12 +31,9 @@ class Faulty(PromptLookupDrafter):
         self._tick("propose")
         return super().propose(tokens, max_tokens)
 
-    def feedback(self, n, emitted):
-        self._tick("feedback")
-        return super().feedback(n, emitted)
-
-    def observe_target(self, row_tokens, logits, hidden):
-        self._tick("observe_target")
+    def observe(self, step):
+        self._tick("observe")
+        return super().observe(step)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,7 @@ def pair():
     return tiny_llama(vocab=V), tiny_llama(vocab=V, noise_seed=5, noise=0.25)
 
 
-@pytest.mark.parametrize("where", ["propose", "observe_target", "feedback"])
+@pytest.mark.parametrize("where", ["propose", "observe"])
 def test_a_failing_row_leaves_the_others_exact(pair, where):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)

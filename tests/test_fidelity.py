@@ -6,9 +6,9 @@ import pytest
 
 from conftest import tiny_llama
 from specdraft.api import SpecDecoder
-from specdraft.config import SamplingParams, SpecConfig
-from specdraft.fidelity import output_terms
-from specdraft.metrics import fidelity_z
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.fidelity import output_terms
+from specdraft.core.metrics import fidelity_z
 
 V = 12
 PROMPT = [1, 2, 3, 1]

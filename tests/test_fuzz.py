@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_util import REQUEST_COUNTS, metric_samples, running_server
-from specdraft.config import SpecConfig
-from specdraft.methods import REGISTRY
+from specdraft.core.config import SpecConfig
+from specdraft.drafters.registry import REGISTRY
 from test_server_fast import tiny_pair
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -323,7 +323,7 @@ def _replaced(doc, slot, value):
 @pytest.fixture(scope="module")
 def paths_file(tmp_path_factory):
     """The paths file of every model in a temporary directory (not the machine's cache)."""
-    from specdraft import paths
+    from specdraft.models import paths
 
     d = tmp_path_factory.mktemp("paths")
     with pytest.MonkeyPatch.context() as mp:
@@ -334,8 +334,9 @@ def paths_file(tmp_path_factory):
 def use_paths_file(f, raw: bytes) -> str:
     """What --backend auto, doctor and autotune --paths do with the file: it is "read" whole, or "refused" in
     one line naming it; any other exception fails the test."""
-    from specdraft import doctor, paths
-    from specdraft.errors import ConfigError
+    from specdraft.commands import doctor
+    from specdraft.models import paths
+    from specdraft.core.errors import ConfigError
 
     f.write_bytes(raw)
     try:
@@ -377,7 +378,7 @@ def test_fuzz_paths_file_bytes(paths_file, raw):
 def test_fuzz_other_home_files(tmp_path_factory, doc):
     """The llama.cpp probe's verdicts and the OpenVINO stamp are caches: a bad one is left out (said), never
     a crash; the quantized-variant index is read whole or refused in one line."""
-    from specdraft.homefiles import HomeFileError, read_json
+    from specdraft.core.homefiles import HomeFileError, read_json
     from specdraft.models import openvino, quantize
     from specdraft.models.llama_probe import _seen
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdraft.api import SpecDecoder
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ import torch
 
 from conftest import logits_of, tiny_llama, tiny_model_dir
 from specdraft.cli import main
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.engine import generate
-from specdraft.errors import ConfigError
-from specdraft.heads import EagleHead, MedusaHeads, load_head
+from specdraft.core.errors import ConfigError
+from specdraft.models.heads import EagleHead, MedusaHeads, load_head
 from stat_util import fit_pvalue, sample_first_tokens
 
 PROMPTS = ["Tell me about cats.", "Write a haiku about rain.", "What is 2 + 3?", "Name three colors.",
@@ -162,7 +162,7 @@ def random_eagle(target, ids=None):
 
 def exact_first_three(target, sp):
     """The target's exact joint distribution of its first three tokens after PROMPT [V, V, V]."""
-    from specdraft.sampling import probs_from_logits
+    from specdraft.core.sampling import probs_from_logits
 
     def p_next(ctx):
         return probs_from_logits(logits_of(target, ctx)[-1], sp).double()

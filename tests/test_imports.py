@@ -76,23 +76,20 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-# Bottom to top: a module may import from its own layer and the layers below, never from one above,
-# at module level or inside a function. A name covers itself and its submodules (the longest one wins),
-# but "specdraft" is the package's __init__ only.
+# Bottom to top: the folders are the layers (docs/design.md, "The folders are the layers"), and the
+# top-level modules are the engine, the library's API and the front ends. A module may import from its
+# own layer and the layers below, never from one above, at module level or inside a function. A name
+# covers itself and its submodules, but "specdraft" is the package's __init__ only.
 LAYERS = [
-    ("base", ["specdraft.errors", "specdraft.jsonl", "specdraft.homefiles"]),
-    ("values", ["specdraft.config", "specdraft.sampling", "specdraft.tree", "specdraft.treeshape", "specdraft.verify",
-                "specdraft.metrics", "specdraft.processors", "specdraft.policy", "specdraft.fidelity"]),
-    ("models", ["specdraft.models", "specdraft.heads"]),
-    ("machine", ["specdraft.costs", "specdraft.prompts", "specdraft.paths", "specdraft.scale"]),  # scale: its package and cluster
+    ("core", ["specdraft.core"]),
+    ("models", ["specdraft.models"]),
+    ("scale", ["specdraft.scale"]),
     ("drafters", ["specdraft.drafters"]),
     ("engine", ["specdraft.engine"]),
-    ("methods", ["specdraft.methods", "specdraft.arms", "specdraft.flags"]),
     ("api", ["specdraft.api", "specdraft"]),
-    ("commands", ["specdraft.autotune", "specdraft.tune_skip", "specdraft.train", "specdraft.doctor",
-                  "specdraft.scale.overlap"]),
-    ("bench", ["specdraft.bench", "specdraft.scale.shard"]),
-    ("server", ["specdraft.server", "specdraft.scale.replicas"]),
+    ("commands", ["specdraft.commands"]),
+    ("bench", ["specdraft.bench"]),
+    ("server", ["specdraft.server"]),
     ("tools", ["specdraft.tools"]),
     ("front", ["specdraft.demo", "specdraft.cli"]),
 ]
@@ -215,8 +212,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_module_level_import_cycles():
     graph = import_graph()
-    assert "specdraft.sampling" in graph and "specdraft.config" in graph
-    assert "specdraft.config" not in graph["specdraft.sampling"]  # type hints only (TYPE_CHECKING)
+    assert "specdraft.core.sampling" in graph and "specdraft.core.config" in graph
+    assert "specdraft.core.config" not in graph["specdraft.core.sampling"]  # type hints only (TYPE_CHECKING)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -228,6 +225,17 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_every_module_has_a_layer():
     assert [m for m in _modules() if layer_of(m) < 0] == []
+
+
+def test_the_layers_are_the_folders():
+    """Each layer is one folder or one top-level module, and only the engine, the API and the front ends
+    sit at the top level: a new module goes into the folder of its layer."""
+    names = [n for _, ns in LAYERS for n in ns]
+    assert len(names) == len(set(names))
+    top = sorted(m for m in _modules() if m.count(".") == 1 and not _is_package(m, _modules()))
+    assert top == ["specdraft.api", "specdraft.cli", "specdraft.demo", "specdraft.engine"]
+    folders = sorted(m for m in _modules() if m.count(".") == 1 and _is_package(m, _modules()))
+    assert folders == sorted(n for n in names if n.count(".") == 1 and n not in top)
 
 
 def test_layers_import_downward_only_inside_functions_too():
@@ -253,8 +261,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     sys.modules is cleared of specdraft between imports, so a module that only works when imported
     after another one (a cycle resolved by luck of order) fails here."""
     skip = {"specdraft.server.app", "specdraft.server.batch_worker", "specdraft.server.front",
-            "specdraft.server.scheduler", "specdraft.server.metrics", "specdraft.server.protocol",
-            "specdraft.server", "specdraft.scale.replicas"}
+            "specdraft.server.scheduler", "specdraft.server.prometheus", "specdraft.server.protocol",
+            "specdraft.server", "specdraft.server.replicas"}
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
                           exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps)
@@ -202,7 +202,7 @@ def test_sampling_end_to_end(dec_with_draft):
 
 
 def test_refused_methods_and_options(dec):
-    from specdraft.errors import ConfigError
+    from specdraft.core.errors import ConfigError
 
     for spec in [{"method": "medusa", "head": "x"}, {"method": "eagle", "head": "x"},
                  {"method": "layer_skip", "skip_layers": [1]}, {"method": "early_exit", "exit_layer": 2}]:
@@ -211,7 +211,7 @@ def test_refused_methods_and_options(dec):
 
 
 def test_context_overflow(dec):
-    from specdraft.errors import ContextLengthError
+    from specdraft.core.errors import ContextLengthError
 
     n = dec.target.max_context
     with pytest.raises(ContextLengthError, match=f"context of {n} tokens"):
@@ -287,7 +287,7 @@ def test_quantize_registers_a_variant(tmp_path, monkeypatch, smol_f32, ids):
     assert len(d.generate("Hi", sampling={"max_new_tokens": 4}, spec={"method": "plain"}).token_ids) == 4
     err = (teacher_forced(d.target, ids[0], 24) - teacher_forced(smol_f32, ids[0], 24)).abs().amax(-1)
     assert float(err.median()) < NEAR_TIE, err
-    from specdraft.errors import ConfigError, ModelFileError
+    from specdraft.core.errors import ConfigError, ModelFileError
 
     with pytest.raises(ModelFileError, match="no Q4_0 variant of smollm2-135m"):
         SpecDecoder.load("smollm2-135m:Q4_0", backend="llama")

@@ -155,7 +155,7 @@ def test_cmake_args_name_every_feature(monkeypatch):
 
 
 def test_doctor(gguf, monkeypatch, capsys, tmp_path):
-    from specdraft import paths
+    from specdraft.models import paths
     from specdraft.cli import main
 
     monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")  # the curves it keeps

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.config import SamplingParams
+from specdraft.core.config import SamplingParams
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Engine, generate, generate_batch
-from specdraft.tree import DraftTree
+from specdraft.core.tree import DraftTree
 
 V = 16
 PROMPT = [1, 2, 3, 1, 2]
@@ -98,8 +98,8 @@ def test_seeded_sample_does_not_depend_on_other_requests(target):
     """A seeded sampling request gives the same tokens alone and next to 3 other requests, even with a
     batch rule that would shrink drafting at that batch size (seeded rows are exempt)."""
     from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-    from specdraft.config import SpecConfig
-    from specdraft.policy import BatchRule
+    from specdraft.core.config import SpecConfig
+    from specdraft.core.policy import BatchRule
 
     def drafter():
         return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2))
@@ -137,7 +137,7 @@ def test_engine_rows_are_any_target_model(target):
 def test_sliding_window_models_are_refused():
     from transformers import MistralConfig, MistralForCausalLM
 
-    from specdraft.errors import ConfigError
+    from specdraft.core.errors import ConfigError
     from specdraft.models.hf import HFModel
 
     cfg = MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -13,14 +13,14 @@ import torch
 
 from conftest import tiny_llama
 from specdraft.engine import generate_batch
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.engine import generate
-from specdraft.errors import ConfigError
+from specdraft.core.errors import ConfigError
 from specdraft.models.hf import HFModel
-from specdraft.sampling import probs_from_logits
-from specdraft.tree import DraftTree
-from specdraft.verify import TypicalAcceptance, typical_verify, typical_verify_tree
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.tree import DraftTree
+from specdraft.core.verify import TypicalAcceptance, typical_verify, typical_verify_tree
 from stat_util import emitted_counts, fit_pvalue
 
 V = 6
@@ -146,10 +146,12 @@ def pair():
     return tiny_llama(vocab=VT, layers=2), tiny_llama(vocab=VT, noise_seed=5, noise=0.25)
 
 
-def drafter(draft, lossy):
-    d = DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(k=3), VT)
-    d.lossy = SpecConfig(lossy=lossy).lossy_rule() if lossy else None
-    return d
+def drafter(draft):
+    return DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(k=3), VT)
+
+
+def rule(lossy):
+    return SpecConfig(lossy=lossy).lossy_rule() if lossy else None
 
 
 def test_engines_use_the_rule_only_when_asked(pair):
@@ -157,23 +159,23 @@ def test_engines_use_the_rule_only_when_asked(pair):
     t = HFModel(target.model, None)
     prompt = [1, 2, 3, 1, 2]
     greedy = SamplingParams(max_new_tokens=16)
-    plain = generate(t, drafter(draft, None), prompt, greedy, eos_ids=set())
-    typ = generate(t, drafter(draft, "typical"), prompt, greedy, eos_ids=set())
+    plain = generate(t, drafter(draft), prompt, greedy, eos_ids=set())
+    typ = generate(t, drafter(draft), prompt, greedy, eos_ids=set(), lossy=rule("typical"))
     assert typ.token_ids == plain.token_ids and "lossy" not in typ.stats.to_dict()  # greedy: no effect
     sp = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24)
-    exact = generate(t, drafter(draft, None), prompt, sp, eos_ids=set())
-    lossy = generate(t, drafter(draft, "typical"), prompt, sp, eos_ids=set())
+    exact = generate(t, drafter(draft), prompt, sp, eos_ids=set())
+    lossy = generate(t, drafter(draft), prompt, sp, eos_ids=set(), lossy=rule("typical"))
     assert "lossy" not in exact.stats.to_dict()
     assert lossy.stats.to_dict()["lossy"] == "typical" and lossy.stats.lossy == "typical"
     # the batch engine applies the same rule: a seeded row equals its batch-size-1 run
-    b = generate_batch(target, [(prompt, sp, drafter(draft, "typical")),
-                                ([5, 6], SamplingParams(max_new_tokens=4), drafter(draft, None))], eos_ids=set())
+    b = generate_batch(target, [(prompt, sp, drafter(draft), None, rule("typical")),
+                                ([5, 6], SamplingParams(max_new_tokens=4), drafter(draft))], eos_ids=set())
     assert b[0].token_ids == lossy.token_ids and b[0].stats.lossy == "typical" and b[1].stats.lossy is None
 
 
 def test_rule_is_the_one_that_runs(pair, monkeypatch):
     """A lossy drafter's sampling steps go through typical_verify, a default drafter's never do."""
-    import specdraft.verify as ver  # the engines reach it through verify.sample_verify / verify_tree
+    import specdraft.core.verify as ver  # the engines reach it through verify.sample_verify / verify_tree
 
     calls = []
     real = ver.typical_verify
@@ -181,9 +183,9 @@ def test_rule_is_the_one_that_runs(pair, monkeypatch):
     target, draft = pair
     t = HFModel(target.model, None)
     sp = SamplingParams(temperature=0.8, seed=1, max_new_tokens=10)
-    generate(t, drafter(draft, None), [1, 2, 3], sp, eos_ids=set())
+    generate(t, drafter(draft), [1, 2, 3], sp, eos_ids=set())
     assert not calls
-    generate(t, drafter(draft, "typical"), [1, 2, 3], sp, eos_ids=set())
+    generate(t, drafter(draft), [1, 2, 3], sp, eos_ids=set(), lossy=rule("typical"))
     assert calls
 
 
@@ -209,7 +211,7 @@ def test_cli_flag(capsys):
 
 def test_lossy_results_are_marked_in_report_and_server_usage():
     from specdraft.bench.report import label
-    from specdraft.metrics import GenerationStats
+    from specdraft.core.metrics import GenerationStats
     from specdraft.server.protocol import usage
 
     doc = {"settings": {"methods": {"medusa": {"method": "medusa"}, "medusa_typ": {"method": "medusa", "lossy": "typical"}},

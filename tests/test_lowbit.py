@@ -12,8 +12,8 @@ from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
 from specdraft.bench.harness import compare
 from specdraft.cli import main
-from specdraft.errors import ConfigError
-from specdraft.metrics import near_tie_bound
+from specdraft.core.errors import ConfigError
+from specdraft.core.metrics import near_tie_bound
 from specdraft.models.hf import HFModel
 from specdraft.models.lowbit import Int4Linear, Int8Linear, W8A8Linear, parse_quant, quantize_linears
 

@@ -3,8 +3,14 @@
 import numpy as np
 
 from specdraft.drafters.prompt_lookup import find_candidate
-from specdraft.metrics import (GenerationStats, StepRecord, acceptance_rate, mean_accepted_tokens,
-                               per_position_acceptance, speedup)
+from specdraft.core.metrics import (
+    GenerationStats,
+    StepRecord,
+    acceptance_rate,
+    mean_accepted_tokens,
+    per_position_acceptance,
+    speedup,
+)
 
 
 def test_metrics_known_answers():

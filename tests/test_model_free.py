@@ -15,15 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import logits_of, tiny_llama
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import datastore as ds
-from specdraft.drafters.base import NoDrafter
+from specdraft.drafters.base import NoDrafter, StepOutcome
 from specdraft.drafters.lookahead import LookaheadDrafter
-from specdraft.drafters.suffix import (SuffixAutomaton, SuffixDrafter, brute_force_match_len, continuation_paths,
-                                       count_tree)
+from specdraft.drafters.suffix import (
+    SuffixAutomaton,
+    SuffixDrafter,
+    brute_force_match_len,
+    continuation_paths,
+    count_tree,
+)
 from specdraft.drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter, expand, static_tree
 from specdraft.engine import generate
-from specdraft.errors import ConfigError, DatastoreError
+from specdraft.core.errors import ConfigError, DatastoreError
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -244,7 +249,7 @@ def test_lookahead_tree_shape_and_pool():
     assert t.position_ids(0)[0, 1:].tolist() == [1, 2, 3, 2, 3, 4]  # level l, column c at last + 1 + c + l
     logits = torch.zeros(7, 40)
     logits[4, 30] = logits[5, 31] = logits[6, 32] = 1.0  # argmax after each column's top node
-    d.observe_target(torch.tensor([3] + t.tokens.tolist()), logits)
+    d.observe(StepOutcome(torch.tensor([3] + t.tokens.tolist()), logits))
     assert d.levels == [[20, 21, 22], [30, 31, 32]]
     assert d.pool == {10: [(20, 30)], 11: [(21, 31)], 12: [(22, 32)]}
     t = d.propose([1, 10], 8)  # verification branch first: the pooled n-gram starting with 10

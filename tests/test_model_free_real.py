@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import datastore as ds
 from test_greedy_real import PROMPTS
 

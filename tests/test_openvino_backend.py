@@ -12,7 +12,7 @@ divergence is accepted only at a near-tie of plain decoding (backend_util.NEAR_T
 import pytest
 import torch
 
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
 
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
@@ -32,7 +32,7 @@ DENSE_TOLERANCE = 8.0  # measured 5.5 (median 3.3); a wrong conversion (SmolLM2 
 @pytest.fixture(scope="module")
 def smol_ov():
     """(the module's target; named like the other backends' small-model fixtures)"""
-    from specdraft.errors import ModelFileError
+    from specdraft.core.errors import ModelFileError
     from specdraft.models import quantize
     from specdraft.models.backends import load_model
 
@@ -82,7 +82,7 @@ def test_facts(smol_ov):
 
 def test_a_wrong_conversion_is_refused():
     """SmolLM2's Q4_1 file: OpenVINO's logits differ from llama.cpp's by about 10 at the median position."""
-    from specdraft.errors import ModelFileError
+    from specdraft.core.errors import ModelFileError
     from specdraft.models.backends import load_model
 
     with pytest.raises(ModelFileError, match="OpenVINO converts smollm2-135m wrongly"):
@@ -206,7 +206,7 @@ def test_wrong_attention_is_caught(smol_ov, ids):
 
 
 def test_refused_methods(dec_with_draft):
-    from specdraft.errors import ConfigError
+    from specdraft.core.errors import ConfigError
 
     for m in ["medusa", "eagle"]:
         with pytest.raises(ConfigError, match=f"method '{m}' is not available on the openvino backend"):

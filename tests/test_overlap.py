@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from specdraft.api import SpecDecoder, load_draft
-from specdraft.config import SamplingParams
+from specdraft.core.config import SamplingParams
 from specdraft.drafters.remote_draft import PREFETCHED
 from specdraft.engine import generate_batch
-from specdraft.errors import ConfigError
-from specdraft.scale.overlap import model_time
+from specdraft.core.errors import ConfigError
+from specdraft.bench.overlap import model_time
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_remote_draft_rows_batch(dec):
 
 
 def dec_spec(d: dict):
-    from specdraft.config import SpecConfig
+    from specdraft.core.config import SpecConfig
 
     return SpecConfig.from_dict(d).validate()
 
@@ -83,8 +83,8 @@ def test_remote_draft_refusals(dec, smol_f32):
 def test_explain_reads_the_bench_records():
     """The measured decode time is each run's wall time less its prefill (the engine's records); results
     without a prefill time are refused with a message, not a KeyError."""
-    from specdraft.errors import SpecDraftError
-    from specdraft.scale.overlap import explain
+    from specdraft.core.errors import SpecDraftError
+    from specdraft.bench.overlap import explain
 
     rec = {"method": "pair_overlap", "steps": [[3, 3, 3], [3, 1, 1]], "hits": [False, True], "new_tokens": 6,
            "wall_s": 1.0, "prefill_s": 0.25}

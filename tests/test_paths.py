@@ -7,10 +7,10 @@ from importlib.util import find_spec
 
 import pytest
 
-from specdraft import paths
+from specdraft.models import paths
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.errors import ConfigError
+from specdraft.core.errors import ConfigError
 
 
 

@@ -206,8 +206,8 @@ def test_server_text_is_never_markup_and_the_policy_forbids_inline_script(browse
     """A method id from /v1/specdraft/methods went into innerHTML, under a policy allowing inline script: a
     plugin method named <img onerror=...> ran script. Every server string is a text node; the page's script
     is its own file, so the policy forbids inline script and framing."""
-    from specdraft import methods
-    from specdraft.methods import _prompt_lookup
+    from specdraft.drafters import registry as methods
+    from specdraft.drafters.registry import _prompt_lookup
     from test_server_fast import tiny_pair
 
     b = browser

@@ -1,7 +1,7 @@
 """History-dependent processing (penalties, logit_bias, min_tokens, a token constraint) under speculation.
 
 The exact reference here is written out by hand (``reference_logits``), not taken from
-``specdraft.processors``: the processed distribution at a position is a function of the tokens
+``specdraft.core.processors``: the processed distribution at a position is a function of the tokens
 before it, the draft tokens on its path included. A toy constraint stands in for a grammar on the
 tiny models (a token may not follow itself); llguidance's grammars are tested on SmolLM2 in
 test_structured_real.py.
@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from specdraft import processors
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core import processors
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter, DraftModelGroup
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, generate, generate_batch
-from specdraft.errors import ConfigError
-from specdraft.processors import RequestProcessor, TokenConstraint
-from specdraft.sampling import probs_from_logits
-from specdraft.tree import DraftTree
+from specdraft.core.errors import ConfigError
+from specdraft.core.processors import RequestProcessor, TokenConstraint
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.tree import DraftTree
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6

@@ -10,7 +10,7 @@ import pytest
 
 from specdraft.api import SpecDecoder
 from specdraft.bench.harness import compare
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.qwen]
 

@@ -123,7 +123,7 @@ def test_bench_ray_resumes(ray_local, dataset, local_doc, tmp_path, capsys):
 
 # --- train --ray ----------------------------------------------------------------------------------
 def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys):
-    from specdraft import train
+    from specdraft.commands import train
     from specdraft.api import SpecDecoder
 
     monkeypatch.setattr(train, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker

@@ -58,7 +58,7 @@ def test_prompts_resolve_inside_the_package_from_an_empty_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPECDRAFT_DATASET"}
     env["PYTHONPATH"] = str(ROOT)
     code = ("import specdraft, pathlib\n"
-            "from specdraft.prompts import default_dataset, preset_rows, load_prompts\n"
+            "from specdraft.core.prompts import default_dataset, preset_rows, load_prompts\n"
             "p = default_dataset().resolve()\n"
             "assert pathlib.Path(specdraft.__file__).parent.resolve() in p.parents, p\n"
             "print(len(load_prompts()), len(preset_rows('core18')), len(preset_rows('core18+code_edit')))\n")

@@ -13,7 +13,7 @@ from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.tools.loadtest import check_url, parse_levels
 from specdraft.server.protocol import StepTrace, TextStream
-from specdraft.errors import SpecDraftError
+from specdraft.core.errors import SpecDraftError
 
 
 class StubTok:

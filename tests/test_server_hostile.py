@@ -17,11 +17,11 @@ from conftest import tiny_llama
 from server_util import REQUEST_COUNTS, metric_samples, running_server
 from specdraft.api import SpecDecoder, _cached
 from specdraft.cli import main
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.engine import Engine, generate
-from specdraft.errors import SpecDraftError
-from specdraft.sampling import sample
+from specdraft.core.errors import SpecDraftError
+from specdraft.core.sampling import sample
 from specdraft.server.pacing import StreamPacing
 from specdraft.server.scheduler import BaseWorker
 from test_server_fast import StubTok, tiny_pair
@@ -292,7 +292,7 @@ def small_llama(smol_gguf):
 def test_llama_failed_prefill_leaves_no_phantom_row(small_llama):
     """Item 3: a prefill refused for a full context kept its sequence id and length; the next row then
     decoded in that empty sequence, without its own prompt (wrong output, silently)."""
-    from specdraft.errors import ContextLengthError
+    from specdraft.core.errors import ContextLengthError
 
     prompt = small_llama.tokenize("The capital of France is", special=False)
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -318,7 +318,7 @@ class Wide(NoDrafter):
         self.n = n
 
     def propose(self, tokens, max_tokens):
-        from specdraft.tree import DraftTree
+        from specdraft.core.tree import DraftTree
 
         if max_tokens < 1:
             return DraftTree.empty()

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import generate_batch
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_qwen_structured_workload_always_validates():
     """The bench's structured workload on the Qwen pair (llama.cpp, the machine's fastest backend):
     100% of outputs parse and validate, for plain and for speculation."""
     from specdraft.api import SpecDecoder
-    from specdraft.prompts import STRUCTURED_SCHEMA, preset_rows
+    from specdraft.core.prompts import STRUCTURED_SCHEMA, preset_rows
 
     schema = json.loads(STRUCTURED_SCHEMA.read_text())
     dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", backend="llama")

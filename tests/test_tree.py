@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import logits_of
-from specdraft.tree import DraftTree
+from specdraft.core.tree import DraftTree
 
 NEG = torch.finfo(torch.float32).min
 
@@ -45,7 +45,7 @@ def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
     """Through the model interface (the only path, for the target and draft models alike): a tree fed to a
     row scores each node as sequential decoding of its path; keeping the prefix + one path leaves a cache
     whose next step equals a directly built one."""
-    from specdraft.tree import feed_mask
+    from specdraft.core.tree import feed_mask
 
     m = smol_f32
     prompt = m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
@@ -70,7 +70,7 @@ def test_tree_scoring_and_compaction_match_sequential_decoding(smol_f32):
 
 
 def test_greedy_verify_tree_known_answers():
-    from specdraft.verify import greedy_verify_tree
+    from specdraft.core.verify import greedy_verify_tree
 
     t = _tree()  # tokens 10..15
     logits = torch.zeros(7, 20)

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft import verify
-from specdraft.config import SamplingParams
-from specdraft.sampling import probs_from_logits
-from specdraft.tree import DraftTree
-from specdraft.verify import rejection_sample_tree
+from specdraft.core import verify
+from specdraft.core.config import SamplingParams
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.tree import DraftTree
+from specdraft.core.verify import rejection_sample_tree
 from stat_util import chi2_pvalue, conditional_fit
 
 V = 5

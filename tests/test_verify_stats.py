@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft import verify
-from specdraft.config import SamplingParams
-from specdraft.sampling import probs_from_logits
-from specdraft.verify import greedy_verify, rejection_sample
+from specdraft.core import verify
+from specdraft.core.config import SamplingParams
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.verify import greedy_verify, rejection_sample
 from stat_util import emitted_counts, fit_pvalue
 
 V = 6
@@ -143,7 +143,7 @@ def test_probs_from_logits_truncation():
 
 def _off_by_one(probs, g):
     """A broken inverse CDF: the index before the right one (lands on the wrong token)."""
-    from specdraft.sampling import sample
+    from specdraft.core.sampling import sample
 
     return (sample(probs, g) - 1).clamp_min(0)
 
@@ -153,7 +153,7 @@ def test_sampler_draws_each_row_from_its_distribution(sampler, fits):
     """sampling.sample (inverse CDF over the running sum) on rows with zero-weight tokens (first, middle
     and last), unnormalized weights, and a batch of different rows: chi-square per row; a token of
     weight 0 is never drawn. The broken variant must fail."""
-    from specdraft.sampling import sample
+    from specdraft.core.sampling import sample
 
     rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
                          [3.0, 1.0, 0.0, 0.0, 2.0, 4.0],   # unnormalized
@@ -171,7 +171,7 @@ def test_sampler_draws_each_row_from_its_distribution(sampler, fits):
 def test_argmax_last_is_torchs_argmax():
     """The verifier's argmax (numpy's for float32 CPU tensors, for speed) picks what torch's picks: the
     first maximum, on views with strides, single rows and ties."""
-    from specdraft.sampling import argmax_last
+    from specdraft.core.sampling import argmax_last
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (4, 6, 50), generator=g).float()  # many ties

@@ -62,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, a.before)
     import specdraft
-    from specdraft import prompts as data
+    from specdraft.core import prompts as data
     from specdraft.models.loading import set_threads
     from specdraft.models.backends import load_model
 

@@ -34,9 +34,9 @@ $H --methods plain,prompt_lookup_ca,draft_model_k3,static_2-1-1,searched_tree,hy
 .venv/bin/python - <<'PY'
 import argparse, json
 from specdraft.api import SpecDecoder
-from specdraft.autotune import _prompts, _tree_search
+from specdraft.commands.autotune import _prompts, _tree_search
 from specdraft import prompts as data
-from specdraft.config import SamplingParams
+from specdraft.core.config import SamplingParams
 rows = _prompts(argparse.Namespace(prompts=None, n=6), data)
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype="bfloat16")
 tree = _tree_search(dec, [dec.encode(r["prompt"], chat=True) for r in rows], SamplingParams(max_new_tokens=48))

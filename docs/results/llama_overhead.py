@@ -4,7 +4,7 @@ Run: .venv/bin/python docs/results/llama_overhead.py"""
 import torch, time
 torch.set_num_threads(2)
 from specdraft.api import SpecDecoder
-from specdraft.config import SamplingParams, SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 import specdraft.models.llama as L
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", backend="llama", threads=2)
 ids = dec.encode("Write a Python function that reverses a linked list, then explain it.", chat=True)

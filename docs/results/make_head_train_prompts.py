@@ -3,7 +3,7 @@
 import json
 import sys
 
-from specdraft.prompts import default_dataset
+from specdraft.core.prompts import default_dataset
 
 BENCH_IDS = {81, 101, 121, 161, 162, 163, 241, 242, 243, 321, 322, 323, 401, 402, 403, 481, 482, 483}
 src = default_dataset()

@@ -5,7 +5,7 @@ For each batch size b the decode loop (specdraft.engine) decodes the same sequen
 --prompts) sequences (the prompts cycled), at most b rows at a time, every row generating exactly
 --max-new-tokens tokens (``ignore_eos``), greedy unless --temperature. Per (batch size, method) it
 reports total generated tokens / total wall seconds (prefill included), the speedup against plain
-at the same batch size, MAT and acceptance rate (all from specdraft.metrics), and, when greedy,
+at the same batch size, MAT and acceptance rate (all from specdraft.core.metrics), and, when greedy,
 how many rows equal plain's rows token for token. The batch policy is off unless --policy is given,
 so the raw crossover is what is measured; its defaults (config.SPEC_SHRINK_AT, config.SPEC_OFF_AT) are set from
 ``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecDraftError
+from ..core.errors import SpecDraftError
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _read_json(path: str, flag: str):
 
 
 def _specs(opts: BatchBenchOptions) -> dict[str, dict]:
-    from ..config import SpecConfig, for_method, unread
+    from ..core.config import SpecConfig, for_method, unread
 
     base = _read_json(opts.config, "--config") if opts.config else {}
     for key in ("k", "tree", "exit_layer", "skip_config"):
@@ -136,8 +136,7 @@ def _interleave(rows: list[dict], n: int) -> list[dict]:
 
 
 def summarize(records: list[dict], labels: list[str], sizes: list[int]) -> tuple[list[dict], dict]:
-    from ..metrics import (StepRecord, acceptance_rate, mean_accepted_tokens, speedup,
-                           tokens_per_second)
+    from ..core.metrics import StepRecord, acceptance_rate, mean_accepted_tokens, speedup, tokens_per_second
 
     rows, crossover = [], {}
     for b in sizes:
@@ -198,7 +197,7 @@ def _policy(policy: str | None):
     """--policy SHRINK,OFF -> a BatchRule (None: no policy, the raw crossover)."""
     if not policy:
         return None
-    from ..policy import BatchRule
+    from ..core.policy import BatchRule
 
     v = _ints(policy, "policy")
     if len(v) != 2:
@@ -214,13 +213,14 @@ class _Runner:
         self.dec, self.specs, self.sp, self.policy = dec, specs, sp, policy
 
     def __call__(self, label: str, b: int, n_tokens: int, seqs: list[list[int]]):
-        from ..config import SamplingParams, SpecConfig
+        from ..core.config import SamplingParams, SpecConfig
         from ..engine import generate_batch
 
         dec, d = self.dec, self.specs[label]
         s = SamplingParams(**{**self.sp.to_dict(), "max_new_tokens": n_tokens})
-        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(SpecConfig.from_dict(d)),
-                 dec.draft_length(SpecConfig.from_dict(d))) for i, p in enumerate(seqs)]
+        spec = SpecConfig.from_dict(d)
+        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(spec), dec.draft_length(spec),
+                 spec.lossy_rule()) for i, p in enumerate(seqs)]
         t0 = time.perf_counter()
         out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy,
                              max_batch=b)
@@ -229,9 +229,9 @@ class _Runner:
 
 def main_batchbench(opts: BatchBenchOptions) -> int:
     from ..api import SpecDecoder
-    from ..config import SamplingParams
-    from ..methods import method
-    from ..prompts import load_prompts
+    from ..core.config import SamplingParams
+    from ..drafters.registry import method
+    from ..core.prompts import load_prompts
 
     sizes = _ints(opts.batch_sizes, "batch-sizes")
     if opts.prompts < 1 or opts.max_new_tokens < 1 or opts.repeats < 1:
@@ -259,7 +259,7 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
               "repeats": opts.repeats, "policy": opts.policy, "chat": not opts.no_chat, "specs": specs,
               "definitions": "tokens_per_s = generated tokens / wall s of the whole batch run (prefill included); "
                              "speedup = tokens_per_s / plain's at the same batch size; MAT and acceptance rate over "
-                             "every verification step of every row (specdraft.metrics)"}
+                             "every verification step of every row (specdraft.core.metrics)"}
     summary, crossover = measure(run, prompts, labels, sizes, opts.repeats, opts.max_new_tokens, sp.greedy,
                                  lambda records: _save(opts.out, config, records, labels, sizes))
     print_summary(summary, crossover)

@@ -21,7 +21,7 @@ import glob
 import json
 import sysconfig
 
-from .. import prompts
+from ..core import prompts
 
 
 def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int = 25_000_000,

@@ -1,5 +1,5 @@
 """``specdraft costs``: what one target forward costs for n new tokens on a cached context, per
-backend, weights and draft shape (the measurement is ``specdraft.costs``).
+backend, weights and draft shape (the measurement is ``specdraft.models.cost_curve``).
 """
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..costs import cpu_name, measure_costs
-from ..flags import add_backend_arg, add_draft_backend_arg
+from ..models.cost_curve import cpu_name, measure_costs
+from ..drafters.flags import add_backend_arg, add_draft_backend_arg
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def add_parser(sub):
 
 
 def main_costs(opts: CostsOptions) -> int:
-    from ..errors import SpecDraftError
+    from ..core.errors import SpecDraftError
     from ..models.backends import backend
     from ..models.loading import set_threads
     from ..models.backends import load_model
@@ -132,7 +132,7 @@ def print_break_even(name: str, target: dict[int, float], draft: tuple[str, dict
     """A step of k draft tokens (k one-token draft forwards, then one target forward of k + 1): its cost
     in plain target tokens, and the acceptance it needs to beat the target's plain decoding and the draft's own
     (for a self-draft, its low-bit file decoding plainly: what the speculation must outrun to be worth it)."""
-    from ..policy import interpolate
+    from ..core.policy import interpolate
 
     one, d1 = target[min(target)], draft[1][min(draft[1])]
     print(f"\n{name} drafted by {draft[0]} (chain of k): a step costs k x {d1:.0f} ms + the target's forward of k + 1")

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from .. import methods
+from ..drafters import registry as methods
 from ..scale import cluster
-from ..config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
-from ..errors import ConfigError, SpecDraftError
+from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
+from ..core.errors import ConfigError, SpecDraftError
 from ..models.backends import BACKENDS
-from ..fidelity import output_terms
-from .. import prompts as data
+from ..core.fidelity import output_terms
+from ..core import prompts as data
 from .report import render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
@@ -265,7 +265,7 @@ def environment(dtype: str, threads: int) -> dict:
         except Exception:
             return None
 
-    from ..costs import cpu_name
+    from ..models.cost_curve import cpu_name
 
     try:
         from importlib.metadata import version
@@ -308,7 +308,7 @@ def top2_gap_at(target, prompt_ids: list[int], ref_tokens: list[int], pos: int, 
         logits = rows.forward([[t]])[0, -1]
         rows.commit([1])
     if sp is not None and sp.processed:
-        from ..processors import RequestProcessor
+        from ..core.processors import RequestProcessor
 
         proc = RequestProcessor.for_request(sp, prompt_ids, target.vocab_size, target.eos_token_ids(), target.tokenizer)
         proc.commit(ref_tokens[:pos])

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import SamplingParams, SpecConfig
+from ..core.config import SamplingParams, SpecConfig
 from ..drafters import datastore as ds
+from ..drafters.base import StepOutcome
 from ..drafters.suffix import SuffixDrafter
 from ..drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter
 
@@ -123,10 +124,11 @@ def time_token_recycling(vocab: int) -> dict:
     d = TokenRecyclingDrafter(SpecConfig(method="token_recycling", recycle_branching=[8, 2, 2, 1]), vocab, tab)
     logits = torch.randn(58, vocab)
     rows = torch.randint(0, vocab, (58,))
-    d.observe_target(rows, logits)
+    step = StepOutcome(rows, logits)
+    d.observe(step)
     t0 = time.perf_counter()
     for _ in range(20):
-        d.observe_target(rows, logits)
+        d.observe(step)
     out["token_recycling_update_ms_58_rows"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
     tab.table.copy_(torch.randint(0, vocab, tab.table.shape, dtype=torch.int32))  # every row known: full tree
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Aggregate a results file into tables and plots. All metrics come from specdraft.metrics."""
+"""Aggregate a results file into tables and plots. All metrics come from specdraft.core.metrics."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ import statistics
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
-from ..metrics import (StepRecord, acceptance_rate, fidelity_z, mean_accepted_tokens, per_position_acceptance, speedup,
-                       tokens_per_second)
-from ..prompts import TASKS
+from ..core.metrics import (
+    StepRecord,
+    acceptance_rate,
+    fidelity_z,
+    mean_accepted_tokens,
+    per_position_acceptance,
+    speedup,
+    tokens_per_second,
+)
+from ..core.prompts import TASKS
 
 
 OTHER_BASES = ("plain", "hf_generate", "llama_cpp", "ov_genai")  # extra speedup columns, when in the run

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
+from ..core.config import SamplingParams, SpecConfig
 from ..drafters.remote_draft import PREFETCHED
 
 
@@ -50,7 +50,7 @@ class HFRunner:
         self.mode = mode
         self.lookup_tokens = lookup_tokens
         if mode == "assisted" and dec.draft is None:
-            from ..errors import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(f"{name} needs a draft model (--draft NAME)")
         self.assistant = dec.draft.model if dec.draft is not None else None

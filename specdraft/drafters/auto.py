@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Bool, param
-from ..policy import interpolate
+from ..core.config import Bool, param
+from ..core.policy import interpolate
 from .base import Drafter, NoDrafter
 from .composite import Composite, plan_of
 from .suffix import SuffixAutomaton
@@ -291,17 +291,19 @@ class AutoDrafter(Composite):
     def combine(self, own, model):
         d = self.arms[self.current].drafter
         tree = d.combine(own, model) if isinstance(d, Composite) else Composite.combine(self, own, model)
-        for p in self.parts:  # a head's drafter keeps the target's features of the verified path, whoever drafted
-            if p is not d:
-                p.seen_draft(tree)
         self._size = tree.size
         self._model = model.size if model is not None else 0
         return tree
 
-    def feedback(self, num_accepted, emitted):
-        super().feedback(num_accepted, emitted)
-        if self.current is None or self.cap <= 0:  # a step that could not draft says nothing of its arm
-            return
+    def observe(self, step):
+        super().observe(step)  # every part (a head's drafter keeps the features of the path, whoever drafted)
+        if self.current is not None and self.cap > 0:  # a step that could not draft says nothing of its arm
+            self._credit(step.accepted)
+        if step.batch == 1 and self.costs.observed is not None:  # the start-up curve is for a batch of one
+            self.costs.observed.observe(step.scored, step.seconds)
+
+    def _credit(self, num_accepted: int) -> None:
+        """The chosen arm's step: its tokens and its priced seconds, into the context's estimates."""
         seconds = self.pricing.step(1 + self._size, self._model)
         self.budget.elapsed += seconds + self._catch_up
         if self.exploring:  # what the step lost against the best arm known when it was chosen
@@ -310,10 +312,6 @@ class AutoDrafter(Composite):
         if self.memory is not None:
             self.memory.add((self.ctx, self.arms[self.current].name), num_accepted + 1, seconds)
         self.current, self._size, self._model = None, 0, 0
-
-    def observe_step(self, scored, seconds, batch):
-        if batch == 1 and self.costs.observed is not None:  # the start-up curve is for a batch of one
-            self.costs.observed.observe(scored, seconds)
 
 
 AHEAD = 128  # the most tokens ahead that exploration's budget counts on

@@ -1,9 +1,12 @@
 """The drafter protocol, in the spirit of transformers' CandidateGenerator, used at every batch size.
 
 A drafter serves one request. It is told the request begins (``begin``), asked for a draft given
-the tokens so far (``propose``), shown the target's logits of every fed position
-(``observe_target``), told what the verifier kept (``feedback``) and what the step cost
-(``observe_step``). It returns a DraftTree; a chain is a tree. When sampling, a drafter that samples
+the tokens so far (``propose``, which returns a DraftTree; a chain is a tree) and, once per step, shown
+the step's outcome (``observe``: the target's logits and features of every fed position, the draft the
+target verified, what the verifier kept, what the step cost). The engine owns everything else: the
+verification rule (exact or a request's opt-in lossy rule), the request's processing (penalties, a
+grammar; a drafter that samples reads ``processor`` to process its own logits the same way), the
+cache and the stop conditions. When sampling, a drafter that samples
 must sample from ``probs_from_logits`` of its own logits with the request's SamplingParams and return
 those distributions as ``draft_probs``; a deterministic drafter returns ``draft_probs=None`` (one-hot).
 
@@ -14,24 +17,43 @@ group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from ..tree import DraftTree
+from ..core.tree import DraftTree
+
+
+@dataclass
+class StepOutcome:
+    """What a step showed one row's drafter (``Drafter.observe``)."""
+
+    fed: torch.Tensor  # [n + 1] the tokens fed (the pending token, then the draft's nodes)
+    logits: torch.Tensor  # [n + 1, V] the target's raw logits at those positions
+    hidden: torch.Tensor | None = None  # [n_fed, H] their final-norm features, only when wants_hidden
+    # (a request's first step: its prompt's positions first)
+    draft: DraftTree | None = None  # the draft the target verified (as fed: cut to the cache's room, pruned)
+    accepted: int = 0  # draft tokens the verifier kept
+    emitted: list[int] = ()  # the tokens appended: the accepted drafts and the target's next token
+    seconds: float = 0.0  # the step's target side (forward + verification), for the whole batch
+    batch: int = 1  # rows in the step
+
+    @property
+    def scored(self) -> int:
+        return int(self.fed.shape[0])
 
 
 class Drafter:
     """Base class with the protocol's declared defaults; every drafter derives from it."""
 
     name = "drafter"
-    wants_hidden = False  # observe_target also gets the target's final-norm features (Medusa, EAGLE)
-    lossy = None  # the opt-in lossy verification rule (SpecConfig.lossy); set by SpecDecoder.make_drafter
+    wants_hidden = False  # observe also gets the target's final-norm features (Medusa, EAGLE)
     group_key = None  # drafters with the same key draft together through one DraftGroup
     reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
     arm = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
-    processor = None  # the request's RequestProcessor (processors.py) or None; set by the engine before begin
-    reads_fed_positions = False  # observe_target indexes the fed draft as proposed: the engine must not prune it
+    processor = None  # the request's RequestProcessor (core/processors.py) or None; set by the engine before begin
+    reads_fed_positions = False  # observe indexes the fed draft as proposed: the engine must not prune it
     forced_tokens = 16  # under a grammar, append up to this many tokens it forces to a chain (0: never)
 
     def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
@@ -41,23 +63,9 @@ class Drafter:
         """Draft continuing ``tokens`` (prompt + output so far), at most ``max_tokens`` deep."""
         return DraftTree.empty()
 
-    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """After the target's forward: ``logits`` [n + 1, V] of the fed pending token and draft nodes,
-        ``row_tokens`` [n + 1] the token each row predicts the successor of; ``hidden`` (only when
-        ``wants_hidden``) the final-norm features [n_fed, H] of every position fed (a request's first
-        step: its prompt's too)."""
-
-    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
-        """The verifier kept ``num_accepted`` draft tokens; ``emitted`` is what was appended."""
-
-    def seen_draft(self, draft: DraftTree) -> None:
-        """Inside a composite (auto): another part drafted the ``draft`` the target verifies this step
-        (a head's drafter then keeps the target's features of its accepted path)."""
-
-    def observe_step(self, scored: int, seconds: float, batch: int) -> None:
-        """After the verification of every step: the target forward scored ``scored`` tokens for this row
-        and the step's target side took ``seconds`` with ``batch`` rows (``auto`` corrects its cost curve
-        from the steps of a batch of one)."""
+    def observe(self, step: StepOutcome) -> None:
+        """After every step's verification, before its tokens are appended to the request's: what the
+        target scored and kept (inside a composite, whichever part drafted ``step.draft``)."""
 
     def max_draft_depth(self) -> int | None:
         """The deepest draft this drafter makes per step (what the batch rule shrinks); None = as

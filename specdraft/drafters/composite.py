@@ -13,8 +13,10 @@ drafts per row through ``propose``, the same plan and combine.
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from ..tree import DraftTree
+import dataclasses
+
+from ..core.errors import ConfigError
+from ..core.tree import DraftTree
 from .base import Drafter
 
 
@@ -55,13 +57,10 @@ class Composite(Drafter):
     def propose(self, tokens, max_tokens):  # no grouped part (rows with one draft through CompositeGroup)
         return self.combine(self.plan(tokens, max_tokens)[0], None)
 
-    def observe_target(self, row_tokens, logits, hidden):
+    def observe(self, step):
+        bare = dataclasses.replace(step, hidden=None)
         for p in self.parts:
-            p.observe_target(row_tokens, logits, hidden if p.wants_hidden else None)
-
-    def feedback(self, num_accepted, emitted):
-        for p in self.parts:
-            p.feedback(num_accepted, emitted)
+            p.observe(step if p.wants_hidden else bare)
 
     def max_draft_depth(self):
         depths = [p.max_draft_depth() for p in self.parts]

@@ -27,10 +27,10 @@ import string
 
 import torch
 
-from ..config import SpecConfig
-from ..errors import TokenizerMismatchError
-from ..sampling import probs_from_logits, sample
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.errors import TokenizerMismatchError
+from ..core.sampling import probs_from_logits, sample
+from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
 
 WINDOW = 8  # draft tokens of context decoded with the draft, to cut the draft's own text out

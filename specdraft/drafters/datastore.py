@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DatastoreError
-from ..jsonl import iter_jsonl
+from ..core.errors import DatastoreError
+from ..core.jsonl import iter_jsonl
 
 FORMAT = "specdraft-suffix-datastore"
 VERSION = 1

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import SpecConfig
-from ..sampling import argmax_last, probs_from_logits, sample
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.sampling import argmax_last, probs_from_logits, sample
+from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
 from .prompt_lookup import find_candidate
 from .tree_grower import TreeGrower

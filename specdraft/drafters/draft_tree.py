@@ -17,7 +17,7 @@ stay exact. Greedy takes the top ranks.
 
 from __future__ import annotations
 
-from ..config import SpecConfig
+from ..core.config import SpecConfig
 from .draft_model import DraftModelDrafter
 from .tree_grower import TreeGrower
 

@@ -8,7 +8,7 @@ tokens: feed the verified pairs not yet in the head's cache (the last one is (f_
 pending token), sample or take the argmax, then feed (predicted feature, drafted token) k - 1 times.
 
 Feature state, kept simple: ``feats`` holds the target's features of every verified position
-(appended in ``feedback`` from the rows the engine passes to ``observe_target``); the head's cache
+(appended in ``observe`` from the accepted path's rows of the step's features); the head's cache
 is cropped back, every step, to the positions it was fed with true features (``n_true``), so
 predicted features never stay in it.
 
@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
-from ..heads import EagleHead, embed_of, lm_head_of
+from ..core.config import SamplingParams, SpecConfig
+from ..models.heads import EagleHead, embed_of, lm_head_of
 from ..models.base import TargetModel
-from ..sampling import probs_from_logits, sample
-from ..tree import DraftTree
+from ..core.sampling import probs_from_logits, sample
+from ..core.tree import DraftTree
 from .base import Drafter
 from .tree_grower import TreeGrower
 from .medusa import accepted_rows
@@ -140,18 +140,11 @@ class EagleDrafter(TreeGrower, Drafter):
             self._pf[i] = out[j]
         return self.logits(out)
 
-    def seen_draft(self, draft: DraftTree) -> None:
-        """Another drafter's draft is verified this step (a composite's arm drafted): feedback then keeps
-        the features of its accepted path."""
-        self._draft = draft
-
-    def observe_target(self, row_tokens, logits, hidden) -> None:
-        self._hidden = hidden
-
-    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
-        rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
-        self.feats = torch.cat([self.feats, self._features(self._hidden[rows]).to(self.feats.dtype)])
-        self._hidden = None
+    def observe(self, step) -> None:
+        """Keeps the target's features of the verified draft's accepted path (whoever drafted it: inside
+        auto, another arm may have)."""
+        rows = accepted_rows(step.draft, step.hidden.shape[0], step.accepted, step.emitted)
+        self.feats = torch.cat([self.feats, self._features(step.hidden[rows]).to(self.feats.dtype)])
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The feature this head reads from the target's [n, H * blocks] (block 0: the final norm's)."""

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SpecConfig
-from ..errors import ConfigError
-from ..heads import Eagle3Head
+from ..core.config import SpecConfig
+from ..core.errors import ConfigError
+from ..models.heads import Eagle3Head
 from ..models.base import TargetModel
 from .eagle import EagleDrafter
 

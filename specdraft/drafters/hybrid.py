@@ -13,7 +13,7 @@ lossless sampling (their draft distributions differ per node), so sampling reque
 
 from __future__ import annotations
 
-from ..tree import merge_trees
+from ..core.tree import merge_trees
 from .composite import Composite, plan_of
 from .suffix import SuffixDrafter
 

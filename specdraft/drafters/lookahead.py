@@ -10,7 +10,7 @@ is a token tree. The verification branch (up to G pooled n-grams whose first tok
 context token, merged into a trie) hangs off the root too, and the engine's greedy tree verifier
 keeps the deepest path the target agrees with, from either branch: lossless by construction.
 
-After the forward (``observe_target``) the target's argmax at each column's top level is the new
+After the forward (``observe``) the target's argmax at each column's top level is the new
 level; (column's N - 1 tokens + that argmax) is an n-gram for the pool (keyed by its first token,
 most recent first, at most G per key); the oldest level is dropped. The window is not re-aligned
 when several tokens are accepted (as in the reference implementation).
@@ -28,15 +28,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import SpecConfig
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.tree import DraftTree
 from .base import Drafter
 from .prompt_lookup import trie
 
 
 class LookaheadDrafter(Drafter):
     name = "lookahead"
-    reads_fed_positions = True  # observe_target reads the Jacobi window's rows of the fed tree
+    reads_fed_positions = True  # observe reads the Jacobi window's rows of the fed tree
 
     def __init__(self, spec: SpecConfig):
         self.W, self.N, self.G = spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_max_ngrams
@@ -88,7 +88,8 @@ class LookaheadDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return self.W + self.N - 2  # Jacobi window + verification branch
 
-    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden=None) -> None:
+    def observe(self, step) -> None:
+        logits = step.logits
         if not self._top:
             return  # the window did not fit this step: keep it as it is
         new = logits[[1 + i for i in self._top]].argmax(dim=-1).tolist()  # W rows, not the vocabulary
@@ -97,5 +98,3 @@ class LookaheadDrafter(Drafter):
         self.levels = self.levels[1:] + [new]
         self._top = []
 
-    def feedback(self, num_accepted, emitted):
-        pass

@@ -15,7 +15,7 @@ Verification stays lossless with the engine's verifiers:
   ``drafters/draft_tree.py`` does; ``verify.rejection_sample_tree`` is exact for such trees
   (docs/design.md, token trees). The tree shape never depends on the drawn values.
 
-The feature comes from the engine: the drafter sets ``wants_hidden`` and its ``observe_target``
+The feature comes from the engine: the drafter sets ``wants_hidden`` and its ``observe``
 receives the target's features of every fed position; ``feedback`` keeps the one of the last
 accepted position. The first step (prefill) has no feature yet and drafts nothing.
 """
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
-from ..errors import ConfigError
-from ..heads import MedusaHeads, lm_head_of
+from ..core.config import SamplingParams, SpecConfig
+from ..core.errors import ConfigError
+from ..models.heads import MedusaHeads, lm_head_of
 from ..models.base import TargetModel
-from ..sampling import probs_from_logits
-from ..tree import DraftTree
+from ..core.sampling import probs_from_logits
+from ..core.tree import DraftTree
 from .base import Drafter
 from .tree_grower import choices_from_branching
 
@@ -154,10 +154,6 @@ class MedusaDrafter(Drafter):
         self._draft = DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long), probs)
         return self._draft
 
-    def observe_target(self, row_tokens, logits, hidden) -> None:
-        self._hidden = hidden
-
-    def feedback(self, num_accepted: int, emitted: list[int]) -> None:
-        rows = accepted_rows(self._draft, self._hidden.shape[0], num_accepted, emitted)
-        self.feat = self._hidden[rows[-1], : self.heads.hidden].clone()  # the final norm's block (models/base.py)
-        self._hidden = None
+    def observe(self, step) -> None:
+        rows = accepted_rows(step.draft, step.hidden.shape[0], step.accepted, step.emitted)
+        self.feat = step.hidden[rows[-1], : self.heads.hidden].clone()  # the final norm's block (models/base.py)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..config import SpecConfig
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.tree import DraftTree
 from .base import Drafter
 
 
@@ -76,5 +76,3 @@ class PromptLookupDrafter(Drafter):
         cand = find_candidate(arr, self.spec.min_ngram, self.spec.max_ngram, k)
         return DraftTree.chain(torch.from_numpy(cand.copy()))
 
-    def feedback(self, num_accepted, emitted):
-        pass

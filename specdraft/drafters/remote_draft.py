@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Bool, Int, OptStr, param
-from ..tree import DraftTree
+from ..core.config import Bool, Int, OptStr, param
+from ..core.tree import DraftTree
 from .base import Drafter, common_prefix
 
 PREFETCHED, DRAFTED = "prefetched", "drafted"  # the step's arm: made while the last step was verified, or not

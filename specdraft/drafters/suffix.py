@@ -24,8 +24,8 @@ import math
 import numpy as np
 import torch
 
-from ..config import SpecConfig
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.tree import DraftTree
 from .base import Drafter
 
 
@@ -279,5 +279,3 @@ class SuffixDrafter(Drafter):
         """The length of the match the last proposal drafted from (the automaton's, or the datastore's)."""
         return self._g_m if self.last_source == "global" else self.sam.match_len()
 
-    def feedback(self, num_accepted, emitted):
-        pass

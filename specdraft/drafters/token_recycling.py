@@ -2,7 +2,7 @@
 
 An adjacency table ``M`` [V, top_k] (int32) holds, for each token id, the target's top-k next tokens
 the last time that token was scored. After every target forward the engine hands the drafter the
-rows' logits [n + 1, V] and each row's token (``observe_target``); one batched ``topk`` over the rows
+rows' logits [n + 1, V] and each row's token (``observe``); one batched ``topk`` over the rows
 and one indexed write refresh the table (``M[row_tokens] = topk(logits).indices``), no loop over the
 vocabulary. Rows never observed are -1 and draft nothing.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SpecConfig
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.tree import DraftTree
 from .base import Drafter
 
 
@@ -95,8 +95,8 @@ class TokenRecyclingDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return len(self.branching)
 
-    def observe_target(self, row_tokens: torch.Tensor, logits: torch.Tensor, hidden=None) -> None:
-        self.adj.update(row_tokens, logits)
+    def observe(self, step) -> None:
+        self.adj.update(step.fed, step.logits)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         depth = min(len(self.branching), max_tokens)

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from ..config import SpecConfig
-from ..sampling import probs_from_logits, sample
-from ..tree import DraftTree
+from ..core.config import SpecConfig
+from ..core.sampling import probs_from_logits, sample
+from ..core.tree import DraftTree
 
 
 def choices_from_branching(branching: list[int]) -> list[tuple[int, ...]]:

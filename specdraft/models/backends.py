@@ -6,8 +6,11 @@
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
 ``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an attention-bias input replaces its mask).
 
-Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here; the
-CLI's ``--backend`` choices, ``SpecDecoder.load`` and the method checks read this table.
+Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here. The entry
+describes the backend: what it offers (token trees, the target's features, layer views: the methods that
+need them read ``offers``), the paths ``--backend auto`` and ``specdraft doctor`` measure on it, and the
+check doctor runs. The CLI's ``--backend`` choices, ``SpecDecoder.load``, the method registry, the paths
+and doctor read this table; nothing else names a backend.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
+
+
+OFFERS = ("trees", "hidden", "layers")  # token trees scored; final-norm features handed over; layer views
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,13 @@ class Backend:
     summary: str
     load: Callable  # (name_or_path, dtype, num_layers) -> a TargetModel
     uses_dtype: bool  # whether --dtype means anything (a GGUF file carries its own weight types)
+    offers: frozenset = frozenset()  # of OFFERS
+    paths: tuple[str, ...] = ()  # what doctor measures here (models/paths.py); the first: what auto measures
+    check: Callable | None = None  # (report) -> whether it runs here; doctor's lines on it (report.say / .problem)
+
+    def __post_init__(self):
+        assert set(self.offers) <= set(OFFERS), f"backend {self.name!r}: unknown offers {set(self.offers) - set(OFFERS)}"
+        assert all(p.partition(":")[0] == self.name for p in self.paths), f"backend {self.name!r}: paths {self.paths}"
 
 
 def _load_hf(name_or_path: str, dtype, num_layers: int | None):
@@ -85,12 +98,34 @@ def _load_openvino(name_or_path: str, dtype, num_layers: int | None):
     return OVModel(path, load_tokenizer(tok_from), name=name_or_path)
 
 
+def _check_llama(report) -> bool:
+    from .llama_setup import check_build
+
+    return check_build(report)
+
+
+def _check_openvino(report) -> bool:
+    import importlib.util
+
+    ok = importlib.util.find_spec("openvino") is not None
+    report.say("openvino", "installed" if ok else "not installed (requirements.txt)")
+    return ok
+
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True),
-    Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False),
+    Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
+            offers=frozenset(OFFERS), paths=("hf", "hf:w8a8")),
+    Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
+            offers=frozenset({"trees"}), paths=("llama",), check=_check_llama),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
-                        "verification, chains and trees", _load_openvino, False),
+                        "verification, chains and trees", _load_openvino, False,
+            offers=frozenset({"trees"}), paths=("openvino",), check=_check_openvino),
 ]}
+
+
+def offering(need: str | None) -> tuple[str, ...]:
+    """The backends that offer ``need`` (one of OFFERS; None: every backend), read now (an entry added later counts)."""
+    return tuple(n for n, b in BACKENDS.items() if need is None or need in b.offers)
 
 
 def backend(name: str) -> Backend:

@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ModelFileError, SpecDraftError
+from ..core.errors import ModelFileError, SpecDraftError
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def check_cache_layout(model) -> None:
     cache layers do not follow (they would decode at wrong positions after a tree step)."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
     if kinds - {"DynamicLayer"}:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(f"{type(model).__name__} uses cache layers {sorted(kinds)} (sliding-window or hybrid "
                           "attention); specdraft supports full-attention caches only (DynamicLayer)")
@@ -110,7 +110,7 @@ class HFModel:
         n = self.num_layers
         bad = [i for i in layers if not 1 <= int(i) <= n]
         if bad or self._layers() is None:
-            from ..errors import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(f"{self.name} has no decoder layer output {bad or list(layers)} to hand over "
                               f"(hidden-states indices 1..{n} of model.model.layers)")
@@ -123,7 +123,7 @@ class HFModel:
         model code is not forked."""
         norm = self._final_norm()
         if norm is None:
-            from ..errors import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(f"{type(self.model).__name__} has no model.norm; Medusa/EAGLE heads need the final norm")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ContextLengthError, ModelFileError
+from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from .base import Capabilities
 
 PIN = "llama-cpp-python==0.3.36"  # requirements-llama.txt; built from source by `make setup`

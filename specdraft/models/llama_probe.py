@@ -124,7 +124,7 @@ def _key(path: Path) -> str:
 def _seen(file: Path) -> dict:
     """The kept verdicts, {"NAME:SIZE": probe_record's dict}; a cache, so a bad file is said and probed again.
     (Imported here: this module also runs as the child script, outside the package.)"""
-    from specdraft import homefiles as h
+    from ..core import homefiles as h
 
     verdict = h.obj({"extra_bufts": h.nullable(h.BOOL), "crashed": h.BOOL, "default": h.TEXT,
                      "fallback": h.nullable(h.TEXT)}, required=("extra_bufts", "crashed", "default", "fallback"))

@@ -151,6 +151,54 @@ def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=pro
              "(--backend hf works); the probe's outcomes are under " + str(root))
 
 
+def build_variant(works) -> str:
+    """The llama.cpp variant `make setup` installed, from its marker file (or what is wrong with the marker)."""
+    if not works.exists():
+        return "not built by `make setup` here"
+    try:
+        name = works.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        name = None
+    return name if name in [v[0] for v in VARIANTS] else f"unknown ({works} names no variant; `make setup` rewrites it)"
+
+
+def check_build(r) -> bool:
+    """``specdraft doctor``'s lines on llama.cpp (``r``: its report): the build and the probe's verdict on
+    SmolLM2's GGUF file when it is pulled; -> whether the backend works here."""
+    import importlib.metadata as md
+
+    from .catalog import gguf_path, status
+
+    ready = [s["name"] for s in status() if s["dense"]]
+    model_path = gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
+    try:
+        version = md.version("llama_cpp_python")
+    except md.PackageNotFoundError:
+        r.problem("llama", "llama-cpp-python is not installed (`make setup` builds it)")
+        return False
+    variant = build_variant(cache_root() / "works")
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    cpu = next((p.split("CPU :", 1)[1] for p in info.split("\n") if "CPU :" in p), info)
+    on = [kv.split("=")[0].strip() for kv in cpu.split("|") if kv.strip().endswith("= 1")]
+    r.say("llama", f"llama-cpp-python {version}, build {variant}; compiled for {' '.join(on)}")
+    if model_path is None:
+        r.say("probe", "skipped: no GGUF model pulled yet (`make models`)")
+        return True
+    rec = probe_record(model_path)
+    if rec["extra_bufts"]:
+        r.say("probe", f"{model_path.name}: default buffers {rec['default']}")
+    elif rec["extra_bufts"] is False:
+        r.say("probe", f"{model_path.name}: default buffers {rec['default']}; loads without extra buffer types "
+                       f"({rec['fallback']}); `make setup` rebuilds llama.cpp without the feature that crashes")
+    else:
+        r.problem("probe", f"{model_path.name}: llama.cpp {rec['default']} (default buffers), {rec['fallback']} "
+                           "(without extra buffer types): the llama backend is unusable here")
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("venv", nargs="?", default=".venv")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, ModelFileError, TokenizerMismatchError
+from ..core.errors import ConfigError, ModelFileError, TokenizerMismatchError
 from . import catalog
 from .hf import HFModel
 

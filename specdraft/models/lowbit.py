@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 DEFAULT_GROUP = 128
 GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ContextLengthError, ModelFileError
+from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from .base import Capabilities
 
 PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
@@ -93,7 +93,7 @@ def _stamp(d: Path) -> dict:
     said and left out (the IR is made and checked again)."""
     import sys
 
-    from .. import homefiles as h
+    from ..core import homefiles as h
 
     schema = h.obj({"source": h.TEXT, "median_diff": h.NUMBER, "max_diff": h.NUMBER, "argmax_agree": h.BOOL})
     try:

@@ -14,8 +14,8 @@ import ctypes
 import json
 from pathlib import Path
 
-from .. import homefiles
-from ..errors import ConfigError, ModelFileError
+from ..core import homefiles
+from ..core.errors import ConfigError, ModelFileError
 from . import catalog
 
 TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .hf import HFModel
 
 

@@ -14,7 +14,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from ..errors import ConfigError, SpecDraftError
+from ..core.errors import ConfigError, SpecDraftError
 
 
 def require_ray():
@@ -47,7 +47,7 @@ def connect(address: str | None = None, num_cpus: int | None = None):
 
 def node_info() -> dict:
     """Where this process runs: recorded with every result a Ray worker produces."""
-    from ..costs import cpu_name
+    from ..models.cost_curve import cpu_name
 
     return {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count()}
 

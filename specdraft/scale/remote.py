@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import ConfigError
-from ..sampling import argmax_last  # numpy's argmax: torch's takes 1-7 ms over Qwen's vocabulary
+from ..core.errors import ConfigError
+from ..core.sampling import argmax_last  # numpy's argmax: torch's takes 1-7 ms over Qwen's vocabulary
 
 
 class ModelSide:
@@ -26,8 +26,8 @@ class ModelSide:
         self.model = load_model(**source)
 
     def costs(self, ns: list[int], threads: int) -> dict[int, float]:
-        """ms per forward of n tokens (specdraft/costs.py), on ``threads`` threads for this measurement."""
-        from ..costs import measure_costs
+        """ms per forward of n tokens (specdraft/models/cost_curve.py), on ``threads`` threads for this measurement."""
+        from ..models.cost_curve import measure_costs
         from ..models.loading import set_threads
 
         set_threads(threads)

@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..api import ModelSettings
-from ..config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
-from ..errors import SpecDraftError
-from ..methods import REGISTRY, method as registered
-from .metrics import ServerMetrics
+from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
+from ..core.errors import SpecDraftError
+from ..drafters.registry import REGISTRY, method as registered
+from .prometheus import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
 from .batch_worker import BatchWorker

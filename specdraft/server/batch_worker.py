@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 
-from ..config import SPEC_OFF_AT, SPEC_SHRINK_AT
+from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..engine import Engine
-from ..errors import SpecDraftError
-from ..policy import BatchRule
+from ..core.errors import SpecDraftError
+from ..core.policy import BatchRule
 from .scheduler import BaseWorker, log, make_drafter
 
 
@@ -55,7 +55,7 @@ class BatchWorker(BaseWorker):
         for job in jobs:
             try:
                 items.append((job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), wrap(job), job,
-                              self.decoder.draft_length(job.spec)))
+                              self.decoder.draft_length(job.spec), job.spec.lossy_rule()))
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):
                     log.exception("making the drafter of request %s failed", job.id)

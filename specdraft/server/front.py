@@ -16,8 +16,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .app import (LOOPBACK_HOSTS, MAX_BODY_BYTES, add_playground, drain_check, health_details, key_check, origin_check,
-                  read_body)
+from .app import (
+    LOOPBACK_HOSTS,
+    MAX_BODY_BYTES,
+    add_playground,
+    drain_check,
+    health_details,
+    key_check,
+    origin_check,
+    read_body,
+)
 from .protocol import RequestError
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}

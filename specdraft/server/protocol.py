@@ -23,10 +23,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
-from ..errors import ConfigError, ContextLengthError, SpecDraftError
+from ..core.config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
+from ..core.errors import ConfigError, ContextLengthError, SpecDraftError
 from ..engine import check_fits
-from ..processors import RequestProcessor
+from ..core.processors import RequestProcessor
 from .pacing import STREAM_MODES
 
 

@@ -12,8 +12,8 @@ import os
 import stat
 import threading
 
-from ..config import PATH_FIELDS
-from ..errors import SpecDraftError
+from ..core.config import PATH_FIELDS
+from ..core.errors import SpecDraftError
 from .protocol import RequestError
 from .scheduler import shutdown_error
 
@@ -61,7 +61,7 @@ def check_all(resources: dict[str, dict[str, str]]) -> None:
 
 
 def _loaders():
-    from ..arms import load_file
+    from ..drafters.arms import load_file
     from ..models.views import load_skip_config
 
     return {"head": lambda dec, spec: dec.head(spec), "datastore": lambda dec, spec: dec.datastore(spec.datastore),

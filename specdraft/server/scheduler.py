@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import deque
 
-from ..errors import SpecDraftError
+from ..core.errors import SpecDraftError
 
 log = logging.getLogger("specdraft.server")
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from ..api import ModelSettings
-from ..costs import cpu_name
-from ..errors import SpecDraftError
-from ..flags import add_model_args
+from ..models.cost_curve import cpu_name
+from ..core.errors import SpecDraftError
+from ..drafters.flags import add_model_args
 
 K_EVENTS = 32  # events per request the features describe (zero-padded)
 CLASSES = ("Repeat the following text word for word.\n\n{p}", "Write a short poem about the following text.\n\n{p}")
@@ -158,7 +158,7 @@ def calibrate_interval(url: str, bodies: list[dict], chunk: int, margin: float) 
 
 
 def main_leak(opts: LeakOptions) -> int:
-    from ..prompts import default_dataset
+    from ..core.prompts import default_dataset
     from ..server.local import serve_in_thread
     from ..server.pacing import StreamPacing
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from ..errors import SpecDraftError
-from ..metrics import mean_accepted_tokens_from_totals
+from ..core.errors import SpecDraftError
+from ..core.metrics import mean_accepted_tokens_from_totals
 from .client import PROMPTS, pct, send
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -6,10 +6,10 @@ import json, sys
 from pathlib import Path
 
 from specdraft.api import SpecDecoder
-from specdraft.costs import measure_costs
+from specdraft.models.cost_curve import measure_costs
 from specdraft.models.loading import set_threads
 from specdraft.models.backends import load_model
-from specdraft.prompts import default_dataset
+from specdraft.core.prompts import default_dataset
 set_threads(2)
 target = load_model("qwen2.5-coder-1.5b", "bfloat16")
 qs = [json.loads(l) for l in open(default_dataset())]

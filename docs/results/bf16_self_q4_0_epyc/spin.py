@@ -9,8 +9,8 @@ import statistics
 import time
 
 from specdraft.api import SpecDecoder
-from specdraft.config import SamplingParams, SpecConfig
-from specdraft.costs import measure_costs
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.models.cost_curve import measure_costs
 
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="self:Q4_0", dtype="bfloat16", threads=2, draft_backend="llama")
 alone_t = measure_costs(dec.target, [1, 7], repeats=5)

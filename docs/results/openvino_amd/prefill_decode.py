@@ -4,7 +4,7 @@ import sys, time, json
 import numpy as np, torch
 torch.set_num_threads(2)
 from specdraft.models.backends import load_model
-from specdraft import prompts
+from specdraft.core import prompts
 import openvino as ov, openvino_genai as g
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b:Q4_0"

@@ -4,7 +4,7 @@ import time, numpy as np, torch, json
 torch.set_num_threads(2)
 from specdraft.models.backends import load_model
 from specdraft.api import SpecDecoder
-from specdraft import prompts
+from specdraft.core import prompts
 import openvino as ov, openvino_genai as g
 m = load_model("qwen2.5-coder-1.5b:Q4_0", backend="openvino")
 dec = SpecDecoder(m)

@@ -3,9 +3,9 @@ Run from the repo root: .venv/bin/python docs/results/structured/processing_time
 import json, time, torch
 torch.set_num_threads(2)
 from transformers import AutoTokenizer
-from specdraft.config import SamplingParams
-from specdraft.processors import RequestProcessor
-from specdraft.tree import DraftTree
+from specdraft.core.config import SamplingParams
+from specdraft.core.processors import RequestProcessor
+from specdraft.core.tree import DraftTree
 tok = AutoTokenizer.from_pretrained("/root/.cache/specdraft/dense/qwen2.5-coder-1.5b")
 V = 151936
 schema = json.load(open("specdraft/bench/structured_schema.json"))

@@ -1,6 +1,6 @@
 import json, sys, time, os, torch
 from specdraft import SpecDecoder, SamplingParams, SpecConfig
-from specdraft.prompts import default_dataset
+from specdraft.core.prompts import default_dataset
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="smollm2-135m", dtype="bfloat16", draft_backend="llama")
 qs = {str(q['question_id']): q for q in map(json.loads, open(default_dataset()))}
 ids = ['81', '161', '241', '321', '401', '101']

@@ -2,7 +2,7 @@
 under exact sampling; Z = sum d / sqrt(sum Var(log p)) ~ N(0, 1)."""
 import json, sys, time, torch, copy, math
 from specdraft import SpecDecoder, SamplingParams, SpecConfig
-from specdraft.prompts import default_dataset
+from specdraft.core.prompts import default_dataset
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="smollm2-135m", dtype="bfloat16", draft_backend="llama")
 hfd = SpecDecoder.load("smollm2-135m", dtype="bfloat16").target
 qs = {str(q['question_id']): q for q in map(json.loads, open(default_dataset()))}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpecDraftError
+from ..core.errors import SpecDraftError
 
 
 def expected_mat(alpha: float, k: int) -> float:
@@ -48,7 +48,7 @@ def estimate(alpha: float, frac: float, costs: dict[int, float], max_k: int) -> 
 
 
 def tuning_prompts(dec, n_per_task: int, dataset: str | None = None) -> list[tuple[str, list[int]]]:
-    from . import prompts
+    from ..core import prompts
 
     rows = prompts.load_prompts(dataset)
     by_task: dict[str, list[dict]] = {}
@@ -114,7 +114,7 @@ def search(target, seqs, costs: dict[int, float], max_k: int, max_evals: int) ->
     keep the set with the best estimated speedup. 2 (L - 2) teacher-forced forwards in all."""
     from tqdm import tqdm
 
-    from .models.views import layer_view
+    from ..models.views import layer_view
 
     L = target.num_layers
     candidates = list(range(1, L - 1))  # first and last layers are never skipped
@@ -151,8 +151,8 @@ def search(target, seqs, costs: dict[int, float], max_k: int, max_evals: int) ->
 
 def measured_speedup(dec, prompts, sp, skip: list[int], k: int) -> float | None:
     """plain vs layer_skip with ``skip``, interleaved, on the tuning prompts."""
-    from .config import SpecConfig
-    from .metrics import speedup
+    from ..core.config import SpecConfig
+    from ..core.metrics import speedup
 
     spec = SpecConfig(method="layer_skip", skip_layers=skip, k=k)
     tot = {"plain": [0, 0.0], "layer_skip": [0, 0.0]}
@@ -168,9 +168,9 @@ def measured_speedup(dec, prompts, sp, skip: list[int], k: int) -> float | None:
 def main_tune_skip(opts: TuneSkipOptions) -> int:
     from tqdm import tqdm
 
-    from .api import SpecDecoder
-    from .costs import measure_costs
-    from .config import SamplingParams, SpecConfig
+    from ..api import SpecDecoder
+    from ..models.cost_curve import measure_costs
+    from ..core.config import SamplingParams, SpecConfig
 
     dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf")  # skips its layers
     target = dec.target

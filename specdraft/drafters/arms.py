@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from .config import REGISTRY, SpecConfig
-from .errors import ConfigError
+from ..core.config import REGISTRY, SpecConfig
+from ..core.errors import ConfigError
 
 # auto's arms when no autotune file is there: cheap retrieval, the draft model, and the hybrid of both
 # (each only where the decoder can run it); plain is always an arm
@@ -31,8 +31,8 @@ def slug(s: str | None) -> str:
 
 
 def default_path(dec) -> Path:
-    from .costs import cpu_key
-    from .models.catalog import home
+    from ..models.cost_curve import cpu_key
+    from ..models.catalog import home
 
     t = dec.target
     d = dec.draft
@@ -86,7 +86,7 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
 
 def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
     """HEAD_ARMS when auto's ``head`` is an EAGLE-3 head and the backend hands over its features."""
-    from .heads import read_head_config
+    from ..models.heads import read_head_config
 
     if spec.head is None:
         return []
@@ -99,7 +99,7 @@ def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
 
 def build_auto(dec, spec: SpecConfig):
     """The AutoDrafter for ``spec`` on decoder ``dec`` (arms, this machine's step costs, shared memory)."""
-    from .drafters.auto import Arm, AutoDrafter, Evidence, StepCosts
+    from .auto import Arm, AutoDrafter, Evidence, StepCosts
 
     arms_specs = _arm_specs(dec, spec)
     uses_draft = any(uses_model(s) for _, s, _ in arms_specs)

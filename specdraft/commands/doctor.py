@@ -37,8 +37,8 @@ def check_cpu_and_torch(r: Report, threads: int) -> None:
 
     import torch
 
-    from .costs import cpu_name
-    from .models.llama_probe import cpu_flags
+    from ..models.cost_curve import cpu_name
+    from ..models.llama_probe import cpu_flags
 
     r.say("cpu", f"{cpu_name().split(' (')[0]}, {os.cpu_count()} cores; {isa_summary(cpu_flags())}")
     r.say("torch", f"{torch.__version__}, kernels for {torch.backends.cpu.get_cpu_capability()}, "
@@ -46,62 +46,14 @@ def check_cpu_and_torch(r: Report, threads: int) -> None:
                    f", {threads} threads")
 
 
-def build_variant(works) -> str:
-    """The llama.cpp variant `make setup` installed, from its marker file (or what is wrong with the marker)."""
-    from .models.llama_setup import VARIANTS
-
-    if not works.exists():
-        return "not built by `make setup` here"
-    try:
-        name = works.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        name = None
-    return name if name in [v[0] for v in VARIANTS] else f"unknown ({works} names no variant; `make setup` rewrites it)"
-
-
-def check_llama(r: Report, model_path) -> bool:
-    """The llama.cpp build and the probe's verdict on ``model_path``; -> whether the backend works."""
-    import importlib.metadata as md
-
-    from .models.llama_probe import probe_record
-    from .models.llama_setup import cache_root
-
-    try:
-        version = md.version("llama_cpp_python")
-    except md.PackageNotFoundError:
-        r.problem("llama", "llama-cpp-python is not installed (`make setup` builds it)")
-        return False
-    variant = build_variant(cache_root() / "works")
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info().decode()
-    cpu = next((p.split("CPU :", 1)[1] for p in info.split("\n") if "CPU :" in p), info)
-    on = [kv.split("=")[0].strip() for kv in cpu.split("|") if kv.strip().endswith("= 1")]
-    r.say("llama", f"llama-cpp-python {version}, build {variant}; compiled for {' '.join(on)}")
-    if model_path is None:
-        r.say("probe", "skipped: no GGUF model pulled yet (`make models`)")
-        return True
-    rec = probe_record(model_path)
-    if rec["extra_bufts"]:
-        r.say("probe", f"{model_path.name}: default buffers {rec['default']}")
-    elif rec["extra_bufts"] is False:
-        r.say("probe", f"{model_path.name}: default buffers {rec['default']}; loads without extra buffer types "
-                       f"({rec['fallback']}); `make setup` rebuilds llama.cpp without the feature that crashes")
-    else:
-        r.problem("probe", f"{model_path.name}: llama.cpp {rec['default']} (default buffers), {rec['fallback']} "
-                           "(without extra buffer types): the llama backend is unusable here")
-        return False
-    return True
-
-
 def ready_models() -> list[str]:
-    from .models import catalog
+    from ..models import catalog
 
     return [s["name"] for s in catalog.status() if s["dense"]]
 
 
 def check_models(r: Report) -> list[str]:
-    from .models import catalog
+    from ..models import catalog
 
     ready = ready_models()
     missing = [s["name"] for s in catalog.status() if s["name"] not in ready]
@@ -111,7 +63,7 @@ def check_models(r: Report) -> list[str]:
 
 
 def measure(r: Report, model: str, paths: list[str]) -> dict[str, dict[int, float]]:
-    from .paths import CURVE_TOKENS, measure_curves
+    from ..models.paths import CURVE_TOKENS, measure_curves
 
     r.say("costs", f"ms per forward of {' / '.join(map(str, CURVE_TOKENS))} tokens, {model}, 60-token context "
                    "(ratio to one token); kept for --backend auto")
@@ -124,7 +76,7 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
     """Read the pick off the measured curves: the fastest one-token path (what --backend auto takes
     without an autotune pick), and whether a step that scores 8 tokens is cheap enough there for
     speculation to pay on generic prompts."""
-    from .paths import ModelPath, fastest_one_token, read
+    from ..models.paths import ModelPath, fastest_one_token, read
 
     pick = read(model).get("pick")
     if pick:
@@ -162,12 +114,6 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
                   "are long")
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def add_parser(sub):
     """``specdraft doctor``'s flags (main_doctor's arguments)."""
     dr = sub.add_parser("doctor", help="start here: this CPU, what works on it, which backend and method to pick")
@@ -181,23 +127,22 @@ def add_parser(sub):
 def main_doctor(model: str | None = None, costs: bool = True, threads: int | None = None) -> int:
     """``model``: the one whose cost curves are measured (default: the Qwen 1.5B target if pulled, else
     SmolLM2); ``costs`` False skips the curves."""
-    from .models import catalog
-    from .models.loading import set_threads
+    from ..models.backends import BACKENDS
+    from ..models.loading import set_threads
 
     threads = set_threads(threads)
     model = model or next((m for m in ("qwen2.5-coder-1.5b", "smollm2-135m") if m in ready_models()), None)
     if costs and model:  # a bad paths file, an unwritable home: one error now, before any report line
-        from .paths import check_writable
+        from ..models.paths import check_writable
 
         check_writable(model)
     r = Report()
     print(f"specdraft doctor, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     check_cpu_and_torch(r, threads)
-    ready = check_models(r)
-    gguf = catalog.gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
-    llama_ok = check_llama(r, gguf)
+    check_models(r)
+    runs = [b for b in BACKENDS.values() if b.check is None or b.check(r)]  # each backend's own check
     if costs and model:
-        paths = ["hf", "hf:w8a8"] + (["llama"] if llama_ok else []) + (["openvino"] if _has("openvino") else [])
+        paths = [p for b in runs for p in b.paths]
         recommend(r, measure(r, model, paths), model)
     print(f"{'status':8s} " + ("ok" if not r.problems else f"{len(r.problems)} problem(s): " + "; ".join(r.problems)))
     return 1 if r.problems else 0

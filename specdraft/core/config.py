@@ -6,7 +6,7 @@ benchmark and the server all take the same object.
 Validation is declarative: each field carries its constraint (``field(metadata={"check": ...})``,
 small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, ...), one generic loop
 (``_check_fields``) applies them, then a short list of cross-field rules, then the method's own rules,
-read from the method registry: the table ``REGISTRY`` below, which ``specdraft.methods`` fills (its
+read from the method registry: the table ``REGISTRY`` below, which ``specdraft.drafters.registry`` fills (its
 entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
 target, a datastore's vocabulary or a skip config are checked when they are loaded.
 
@@ -27,7 +27,7 @@ from .errors import ConfigError
 
 ALL_TREES = ("chain", "static", "dynamic")
 SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
-# name -> methods.Method: filled by specdraft.methods, which specdraft/__init__ imports before any use
+# name -> methods.Method: filled by specdraft.drafters.registry, which specdraft/__init__ imports before any use
 REGISTRY: dict[str, Any] = {}
 
 
@@ -365,7 +365,7 @@ class SamplingParams:
     max_new_tokens: int = _f(128, Int(min=1))
     stop: list[str] = _f([], StrList())
     ignore_eos: bool = False
-    # history-dependent processing (specdraft/processors.py), before temperature / top-k / top-p
+    # history-dependent processing (specdraft/core/processors.py), before temperature / top-k / top-p
     # bounded: a penalty near 0 divides logits into inf (NaN probabilities), found by tests/test_fuzz.py
     repetition_penalty: float = _f(1.0, Number(min=0.01, max=100, note="1 = off"))
     presence_penalty: float = _f(0.0, Number(min=-2, max=2))
@@ -507,11 +507,11 @@ class SpecConfig:
     effect (greedy verification). Results made with it carry ``"lossy": "typical"`` in their stats.
 
     Which methods take which ``tree`` and ``schedule`` values, and what each needs, is the method
-    registry's (``specdraft.methods.REGISTRY``); ``validate`` reads it.
+    registry's (``specdraft.drafters.registry.REGISTRY``); ``validate`` reads it.
 
     ``schedule`` sets the draft length per step: ``constant`` (k), ``heuristic`` (transformers'
     rule: k + 2 after a fully accepted step, k - 1 otherwise, within 1..max_k; the model drafters only) or
-    ``cost_aware`` (specdraft.policy: measured step costs and acceptance pick k in 0..k each step,
+    ``cost_aware`` (specdraft.core.policy: measured step costs and acceptance pick k in 0..k each step,
     0 meaning a plain step, so speculation never runs where it does not pay). A schedule changes only
     what is drafted, never what is emitted.
     """

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 from fastapi import FastAPI
 
-from ..errors import SpecDraftError
-from ..server.front import create_front
-from .cluster import connect
+from ..core.errors import SpecDraftError
+from .front import create_front
+from ..scale.cluster import connect
 
 
 class ReplicaServer:
@@ -26,7 +26,7 @@ class ReplicaServer:
     def __init__(self, models, settings, method_defaulted: bool, local: bool):
         import uvicorn
 
-        from ..server.app import build_server_app
+        from .app import build_server_app
 
         app = build_server_app(models, settings, method_defaulted)
         self.host = "127.0.0.1" if local else _node_ip()

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecDraftError
+from ..core.errors import SpecDraftError
 
 
 def model_time(steps: list[tuple[int, bool]], k: int, costs: dict, overlap: bool) -> float:
@@ -44,7 +44,7 @@ def explain(doc: dict, costs_here: dict, costs_apart: dict, k: int) -> dict:
     records: the model with ``costs_here`` (the actors' own thread counts, as they ran) should match
     the measured decode time; with ``costs_apart`` (each process on a machine of its own) it predicts
     the speedup over plain decoding there (plain = one target forward per token at those costs)."""
-    from ..metrics import speedup
+    from ..core.metrics import speedup
 
     out = {"k": k, "costs_here": costs_here, "costs_apart": costs_apart, "methods": {}}
     for method, overlap in (("pair_serial", False), ("pair_overlap", True)):
@@ -146,8 +146,8 @@ def main_overlap(opts: OverlapOptions) -> int:
 @contextlib.contextmanager
 def _sides(target: str, source: dict, settings: dict, address: str | None):
     """The target's and the draft's models, each in a Ray actor of its own as in the run."""
-    from .cluster import connect
-    from .remote import ModelSide
+    from ..scale.cluster import connect
+    from ..scale.remote import ModelSide
 
     ray = connect(address)
     tsrc = {"name_or_path": target, "dtype": settings.get("dtype", "bfloat16"), "backend": settings.get("backend", "hf")}

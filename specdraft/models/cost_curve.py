@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .tree import DraftTree, feed_mask
+from ..core.tree import DraftTree, feed_mask
 
 
 def random_tree(n: int, g: torch.Generator):

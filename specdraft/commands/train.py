@@ -43,9 +43,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .scale import cluster
-from .errors import ConfigError, SpecDraftError
-from .heads import EagleHead, MedusaHeads, embed_of, lm_head_of, read_head_config, save_head, target_signature
+from ..scale import cluster
+from ..core.errors import ConfigError, SpecDraftError
+from ..models.heads import (
+    EagleHead,
+    MedusaHeads,
+    embed_of,
+    lm_head_of,
+    read_head_config,
+    save_head,
+    target_signature,
+)
 
 DATA_FILE = "data.pt"
 STATE_FILE = "train_state.pt"
@@ -146,7 +154,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
             print(f"reusing cached training data {f} ({len(blob['seqs'])} sequences)", file=sys.stderr)
             return blob["seqs"], blob["meta"]
         print(f"cached data {f} was made with {blob.get('meta')}; regenerating for {want}", file=sys.stderr)
-    from .prompts import load_prompts
+    from ..core.prompts import load_prompts
 
     rows = load_prompts(data_path)
     if max_prompts:
@@ -409,7 +417,7 @@ def eagle_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions
 def train_main(opts: TrainOptions, ray_builder=None) -> int:
     """``ray_builder(ray options, target)``: build_data's stand-in for --ray (scale/shard.py's data_builder,
     which the CLI passes: the scale package sits above this module)."""
-    from .api import SpecDecoder
+    from ..api import SpecDecoder
 
     opts, saved = check_options(opts)
     if opts.kind == "eagle3":
@@ -571,9 +579,9 @@ def user_prefix(tokenizer) -> list[int]:
 
 def _decode(gen, jobs: list[tuple[list[int], dict]], eos: set[int]) -> list:
     """The jobs ((prompt ids, sampling fields)) decoded plainly together on ``gen`` (any backend)."""
-    from .config import SamplingParams
-    from .drafters.base import NoDrafter
-    from .engine import generate_batch
+    from ..core.config import SamplingParams
+    from ..drafters.base import NoDrafter
+    from ..engine import generate_batch
 
     return generate_batch(gen, [(ids, SamplingParams(**sp), NoDrafter()) for ids, sp in jobs], eos_ids=eos,
                           max_batch=len(jobs))
@@ -794,7 +802,7 @@ def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: Tra
     """-> (the head on ``device``, loss(generator) of one batch). A new head's LM head starts as the
     target's rows of the draft vocabulary; its final norm starts at 1, not the target's (whose scale on
     the untrained layer's output made the first losses 1.6x higher on SmolLM2)."""
-    from .heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head, build_head
+    from ..models.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head, build_head
 
     V = target.vocab_size
     if saved:
@@ -831,7 +839,7 @@ def generation_model(opts: TrainOptions, dec):
     """The model that writes prompts and answers: the target on --gen-backend (auto: llama.cpp where
     the target has a GGUF file, since it decodes many rows per forward on 4-bit weights; else the
     transformers target already loaded)."""
-    from .models.backends import load_model
+    from ..models.backends import load_model
 
     if opts.gen_backend == "hf":
         return dec.target
@@ -847,7 +855,7 @@ def generation_model(opts: TrainOptions, dec):
 def eagle3_data(opts: TrainOptions, dec, layers, out: Path, device: torch.device) -> dict:
     """Prompts (--data, or synthesized), the target's answers and their features, each stage continuing
     what DIR/data holds; -> the data's meta. On a GPU (``device``) the features' forwards run there."""
-    from .prompts import load_prompts
+    from ..core.prompts import load_prompts
 
     meta = data_meta(opts, layers, out)
     data = out / "data"
@@ -870,8 +878,8 @@ def eagle3_data(opts: TrainOptions, dec, layers, out: Path, device: torch.device
 
 def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
     """``train eagle3``: the data (each stage resumable), then the training-time test."""
-    from .api import SpecDecoder
-    from .heads import eagle3_layers
+    from ..api import SpecDecoder
+    from ..models.heads import eagle3_layers
 
     out = Path(opts.output)
     torch.manual_seed(opts.seed)

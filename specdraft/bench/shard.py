@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import train
-from ..bench.harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
-from . import cluster
+from ..commands import train
+from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
+from ..scale import cluster
 
 
 # --- bench --------------------------------------------------------------------------------------

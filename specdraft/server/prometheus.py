@@ -1,5 +1,5 @@
 """Prometheus metrics of the server. Speculative metrics (MAT, acceptance rate, per-position
-acceptance) are computed with specdraft.metrics over a window of the most recent verification
+acceptance) are computed with specdraft.core.metrics over a window of the most recent verification
 steps; counters are totals since the server started.
 
 Two registries: ``public``, the request counters, counted when an answer's last byte leaves (paced in
@@ -16,7 +16,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_position_acceptance
+from ..core.metrics import StepRecord, acceptance_rate, mean_accepted_tokens, per_position_acceptance
 
 STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import methods
-from .config import LOSSY_RULES
-from .errors import SpecDraftError
+from . import registry as methods
+from ..core.config import LOSSY_RULES
+from ..core.errors import SpecDraftError
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.5
 
 
 def add_draft_backend_arg(p: argparse.ArgumentParser):
-    from .models.backends import BACKENDS
+    from ..models.backends import BACKENDS
 
     p.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
                    help="the draft model's backend (default: --backend's); e.g. llama: a small GGUF draft on "
@@ -39,7 +39,7 @@ def add_draft_backend_arg(p: argparse.ArgumentParser):
 
 
 def add_backend_arg(p: argparse.ArgumentParser, default: str | None = None):
-    from .models.backends import BACKENDS
+    from ..models.backends import BACKENDS
 
     p.add_argument("--backend", default=default, choices=tuple(BACKENDS) + ("auto",),
                    help="; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())

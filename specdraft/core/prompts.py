@@ -11,7 +11,7 @@ from .errors import SpecDraftError
 from .jsonl import iter_jsonl
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-BENCH_FILES = Path(__file__).with_name("bench")  # the prompt and schema files shipped
+BENCH_FILES = Path(__file__).parents[1] / "bench"  # the prompt and schema files shipped
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 

@@ -19,13 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import homefiles, prompts
-from .api import ModelSettings
-from .arms import DEFAULT_ARMS, default_path, uses_model
-from .config import SamplingParams, SpecConfig
-from .errors import SpecDraftError
-from .flags import add_model_args
-from .methods import method
+from ..core import homefiles, prompts
+from ..api import ModelSettings
+from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
+from ..core.config import SamplingParams, SpecConfig
+from ..core.errors import SpecDraftError
+from ..drafters.flags import add_model_args
+from ..drafters.registry import method
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
 
 def summarize(records: list[dict], base: dict) -> dict:
     """Totals of one configuration's runs -> the figures autotune ranks by (metrics defined once)."""
-    from .metrics import StepRecord, acceptance_rate, mean_accepted_tokens, speedup, tokens_per_second
+    from ..core.metrics import StepRecord, acceptance_rate, mean_accepted_tokens, speedup, tokens_per_second
 
     tokens = sum(len(r["token_ids"]) for r in records)
     wall = sum(r["wall_s"] for r in records)
@@ -104,9 +104,9 @@ def summarize(records: list[dict], base: dict) -> dict:
 
 
 def main_autotune(opts: AutotuneOptions) -> int:
-    from .costs import cpu_name
-    from .models.catalog import home
-    from .models.loading import set_threads
+    from ..models.cost_curve import cpu_name
+    from ..models.catalog import home
+    from ..models.loading import set_threads
 
     threads = set_threads(opts.models.threads)
     rows = _prompts(opts.prompts, opts.n)
@@ -157,7 +157,7 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
     """Each of ``opts.paths`` decodes the calibration prompts plainly and with ``auto`` (its default arms,
     nothing remembered); the path with the most tokens/s (the better of the two) is kept for --backend
     auto (paths.write) -> the options with that path's target and backend."""
-    from . import paths
+    from ..models import paths
 
     model = opts.models.target
     tried = []
@@ -262,12 +262,12 @@ def _prompts(path: str | None, n: int) -> list[dict]:
 def _tree_search(dec, ids: list[list[int]], sp: SamplingParams) -> dict:
     """The hardware-aware tree for the draft model on this machine (treeshape.py), from the draft's rank
     acceptance on the target's own greedy continuations of the calibration prompts."""
-    from .treeshape import best_tree, rank_stats
+    from ..core.treeshape import best_tree, rank_stats
 
     outs = [dec.generate(i, sampling=SamplingParams(max_new_tokens=min(sp.max_new_tokens, 48)),
                          spec=SpecConfig(method="plain")).token_ids for i in ids[:4]]
     p, p_next = rank_stats(dec.draft, ids[:4], outs)
-    from .drafters.auto import StepCosts
+    from ..drafters.auto import StepCosts
 
     costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(16))
     choice = best_tree(p, costs.target, costs.draft, max_nodes=24, p_next=p_next)

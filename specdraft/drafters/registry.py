@@ -6,8 +6,9 @@ benchmark read it; adding a drafter is one drafter file plus one entry here (doc
 "layer_view" (the target's own layers), "head" (a head trained by ``specdraft train``).
 ``trees``: the ``SpecConfig.tree`` values it accepts (model-free drafters that make trees on their
 own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
-``backends``: the model backends (models/backends.py) it runs on; methods that read the target's
-hidden features or its layers need transformers ("hf").
+``runs_on``: what a backend must offer for it to run there (models/backends.py ``OFFERS``: "trees" for
+the methods that always draft token trees, "hidden" for heads on the target's features, "layers" for
+views of the target's layers; None: every backend); ``backends`` reads the backend table.
 ``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
 ``load_resource``: (decoder, spec) -> the shared resource its drafter reads (a layer view, a head), loaded
@@ -28,15 +29,13 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
-from .drafters.auto import AutoParams
-from .drafters.remote_draft import RemoteDraftParams
-from .errors import ConfigError
+from ..core.config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
+from .auto import AutoParams
+from .remote_draft import RemoteDraftParams
+from ..core.errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
-EVERY = ("hf", "llama", "openvino")  # the model backends (models/backends.py)
-TREES = EVERY  # those whose targets score token trees (the methods that always draft trees): all of them
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class Method:
     trees: tuple[str, ...] = ("chain",)
     schedules: tuple[str, ...] = FREE_SCHEDULES
     batches: bool = True
-    backends: tuple[str, ...] = ("hf",)
+    runs_on: str | None = None  # what its backends must offer (models/backends.py OFFERS: trees, hidden, layers)
     uses_draft: bool = False  # uses a draft model when one is given, works without (auto)
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
     load_resource: Callable | None = None  # (decoder, spec) -> a layer view, a head: loaded before the drafter
@@ -60,6 +59,13 @@ class Method:
         clash = sorted(names & set(SpecConfig.__dataclass_fields__))
         if clash:  # a flat key means one thing: a SpecConfig field is never a method's parameter
             raise ValueError(f"method {self.name!r}: parameters {clash} are SpecConfig fields; name them otherwise")
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends it runs on, read off the backend table now (a backend's entry says what it offers)."""
+        from ..models.backends import offering
+
+        return offering(self.runs_on)
 
     def unavailable(self, backend: str, has_draft: bool, subject: str = "method", where: str = "",
                     no_draft: str | None = None) -> str | None:
@@ -88,7 +94,7 @@ def _needs_skip_set(spec):
 
 
 def _plain(dec, spec):
-    from .drafters.base import NoDrafter
+    from .base import NoDrafter
 
     return NoDrafter()
 
@@ -96,14 +102,14 @@ def _plain(dec, spec):
 def _model_drafter(draft, dec, spec):
     """A chain or token tree drafted by a model (a draft model or a view of the target's layers)."""
     if spec.tree == "chain":
-        from .drafters.draft_model import DraftModelDrafter
+        from .draft_model import DraftModelDrafter
 
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
     for m in (draft, dec.target):
         if not m.capabilities.trees:
             raise ConfigError(f"{m.name} on the {m.backend} backend does not score token trees "
                               f"(tree={spec.tree!r}); use tree='chain'")
-    from .drafters.draft_tree import DraftTreeDrafter
+    from .draft_tree import DraftTreeDrafter
 
     return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
 
@@ -112,7 +118,7 @@ def _draft_model(dec, spec):
     bridge = dec.vocab_bridge()
     if bridge is None:
         return _model_drafter(dec.draft_model(), dec, spec)
-    from .drafters.cross_vocab import CrossVocabDrafter
+    from .cross_vocab import CrossVocabDrafter
 
     if spec.tree != "chain" or spec.method == "cascade":
         raise ConfigError(f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
@@ -129,7 +135,7 @@ def _first_layers(dec, spec):
 
 
 def _kept_layers(dec, spec):
-    from .models.views import load_skip_config, skip_to_keep
+    from ..models.views import load_skip_config, skip_to_keep
 
     skip = spec.skip_layers or load_skip_config(spec.skip_config, dec.target)
     return dec.layer_view(skip_to_keep(dec.target.num_layers, skip))
@@ -148,31 +154,31 @@ def _head(dec, spec):
 
 
 def _prompt_lookup(dec, spec):
-    from .drafters.prompt_lookup import PromptLookupDrafter
+    from .prompt_lookup import PromptLookupDrafter
 
     return PromptLookupDrafter(spec)
 
 
 def _suffix(dec, spec):
-    from .drafters.suffix import SuffixDrafter
+    from .suffix import SuffixDrafter
 
     return SuffixDrafter(spec, dec.datastore(spec.datastore) if spec.datastore else None)
 
 
 def _token_recycling(dec, spec):
-    from .drafters.token_recycling import TokenRecyclingDrafter
+    from .token_recycling import TokenRecyclingDrafter
 
     return TokenRecyclingDrafter(spec, dec.target.vocab_size, dec.recycle_table(max(spec.recycle_branching)))
 
 
 def _lookahead(dec, spec):
-    from .drafters.lookahead import LookaheadDrafter
+    from .lookahead import LookaheadDrafter
 
     return LookaheadDrafter(spec)
 
 
 def _hybrid(dec, spec):
-    from .drafters.hybrid import HybridDrafter
+    from .hybrid import HybridDrafter
 
     return HybridDrafter(_suffix(dec, retrieval_spec(spec)), _draft_model(dec, spec), spec.hybrid_min_match,
                          spec.hybrid_merge)
@@ -188,7 +194,7 @@ def retrieval_spec(spec):
 
 
 def _remote_draft(dec, spec):
-    from .drafters.remote_draft import RemoteDraft, RemoteDraftDrafter
+    from .remote_draft import RemoteDraft, RemoteDraftDrafter
 
     draft = dec.draft_model()
     source = draft.source
@@ -208,19 +214,19 @@ def _auto(dec, spec):
 
 
 def _medusa(dec, spec):
-    from .drafters.medusa import MedusaDrafter
+    from .medusa import MedusaDrafter
 
     return MedusaDrafter(dec.target, dec.head(spec), spec)
 
 
 def _eagle(dec, spec):
-    from .drafters.eagle import EagleDrafter
+    from .eagle import EagleDrafter
 
     return EagleDrafter(dec.target, dec.head(spec), spec)
 
 
 def _eagle3(dec, spec):
-    from .drafters.eagle3 import Eagle3Drafter
+    from .eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(dec.target, dec.head(spec), spec)
 
@@ -228,36 +234,37 @@ def _eagle3(dec, spec):
 REGISTRY.update({m.name: m for m in [
     # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
     # any default spec (the server's, loadtest's plain mode, the bench's reference)
-    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES, backends=EVERY),
+    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES),
     Method("draft_model", "a smaller model drafts k tokens (or a tree); another tokenizer's drafts go through text",
            _draft_model,
-           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES, backends=EVERY),
-    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup, backends=EVERY),
+           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
+    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _layer_skip,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set,
-           load_resource=_kept_layers),
+           load_resource=_kept_layers, runs_on="layers"),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
-           load_resource=_first_layers),
-    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix, backends=TREES),
+           load_resource=_first_layers, runs_on="layers"),
+    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix,
+           runs_on="trees"),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
-           backends=TREES),
-    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, backends=TREES),
+           runs_on="trees"),
+    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, runs_on="trees"),
     Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
-           _hybrid, needs="draft_model", trees=ALL_TREES, backends=TREES),
+           _hybrid, needs="draft_model", trees=ALL_TREES, runs_on="trees"),
     Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
-           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, backends=EVERY),
+           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES),
     Method("remote_draft", "the draft model in a process of its own (Ray), drafting the next block while the target "
-           "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model", backends=EVERY,
+           "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model",
            params=RemoteDraftParams, served=False),
     Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
-           _auto, backends=EVERY, uses_draft=True, params=AutoParams),
+           _auto, uses_draft=True, params=AutoParams),
     Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
-           needs="head", trees=("chain", "static"), load_resource=_head),
+           needs="head", trees=("chain", "static"), load_resource=_head, runs_on="hidden"),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
-           needs="head", trees=ALL_TREES, load_resource=_head),
+           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="hidden"),
     Method("eagle3", "a trained one-layer head on three of the target's layers (specdraft train eagle3)", _eagle3,
-           needs="head", trees=ALL_TREES, load_resource=_head),
+           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="hidden"),
 ]})
 
 METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY

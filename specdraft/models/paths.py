@@ -10,7 +10,7 @@ A *path* is a backend and the variant of the target's weights it reads: ``hf`` (
 2. else the cost curves ``specdraft doctor`` measured for this model here: the cheapest one-token
    forward. ``auto`` never runs much slower than plain decoding on its path, and without the
    workload's acceptance that floor is all a curve can promise;
-3. else nothing was measured: the curves of ``DEFAULT_PATHS`` are measured now (about a minute per
+3. else nothing was measured: the curves of each backend's first path (``Backend.paths``) are measured now (about a minute per
    path, once per model and CPU kind) and kept.
 
 The file: ``$SPECDRAFT_HOME/paths/<model>__<cpu key>.json``, {"model", "cpu", "curves": {path: {n: ms}},
@@ -26,11 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import homefiles
-from .errors import ConfigError, SpecDraftError
+from ..core import homefiles
+from ..core.errors import ConfigError, SpecDraftError
 
 CURVE_TOKENS = (1, 4, 8, 16)
-DEFAULT_PATHS = ("hf", "llama", "openvino")  # what --backend auto measures when nothing was
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class ModelPath:
 
     @classmethod
     def parse(cls, text: str) -> "ModelPath":
-        from .models.backends import BACKENDS
+        from .backends import BACKENDS
 
         backend, _, variant = text.strip().partition(":")
         if backend not in BACKENDS:
@@ -56,8 +55,8 @@ class ModelPath:
 
 
 def file_for(model: str) -> Path:
-    from .costs import cpu_key
-    from .models.catalog import home
+    from .cost_curve import cpu_key
+    from .catalog import home
 
     return home() / "paths" / f"{model.replace('/', '-')}__{cpu_key()}.json"
 
@@ -100,7 +99,7 @@ def check_writable(model: str) -> dict:
 
 def write(model: str, **fields) -> Path:
     """Merge ``fields`` ("curves" merges per path) into the model's file for this CPU kind."""
-    from .costs import cpu_name
+    from .cost_curve import cpu_name
 
     doc = check_writable(model)
     curves = {**doc.get("curves", {}), **fields.pop("curves", {})}
@@ -117,8 +116,8 @@ def measure_curves(model: str, paths: list[str], dtype: str = "bfloat16", say=pr
     """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
     time), the median of ``repeats``; a path that cannot run here goes to ``fail(path, message)``
     (default: said) and is skipped. Kept in the model's file."""
-    from .costs import measure_costs
-    from .models.backends import load_model
+    from .cost_curve import measure_costs
+    from .backends import load_model
 
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores / 2:  # other processes' threads stall a backend's own (llama.cpp's most)
@@ -160,13 +159,13 @@ def _say(line: str) -> None:
 def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list[tuple[ModelPath, str]]:
     """``--backend auto``'s candidates for ``model``, best first, each with why it ranks there; only paths
     on ``backends`` (a method's, None: any) count. Measures the curves when none were kept."""
-    from .models import catalog
-    from .models.backends import BACKENDS
+    from . import catalog
+    from .backends import BACKENDS
 
     say = say or _say
     if model not in catalog.MODELS:  # (a NAME:VARIANT is one path already)
         raise ConfigError(f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
-                          f"{model!r} is not one: name a backend (--backend hf | llama | openvino)")
+                          f"{model!r} is not one: name a backend (--backend {' | '.join(BACKENDS)})")
     allowed = [b for b in BACKENDS if backends is None or b in backends]
     if len(allowed) == 1:  # the method runs on one backend only: nothing to measure
         return [(ModelPath(allowed[0]), "the only backend this method runs on")]
@@ -179,7 +178,7 @@ def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list
     curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in allowed}
     if not out and not curves:
         check_writable(model)
-        todo = [p for p in DEFAULT_PATHS if ModelPath.parse(p).backend in allowed]
+        todo = [BACKENDS[b].paths[0] for b in allowed if BACKENDS[b].paths]  # what auto measures when nothing was
         say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in "
             f"{file_for(model)})")
         curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s), repeats=1)  # doctor: 3 repeats
@@ -196,7 +195,7 @@ def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list
 def load_fastest(model: str, dtype: str = "bfloat16", say=None, backends=None):
     """The model on the best of ``ranked``'s paths that loads here -> (model, ModelPath); a path that
     fails to load (a backend missing on this machine) is said and the next one taken."""
-    from .models.backends import load_model
+    from .backends import load_model
 
     say = say or _say
     for p, why in ranked(model, dtype, say, backends):
