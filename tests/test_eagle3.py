@@ -262,7 +262,7 @@ def test_openvino_hands_over_the_same_layers(tmp_path):
 @pytest.mark.slow
 def test_auto_drafts_with_the_eagle3_arm(smol_f32, smol_reference, smol_eagle3):
     """auto with an eagle3 head: its arms include eagle3's chain and tree; with suffix beside them (a
-    tree another arm drafts, whose accepted path the eagle3 drafter must keep features of: seen_draft)
+    tree another arm drafts, whose accepted path the eagle3 drafter must keep features of: step.draft in observe)
     greedy output still equals plain and eagle3 drafts some steps."""
     from specdraft.api import COST_POINTS, SpecDecoder
 

@@ -8,7 +8,7 @@
 - greedy outputs are compared with the engine's plain decoding; each mismatch records the first
   diverging position and the target's top-2 logit gap there (near-tie or bug?).
 
-``--ray`` shards the prompts over Ray workers (scale/shard.py); each runs ``run_prompt`` as a local run does.
+``--ray`` shards the prompts over Ray workers (bench/shard.py); each runs ``run_prompt`` as a local run does.
 """
 
 from __future__ import annotations
@@ -626,7 +626,7 @@ def run_local(bench: Bench, doc: dict, out: Path) -> None:
 
 def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]:
     """-> (the results document, the options with --config's applied). ``run_sharded(plan, doc, out)`` runs
-    a --ray plan (scale/shard.py's, which the CLI passes: the scale package sits above this module)."""
+    a --ray plan (bench/shard.py's, which the CLI passes: it sits beside this module)."""
     from ..models.loading import set_threads
 
     opts.ray_options().check()

@@ -65,10 +65,13 @@ def check_models(r: Report) -> list[str]:
 def measure(r: Report, model: str, paths: list[str]) -> dict[str, dict[int, float]]:
     from ..models.paths import CURVE_TOKENS, measure_curves
 
+    from ..models.backends import BACKENDS
+
     r.say("costs", f"ms per forward of {' / '.join(map(str, CURVE_TOKENS))} tokens, {model}, 60-token context "
                    "(ratio to one token); kept for --backend auto")
-    # openvino is optional: a model it cannot convert is a note, not a problem
-    fail = lambda path, msg: (r.say if path.startswith("openvino") else r.problem)("", f"{path}: {msg}")  # noqa: E731
+    # an optional backend that cannot take this model is a note, not a problem
+    optional = lambda path: BACKENDS[path.partition(":")[0]].optional  # noqa: E731
+    fail = lambda path, msg: (r.say if optional(path) else r.problem)("", f"{path}: {msg}")  # noqa: E731
     return measure_curves(model, paths, say=lambda s: r.say("", s), fail=fail)
 
 
@@ -76,6 +79,7 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
     """Read the pick off the measured curves: the fastest one-token path (what --backend auto takes
     without an autotune pick), and whether a step that scores 8 tokens is cheap enough there for
     speculation to pay on generic prompts."""
+    from ..models.backends import BACKENDS
     from ..models.paths import ModelPath, fastest_one_token, read
 
     pick = read(model).get("pick")
@@ -84,7 +88,7 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
         r.say("path", f"--backend auto takes --backend {p.backend} --target {p.target(model)}: `specdraft autotune "
                       f"--paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)")
     if not curves:
-        r.say("pick", "--backend hf (nothing was measured)")
+        r.say("pick", f"--backend {next(iter(BACKENDS))} (nothing was measured)")
         return
     fast = fastest_one_token(curves)
     c = curves[fast]
@@ -98,20 +102,10 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
                   + (" (what --backend auto takes here)" if not pick else "") + f": {why}")
     r.say("", f"`specdraft autotune --target {model} --paths {','.join(curves)}` measures whole requests on each "
               "and makes --backend auto take the fastest")
-    bf = curves.get("hf")
-    if bf and fast != "hf":
-        r.say("", f"full-precision answers: --backend hf --dtype bfloat16 --draft self:Q4_0 --draft-backend llama "
-                  f"(scoring 8 tokens costs {bf[8] / bf[1]:.2f}x one in bf16; its one token costs {bf[1] / c[1]:.1f}x "
-                  f"{fast}'s)")
-    ov = curves.get("openvino")
-    if ov and fast != "openvino":
-        r.say("", f"cheap verification at 4-bit bytes: --backend openvino (8 tokens cost {ov[8] / ov[1]:.2f}x one; its "
-                  f"one token costs {ov[1] / c[1]:.1f}x {fast}'s): it pays where drafts are long (code edits)")
-    w8 = curves.get("hf:w8a8")
-    if w8 and fast != "hf:w8a8":
-        r.say("", f"flat verification at 8-bit bytes: --backend hf --target {model}:w8a8 (8 tokens cost "
-                  f"{w8[8] / w8[1]:.2f}x one; its one token costs {w8[1] / c[1]:.1f}x {fast}'s): it pays where drafts "
-                  "are long")
+    for path, curve in curves.items():  # what each other path is good for: its backend's own words
+        line = path != fast and BACKENDS[ModelPath.parse(path).backend].advice
+        if line and (text := line(path, curve, fast, c, model)):
+            r.say("", text)
 
 
 def add_parser(sub):

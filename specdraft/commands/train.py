@@ -4,7 +4,7 @@
    prompt greedily itself (transformers ``generate``, batched; chat template unless ``--no-chat``);
    one forward over prompt + answer gives its features (final-norm outputs) at every position. Those
    features and tokens are the training data, so the head learns what this target would say.
-   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (scale/shard.py's data_builder).
+   ``--ray [ADDRESS]`` answers the same batches on Ray worker actors (bench/shard.py's data_builder).
 2. Training (CPU, AdamW, only the head's weights; the target's embedding and LM head are frozen):
    - medusa: head i at position t is trained with cross-entropy to the token at t + i + 2, on the
      positions of the answer (t >= n_prompt - 1);
@@ -124,7 +124,7 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     than one prompt at a time on a CPU; padding can flip a near-tie, which is harmless for training
     data); an answer ends after the first EOS. Prompts longer than ``max_prompt_tokens`` are skipped.
     Then one forward per sequence gives the features (final-norm outputs) at every position.
-    ``train --ray`` answers the same batches on Ray workers (scale/shard.py's data_builder)."""
+    ``train --ray`` answers the same batches on Ray workers (bench/shard.py's data_builder)."""
     batch = batch or DATA_BATCH
     encoded = encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
     seqs = []
@@ -142,7 +142,7 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
                        max_prompts: int | None, max_prompt_tokens: int | None = None,
                        build=build_data) -> tuple[list[dict], dict]:
     """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
-    scale/shard.py's data_builder's), saved in DIR/data.pt."""
+    bench/shard.py's data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
     want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
             "max_prompts": max_prompts}
@@ -415,7 +415,7 @@ def eagle_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions
 
 
 def train_main(opts: TrainOptions, ray_builder=None) -> int:
-    """``ray_builder(ray options, target)``: build_data's stand-in for --ray (scale/shard.py's data_builder,
+    """``ray_builder(ray options, target)``: build_data's stand-in for --ray (bench/shard.py's data_builder,
     which the CLI passes: the scale package sits above this module)."""
     from ..api import SpecDecoder
 

@@ -7,7 +7,7 @@ benchmark read it; adding a drafter is one drafter file plus one entry here (doc
 ``trees``: the ``SpecConfig.tree`` values it accepts (model-free drafters that make trees on their
 own, such as suffix or token_recycling, list only "chain": ``tree`` selects a model's tree shape).
 ``runs_on``: what a backend must offer for it to run there (models/backends.py ``OFFERS``: "trees" for
-the methods that always draft token trees, "hidden" for heads on the target's features, "layers" for
+the methods that always draft token trees, "hidden" for heads on the target's features, "views" for
 views of the target's layers; None: every backend); ``backends`` reads the backend table.
 ``uses_draft``: needs nothing, but uses a draft model when one is given (auto's model arms).
 ``check``: the method's own config rules beyond those, (spec) -> an error message or None.
@@ -47,7 +47,7 @@ class Method:
     trees: tuple[str, ...] = ("chain",)
     schedules: tuple[str, ...] = FREE_SCHEDULES
     batches: bool = True
-    runs_on: str | None = None  # what its backends must offer (models/backends.py OFFERS: trees, hidden, layers)
+    runs_on: str | None = None  # what its backends must offer (models/backends.py OFFERS: trees, hidden, views)
     uses_draft: bool = False  # uses a draft model when one is given, works without (auto)
     check: Callable | None = None  # (spec: SpecConfig) -> error message | None, run by SpecConfig.validate
     load_resource: Callable | None = None  # (decoder, spec) -> a layer view, a head: loaded before the drafter
@@ -241,10 +241,10 @@ REGISTRY.update({m.name: m for m in [
     Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
     Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _layer_skip,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set,
-           load_resource=_kept_layers, runs_on="layers"),
+           load_resource=_kept_layers, runs_on="views"),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
-           load_resource=_first_layers, runs_on="layers"),
+           load_resource=_first_layers, runs_on="views"),
     Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix,
            runs_on="trees"),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,

@@ -22,7 +22,7 @@ from typing import Callable
 from ..core.errors import ConfigError
 
 
-OFFERS = ("trees", "hidden", "layers")  # token trees scored; final-norm features handed over; layer views
+OFFERS = ("trees", "hidden", "views")  # token trees scored; final-norm features handed over; layer views (views.py)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Backend:
     offers: frozenset = frozenset()  # of OFFERS
     paths: tuple[str, ...] = ()  # what doctor measures here (models/paths.py); the first: what auto measures
     check: Callable | None = None  # (report) -> whether it runs here; doctor's lines on it (report.say / .problem)
+    advice: Callable | None = None  # (path, its curve, fastest path, its curve, model) -> doctor's line or None
+    optional: bool = False  # a model it cannot take is a note in doctor, not a problem
 
     def __post_init__(self):
         assert set(self.offers) <= set(OFFERS), f"backend {self.name!r}: unknown offers {set(self.offers) - set(OFFERS)}"
@@ -112,14 +114,33 @@ def _check_openvino(report) -> bool:
     return ok
 
 
+def _ratio_note(curve, fast, fast_curve) -> str:
+    return (f"8 tokens cost {curve[8] / curve[1]:.2f}x one; its one token costs {curve[1] / fast_curve[1]:.1f}x "
+            f"{fast}'s")
+
+
+def _advise_hf(path, curve, fast, fast_curve, model) -> str:
+    if path.endswith(":w8a8"):
+        return (f"flat verification at 8-bit bytes: --backend hf --target {model}:w8a8 "
+                f"({_ratio_note(curve, fast, fast_curve)}): it pays where drafts are long")
+    return (f"full-precision answers: --backend hf --dtype bfloat16 --draft self:Q4_0 --draft-backend llama "
+            f"({_ratio_note(curve, fast, fast_curve)} in bf16)")
+
+
+def _advise_openvino(path, curve, fast, fast_curve, model) -> str:
+    return (f"cheap verification at 4-bit bytes: --backend openvino ({_ratio_note(curve, fast, fast_curve)}): it "
+            "pays where drafts are long (code edits)")
+
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
-            offers=frozenset(OFFERS), paths=("hf", "hf:w8a8")),
+            offers=frozenset(OFFERS), paths=("hf", "hf:w8a8"), advice=_advise_hf),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
             offers=frozenset({"trees"}), paths=("llama",), check=_check_llama),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
                         "verification, chains and trees", _load_openvino, False,
-            offers=frozenset({"trees"}), paths=("openvino",), check=_check_openvino),
+            offers=frozenset({"trees"}), paths=("openvino",), check=_check_openvino,
+            advice=_advise_openvino, optional=True),
 ]}
 
 

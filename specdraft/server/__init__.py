@@ -5,7 +5,7 @@
   (one at a time with ``max_batch`` 1);
 - ``metrics``: Prometheus metrics (prometheus_client);
 - ``app``: the FastAPI application (``create_app(decoder, ServerSettings)``);
-- ``front``: the routing front of ``serve --replicas`` (the replicas themselves: scale/replicas.py).
+- ``front``: the routing front of ``serve --replicas`` (the replicas themselves: server/replicas.py).
 
 The client tools that drive a server (loadtest, soak, leak) are in specdraft/tools/.
 """

@@ -590,7 +590,7 @@ async def stream(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, 
 
 def build_server_app(models: ModelSettings, settings: ServerSettings, method_defaulted: bool = False):
     """Loads the models and returns the FastAPI app of one engine (`specdraft serve`'s, a replica's too:
-    scale/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
+    server/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
     can run (SpecDecoder.usable) once the models are loaded."""
     dec = models.load()
     if method_defaulted:

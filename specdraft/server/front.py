@@ -1,5 +1,5 @@
 """The routing front of ``specdraft serve --replicas N``: one OpenAI-compatible endpoint before N engine
-replicas (started on Ray by scale/replicas.py; each the same FastAPI app as a single server).
+replicas (started on Ray by server/replicas.py; each the same FastAPI app as a single server).
 
 The front (this module's app, in the ``serve`` process) sends each request to the replica with the fewest
 running requests and relays the response bytes as they arrive, so a stream stays on its replica from the
