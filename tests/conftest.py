@@ -145,7 +145,7 @@ def smol_dec(smol_f32):
 
 @pytest.fixture(scope="session")
 def smol_reference(smol_dec):
-    """Plain greedy outputs (test_greedy_real.NEW = 40 new tokens, chat template, EOS ignored) of
+    """Plain greedy outputs (test_greedy_real.NEW = 32 new tokens, chat template, EOS ignored) of
     SmolLM2-135M float32 for test_greedy_real.PROMPTS: the one reference every real-model exactness
     test compares with (a shorter run is compared with a prefix of it)."""
     from specdraft.core.config import SamplingParams, SpecConfig

@@ -90,7 +90,7 @@ def test_broken_cascade_is_detected(dec, monkeypatch):
 
     monkeypatch.setattr(draft_model, "_draw_given", lambda q, proposal, gen: torch.tensor(proposal))
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
-    spec = SpecConfig(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2)
+    spec = SpecConfig.from_dict(dict(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2))
     # N // 4 samples (CI time): p = 1e-106 measured at 500 (2026-12-03), against the 1e-3 bound
     counts, _, _ = sample_first_tokens(dec.target, lambda: dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000)
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) < 1e-3
@@ -115,7 +115,7 @@ def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
     """A draft-model arm whose first try pays a long prompt's prefill (catch-up): cheap re-tries of the
     known arms must not spend the budget it waits for, and a long request may afford it at once."""
     flat_costs(dec, slope=0.0, draft=0.002)  # a plain step 10 ms; the draft's catch-up of 100 tokens 0.2 s
-    auto = dec.make_drafter(SpecConfig(method="auto", auto_arms=["prompt_lookup", "suffix", "draft_model"]))
+    auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "auto_arms": ["prompt_lookup", "suffix", "draft_model"]}))
     prompt = [i % V for i in range(100)]
     auto.begin(prompt, SamplingParams(max_new_tokens=1), None)
     names = [a.name for a in auto.arms]
@@ -144,7 +144,7 @@ def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothi
     curve = {n: 0.28 if n == 1 else 0.21 + 0.008 * n for n in COST_POINTS}
     dec.set_cost_curves(curve, {n: 0.045 * n for n in COST_POINTS})
     dec._arm_memory.clear()
-    auto = dec.make_drafter(SpecConfig(method="auto", k=6, auto_arms=["prompt_lookup", "draft_model"]))
+    auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "k": 6, "auto_arms": ["prompt_lookup", "draft_model"]}))
     prompt = list(range(V)) * 7
     auto.begin(prompt, SamplingParams(max_new_tokens=48), None)
     auto.model_seen = len(prompt) - 1  # as when the draft adopts the target's prompt cache
@@ -171,7 +171,7 @@ def test_auto_corrects_its_cost_curve_from_observed_steps(dec):
     start-up curve; steps of a larger batch, curves given by hand and learn_costs=false are not corrected."""
     measured_costs(dec)
     dec._costs.update({n: 0.01 * (1 + 2 * (n > 1)) for n in COST_POINTS})  # as if measured
-    auto = dec.make_drafter(SpecConfig(method="auto", auto_arms=["draft_model"]))
+    auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "auto_arms": ["draft_model"]}))
     auto.begin(PROMPT, SamplingParams(), None)
     assert auto.pricing.target(4) == pytest.approx(0.03)
     for _ in range(3):
@@ -205,11 +205,11 @@ def test_seeded_auto_request_does_not_depend_on_other_rows(dec):
 
 def test_config_errors(dec, tmp_path):
     with pytest.raises(ConfigError, match=r"auto_arms \['nope'\] are not arms here; arms: plain, prompt_lookup"):
-        dec.make_drafter(SpecConfig(method="auto", auto_arms=["nope"]))
+        dec.make_drafter(SpecConfig.from_dict({"method": "auto", "auto_arms": ["nope"]}))
     with pytest.raises(ConfigError, match="hybrid_merge is used by method 'hybrid' only"):
-        SpecConfig(method="draft_model", hybrid_merge=True).validate()
+        SpecConfig.from_dict(dict(method="draft_model", hybrid_merge=True))
     with pytest.raises(ConfigError, match="hybrid_merge must be true or false"):
-        SpecConfig(method="hybrid", hybrid_merge="yes").validate()
+        SpecConfig.from_dict(dict(method="hybrid", hybrid_merge="yes"))
     with pytest.raises(ConfigError, match="autotune file .* not found"):
         dec.make_drafter(SpecConfig(method="auto", autotune=str(tmp_path / "none.json")))
     bad = tmp_path / "bad.json"

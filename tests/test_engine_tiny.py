@@ -61,7 +61,7 @@ def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
         from specdraft.models.views import layer_view
 
         view = layer_view(target, [0])
-        make = lambda: DraftModelDrafter(view, SpecConfig(method="early_exit", exit_layer=1, k=3), V)  # noqa: E731
+        make = lambda: DraftModelDrafter(view, SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}), V)  # noqa: E731
     elif method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
         from specdraft.api import SpecDecoder
 

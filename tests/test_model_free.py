@@ -225,7 +225,7 @@ def test_static_tree_and_expansion():
     # root 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, 0; 3 -> 0; 4 -> unknown (dropped); 5 -> 2; 0 -> 1
     assert tree.tokens.tolist() == [1, 2, 3, 4, 5, 0, 0, 2, 1]
     assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 1, 2, 4, 5]
-    d = TokenRecyclingDrafter(SpecConfig(method="token_recycling", recycle_branching=[2, 2, 1]), 6)
+    d = TokenRecyclingDrafter(SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[2, 2, 1])), 6)
     d.adj.table.copy_(table)
     assert d.propose([4, 0], 2).tokens.tolist() == [1, 2, 3, 4, 5, 0]  # depth capped by max_tokens
     assert d.propose([4], 3).size == 0  # nothing known after token 4
@@ -233,7 +233,7 @@ def test_static_tree_and_expansion():
 
 def test_token_recycling_table_refreshed_by_engine():
     target = tiny_llama(vocab=V)
-    d = TokenRecyclingDrafter(SpecConfig(method="token_recycling"), V)
+    d = TokenRecyclingDrafter(SpecConfig.from_dict({"method": "token_recycling"}), V)
     generate(target, d, PROMPT, SamplingParams(max_new_tokens=1), eos_ids=set())
     logits = logits_of(target, PROMPT)
     assert d.adj.table[PROMPT[-1]].tolist() == torch.topk(logits[-1], 4).indices.tolist()
@@ -241,7 +241,8 @@ def test_token_recycling_table_refreshed_by_engine():
 
 # --- lookahead -------------------------------------------------------------------------------
 def test_lookahead_tree_shape_and_pool():
-    d = LookaheadDrafter(SpecConfig(method="lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_max_ngrams=2))
+    d = LookaheadDrafter(SpecConfig.from_dict(dict(method="lookahead", lookahead_window=3, lookahead_ngram=3,
+                                                   lookahead_max_ngrams=2)))
     d.begin([1, 2, 3], SamplingParams(), None)
     d.levels = [[10, 11, 12], [20, 21, 22]]
     t = d.propose([1, 2, 3], 8)
@@ -261,8 +262,8 @@ def drafters(store=None):
     return {
         "suffix": SuffixDrafter(SpecConfig(method="suffix", k=6)),
         "suffix+store": SuffixDrafter(SpecConfig(method="suffix", k=6, min_token_prob=0.0), store),
-        "token_recycling": TokenRecyclingDrafter(SpecConfig(method="token_recycling"), V),
-        "lookahead": LookaheadDrafter(SpecConfig(method="lookahead")),
+        "token_recycling": TokenRecyclingDrafter(SpecConfig.from_dict({"method": "token_recycling"}), V),
+        "lookahead": LookaheadDrafter(SpecConfig.from_dict({"method": "lookahead"})),
     }
 
 
@@ -294,7 +295,7 @@ def test_spec_config_validation():
         with pytest.raises(ConfigError, match=msg):
             SpecConfig.from_dict(d)
     for c in (SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2),
-              SpecConfig(method="token_recycling", recycle_branching=[3, 1])):  # (each method's own fields)
+              SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[3, 1]))):  # (each method's own fields)
         assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
 
 
@@ -313,11 +314,11 @@ def test_sampling_first_two_tokens_match_target(method):
     if method == "suffix":
         d = SuffixDrafter(SpecConfig(method="suffix", k=3, min_token_prob=0.0))
     elif method == "lookahead":
-        d = LookaheadDrafter(SpecConfig(method="lookahead", lookahead_window=2, lookahead_ngram=2,
-                                        lookahead_max_ngrams=2))
+        d = LookaheadDrafter(SpecConfig.from_dict(dict(method="lookahead", lookahead_window=2, lookahead_ngram=2,
+                                        lookahead_max_ngrams=2)))
     else:  # the chain case (branching 1) is verified by the chain rejection sampler
         branching = [1, 1, 1] if method.endswith("chain") else [3, 2]
-        d = TokenRecyclingDrafter(SpecConfig(method="token_recycling", recycle_branching=branching), 6)
+        d = TokenRecyclingDrafter(SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=branching)), 6)
     counts = np.zeros((6, 6))
     trees = 0
     for i in range(N_SAMPLES):

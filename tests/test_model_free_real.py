@@ -7,7 +7,7 @@ from specdraft.drafters import datastore as ds
 from test_greedy_real import PROMPTS
 
 pytestmark = pytest.mark.slow
-NEW = 40
+NEW = 32  # at most conftest.smol_reference's (test_greedy_real.NEW)
 
 
 @pytest.fixture(scope="module")

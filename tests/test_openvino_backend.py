@@ -64,6 +64,14 @@ def ids(dec):
 
 
 @pytest.fixture(scope="module")
+def plain_refs(dec, ids):
+    """Each prompt's plain greedy output (40 tokens), computed once: the reference of every greedy test
+    here (a shorter run is compared with its prefix)."""
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    return [generate(dec.target, dec.make_drafter(SpecConfig(method="plain")), p, sp).token_ids for p in ids]
+
+
+@pytest.fixture(scope="module")
 def dec_with_draft(smol_ov):
     """The OpenVINO target with the same Q4_0 file on llama.cpp as the draft (two backends, close but not
     equal distributions: rejections happen; several times faster than the dense copy as a draft)."""
@@ -149,17 +157,15 @@ def test_keep_returns_the_last_positions(smol_ov, ids):
     assert (last[1, 0] - full[1, 2]).abs().max() < NEAR_TIE and not last[1, 1].any()
 
 
-SPECS = [{"method": "prompt_lookup"}, {"method": "prompt_lookup", "schedule": "cost_aware"},
-         {"method": "draft_model", "k": 4}, {"method": "cascade"}, {"method": "auto"},
+SPECS = [{"method": "prompt_lookup", "schedule": "cost_aware"}, {"method": "draft_model", "k": 4}, {"method": "auto"},
          {"method": "suffix"}, {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]}]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
-def test_every_drafter_greedy(dec_with_draft, ids, spec):
+def test_every_drafter_greedy(dec_with_draft, ids, plain_refs, spec):
     d = dec_with_draft
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    for p in ids:
-        ref = generate(d.target, d.make_drafter(SpecConfig(method="plain")), p, sp).token_ids
+    for p, ref in zip(ids, plain_refs):
         s = SpecConfig.from_dict(spec)
         out = generate(d.target, d.make_drafter(s), p, sp, length=d.draft_length(s))
         check_greedy(d.target, p, ref, out.token_ids, spec["method"])
@@ -169,32 +175,31 @@ def test_every_drafter_greedy(dec_with_draft, ids, spec):
             assert any(st.depth is not None for st in out.stats.steps) and out.stats.accepted > 0
 
 
-def test_batch_rows_equal_batch_of_one(dec, ids):
+def test_batch_rows_equal_plain(dec, ids, plain_refs):
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [SpecConfig(method="prompt_lookup"), SpecConfig(method="plain")]
     jobs = [(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=3, join_every=2)
-    for (p, _, _), s, res in zip(jobs, specs * len(ids), together):
-        alone = generate(dec.target, dec.make_drafter(s), p, sp, eos_ids=set())
-        check_greedy(dec.target, p, alone.token_ids, res.token_ids, f"batch {s.method}")
+    refs = [ref[:sp.max_new_tokens] for ref in plain_refs for _ in specs]
+    for (p, _, _), s, ref, res in zip(jobs, specs * len(ids), refs, together):
+        check_greedy(dec.target, p, ref, res.token_ids, f"batch {s.method}")
 
 
 def test_sampling_end_to_end(dec_with_draft):
     """The first two tokens of seeded requests (top-k 3, T=1) follow the target's exact distribution
-    with a draft model, drafting chains and token trees (rejections happen); plain decoding at T=0.3
-    fails the same test. (Prompt
-    lookup's sampling runs through the same rows and verifier: tested on the other backends, which
-    keeps this file's time down.)"""
+    with a draft model (rejections happen); plain decoding at T=0.3 fails the same test. (Verification
+    is the same tensor function on every backend: sampled trees are tested on transformers, and this
+    backend's tree logits by the greedy tree runs and test_wrong_attention_is_caught, which keeps this
+    file's time down; a request costs ~0.3 s here, mostly its prefill.)"""
     d = dec_with_draft
     prompt = d.encode("Name a colour: red, green, blue, red, green,", chat=False)
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)
     probs = exact_two_token_probs(d.target, prompt, 3)
-    for spec in (SpecConfig(method="draft_model", k=2),  # a chain, and a token tree scored through attention_bias
-                 SpecConfig(method="draft_model", tree="static", tree_branching=[2, 1])):
-        p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, 100), probs)
-        assert p > 1e-3, f"draft_model {spec.tree}: p = {p:.2e}"
+    spec = SpecConfig(method="draft_model", k=2)
+    p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, 100), probs)
+    assert p > 1e-3, f"draft_model: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
-    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 100), probs) < 1e-3
+    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 60), probs) < 1e-3
 
 
 def test_tree_nodes_and_accepted_path(smol_ov, ids):

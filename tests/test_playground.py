@@ -211,8 +211,7 @@ def test_server_text_is_never_markup_and_the_policy_forbids_inline_script(browse
     from test_server_fast import tiny_pair
 
     b = browser
-    methods.REGISTRY[HOSTILE_ID] = methods.Method(HOSTILE_ID, "a plugin " + HOSTILE_ID, _prompt_lookup,
-                                                  backends=methods.EVERY)
+    methods.REGISTRY[HOSTILE_ID] = methods.Method(HOSTILE_ID, "a plugin " + HOSTILE_ID, _prompt_lookup)
     try:
         with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3}) as (url, _):
             csp = httpx.get(url + "/", timeout=30).headers["content-security-policy"]

@@ -273,7 +273,7 @@ HEAD_AND_SELF = {
     "medusa_tree": lambda h: SpecConfig(method="medusa", head=str(h["medusa"]), tree="static", tree_branching=[2, 2]),
     "eagle_tree": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), tree="dynamic", k=3, tree_topk=2, tree_budget=6),
     "eagle_chain": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), k=3),
-    "early_exit": lambda h: SpecConfig(method="early_exit", exit_layer=1, k=3),
+    "early_exit": lambda h: SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}),
     "auto": lambda h: SpecConfig(method="auto"),
 }
 

@@ -14,11 +14,10 @@ from specdraft.core.config import SamplingParams, SpecConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.qwen]
 
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Summarize in two sentences: Speculative decoding lets a small draft model propose tokens that a large "
-    "model verifies in one forward pass, so the output is unchanged while decoding gets faster.",
-]  # 2 prompts x 24 tokens (3 x 48 took 4.5 min of one CI worker): one real bf16 path; the table is the bench's
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number iteratively."]
+# one prompt x 24 tokens: the real bf16 path of the pair (a 1.5B decode on one CI thread is the suite's most
+# expensive work); prompt lookup and the other prompts are the bench's; float32 exactness, the cross-tokenizer
+# draft included, is SmolLM2's (tests/test_greedy_real.py)
 NEAR_TIE = 0.25  # bf16 logits of magnitude ~20 are spaced 0.125 apart
 
 
@@ -37,9 +36,8 @@ def plain_ref(qwen):
             for p in PROMPTS}
 
 
-@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
-def test_qwen_pair_greedy_matches_plain(qwen, plain_ref, method):
-    sp = SP
+def test_qwen_pair_greedy_matches_plain(qwen, plain_ref):
+    sp, method = SP, "draft_model"
     divergences = []
     accepted = 0
     for p in PROMPTS:
@@ -54,33 +52,5 @@ def test_qwen_pair_greedy_matches_plain(qwen, plain_ref, method):
         warnings.warn(f"bf16 {method} diverged from plain on {prompt!r} at token {c['first_divergence']}, "
                       f"target top-2 logit gap {c.get('top2_gap')}")
     bugs = [d for d in divergences if d[1].get("top2_gap", float("inf")) > NEAR_TIE]
-    assert not bugs, f"divergences that are not near-ties: {bugs}"
-    assert accepted > 0
-
-
-@pytest.fixture(scope="module")
-def smol_for_qwen(qwen):
-    """SmolLM2-135M (another tokenizer: 49,152 tokens against 151,936) drafting for the same Qwen 1.5B."""
-    from specdraft.models.backends import load_model
-
-    return SpecDecoder(qwen.target, load_model("smollm2-135m", "bfloat16"))
-
-
-def test_smollm2_drafts_for_qwen_through_text(smol_for_qwen, plain_ref):
-    """The real cross-tokenizer pair, bf16: greedy equals plain up to near-ties, and the draft's text
-    is accepted."""
-    dec = smol_for_qwen
-    assert dec.cross_vocab and len(dec.vocab_bridge().draft_ids) > 35_000  # 39,237 of 49,152
-    accepted, bugs = 0, []
-    for p in PROMPTS:
-        ids = dec.encode(p, chat=True)
-        out = dec.generate(ids, sampling=SP, spec=SpecConfig(method="draft_model", k=4))
-        accepted += out.stats.accepted
-        c = compare(dec.target, ids, plain_ref[p], out.token_ids)
-        if not c["exact"]:
-            warnings.warn(f"bf16 cross-tokenizer draft diverged on {p[:40]!r} at token {c['first_divergence']}, "
-                          f"target top-2 logit gap {c.get('top2_gap')}")
-            if c.get("top2_gap", float("inf")) > NEAR_TIE:
-                bugs.append((p[:40], c))
     assert not bugs, f"divergences that are not near-ties: {bugs}"
     assert accepted > 0

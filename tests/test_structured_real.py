@@ -32,7 +32,7 @@ SPECS = {  # every drafter family on SmolLM2 alone (the draft model: its first 4
     "token_recycling": SpecConfig(method="token_recycling"),
     "hybrid": SpecConfig(method="hybrid", k=4),
 }
-NEW = 56
+NEW = 40
 
 
 @pytest.fixture(scope="module")

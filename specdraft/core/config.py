@@ -440,12 +440,13 @@ class SpecConfig:
     - token_recycling (specdraft.drafters.token_recycling): an int32 adjacency table [V, top_k] of
       each token's top-k successors, refreshed from every target forward's logits; the draft is a
       static tree from the last token with ``recycle_branching[d]`` children per node at depth d
-      (top_k = max(recycle_branching)); ``k`` is not used. The table lives as long as the
+      (top_k = max(recycle_branching); its own parameter, ``TokenRecyclingParams``); ``k`` is not used. The table lives as long as the
       SpecDecoder (it is recycled across requests).
     - lookahead (specdraft.drafters.lookahead): Jacobi window ``lookahead_window`` (W)
       of ``lookahead_ngram`` - 1 levels (N), an n-gram pool, and a verification branch of up to
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
-      one token tree scored in one forward (depth W + N - 2; ``k`` is not used).
+      one token tree scored in one forward (depth W + N - 2; ``k`` is not used). W, N, G are its own
+      parameters (``LookaheadParams``).
 
     Token trees from the draft model (``tree``; also layer_skip / early_exit, and the eagle head below):
 
@@ -492,9 +493,10 @@ class SpecConfig:
 
     - hybrid (drafters/hybrid.py, SAM-Decoding's idea): the suffix automaton (``retrieval_k`` deep,
       the suffix fields above) drafts when its match is at least ``hybrid_min_match`` tokens, the
-      draft model (``k``, ``tree``) otherwise; ``hybrid_merge`` (greedy) drafts both into one tree.
+      draft model (``k``, ``tree``) otherwise; ``hybrid_merge`` (greedy; its own parameter,
+      ``HybridParams``) drafts both into one tree.
     - cascade (CS-Drafting's vertical cascade): the draft model drafts ``k`` tokens, and prompt
-      lookup (``min_ngram`` .. ``max_ngram``) proposes up to ``cascade_k`` tokens per draft forward,
+      lookup (``min_ngram`` .. ``max_ngram``) proposes up to ``cascade_k`` (``CascadeParams``) tokens per draft forward,
       which the draft model checks in that forward (lossless for the draft's own q, so for the target).
     - auto (drafters/auto.py): per request, each step drafts with the arm (plain, prompt_lookup,
       suffix, draft_model, hybrid, cascade, ...; ``auto_arms`` restricts them) with the best
@@ -533,8 +535,6 @@ class SpecConfig:
     tree_choices: list[list[int]] | None = _f(None, Choices(), used_by=lambda: methods_taking("static"))
     tree_budget: int = _f(6, Int(min=1, max=MAX_TREE_NODES), used_by=lambda: methods_taking("dynamic"))
     tree_topk: int = _f(2, Int(min=1, max=16), used_by=lambda: methods_taking("dynamic"))
-    exit_layer: int = _f(0, Int(min=0, max=4096, note="layers the early-exit draft runs; 0 = unset"),
-                         used_by=("early_exit",))
     skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices", max_len=4096),
                                 used_by=("layer_skip",))
     skip_config: str | None = _f(None, OptStr("a path"), used_by=("layer_skip",))
@@ -545,27 +545,14 @@ class SpecConfig:
                          used_by=RETRIEVAL + ("auto",))
     max_occurrences: int = _f(256, Int(min=1, max=65536), used_by=RETRIEVAL)
     datastore: str | None = _f(None, OptStr("a path"), used_by=("suffix",))
-    # token_recycling
-    recycle_branching: list[int] = _f([4, 2, 2, 1], IntList(min=1, max=MAX_RECYCLE_TOPK,
-                                                            what="children per node at each depth"),
-                                      TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
-                                      used_by=("token_recycling",))
-    # lookahead
-    lookahead_window: int = _f(4, Int(min=1, max=MAX_DRAFT, what="W"), used_by=("lookahead",))
-    lookahead_ngram: int = _f(3, Int(min=2, max=MAX_NGRAM, what="N"), used_by=("lookahead",))
-    lookahead_max_ngrams: int = _f(4, Int(min=1, max=MAX_DRAFT, what="G"), used_by=("lookahead",))
     # hybrid (retrieval when its match is long, the draft model otherwise) and auto's retrieval arms
     retrieval_k: int = _f(16, Int(min=1, max=MAX_DRAFT, what="depth of retrieval drafts"),
                           used_by=("hybrid", "auto"))
     hybrid_min_match: int = _f(4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"),
                                used_by=("hybrid", "auto"))
-    hybrid_merge: bool = _f(False, Bool(), used_by=("hybrid",))
-    # cascade: prompt lookup proposes up to cascade_k tokens per draft-model forward, the draft model checks them
-    cascade_k: int = _f(4, Int(min=1, max=MAX_DRAFT), used_by=("cascade",))
     # auto: the arms it chooses among (method names; empty = every one this decoder can run) and the
     # autotune file with their priors (None = the file `specdraft autotune` wrote for this target, draft,
     # backend and CPU, if any; "off" = none, online calibration only)
-    auto_arms: list[str] = _f([], StrList(max_len=64), used_by=("auto",))
     autotune: str | None = _f(None, OptStr("a path"), used_by=("auto",))
     # medusa / eagle / eagle3 (and auto, whose eagle3 arms read it): the trained head's directory (specdraft
     # train); its type and target are checked when it is loaded (heads.load_head), not here
@@ -586,10 +573,6 @@ class SpecConfig:
          lambda s: f"need 1 <= min_ngram <= max_ngram, got min_ngram={s.min_ngram}, max_ngram={s.max_ngram}"),
         (lambda s: s.branches * s.k <= MAX_TREE_NODES,
          lambda s: f"branches ({s.branches}) x k ({s.k}) makes a tree of more than {MAX_TREE_NODES} nodes"),
-        # lookahead's tree: a Jacobi window of W columns and G pooled n-grams, N - 1 levels each
-        (lambda s: (s.lookahead_window + s.lookahead_max_ngrams) * (s.lookahead_ngram - 1) <= MAX_TREE_NODES,
-         lambda s: f"lookahead_window ({s.lookahead_window}) + lookahead_max_ngrams ({s.lookahead_max_ngrams}), times "
-                   f"lookahead_ngram - 1 ({s.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes"),
         (lambda s: s.tree == "chain" or s.schedule == "constant",
          lambda s: f"tree={s.tree!r} needs schedule 'constant', got {s.schedule!r}"),
     )

@@ -56,7 +56,7 @@ def load_file(path: str | Path) -> dict:
 
 def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None]]:
     """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
-    can run; ``spec.auto_arms`` keeps the named ones."""
+    can run; ``auto_arms`` (auto's own parameter) keeps the named ones."""
     found = default_path(dec)
     path = spec.autotune or (found if found.is_file() else None)
     if path == "off":  # online calibration only, whatever file exists
@@ -73,11 +73,12 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
             fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
             arms.append((name, SpecConfig.from_dict(fields), None))
     arms += [a for a in _head_arms(dec, spec) if a[0] not in {n for n, _, _ in arms}]
-    if spec.auto_arms:
-        unknown = sorted(set(spec.auto_arms) - {n for n, _, _ in arms} - {"plain"})
+    keep = spec.params.auto_arms
+    if keep:
+        unknown = sorted(set(keep) - {n for n, _, _ in arms} - {"plain"})
         if unknown:
             raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
-        arms = [a for a in arms if a[0] in spec.auto_arms]
+        arms = [a for a in arms if a[0] in keep]
     arms = [a for a in arms if a[1].method != "plain"]
     if any(s.method == "auto" for _, s, _ in arms):
         raise ConfigError("an auto arm cannot itself be 'auto'")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.config import SpecConfig
+from dataclasses import dataclass
+
+from ..core.config import MAX_DRAFT, Int, SpecConfig, param
 from ..core.sampling import argmax_last, probs_from_logits, sample
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
@@ -37,6 +39,13 @@ def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
         return logits[..., :target_vocab]
     pad = logits.new_full((*logits.shape[:-1], target_vocab - v), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
+
+
+@dataclass
+class CascadeParams:
+    """cascade's own parameters (flat keys of its spec; cascade is this drafter with prompt lookup proposing)."""
+
+    cascade_k: int = param(4, Int(min=1, max=MAX_DRAFT))  # prompt lookup's tokens per draft-model forward
 
 
 class DraftModelDrafter(Drafter):
@@ -176,8 +185,8 @@ class DraftModelGroup:
         """Vertical cascade (``cascade_k`` > 0): prompt lookup's continuation of the row's context + the
         draft so far, for the draft model to check; room is left for the draft's own next token."""
         spec = m.drafter.spec
-        n = min(spec.cascade_k, cap - len(out) - 1)
-        if spec.method != "cascade" or n <= 0:
+        n = min(spec.params.cascade_k, cap - len(out) - 1) if spec.method == "cascade" else 0
+        if n <= 0:
             return []
         ctx = np.asarray(m.tokens + [int(t) for t in out], dtype=np.int64)
         return find_candidate(ctx, spec.min_ngram, spec.max_ngram, n).tolist()

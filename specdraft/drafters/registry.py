@@ -29,9 +29,13 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.config import ALL_TREES, REGISTRY, SCHEDULES, SpecConfig
+from ..core.config import ALL_TREES, REGISTRY, SCHEDULES, Int, SpecConfig, param
 from .auto import AutoParams
+from .draft_model import CascadeParams
+from .hybrid import HybridParams
+from .lookahead import LookaheadParams, tree_too_large
 from .remote_draft import RemoteDraftParams
+from .token_recycling import TokenRecyclingParams
 from ..core.errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
@@ -80,8 +84,15 @@ class Method:
         return None
 
 
+@dataclass
+class EarlyExitParams:
+    """early_exit's own parameters (flat keys of its spec)."""
+
+    exit_layer: int = param(0, Int(min=0, max=4096, note="layers the early-exit draft runs; 0 = unset"))
+
+
 def _needs_exit_layer(spec):
-    if spec.exit_layer < 1:
+    if spec.params.exit_layer < 1:
         return "method 'early_exit' needs exit_layer >= 1 (how many of the target's first layers draft)"
     return None
 
@@ -129,9 +140,10 @@ def _draft_model(dec, spec):
 
 def _first_layers(dec, spec):
     n = dec.target.num_layers
-    if spec.exit_layer >= n:
-        raise ConfigError(f"exit_layer must be < the target's {n} layers, got {spec.exit_layer}")
-    return dec.layer_view(range(spec.exit_layer))
+    exit_layer = spec.params.exit_layer
+    if exit_layer >= n:
+        raise ConfigError(f"exit_layer must be < the target's {n} layers, got {exit_layer}")
+    return dec.layer_view(range(exit_layer))
 
 
 def _kept_layers(dec, spec):
@@ -168,7 +180,7 @@ def _suffix(dec, spec):
 def _token_recycling(dec, spec):
     from .token_recycling import TokenRecyclingDrafter
 
-    return TokenRecyclingDrafter(spec, dec.target.vocab_size, dec.recycle_table(max(spec.recycle_branching)))
+    return TokenRecyclingDrafter(spec, dec.target.vocab_size, dec.recycle_table(max(spec.params.recycle_branching)))
 
 
 def _lookahead(dec, spec):
@@ -181,7 +193,7 @@ def _hybrid(dec, spec):
     from .hybrid import HybridDrafter
 
     return HybridDrafter(_suffix(dec, retrieval_spec(spec)), _draft_model(dec, spec), spec.hybrid_min_match,
-                         spec.hybrid_merge)
+                         spec.params.hybrid_merge)
 
 
 def retrieval_spec(spec):
@@ -244,16 +256,18 @@ REGISTRY.update({m.name: m for m in [
            load_resource=_kept_layers, runs_on="views"),
     Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
            needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
+           params=EarlyExitParams,
            load_resource=_first_layers, runs_on="views"),
     Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix,
            runs_on="trees"),
     Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
-           runs_on="trees"),
-    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, runs_on="trees"),
+           runs_on="trees", params=TokenRecyclingParams),
+    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, runs_on="trees",
+           params=LookaheadParams, check=tree_too_large),
     Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
-           _hybrid, needs="draft_model", trees=ALL_TREES, runs_on="trees"),
+           _hybrid, needs="draft_model", trees=ALL_TREES, runs_on="trees", params=HybridParams),
     Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
-           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES),
+           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, params=CascadeParams),
     Method("remote_draft", "the draft model in a process of its own (Ray), drafting the next block while the target "
            "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model",
            params=RemoteDraftParams, served=False),

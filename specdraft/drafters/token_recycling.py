@@ -13,9 +13,11 @@ at depth d, child j of node x being ``M[x, j]``; one gather per depth. Determini
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..core.config import SpecConfig
+from ..core.config import MAX_DRAFT, MAX_RECYCLE_TOPK, MAX_TREE_NODES, IntList, SpecConfig, TreeSize, param
 from ..core.tree import DraftTree
 from .base import Drafter
 
@@ -77,13 +79,22 @@ def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
     return DraftTree(tokens[keep], par)
 
 
+@dataclass
+class TokenRecyclingParams:
+    """token_recycling's own parameters (flat keys of its spec)."""
+
+    recycle_branching: list[int] = param([4, 2, 2, 1], IntList(min=1, max=MAX_RECYCLE_TOPK,
+                                                               what="children per node at each depth"),
+                                         TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
+
+
 class TokenRecyclingDrafter(Drafter):
     name = "token_recycling"
     reproducible = False  # its table learns from every request the decoder serves
 
     def __init__(self, spec: SpecConfig, vocab_size: int, table: AdjacencyTable | None = None):
         self.spec = spec
-        self.branching = list(spec.recycle_branching)
+        self.branching = list(spec.params.recycle_branching)
         top_k = max(self.branching)
         if table is None or table.top_k != top_k or table.table.shape[0] != vocab_size:
             table = AdjacencyTable(vocab_size, top_k)
