@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ray setup-browser models demo test test-fast bench heads clean
+.PHONY: setup setup-ray setup-browser models demo test test-long test-fast bench heads clean
 
 setup: $(STAMP)
 
@@ -40,8 +40,12 @@ setup-browser:
 
 # Two workers (pytest-xdist), each test file on one of them (module fixtures load once): the tests run
 # on one thread each (tests/conftest.py), so the second core was idle. pytest exits 5 when no test ran.
+# `long` tests (end-to-end runs of paths the others cover piece by piece) are test-long's; CI runs both.
 test: models setup-ray setup-browser
-	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=60
+	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=60 -m "not long"
+
+test-long: models setup-ray setup-browser
+	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=20 -m long
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"

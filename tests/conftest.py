@@ -158,9 +158,10 @@ def smol_reference(smol_dec):
 
 # The longest test files first (measured: `make test`'s durations), so that with two xdist workers taking
 # whole files (--dist loadfile) no long file starts last and leaves one worker alone at the end.
-LONGEST_FIRST = ["test_greedy_real.py", "test_auto.py", "test_llama_backend.py", "test_qwen_pair.py",
-                 "test_structured_real.py", "test_openvino_backend.py", "test_heads.py", "test_batch.py",
-                 "test_engine_tiny.py", "test_processing.py", "test_model_free_real.py"]
+LONGEST_FIRST = ["test_greedy_real.py", "test_openvino_backend.py", "test_llama_backend.py", "test_auto.py",
+                 "test_heads.py", "test_batch.py", "test_structured_real.py", "test_server.py", "test_tree_stats.py",
+                 "test_processing.py", "test_model_free.py", "test_model_free_real.py", "test_errors.py",
+                 "test_overlap.py", "test_eagle3.py", "test_fuzz.py", "test_ray_bench.py", "test_engine_tiny.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -344,8 +344,8 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
     d = SpecDecoder(smol_f32, smol_draft4)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     drafted = 0
-    # 3 of the 7 prompts (CI time): a summary and the second to last repeat their input (retrieval drafts there)
-    for p in REAL_PROMPTS[:1] + REAL_PROMPTS[3:4] + REAL_PROMPTS[-2:-1]:
+    # 2 of the 7 prompts (CI time): the second to last repeats its input (retrieval drafts there)
+    for p in REAL_PROMPTS[:1] + REAL_PROMPTS[-2:-1]:
         out = d.generate(p, sampling=sp, spec=spec, chat=True)
         assert out.token_ids == smol_reference[p], p
         drafted += out.stats.drafted

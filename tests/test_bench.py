@@ -203,6 +203,7 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, capsys):
     """`make bench`'s command on Qwen 0.5B Q4_0 (SmolLM2's Q4_1 file does not convert to OpenVINO), 2 short
     prompts, 4 tokens: every decoder of the preset runs, the speedups are over the fastest plain decoder,

@@ -49,11 +49,8 @@ DRAFTS = {  # id: (draft dtype, draft layers, spec)
     "truncated-20": ("float32", 20, SpecConfig(method="draft_model", k=2)),
     "bf16-copy": ("bfloat16", None, SpecConfig(method="draft_model", k=4, schedule="heuristic", max_k=8)),
     "truncated-20-static-tree": ("float32", 20, SpecConfig(method="draft_model", tree="static", tree_branching=[3, 2, 1])),
-    "truncated-20-choices-tree": ("float32", 20, SpecConfig(method="draft_model", tree="static",
-                                                            tree_choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
     "truncated-20-dynamic-tree": ("float32", 20, SpecConfig(method="draft_model", tree="dynamic", k=4, tree_topk=3, tree_budget=12)),
-    "bf16-copy-dynamic-tree": ("bfloat16", None, SpecConfig(method="draft_model", tree="dynamic", k=5, tree_topk=2, tree_budget=10)),
-}
+}  # (a static tree given as tree_choices: Medusa's, tests/test_heads.py; trees in a batch: tests/test_batch.py)
 
 
 def prompts_for(kind):

@@ -190,6 +190,7 @@ def test_batch_rows_equal_plain(dec, ids, plain_refs):
         check_greedy(dec.target, p, ref, res.token_ids, f"batch {s.method}")
 
 
+@pytest.mark.long
 def test_sampling_end_to_end(dec_with_draft):
     """Lossless sampling through the backend: the first two tokens of seeded requests (top-k 3, T=1)
     follow the target's exact distribution with a draft model (an HF draft, rejections happen; a model-free

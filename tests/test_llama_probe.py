@@ -154,6 +154,7 @@ def test_cmake_args_name_every_feature(monkeypatch):
     assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF"} <= set(llama_setup.cmake_args({"amx", "avx512"}).split())
 
 
+@pytest.mark.long
 def test_doctor(gguf, monkeypatch, capsys, tmp_path):
     from specdraft.models import paths
     from specdraft.cli import main

@@ -185,6 +185,7 @@ def test_batch_rows_equal_plain(dec, ids, plain_refs):
         check_greedy(dec.target, p, ref, res.token_ids, f"batch {s.method}")
 
 
+@pytest.mark.long
 def test_sampling_end_to_end(dec_with_draft):
     """The first two tokens of seeded requests (top-k 3, T=1) follow the target's exact distribution
     with a draft model (rejections happen); plain decoding at T=0.3 fails the same test. (Verification
@@ -218,6 +219,7 @@ def test_refused_methods(dec_with_draft):
             dec_with_draft.make_drafter(SpecConfig.from_dict({"method": m, "head": "x"}))
 
 
+@pytest.mark.long
 def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
     """The bench on this backend, with OpenVINO GenAI's own plain decoding of the same IR as the
     baseline: every runner produced tokens (the lookup and draft runners differ only in the pipeline's

@@ -28,6 +28,7 @@ def kept(tmp_path, monkeypatch):
 
 
 @slow_llama
+@pytest.mark.long
 def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kept, capsys):
     rc = main(["autotune", "--target", "smollm2-135m", "--dtype", "float32", "--paths", "hf,llama", "--n", "2",
                "--max-new-tokens", "8", "--only", "prompt_lookup", "--no-tree-search", "-o", str(kept / "tune.json")])

@@ -12,7 +12,7 @@ from specdraft.api import SpecDecoder
 from specdraft.bench.harness import compare
 from specdraft.core.config import SamplingParams, SpecConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.qwen]
+pytestmark = [pytest.mark.slow, pytest.mark.qwen, pytest.mark.long]
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number iteratively."]
 # one prompt x 24 tokens: the real bf16 path of the pair (a 1.5B decode on one CI thread is the suite's most

@@ -53,6 +53,7 @@ def complete(url, prompt, stream=False):
         return text, replica
 
 
+@pytest.mark.long
 def test_replicas_answer_as_one_engine(front, smol_f32):
     ref = SpecDecoder(HFModel(smol_f32.model, smol_f32.tokenizer, name="smol"))
     want = [ref.generate(p, sampling={"max_new_tokens": N}, spec={"method": "plain"}).text for p in PROMPTS]
@@ -69,6 +70,7 @@ def test_replicas_answer_as_one_engine(front, smol_f32):
     assert h["status"] == "ok" and [r["routed"] for r in h["replicas"]] == [3, 3]
 
 
+@pytest.mark.long
 def test_replica_errors_pass_through(front):
     r = httpx.post(front + "/v1/completions", json={"model": "smollm2-135m", "prompt": "x", "max_tokens": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

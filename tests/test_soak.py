@@ -9,14 +9,14 @@ import pytest
 from server_util import running_server
 from specdraft.tools.soak import run_soak
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_reduced_soak(smol_f32, smol_draft4):
     from test_server import decoder
 
     with running_server(decoder(smol_f32, smol_draft4), max_batch=16, max_queue=256, timeout_s=300) as (url, app):
-        out = run_soak(url, None, [4, 8], 8, 24, ["prompt_lookup", "plain", "draft_model"], timeout=300,
+        out = run_soak(url, None, [8], 8, 24, ["prompt_lookup", "plain", "draft_model"], timeout=300,
                        lengths=(8, 16))
     for row in out["levels"]:
         assert row["completed"] == row["requests"], row

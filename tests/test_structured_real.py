@@ -78,6 +78,7 @@ def test_greedy_constrained_speculation_equals_plain(smol, plain, spec, constrai
 
 
 @pytest.mark.qwen
+@pytest.mark.long
 def test_qwen_structured_workload_always_validates():
     """The bench's structured workload on the Qwen pair (llama.cpp, the machine's fastest backend):
     100% of outputs parse and validate, for plain and for speculation."""
