@@ -161,7 +161,7 @@ def smol_reference(smol_dec):
 LONGEST_FIRST = ["test_greedy_real.py", "test_openvino_backend.py", "test_llama_backend.py", "test_auto.py",
                  "test_heads.py", "test_batch.py", "test_structured_real.py", "test_server.py", "test_tree_stats.py",
                  "test_processing.py", "test_model_free.py", "test_model_free_real.py", "test_errors.py",
-                 "test_overlap.py", "test_eagle3.py", "test_fuzz.py", "test_ray_bench.py", "test_engine_tiny.py"]
+                 "test_eagle3.py", "test_fuzz.py", "test_engine_tiny.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -149,6 +149,7 @@ def test_cli_cross_tokenizer_tree_and_long_prompt():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_generate_json():
     r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "prompt_lookup", "--k", "3", "--dtype", "float32",
              "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")

@@ -232,6 +232,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.long
 def test_cli_generate_and_errors(tmp_path):
     r = run_cli("generate", "--backend", "llama", "--target", "smollm2-135m", "--method", "suffix",
                 "--max-new-tokens", "8", "--json", "Say hello.")

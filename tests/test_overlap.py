@@ -15,7 +15,7 @@ from specdraft.engine import generate_batch
 from specdraft.core.errors import ConfigError
 from specdraft.bench.overlap import model_time
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 PROMPTS = ["def fibonacci(n):\n    ", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,", "The capital of France is"]
 N = 24

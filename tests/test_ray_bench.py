@@ -11,6 +11,7 @@ from specdraft.bench.report import aggregate, render, speedup_over
 from specdraft.cli import main
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.long  # Ray clusters end to end (make test-long)
 
 PROMPTS = ["Name three colors.", "Write a haiku about rain.", "Explain gravity briefly."]
 
