@@ -140,6 +140,7 @@ def test_cli_errors_are_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_cross_tokenizer_tree_and_long_prompt():
     r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model",
              "--tree", "dynamic", "hi")
