@@ -3,8 +3,8 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 
 import torch
 
-from specdraft.core.config import SamplingParams
-from specdraft.engine import generate_batch
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.engine import generate, generate_batch
 from specdraft.core.tree import DraftTree, feed_mask
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
@@ -30,6 +30,13 @@ def plain_tokens(target, prompt, n):
         rows.commit([1])
         out.append(pend)
     return out
+
+
+def plain_outputs(dec, prompts, n=40):
+    """Each prompt's plain greedy output (``n`` tokens, EOS ignored): a backend file's greedy reference,
+    computed once (a shorter run is compared with its prefix)."""
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return [generate(dec.target, dec.make_drafter(SpecConfig(method="plain")), p, sp).token_ids for p in prompts]
 
 
 def check_greedy(target, prompt, ref, got, label):

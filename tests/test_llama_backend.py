@@ -18,7 +18,7 @@ import torch
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
-                          exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps)
+                          exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("llama_cpp", reason="the llama backend needs llama-cpp-python (make setup builds it)")
 pytestmark = pytest.mark.slow
@@ -41,10 +41,7 @@ def ids(dec):
 
 @pytest.fixture(scope="module")
 def plain_refs(dec, ids):
-    """Each prompt's plain greedy output (40 tokens), computed once: the reference of every greedy test
-    here (a shorter run is compared with its prefix)."""
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    return [generate(dec.target, dec.make_drafter(SpecConfig(method="plain")), p, sp).token_ids for p in ids]
+    return plain_outputs(dec, ids)
 
 
 def test_facts(smol_gguf):
@@ -194,7 +191,8 @@ def test_batch_rows_equal_plain(dec, ids, plain_refs):
 def test_sampling_end_to_end(dec_with_draft):
     """Lossless sampling through the backend: the first two tokens of seeded requests (top-k 3, T=1)
     follow the target's exact distribution with a draft model (an HF draft, rejections happen; a model-free
-    drafter's one-hot q goes through the same verifier); plain decoding at T=0.3 (another distribution) is rejected by the same test."""
+    drafter's one-hot q goes through the same verifier); plain decoding at T=0.3 (another distribution) is
+    rejected by the same test."""
     d = dec_with_draft
     prompt = d.encode("Name a colour: red, green, blue, red, green,", chat=False)
     sp = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=2)

@@ -16,7 +16,7 @@ from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import generate, generate_batch
 
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
-                          exact_two_token_probs, plain_tokens, pvalue, sample_pairs, single_steps)
+                          exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("openvino", reason="the openvino backend needs openvino (make setup installs it)")
 pytestmark = pytest.mark.slow
@@ -65,10 +65,7 @@ def ids(dec):
 
 @pytest.fixture(scope="module")
 def plain_refs(dec, ids):
-    """Each prompt's plain greedy output (40 tokens), computed once: the reference of every greedy test
-    here (a shorter run is compared with its prefix)."""
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    return [generate(dec.target, dec.make_drafter(SpecConfig(method="plain")), p, sp).token_ids for p in ids]
+    return plain_outputs(dec, ids)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +197,8 @@ def test_sampling_end_to_end(dec_with_draft):
     p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, 100), probs)
     assert p > 1e-3, f"draft_model: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
-    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, 60), probs) < 1e-3
+    plain = lambda: d.make_drafter(SpecConfig(method="plain"))  # noqa: E731
+    assert pvalue(sample_pairs(d.target, plain, prompt, cold, 60), probs) < 1e-3
 
 
 def test_tree_nodes_and_accepted_path(smol_ov, ids):

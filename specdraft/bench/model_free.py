@@ -121,7 +121,8 @@ def time_token_recycling(vocab: int) -> dict:
     tab = AdjacencyTable(vocab, 8)
     out["token_recycling_table_mb_top8"] = round(tab.nbytes / 2**20, 2)
     out["token_recycling_table_bytes_top8"] = tab.nbytes
-    d = TokenRecyclingDrafter(SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[8, 2, 2, 1])), vocab, tab)
+    spec = SpecConfig.from_dict({"method": "token_recycling", "recycle_branching": [8, 2, 2, 1]})
+    d = TokenRecyclingDrafter(spec, vocab, tab)
     logits = torch.randn(58, vocab)
     rows = torch.randint(0, vocab, (58,))
     step = StepOutcome(rows, logits)

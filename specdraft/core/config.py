@@ -440,8 +440,8 @@ class SpecConfig:
     - token_recycling (specdraft.drafters.token_recycling): an int32 adjacency table [V, top_k] of
       each token's top-k successors, refreshed from every target forward's logits; the draft is a
       static tree from the last token with ``recycle_branching[d]`` children per node at depth d
-      (top_k = max(recycle_branching); its own parameter, ``TokenRecyclingParams``); ``k`` is not used. The table lives as long as the
-      SpecDecoder (it is recycled across requests).
+      (top_k = max(recycle_branching); its own parameter, ``TokenRecyclingParams``); ``k`` is not
+      used. The table lives as long as the SpecDecoder (it is recycled across requests).
     - lookahead (specdraft.drafters.lookahead): Jacobi window ``lookahead_window`` (W)
       of ``lookahead_ngram`` - 1 levels (N), an n-gram pool, and a verification branch of up to
       ``lookahead_max_ngrams`` (G) pooled n-grams starting with the last token; both branches are
@@ -496,8 +496,9 @@ class SpecConfig:
       draft model (``k``, ``tree``) otherwise; ``hybrid_merge`` (greedy; its own parameter,
       ``HybridParams``) drafts both into one tree.
     - cascade (CS-Drafting's vertical cascade): the draft model drafts ``k`` tokens, and prompt
-      lookup (``min_ngram`` .. ``max_ngram``) proposes up to ``cascade_k`` (``CascadeParams``) tokens per draft forward,
-      which the draft model checks in that forward (lossless for the draft's own q, so for the target).
+      lookup (``min_ngram`` .. ``max_ngram``) proposes up to ``cascade_k`` (``CascadeParams``) tokens
+      per draft forward, which the draft model checks in that forward (lossless for the draft's own q, so
+      for the target).
     - auto (drafters/auto.py): per request, each step drafts with the arm (plain, prompt_lookup,
       suffix, draft_model, hybrid, cascade, ...; ``auto_arms`` restricts them) with the best
       measured tokens per second of this machine's cost curve; priors from ``autotune``.
@@ -550,9 +551,8 @@ class SpecConfig:
                           used_by=("hybrid", "auto"))
     hybrid_min_match: int = _f(4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"),
                                used_by=("hybrid", "auto"))
-    # auto: the arms it chooses among (method names; empty = every one this decoder can run) and the
-    # autotune file with their priors (None = the file `specdraft autotune` wrote for this target, draft,
-    # backend and CPU, if any; "off" = none, online calibration only)
+    # auto: the autotune file with its arms' priors (None = the file `specdraft autotune` wrote for this
+    # target, draft, backend and CPU, if any; "off" = none, online calibration only)
     autotune: str | None = _f(None, OptStr("a path"), used_by=("auto",))
     # medusa / eagle / eagle3 (and auto, whose eagle3 arms read it): the trained head's directory (specdraft
     # train); its type and target are checked when it is loaded (heads.load_head), not here

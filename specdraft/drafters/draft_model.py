@@ -17,10 +17,10 @@ holds exactly the context; the accepted tokens are fed with the next catch-up.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-
-from dataclasses import dataclass
 
 from ..core.config import MAX_DRAFT, Int, SpecConfig, param
 from ..core.sampling import argmax_last, probs_from_logits, sample
