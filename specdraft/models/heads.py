@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
+from ..core.homefiles import ANY, NUMBER, Schema, items, nullable, obj, of
+from ..core.jsonl import read_json_file
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")
 
@@ -247,10 +249,27 @@ def save_head(head: nn.Module, out: Path, extra: dict, int8: bool = False) -> No
     (out / "config.tmp").replace(out / "config.json")
 
 
+def _int_at_least(low: int) -> Schema:
+    return of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}")
+
+
+_COUNT = _int_at_least(1)
+_COMMON = {"hidden_size": _COUNT, "storage": of(lambda v: v in (None, "int8"), "'int8'"), "train_s": nullable(NUMBER),
+           "target_signature": obj({"lm_head_fingerprint": nullable(NUMBER)}, keys=ANY)}
+HEAD_SCHEMAS = {  # what building and loading a head reads of its config.json (training writes more)
+    "medusa": obj({**_COMMON, "heads": _COUNT, "blocks": _COUNT}, required=("hidden_size", "heads"), keys=ANY),
+    "eagle": obj({**_COMMON, "draft_vocab": nullable(_COUNT)}, required=("hidden_size",), keys=ANY),
+    "eagle3": obj({**_COMMON, "layers": lambda v, at: items(_COUNT)(v, at) or (None if v else f"{at} is empty"),
+                   "draft_vocab": _COUNT, "intermediate_size": nullable(_COUNT)},
+                  required=("hidden_size", "layers", "draft_vocab"), keys=ANY),
+}
+
+
 def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
-    """The head directory's config.json, checked; ``expect_type``: the method that will use it (a
-    medusa head for method medusa, ...). Called on load (``load_head``) and by the CLI before it loads
-    any model; ``SpecConfig.validate`` reads no files."""
+    """The head directory's config.json, checked (every field building and loading the head reads);
+    ``expect_type``: the method that will use it (a medusa head for method medusa, ...). Called on load
+    (``load_head``), by ``train --resume`` and by the CLI before it loads any model;
+    ``SpecConfig.validate`` reads no files."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"head directory {str(p)!r} not found (train one with `specdraft train medusa|eagle|eagle3 "
@@ -260,41 +279,67 @@ def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
         raise ConfigError(f"{p} is not a head directory: it needs config.json and head.safetensors "
                           "(written by `specdraft train`)")
     try:
-        meta = json.loads(cf.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cf} is not valid JSON: {e}") from e
+        meta = read_json_file(cf)
+    except ValueError as e:
+        raise ConfigError(f"{cf}: {e}") from None
     if not isinstance(meta, dict) or meta.get("type") not in HEAD_TYPES:
         raise ConfigError(f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_TYPES)})")
+    problem = HEAD_SCHEMAS[meta["type"]](meta, "")
+    if problem:
+        raise ConfigError(f"{cf}: {problem} (not a config `specdraft train` wrote)")
     if expect_type is not None and meta["type"] != expect_type:
         raise ConfigError(f"head {path} is a {meta['type']} head; method {expect_type!r} needs a {expect_type} head")
     return meta
 
 
 def build_head(meta: dict, target) -> nn.Module:
+    """A head of ``meta``'s shape (read_head_config's) for ``target``, its weights not loaded yet."""
+    H = int(target.config.hidden_size)
+    if meta["hidden_size"] != H:
+        raise ConfigError(f"the head has hidden_size {meta['hidden_size']}; this target has {H}")
     if meta["type"] == "medusa":
-        return MedusaHeads(int(meta["hidden_size"]), int(meta["heads"]), int(meta.get("blocks", 1)))
+        return MedusaHeads(H, meta["heads"], meta.get("blocks", 1))
     if meta["type"] == "eagle3":
-        ids = torch.zeros(int(meta["draft_vocab"]), dtype=torch.long)
+        bad = [i for i in meta["layers"] if i > target.num_layers]
+        if bad:
+            raise ConfigError(f"the head reads layers {bad}; this target has {target.num_layers}")
+        ids = torch.zeros(meta["draft_vocab"], dtype=torch.long)
         return Eagle3Head(target.config, meta["layers"], ids, meta.get("intermediate_size"))
     n = meta.get("draft_vocab")
-    ids = torch.zeros(int(n), dtype=torch.long) if n else None
-    return EagleHead(target.config, ids)
+    return EagleHead(target.config, torch.zeros(n, dtype=torch.long) if n else None)
+
+
+def load_weights(head: nn.Module, state: dict, vocab_size: int, where: str) -> None:
+    """``state`` into ``head``; a ConfigError if it does not fit, or its draft vocabulary is not
+    distinct ids, ascending, of the target's vocabulary (``vocab_size``: the drafters index with them)."""
+    try:
+        head.load_state_dict(state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"head weights in {where} do not match its config.json: {str(e).splitlines()[0]}") from None
+    ids = getattr(head, "draft_ids", torch.empty(0))
+    if ids.numel() and not (ids[0] >= 0 and ids[-1] < vocab_size and bool((ids[1:] > ids[:-1]).all())):
+        raise ConfigError(f"the draft vocabulary in {where} is not ascending ids of the target's {vocab_size} tokens")
+
+
+def read_head_weights(path: Path, meta: dict) -> dict:
+    """head.safetensors' tensors (int8 ones dequantized); a ConfigError for a file that is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = Path(path) / "head.safetensors"
+    try:
+        state = load_file(str(f))
+        return dequantized(state) if meta.get("storage") == "int8" else state
+    except (SafetensorError, OSError, RuntimeError, IndexError) as e:  # not ours: torn, another format, bad scales
+        raise ConfigError(f"{f} holds no head weights this program wrote ({str(e).splitlines()[0]})") from None
 
 
 def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple[nn.Module, dict]:
     """Load the head in ``path`` for ``target`` (checked to be the model it was trained on)."""
-    from safetensors.torch import load_file
-
     meta = read_head_config(path, expect_type)
     check_signature(meta.get("target_signature", {}), target, str(path))
     head = build_head(meta, target)
-    state = load_file(str(Path(path) / "head.safetensors"))
-    if meta.get("storage") == "int8":
-        state = dequantized(state)
-    try:
-        head.load_state_dict(state)
-    except RuntimeError as e:
-        raise ConfigError(f"head weights in {path} do not match its config.json: {str(e).splitlines()[0]}") from e
+    load_weights(head, read_head_weights(path, meta), target.vocab_size, str(path))
     head = head.to(target.dtype).eval()
     for p in head.parameters():
         p.requires_grad_(False)
