@@ -98,8 +98,8 @@ def test_training_resumes_to_the_uninterrupted_weights(smol_eagle3):
         shutil.copy(f, resumed / "data" / f.name)
     assert train(resumed, 6, "--data", data)["step"] == 6
     assert train(resumed, 12, "--data", data, "--resume")["step"] == 12
-    a = torch.load(d / "head" / "train_state.pt", weights_only=False)
-    b = torch.load(resumed / "train_state.pt", weights_only=False)
+    a = torch.load(d / "head" / "train_state.pt", weights_only=True)
+    b = torch.load(resumed / "train_state.pt", weights_only=True)
     assert len(a["losses"]) == 12 and a["losses"][-1] < a["losses"][0]
     for k in a["weights"]:
         torch.testing.assert_close(a["weights"][k], b["weights"][k], rtol=0, atol=0)

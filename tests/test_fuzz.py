@@ -13,6 +13,8 @@ dead-end (a grammar complete before min_tokens) next to a normal request."""
 import dataclasses
 import json
 import os
+import pickle
+import tempfile
 import threading
 from collections import Counter
 
@@ -361,8 +363,27 @@ def test_fuzz_paths_file_shapes(paths_file, slot, value):
     HOME_STATUS["shape", use_paths_file(paths_file, json.dumps(_replaced(VALID_PATHS, slot, value)).encode())] += 1
 
 
+class _Planted:
+    """A pickle that runs a shell command when it is loaded: no file under the home is unpickled."""
+    def __reduce__(self):
+        return os.system, (f"touch {PLANTED_MARKER}",)
+
+
+def _torch_saved(obj) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+PLANTED_MARKER = os.path.join(tempfile.gettempdir(), f"specdraft-fuzz-planted-{os.getpid()}")
+PICKLES = [pickle.dumps(_Planted()), _torch_saved(_Planted())]
 VALID_BYTES = json.dumps(VALID_PATHS).encode()
-RAW = st.one_of(st.binary(max_size=64), st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
+RAW = st.one_of(st.sampled_from(PICKLES), st.binary(max_size=64),
+                st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
                 st.tuples(st.integers(0, len(VALID_BYTES) - 1), st.binary(min_size=1, max_size=3)).map(
                     lambda t: VALID_BYTES[:t[0]] + t[1] + VALID_BYTES[t[0] + len(t[1]):]))
 
@@ -397,9 +418,16 @@ def test_fuzz_other_home_files(tmp_path_factory, doc):
         HOME_STATUS["other", "refused"] += 1
 
 
+def test_planted_pickles_in_home_files_do_not_run(paths_file):
+    for raw in PICKLES:
+        assert use_paths_file(paths_file, raw) == "refused"
+    assert not os.path.exists(PLANTED_MARKER)
+
+
 def test_fuzz_home_files_reached_both_outcomes():
     """Not vacuous: generated files are both read and refused; the fixed-mode victims both decode and get 400s."""
     assert HOME_STATUS["shape", "read"] >= 10 and HOME_STATUS["shape", "refused"] >= 50, HOME_STATUS
     assert HOME_STATUS["bytes", "refused"] >= 50, HOME_STATUS  # (mostly not JSON: a few decode)
     assert METRICS_STATUS[200] >= 30, METRICS_STATUS
+    assert not os.path.exists(PLANTED_MARKER)  # the planted pickles among the bytes ran nothing
     print("home file fuzz:", dict(HOME_STATUS), "fixed-mode /metrics observer:", dict(METRICS_STATUS))

@@ -14,7 +14,9 @@
      frequent tokens of the data only (tokens outside them are left out of the cross-entropy).
 3. Checkpoints every ``--checkpoint-every`` steps and at the end: DIR/head.safetensors +
    DIR/config.json (head type, target, dimensions, target fingerprint, step, losses, the command
-   and data path) + DIR/train_state.pt (optimizer state, step). ``--resume`` continues from there.
+   and data path) + DIR/train_state.pt (the float32 weights, optimizer state, step, losses: renamed into
+   place at once, and all that ``--resume`` reads). data.pt and train_state.pt are loaded
+   ``weights_only``: a file planted in DIR cannot run code.
    Batches are drawn from a generator seeded by (seed, step), so a resumed run sees the same
    batches as an uninterrupted one.
 
@@ -35,8 +37,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,9 +49,11 @@ from torch import nn
 
 from ..scale import cluster
 from ..core.errors import ConfigError, SpecDraftError
+from ..core.jsonl import AppendedJsonl, read_json_file
 from ..models.heads import (
     EagleHead,
     MedusaHeads,
+    load_weights,
     read_head_config,
     save_head,
     target_signature,
@@ -136,6 +142,38 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     return seqs
 
 
+def load_saved(path: Path, what: str) -> dict:
+    """A dict ``torch.save`` wrote in -o DIR (tensors and plain values), loaded with ``weights_only``:
+    a file planted there (or a head directory handed over) cannot run code when unpickled; -> the dict,
+    or one error line naming the file."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise SpecDraftError(f"{what} {path} holds objects other than tensors and plain values; refused, since "
+                             "loading them could run code (delete it if you did not write it)") from None
+    except Exception as e:  # noqa: BLE001 - torn, not a torch file, unreadable: every way a file is not ours
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecDraftError(f"{what} {path} cannot be read ({why}); delete it") from None
+    if not isinstance(blob, dict):
+        raise SpecDraftError(f"{what} {path} holds a {type(blob).__name__}, not what specdraft train writes; delete it")
+    return blob
+
+
+def _check_seqs(seqs, target, f: Path) -> None:
+    """Cached sequences as build_data makes them for ``target`` (its width, its vocabulary)."""
+    hidden, vocab = target.facts.hidden_size, target.vocab_size
+
+    def ok(s) -> bool:
+        if not (isinstance(s, dict) and torch.is_tensor(s.get("tokens")) and torch.is_tensor(s.get("hidden"))
+                and isinstance(s.get("n_prompt"), int)):
+            return False
+        t, h = s["tokens"], s["hidden"]
+        return (t.dtype == torch.long and t.dim() == 1 and t.numel() > 0 and 0 <= int(t.min()) <= int(t.max()) < vocab
+                and h.is_floating_point() and tuple(h.shape) == (t.numel(), hidden) and 0 <= s["n_prompt"] <= t.numel())
+    if not isinstance(seqs, list) or not all(ok(s) for s in seqs):
+        raise SpecDraftError(f"cached training data {f} is not what specdraft train writes for this target; delete it")
+
+
 def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new_tokens: int, chat: bool,
                        max_prompts: int | None, max_prompt_tokens: int | None = None,
                        build=build_data) -> tuple[list[dict], dict]:
@@ -147,8 +185,9 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     if max_prompt_tokens is not None:  # only when set, so data cached before this option still matches
         want["max_prompt_tokens"] = max_prompt_tokens
     if f.exists():
-        blob = torch.load(f, weights_only=False)
+        blob = load_saved(f, "cached training data")
         if blob.get("meta") == want:
+            _check_seqs(blob.get("seqs"), dec.target, f)
             print(f"reusing cached training data {f} ({len(blob['seqs'])} sequences)", file=sys.stderr)
             return blob["seqs"], blob["meta"]
         print(f"cached data {f} was made with {blob.get('meta')}; regenerating for {want}", file=sys.stderr)
@@ -442,7 +481,7 @@ def fit(head, loss, target, opts: TrainOptions, saved: dict | None, data_meta: d
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
     step, losses = 0, []
     if saved:
-        step, losses = _restore(head, opt, out)
+        step, losses = _restore(head, opt, out, target.vocab_size)
         print(f"resuming from step {step}", file=sys.stderr)
         if step >= opts.steps:
             print(f"already at step {step} >= --steps {opts.steps}; nothing to do", file=sys.stderr)
@@ -457,15 +496,24 @@ def fit(head, loss, target, opts: TrainOptions, saved: dict | None, data_meta: d
     return 0
 
 
-def _restore(head, opt, out: Path) -> tuple[int, list[float]]:
-    """The checkpoint in ``out`` loaded into ``head`` and ``opt``; -> (its step, its losses)."""
-    from safetensors.torch import load_file
-
-    st = torch.load(out / STATE_FILE, weights_only=False)
-    # the float32 weights (an int8-stored head keeps them here only), else the head file's
-    head.load_state_dict(st["weights"] if "weights" in st else load_file(str(out / "head.safetensors")))
-    opt.load_state_dict(st["optimizer"])
-    return int(st["step"]), list(st.get("losses", []))
+def _restore(head, opt, out: Path, vocab_size: int) -> tuple[int, list[float]]:
+    """The checkpoint in ``out`` loaded into ``head`` and ``opt``; -> (its step, its losses). Only
+    train_state.pt is read: it holds the float32 weights, the optimizer state, the step and the losses of
+    one step, renamed into place at once (head.safetensors, written just before it, can be a step ahead
+    when a run is stopped in between)."""
+    f = out / STATE_FILE
+    st = load_saved(f, "--resume: the training state")
+    step, losses = st.get("step"), st.get("losses")
+    if not (isinstance(st.get("weights"), dict) and isinstance(st.get("optimizer"), dict) and isinstance(step, int)
+            and isinstance(losses, list) and len(losses) == step and all(isinstance(x, float) for x in losses)):
+        raise SpecDraftError(f"--resume: {f} is not a checkpoint of this specdraft version (it needs the weights, "
+                             "optimizer state, step and losses); train again without --resume")
+    load_weights(head, st["weights"], vocab_size, str(f))
+    try:
+        opt.load_state_dict(st["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise SpecDraftError(f"--resume: the optimizer state in {f} does not fit this head ({e})") from None
+    return step, losses
 
 
 def _checkpoint(head, opt, out: Path, extra: dict, step: int, losses: list[float], train_s: float) -> None:
@@ -473,9 +521,10 @@ def _checkpoint(head, opt, out: Path, extra: dict, step: int, losses: list[float
     save_head(head, out, {**extra, "step": step, "loss_first": losses[0] if losses else None,
                           "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
                           "train_s": round(train_s, 1)}, int8=int8)
-    state = {"optimizer": opt.state_dict(), "step": step, "losses": losses}
-    if int8:
-        state["weights"] = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
+    # the float32 weights go with the optimizer state and the step into one file, renamed at once: what
+    # --resume reads (an int8-stored head's file cannot give them back)
+    state = {"optimizer": opt.state_dict(), "step": step, "losses": losses,
+             "weights": {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}}
     torch.save(state, out / (STATE_FILE + ".tmp"))
     (out / (STATE_FILE + ".tmp")).replace(out / STATE_FILE)
 
@@ -512,8 +561,9 @@ def run_steps(head, opt, loss_of, opts: TrainOptions, out: Path, step: int, loss
 # DIR/data/: meta.json (what the data was made with), synth.jsonl (every synthesized draw, kept or
 # not: a resumed run continues at the next draw's seed), answers.jsonl (prompt + the target's greedy
 # answer, one line per prompt), features.bin (bf16 [tokens, 3H], the three layers' outputs of every
-# position, appended) and features.jsonl (where each sequence's rows start). Each file is appended
-# after every batch, so a run stopped at any point loses at most one batch.
+# position, appended) and features.jsonl (where each sequence's rows start, and a checksum of the tokens
+# they were made from). Each file is appended after every batch, so a run stopped at any point loses at
+# most one batch; the line it may have torn is cut off by the next run (core.jsonl.AppendedJsonl).
 def check_eagle3_options(opts: TrainOptions) -> None:
     if (opts.data is None) == (opts.synth is None):
         raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N")
@@ -523,26 +573,34 @@ def check_eagle3_options(opts: TrainOptions) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if opts.max_len < opts.ttt_steps + 2:
         raise ConfigError(f"--max-len {opts.max_len} leaves no room for {opts.ttt_steps} draft steps")
+    _device(opts.device)  # checked before anything loads
 
 
-def _append_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
+# the appended files and the fields every row of each has (core.jsonl.AppendedJsonl: a torn last line,
+# left by a stopped run, is cut off before the next append)
+SYNTH_FIELDS, ANSWER_FIELDS, FEATURE_FIELDS = ("draw", "text", "kept"), ("i", "tokens", "n_prompt"), ("i", "row", "n")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """The complete lines of an appended file (a line torn by a stopped run is dropped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+def _answers(data: Path) -> AppendedJsonl:
+    return AppendedJsonl(data / "answers.jsonl", ANSWER_FIELDS)
+
+
+def _tokens_crc(tokens: list[int]) -> int:
+    return zlib.crc32(json.dumps(tokens).encode())
+
+
+def current_features(index: list[dict], answers: dict[int, dict]) -> dict[int, dict]:
+    """Answer i -> the index row of its features: the last one written for it, if made from the answer's
+    tokens as they are now (an answer lost with a torn line is made again, and can come out different)."""
+    out = {}
+    for r in index:
+        a = answers.get(r["i"])
+        if a is None or r["n"] != len(a["tokens"]):
+            continue
+        crc = _tokens_crc(a["tokens"])
+        if r.get("crc", crc) == crc:  # (rows written before the crc was: by length only)
+            out[r["i"]] = r
+    return out
 
 
 def data_meta(opts: TrainOptions, layers, out: Path) -> dict:
@@ -554,7 +612,12 @@ def data_meta(opts: TrainOptions, layers, out: Path) -> dict:
         want.update(seed=opts.seed, synth_temperature=opts.synth_temperature, synth_max_tokens=opts.synth_max_tokens)
     f = out / "data" / "meta.json"
     if f.exists():
-        have = json.loads(f.read_text())
+        try:
+            have = read_json_file(f)
+            if not isinstance(have, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise SpecDraftError(f"{f}: {e}; use another -o DIR") from None
         if have != want:
             diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
             raise ConfigError(f"{out}/data was made with other settings ({', '.join(diff)}: "
@@ -597,8 +660,8 @@ def synth_prompts(gen, tokenizer, opts: TrainOptions, data: Path) -> list[str]:
     at ``synth_temperature`` with seed (seed, i); a draw is kept if it ended (EOS, not the token limit),
     holds at least 8 characters and is new (case and spacing ignored). Continues the draws in
     synth.jsonl."""
-    log = data / "synth.jsonl"
-    draws = _read_jsonl(log)
+    log = AppendedJsonl(data / "synth.jsonl", SYNTH_FIELDS)
+    draws = log.rows  # grows with every append
     kept = [d["text"] for d in draws if d["kept"]]
     seen = {_norm_text(t) for t in kept}
     prefix, eos = user_prefix(tokenizer), gen.eos_token_ids()
@@ -621,8 +684,7 @@ def synth_prompts(gen, tokenizer, opts: TrainOptions, data: Path) -> list[str]:
                 kept.append(text)
                 bar.update(1)
             new.append({"draw": first + j, "text": text, "kept": take})
-        _append_jsonl(log, new)
-        draws += new
+        log.append(new)
     bar.close()
     return kept[: opts.synth]
 
@@ -630,8 +692,8 @@ def synth_prompts(gen, tokenizer, opts: TrainOptions, data: Path) -> list[str]:
 def answer_prompts(gen, dec, prompts: list[str], opts: TrainOptions, data: Path) -> list[dict]:
     """The target's greedy answer to every prompt (chat template unless --no-chat) not answered yet in
     answers.jsonl, ``gen_batch`` rows at a time on ``gen``; -> every answered sequence, in prompt order."""
-    f = data / "answers.jsonl"
-    have = {r["i"]: r for r in _read_jsonl(f)}
+    log = _answers(data)
+    have = {r["i"]: r for r in log.rows}
     todo = []
     for i, p in enumerate(prompts):
         if i in have:
@@ -647,7 +709,7 @@ def answer_prompts(gen, dec, prompts: list[str], opts: TrainOptions, data: Path)
         chunk = todo[b: b + opts.gen_batch]
         outs = _decode(gen, [(ids, {"max_new_tokens": opts.max_new_tokens}) for _, ids in chunk], eos)
         rows = [{"i": i, "tokens": ids + o.token_ids, "n_prompt": len(ids)} for (i, ids), o in zip(chunk, outs)]
-        _append_jsonl(f, rows)
+        log.append(rows)
         have.update((r["i"], r) for r in rows)
         made += sum(len(o.token_ids) for o in outs)
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.1f}")
@@ -665,16 +727,19 @@ def layer_features(model, tokens: list[int], layers) -> torch.Tensor:
 
 
 def extract_features(target, answers: list[dict], layers, data: Path) -> None:
-    """Append the layer features of every answered sequence not in features.jsonl yet (bf16 rows of
-    features.bin; the index line is written after its rows, and rows past the index, left by a stopped
-    run, are cut off first)."""
-    index, binf = data / "features.jsonl", data / "features.bin"
-    done = _read_jsonl(index)
+    """Append the layer features of every answered sequence not in features.jsonl yet, or whose answer
+    changed since (``current_features``): bf16 rows of features.bin; the index line is written after its
+    rows, and rows past the index, left by a stopped run, are cut off first."""
+    index, binf = AppendedJsonl(data / "features.jsonl", FEATURE_FIELDS), data / "features.bin"
     width = len(layers) * int(target.config.hidden_size)
-    rows = sum(r["n"] for r in done)
+    rows = max((r["row"] + r["n"] for r in index.rows), default=0)  # the end of the rows the index names
+    size = binf.stat().st_size if binf.exists() else 0
+    if size < rows * width * 2:
+        raise SpecDraftError(f"{binf} holds {size} bytes, less than the {rows * width * 2} that {index.path} names; "
+                             "delete both to extract the features again")
     with open(binf, "ab") as f:
         f.truncate(rows * width * 2)
-    have = {r["i"] for r in done}
+    have = current_features(index.rows, {a["i"]: a for a in answers})
     todo = [a for a in answers if a["i"] not in have]
     bar = _tqdm(total=sum(len(a["tokens"]) for a in todo), desc="features", unit="tok")
     with open(binf, "ab") as f:
@@ -683,7 +748,7 @@ def extract_features(target, answers: list[dict], layers, data: Path) -> None:
             f.write(x.view(torch.int16).numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
-            _append_jsonl(index, [{"i": a["i"], "row": rows, "n": x.shape[0]}])
+            index.append([{"i": a["i"], "row": rows, "n": x.shape[0], "crc": _tokens_crc(a["tokens"])}])
             rows += x.shape[0]
             bar.update(x.shape[0])
     bar.close()
@@ -695,15 +760,21 @@ class Eagle3Data:
     def __init__(self, data: Path, width: int):
         import numpy as np
 
-        answers = {r["i"]: r for r in _read_jsonl(data / "answers.jsonl")}
-        self.index = [r for r in _read_jsonl(data / "features.jsonl") if r["i"] in answers]
+        answers = {r["i"]: r for r in _answers(data).rows}
+        index = AppendedJsonl(data / "features.jsonl", FEATURE_FIELDS).rows
+        self.index = list(current_features(index, answers).values())
         if not self.index:
             raise SpecDraftError(f"{data} holds no sequences with features yet")
         self.tokens = [torch.tensor(answers[r["i"]]["tokens"], dtype=torch.long) for r in self.index]
         self.n_prompt = [answers[r["i"]]["n_prompt"] for r in self.index]
-        n = sum(r["n"] for r in self.index)
+        # the rows are where the index says (absolute): the file's rows, not the sum of the kept sequences'
+        binf = data / "features.bin"
+        n = binf.stat().st_size // (2 * width) if binf.exists() else 0
+        if any(r["row"] + r["n"] > n for r in self.index):
+            raise SpecDraftError(f"{binf} is shorter than {data / 'features.jsonl'} says; delete both to extract the "
+                                 "features again")
         # copy-on-write: torch wants a writable array; nothing writes to it
-        mm = np.memmap(data / "features.bin", dtype=np.int16, mode="c", shape=(n, width))
+        mm = np.memmap(binf, dtype=np.int16, mode="c", shape=(n, width))
         self.feats = torch.from_numpy(mm).view(torch.bfloat16)  # read-only; rows are copied per batch
 
     def __len__(self) -> int:
@@ -789,22 +860,31 @@ def ttt_loss(head, embed, F, toks, labels, device) -> tuple[torch.Tensor, list[f
 
 
 def _device(name: str) -> torch.device:
+    """--device: cpu, cuda, cuda:N (a device torch sees here) or auto."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: torch sees no CUDA device here")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"--device {name}: torch sees no such CUDA device here "
+                          f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
+    return device
 
 
-def eagle3_setup(target, data: Eagle3Data, layers, saved: dict | None, opts: TrainOptions, device):
-    """-> (the head on ``device``, loss(generator) of one batch). A new head's LM head starts as the
-    target's rows of the draft vocabulary; its final norm starts at 1, not the target's (whose scale on
-    the untrained layer's output made the first losses 1.6x higher on SmolLM2)."""
-    from ..models.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head, build_head
+def eagle3_setup(target, data: Eagle3Data, layers, resumed, opts: TrainOptions, device):
+    """-> (the head on ``device``, loss(generator) of one batch). ``resumed``: the head of --resume (its
+    weights and draft_ids come from the checkpoint), else a new one, whose LM head starts as the target's
+    rows of the draft vocabulary; its final norm starts at 1, not the target's (whose scale on the
+    untrained layer's output made the first losses 1.6x higher on SmolLM2)."""
+    from ..models.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE, Eagle3Head
 
     V = target.vocab_size
-    if saved:
-        head = build_head(saved, target)  # its weights and draft_ids come from the checkpoint
+    if resumed is not None:
+        head = resumed
     else:
         ids = draft_vocab(data, opts.draft_vocab or EAGLE3_DRAFT_VOCAB, V)
         head = Eagle3Head(target.config, layers, ids, opts.intermediate_size or EAGLE3_INTERMEDIATE)
@@ -863,10 +943,10 @@ def eagle3_data(opts: TrainOptions, dec, layers, out: Path, device: torch.device
         prompts = synth_prompts(gen, dec.tokenizer, opts, data)
     else:
         prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
-    if len(_read_jsonl(data / "answers.jsonl")) < len(prompts):
+    if len(_answers(data).rows) < len(prompts):
         gen = gen or generation_model(opts, dec)
     answers = answer_prompts(gen, dec, prompts, opts, data) if gen is not None else \
-        [r for r in _read_jsonl(data / "answers.jsonl") if r["i"] < len(prompts)]
+        [r for r in _answers(data).rows if r["i"] < len(prompts)]
     if device.type != "cpu":  # after the answers: the engine's transformers rows stay on the CPU
         dec.target.model.to(device)
     extract_features(dec.target, answers, layers, data)
@@ -877,7 +957,7 @@ def eagle3_data(opts: TrainOptions, dec, layers, out: Path, device: torch.device
 def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
     """``train eagle3``: the data (each stage resumable), then the training-time test."""
     from ..api import SpecDecoder
-    from ..models.heads import eagle3_layers
+    from ..models.heads import build_head, eagle3_layers
 
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
@@ -885,7 +965,8 @@ def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
     target = dec.target
     for p in target.model.parameters():
         p.requires_grad_(False)
-    layers = tuple(saved["layers"]) if saved else eagle3_layers(target.num_layers)
+    resumed = build_head(saved, target) if saved else None  # checks the saved layers against the target
+    layers = resumed.layers if resumed is not None else eagle3_layers(target.num_layers)
     device = _device(opts.device)
     meta = eagle3_data(opts, dec, layers, out, device)
     print(f"eagle3 data: {meta['n_seqs']} sequences, {meta['n_tokens']} tokens", file=sys.stderr)
@@ -893,5 +974,5 @@ def eagle3_main(opts: TrainOptions, saved: dict | None) -> int:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
     data = Eagle3Data(out / "data", len(layers) * int(target.config.hidden_size))
-    head, loss = eagle3_setup(target, data, layers, saved, opts, device)
+    head, loss = eagle3_setup(target, data, layers, resumed, opts, device)
     return fit(head, loss, target, opts, saved, meta)
