@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model_dir
 from specdraft.cli import main
-from specdraft.commands import train as train_mod
+from specdraft.commands.train.eagle3_data import current_features
+from specdraft.commands.train.eagle3_ttt import Eagle3Data
 from specdraft.core.errors import SpecDraftError
 from specdraft.core.jsonl import AppendedJsonl
 from specdraft.core.prompts import load_prompts
@@ -76,8 +77,8 @@ def test_eagle3_data_torn_then_rerun_keeps_every_row(tmp_path, tiny_dir, torn):
     assert main(args) == 0  # made again: the rows after the torn one are read, training runs
     answers = AppendedJsonl(d / "answers.jsonl").rows
     assert sorted(r["i"] for r in answers) == list(range(len(PROMPTS)))
-    assert len(train_mod.Eagle3Data(d, 3 * 32)) == len(PROMPTS)  # every sequence is trained on
-    feats = train_mod.current_features(AppendedJsonl(d / "features.jsonl").rows, {r["i"]: r for r in answers})
+    assert len(Eagle3Data(d, 3 * 32)) == len(PROMPTS)  # every sequence is trained on
+    feats = current_features(AppendedJsonl(d / "features.jsonl").rows, {r["i"]: r for r in answers})
     assert sorted(feats) == list(range(len(PROMPTS)))
     before = {f.name: f.read_bytes() for f in d.iterdir()}
     assert main(args) == 0  # nothing is made again
@@ -97,7 +98,7 @@ def test_eagle3_features_of_a_changed_answer_are_made_again(tmp_path, tiny_dir):
     assert main(args) == 0
     index = AppendedJsonl(out / "data" / "features.jsonl").rows
     assert [r["i"] for r in index] == [0, 1, 1]
-    assert train_mod.current_features(index, {r["i"]: r for r in rows})[1] is index[2]
+    assert current_features(index, {r["i"]: r for r in rows})[1] is index[2]
 
 
 # --- nothing in -o DIR is unpickled into code ----------------------------------------------------------
@@ -181,6 +182,12 @@ def edit_config(d, **fields):
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def edit_aux(d, ids):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["specdraft"]["aux_layers"] = ids
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
 def past_vocab(d):
     st = load_file(str(d / "head.safetensors"))
     st["draft_ids"][-1] = 10 ** 6
@@ -190,7 +197,7 @@ def past_vocab(d):
 BAD_HEADS = {  # kind, damage, what the error says
     "config random bytes": ("eagle", lambda d: (d / "config.json").write_bytes(bytes(range(256))), "not UTF-8"),
     "config a directory": ("eagle", lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()),
-                           "not a regular file"),
+                           "needs config.json"),
     "weights truncated": ("eagle", lambda d: (d / "head.safetensors").write_bytes((d / "head.safetensors")
                                                                                   .read_bytes()[:1000]),
                           "holds no head weights"),
@@ -198,9 +205,9 @@ BAD_HEADS = {  # kind, damage, what the error says
                                                 (d / "head.safetensors").symlink_to("/etc/passwd")),
                             "holds no head weights"),
     "draft_vocab -1": ("eagle", lambda d: edit_config(d, draft_vocab=-1), "draft_vocab must be an integer >= 1"),
-    "draft_vocab missing": ("eagle3", lambda d: edit_config(d, draft_vocab=None), 'no "draft_vocab"'),
-    "layers abc": ("eagle3", lambda d: edit_config(d, layers="abc"), "layers must be a list"),
-    "layers past the target": ("eagle3", lambda d: edit_config(d, layers=[1, 2, 9]), "reads layers [9]"),
+    "draft_vocab missing": ("eagle3", lambda d: edit_config(d, draft_vocab_size=None), "d2t must hold"),
+    "layers abc": ("eagle3", lambda d: edit_aux(d, "abc"), "aux layer ids must be a list of 3 integers"),
+    "layers past the target": ("eagle3", lambda d: edit_aux(d, [1, 2, 9]), "target of 2 layers does not have"),
     "draft ids past the vocabulary": ("eagle", past_vocab, "not ascending ids of the target's 49152 tokens"),
 }
 
@@ -222,7 +229,7 @@ RESUME_DAMAGE = {
     "train_state of another version": (lambda d: torch.save({"optimizer": {}, "step": 1}, d / "train_state.pt"),
                                        "not a checkpoint of this specdraft version"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
-    "config without layers": (lambda d: edit_config(d, layers=None), 'no "layers"'),
+    "config of no head type": (lambda d: edit_config(d, architectures=None), "no valid head type"),
 }
 
 
