@@ -49,3 +49,26 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
         dirs[name] = out / name
         save_head(head, dirs[name], extra)
     return dirs
+
+
+def random_eagle3_head(target, draft_ids, intermediate=48, seed=5):
+    """An untrained EAGLE-3 head for a tiny ``target`` (weights perturbed from their initialization, so that
+    its drafts are neither all alike nor all right): lossless decoding must not depend on it."""
+    from specdraft.models.heads import Eagle3Head, eagle3_layers
+
+    torch.manual_seed(seed)
+    h = Eagle3Head(target.config, eagle3_layers(target.num_layers), draft_ids, intermediate)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return h.eval()
+
+
+def save_eagle3_head(target, out):
+    """``random_eagle3_head`` over the whole vocabulary of ``target`` (an HFModel), saved in ``out`` as
+    `specdraft train eagle3` saves one; -> ``out``."""
+    from specdraft.models.heads import save_head, target_signature
+
+    head = random_eagle3_head(target, torch.arange(target.vocab_size))
+    save_head(head, out, {"target": target.name, "target_signature": target_signature(target)})
+    return out

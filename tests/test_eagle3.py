@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
+from head_util import random_eagle3_head
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import eagle as eagle_mod
@@ -138,12 +139,7 @@ def tiny_target():
 
 
 def random_head(target):
-    torch.manual_seed(5)
-    h = Eagle3Head(target.config, eagle3_layers(target.num_layers), DRAFT_IDS, 48)
-    with torch.no_grad():
-        for p in h.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return h.eval()
+    return random_eagle3_head(target, DRAFT_IDS)
 
 
 def exact_first_two(target, sp):

@@ -2,8 +2,9 @@
 2,000 generated bodies (every field with wrong types, huge numbers, NaN / inf, empty and long strings,
 nested objects, unknown fields; mostly on top of a valid request so that the checks past the first
 one are reached too), plus hostile raw bodies (invalid UTF-8, deep nesting, a 50 MB body, a prompt of
-a million tokens). Every answer must be a 2xx or a 4xx, never a 5xx or a hang, and every 400 about a
-request field must name it.
+a million tokens), plus 300 with such strings in one text field each. Strings include lone surrogates
+(valid JSON escapes, no text) and digits int() refuses. Every answer must be a 2xx or a 4xx, never a
+5xx or a hang, and every 400 about a request field must name it.
 
 The ``spec`` object (issue 29): every SpecConfig field with wrong types, huge values, file paths and
 method / tree / schedule names, alone and next to a normal request decoding concurrently in the same
@@ -33,11 +34,17 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "frequency_penalty", "repetition_penalty", "min_tokens", "response_format", "guided_json", "guided_regex",
           "guided_grammar", "guided_choice", "structured_outputs", "spec", "ignore_eos", "stream_options", "echo",
           "user", "best_of", "tools", "no_such_field"]
+# strings that are valid JSON but no Unicode text (lone surrogates, sent as "\ud800" escapes; a generated pair
+# may also make one valid character), and digits int() refuses where a number may come as a string ("²" in
+# logit_bias keys: "²".isdigit() is True)
+SURROGATE_TEXT = st.text(st.characters(categories=["Cs"]) | st.characters(max_codepoint=0x7F), min_size=1, max_size=6)
+DIGIT_LOOKALIKES = st.sampled_from(["²", "٣", "５", "1²", "⑦", "๓", "-²"])
+TEXT = st.one_of(st.text(max_size=12), SURROGATE_TEXT, DIGIT_LOOKALIKES)
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([0, 1, 3, -1, 2**31]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.just(""), st.just("x" * 20_000),
-    st.lists(st.integers(-3, 20), max_size=6), st.lists(st.text(max_size=3), max_size=3),
-    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=4), st.none()), max_size=3),
+    st.floats(allow_nan=True, allow_infinity=True), TEXT, st.just(""), st.just("x" * 20_000),
+    st.lists(st.integers(-3, 20), max_size=6), st.lists(TEXT, max_size=3),
+    st.dictionaries(TEXT, st.one_of(st.integers(), TEXT, st.none()), max_size=3),
     st.just({"method": "draft_model", "k": 2}), st.just({"type": "json_object"}), st.just([[[[[]]]]]),
 )
 VALID = st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 15), min_size=1, max_size=6),
@@ -81,11 +88,31 @@ def test_fuzz_completions(server, body):
 
 
 @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(body=BODIES, content=st.one_of(st.text(max_size=8), JUNK))
+@given(body=BODIES, content=st.one_of(st.text(max_size=8), SURROGATE_TEXT, JUNK))
 def test_fuzz_chat(server, body, content):
     body = {k: v for k, v in body.items() if k != "prompt"}
     body.setdefault("messages", [{"role": "user", "content": content}])
     check(server.post("/v1/chat/completions", content=json.dumps(body)))
+
+
+# every field that carries text, each with such strings (on top of a valid request: one field at a time, so
+# that the text reaches what reads it: the tokenizer, the grammar compiler, the spec's checks)
+TEXT_FIELDS = {"prompt": TEXT, "stop": TEXT | st.lists(TEXT, max_size=4), "guided_regex": TEXT,
+               "guided_grammar": TEXT, "guided_choice": st.lists(TEXT, min_size=1, max_size=3),
+               "guided_json": st.fixed_dictionaries({"type": st.just("string"), "pattern": TEXT}),
+               "structured_outputs": st.dictionaries(st.sampled_from(["regex", "grammar", "choice"]), TEXT, max_size=1),
+               "response_format": st.fixed_dictionaries({"type": TEXT}),
+               "logit_bias": st.dictionaries(TEXT, st.integers(-100, 100), min_size=1, max_size=2),
+               "model": TEXT, "user": TEXT, "stream_mode": TEXT,
+               "spec": st.fixed_dictionaries({"method": TEXT}) | st.dictionaries(TEXT, st.integers(1, 4), max_size=1)}
+TEXT_BODIES = st.sampled_from(sorted(TEXT_FIELDS)).flatmap(
+    lambda f: st.builds(lambda base, v: {**base, f: v}, VALID, TEXT_FIELDS[f]))
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=TEXT_BODIES)
+def test_fuzz_text_fields(server, body):
+    check(server.post("/v1/completions", content=json.dumps(body)))
 
 
 def test_fuzz_reached_decoding():
