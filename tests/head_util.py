@@ -52,23 +52,29 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
 
 
 def random_eagle3_head(target, draft_ids, intermediate=48, seed=5):
-    """An untrained EAGLE-3 head for a tiny ``target`` (weights perturbed from their initialization, so that
-    its drafts are neither all alike nor all right): lossless decoding must not depend on it."""
-    from specdraft.models.heads import Eagle3Head, eagle3_layers
+    """An untrained EAGLE-3 head (reference layout) for a tiny ``target`` (weights perturbed from their
+    initialization, so that its drafts are neither all alike nor all right): lossless decoding must not
+    depend on it."""
+    from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
 
     torch.manual_seed(seed)
-    h = Eagle3Head(target.config, eagle3_layers(target.num_layers), draft_ids, intermediate)
+    f = target.facts
+    h = Eagle3Head(Eagle3Shape.for_target(f, eagle3_layers(f.num_layers), draft_ids.numel(), intermediate))
+    h.set_draft_ids(draft_ids)
     with torch.no_grad():
         for p in h.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     return h.eval()
 
 
-def save_eagle3_head(target, out):
-    """``random_eagle3_head`` over the whole vocabulary of ``target`` (an HFModel), saved in ``out`` as
-    `specdraft train eagle3` saves one; -> ``out``."""
-    from specdraft.models.heads import save_head, target_signature
+def save_eagle3_head(target, out, draft_ids=None):
+    """``random_eagle3_head`` (over the whole vocabulary of ``target`` unless ``draft_ids``), saved in ``out``
+    as `specdraft train eagle3` saves one (the reference layout, float32); -> ``out``."""
+    from specdraft.models import head_formats
+    from specdraft.models.heads import target_signature
 
-    head = random_eagle3_head(target, torch.arange(target.vocab_size))
-    save_head(head, out, {"target": target.name, "target_signature": target_signature(target)})
+    ids = torch.arange(target.vocab_size) if draft_ids is None else draft_ids
+    head = random_eagle3_head(target, ids)
+    meta = {"type": "eagle3", "target": target.name, "target_signature": target_signature(target)}
+    head_formats.write(out, head.shape, head.state_dict(), meta, dtype=torch.float32)
     return out
