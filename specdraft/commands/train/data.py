@@ -47,22 +47,45 @@ def block_columns(target, blocks) -> torch.Tensor:
     return torch.cat([torch.arange(b * H, (b + 1) * H) for b in blocks])
 
 
+def decode_stream(target, jobs, rows: int, on_done) -> None:
+    """Decode (prompt ids, SamplingParams, drafter, tag) jobs with at most ``rows`` at once, a waiting job
+    joining as soon as a row finishes (so one long answer does not hold a batch of finished ones);
+    ``on_done(tag, prompt ids, result, drafter)`` as each finishes. Jobs may be an iterator."""
+    from ...engine import Engine
+
+    eng = Engine(target, target.eos_token_ids())
+    waiting = iter(jobs)
+    while True:
+        joining = [job for _, job in zip(range(rows - eng.num_rows), waiting)]
+        if joining:
+            for r in eng.add_many([(ids, sp, d, None, (tag, ids, d)) for ids, sp, d, tag in joining]):
+                if isinstance(r, Exception):
+                    raise r
+        if not eng.rows:
+            return
+        for row in eng.step():
+            if row.error is not None:
+                raise row.error
+            tag, ids, d = row.tag
+            on_done(tag, ids, row.result, d)
+
+
+def recorded(ids: list[int], result, recorder: FeatureRecorder) -> tuple[list[int], torch.Tensor]:
+    """(prompt + answer tokens, features [len - 1, cols] bf16 of every fed position) of a finished job."""
+    tokens = ids + result.token_ids
+    x = recorder.features()[: len(tokens) - 1]
+    if x.shape[0] != len(tokens) - 1:
+        raise SpecDraftError(f"{x.shape[0]} feature rows for {len(tokens) - 1} fed tokens")
+    return tokens, x
+
+
 def decode_recording(target, jobs: list[tuple[list[int], object]], cols: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
     """(prompt ids, SamplingParams) jobs decoded together with plain steps; -> per job (prompt + answer
     tokens, features [len - 1, len(cols)] bf16 of every fed position)."""
-    from ...engine import generate_batch
-
-    recs = [FeatureRecorder(cols) for _ in jobs]
-    outs = generate_batch(target, [(ids, sp, r) for (ids, sp), r in zip(jobs, recs)], eos_ids=target.eos_token_ids(),
-                          max_batch=len(jobs))
-    done = []
-    for (ids, _), o, r in zip(jobs, outs, recs):
-        tokens = ids + o.token_ids
-        x = r.features()[: len(tokens) - 1]
-        if x.shape[0] != len(tokens) - 1:
-            raise SpecDraftError(f"{x.shape[0]} feature rows for {len(tokens) - 1} fed tokens")
-        done.append((tokens, x))
-    return done
+    done: dict[int, tuple] = {}
+    decode_stream(target, [(ids, sp, FeatureRecorder(cols), j) for j, (ids, sp) in enumerate(jobs)], len(jobs),
+                  lambda j, ids, res, rec: done.__setitem__(j, recorded(ids, res, rec)))
+    return [done[j] for j in range(len(jobs))]
 
 
 def draft_vocab(tokens: list[torch.Tensor], n_prompt: list[int], n: int, vocab: int) -> tuple[torch.Tensor, float]:

@@ -35,7 +35,7 @@ import torch
 from ...core.errors import ConfigError, SpecDraftError
 from ...core.jsonl import AppendedJsonl
 from ...drafters.base import NoDrafter
-from .data import block_columns, decode_recording
+from .data import FeatureRecorder, block_columns, decode_stream, recorded
 from .loop import progress
 
 # Generic system prompts that spread Magpie's topics (none is taken from a benchmark); None: the
@@ -176,39 +176,40 @@ SYNTH_TRIES = 20  # draws per wanted prompt before synthesis gives up (a model t
 
 
 def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: int, seed: int) -> list[str]:
-    """``want`` distinct prompts written by the target (module doc, stage 1), continuing synth.jsonl."""
+    """``want`` distinct prompts written by the target (module doc, stage 1), at most ``rows`` drawn at once,
+    each draw logged as it finishes; continues synth.jsonl at the draw after its last."""
     from ...core.config import SamplingParams
-    from ...engine import generate_batch
 
     log = AppendedJsonl(data / "synth.jsonl", need=SYNTH_FIELDS)
-    draws = list(log.rows)
-    kept = [d["text"] for d in draws if d["kept"]]
+    kept = [d["text"] for d in log.rows if d["kept"]]
     seen = {norm_text(t) for t in kept}
     grams = benchmark_ngrams()
     prefixes = [user_prefix(tokenizer, s) for s in SYSTEM_PROMPTS]
-    eos = gen.eos_token_ids()
+    first = max((d["draw"] for d in log.rows), default=-1) + 1
     bar = progress(total=want, initial=min(len(kept), want), desc="synthesize prompts", unit="prompt")
-    while len(kept) < want:
-        first = len(draws)
-        if first >= SYNTH_TRIES * want + rows:
-            raise SpecDraftError(f"only {len(kept)} of {first} synthesized prompts ended within {max_tokens} tokens "
-                                 "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl")
-        batch = [Draw(first + j, seed) for j in range(rows)]
-        jobs = [(prefixes[d.system], SamplingParams(temperature=d.temperature, seed=d.sampling_seed,
-                                                    max_new_tokens=max_tokens), NoDrafter()) for d in batch]
-        outs = generate_batch(gen, jobs, eos_ids=eos, max_batch=rows)
-        new = []
-        for d, o in zip(batch, outs):
-            text = tokenizer.decode(o.token_ids, skip_special_tokens=True).strip()
-            take = (o.stats.finish_reason != "length" and len(text) >= 8 and norm_text(text) not in seen
-                    and not overlaps(text, grams) and len(kept) < want)
-            if take:
-                seen.add(norm_text(text))
-                kept.append(text)
-                bar.update(1)
-            new.append({"draw": d.n, "system": d.system, "temperature": d.temperature, "text": text, "kept": take})
-        log.append(new)
-        draws += new
+
+    def draws():
+        n = first
+        while len(kept) < want:
+            if n - first >= SYNTH_TRIES * want + rows:
+                raise SpecDraftError(f"only {len(kept)} of {n} synthesized prompts ended within {max_tokens} tokens "
+                                     "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl")
+            d = Draw(n, seed)
+            sp = SamplingParams(temperature=d.temperature, seed=d.sampling_seed, max_new_tokens=max_tokens)
+            yield prefixes[d.system], sp, NoDrafter(), d
+            n += 1
+
+    def done(d, ids, result, drafter):
+        text = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+        take = (result.stats.finish_reason != "length" and len(text) >= 8 and norm_text(text) not in seen
+                and not overlaps(text, grams) and len(kept) < want)
+        if take:
+            seen.add(norm_text(text))
+            kept.append(text)
+            bar.update(1)
+        log.append([{"draw": d.n, "system": d.system, "temperature": d.temperature, "text": text, "kept": take}])
+
+    decode_stream(gen, draws(), rows, done)
     bar.close()
     return kept[:want]
 
@@ -226,7 +227,8 @@ def answer_sampling(i: int, max_new_tokens: int, seed: int):
 def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, layers, rows: int,
                          max_new_tokens: int, seed: int) -> dict:
     """Answers and features of every (prompt index, prompt ids) not in answers.jsonl yet (module doc,
-    stage 2), shortest prompts first; -> {"tokens": answer tokens made, "seconds": wall time}."""
+    stage 2), shortest prompts first, at most ``rows`` decoding at once; each answer is written as it
+    finishes. -> {"tokens": answer tokens made, "seconds": wall time}."""
     answers = AppendedJsonl(data / "answers.jsonl", need=ANSWER_FIELDS)
     have = {r["i"] for r in answers.rows}
     cols = feature_columns(gen, layers)
@@ -234,18 +236,21 @@ def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, 
     todo = sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
     bar = progress(total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})",
                    unit="prompt")
-    t0, made = time.perf_counter(), 0
-    for b in range(0, len(todo), rows):
-        chunk = todo[b: b + rows]
-        jobs = [(ids, answer_sampling(i, max_new_tokens, seed)) for i, ids in chunk]
-        for (i, ids), (tokens, x), (_, sp) in zip(chunk, decode_recording(gen, jobs, cols), jobs):
-            store.append(i, tokens, x)  # features first: an answer row always finds its features
-            answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": not sp.greedy}])
-            made += len(tokens) - len(ids)
-        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.1f}")
-        bar.update(len(chunk))
+    t0, made = time.perf_counter(), [0]
+
+    def done(i, ids, result, recorder):
+        tokens, x = recorded(ids, result, recorder)
+        store.append(i, tokens, x)  # features first: an answer row always finds its features
+        answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": i % ANSWER_SAMPLED_EVERY
+                         == ANSWER_SAMPLED_EVERY - 1}])
+        made[0] += len(tokens) - len(ids)
+        bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")
+        bar.update(1)
+
+    jobs = ((ids, answer_sampling(i, max_new_tokens, seed), FeatureRecorder(cols), i) for i, ids in todo)
+    decode_stream(gen, jobs, rows, done)
     bar.close()
-    return {"tokens": made, "seconds": round(time.perf_counter() - t0, 1)}
+    return {"tokens": made[0], "seconds": round(time.perf_counter() - t0, 1)}
 
 
 # --- 3. features of answers that have none -----------------------------------------------------------
