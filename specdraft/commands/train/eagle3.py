@@ -171,7 +171,7 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     torch.manual_seed(opts.seed)
     gen = generation_model(opts)
     shape = resumed_shape(out, gen) if resume else None
-    layers = shape.layers if shape is not None else eagle3_layers(gen.facts.num_layers)
+    layers = shape.layers if shape is not None else eagle3_layers(gen.num_layers)
     meta = make_data(opts, gen, layers, out)
     print(f"eagle3 data: {meta['n_seqs']} sequences, {meta['answer_tokens']} answer tokens", file=sys.stderr)
     if opts.data_only:
