@@ -23,6 +23,7 @@ taken) and add 1 when loading (models/head_formats.py converts).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -180,3 +181,56 @@ def causal_mask(T: int, past: int, dtype: torch.dtype, device=None) -> torch.Ten
     """Additive [1, 1, T, past + T]: fed token i sees the cache and fed tokens 0..i."""
     allow = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)
     return torch.zeros(allow.shape, dtype=dtype, device=device).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
+
+
+# --- the training-time test ----------------------------------------------------------------------
+# EAGLE-3's (as SpecForge trains): K draft steps per anchor position t. Step 0 reads the target's fused
+# features F_t and the embedding of x_{t+1}; step j >= 1 reads the head's own pre-norm output of step
+# j - 1 at the same anchor, one position further on (t + j), with the keys of steps 0..j - 1 in the
+# head's cache, where anchor t sees step 0's positions <= t (the true context) and its own entries of
+# steps 1..j (its draft so far), as a chain drafted from t attends at test time. Step j's target is
+# x_{t+j+2} (as a draft-vocabulary index); its cross-entropy is weighted 0.8^j.
+TTT_DECAY = 0.8
+
+
+def ttt_mask(P: int, j: int, dtype: torch.dtype) -> torch.Tensor:
+    """Step j's additive mask [1, 1, P, (j + 1) P] over the head's cache of steps 0..j (module doc)."""
+    blocks = [torch.tril(torch.ones(P, P, dtype=torch.bool))] + [torch.eye(P, dtype=torch.bool)] * j
+    allow = torch.cat(blocks, dim=1)
+    return torch.zeros(allow.shape, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
+
+
+def _autocast(device: torch.device, bf16: bool):
+    """bf16 autocast where the CPU (or GPU) runs bf16 matrix work natively, float32 elsewhere."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def ttt_loss(head, embed, F, toks, labels, device, bf16: bool = False) -> tuple[torch.Tensor, list[float]]:
+    """The training-time test over K = labels.shape[-1] draft steps (module doc); ``embed``: the target's
+    frozen embedding (ids -> [.., H]). -> (sum_j 0.8^j cross-entropy_j, step accuracies)."""
+    B, P, K = labels.shape
+    cache = head.new_cache()
+    feats = F.to(device)
+    labels = labels.to(device)
+    total, accs = 0.0, []
+    with _autocast(device, bf16):
+        for j in range(K):
+            with torch.no_grad():
+                e = embed(toks[:, j: j + P]).to(device)
+            pos = (torch.arange(P, device=device) + j)[None].expand(B, P)
+            mask = ttt_mask(P, j, torch.bfloat16 if bf16 else feats.dtype).to(device).expand(B, 1, P, (j + 1) * P)
+            out = head(feats, e, cache=cache, position_ids=pos, attention_mask=mask)
+            logits = head.draft_logits(out).float()
+            y = labels[:, :, j]
+            ok = y >= 0
+            if ok.any():
+                total = total + TTT_DECAY ** j * nn.functional.cross_entropy(logits[ok], y[ok])
+                accs.append(float((logits[ok].argmax(-1) == y[ok]).float().mean()))
+            feats = out
+    if not torch.is_tensor(total):
+        total = out.sum() * 0
+    return total, accs
+
+

@@ -22,7 +22,8 @@ from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
 from ...models.heads import target_signature
 from . import eagle3_data as d3
 from .data import draft_vocab
-from .eagle3_ttt import Eagle3Data, autocast, cpu_has_bf16, ttt_batch, ttt_loss
+from ...models.eagle3 import ttt_loss
+from .eagle3_ttt import Eagle3Data, cpu_has_bf16, ttt_batch
 from .loop import Run, fit
 
 EAGLE3_INTERMEDIATE = 2048
