@@ -24,7 +24,8 @@ H = 576
 LAYERS = [2, 15, 30]  # hidden-states indices: early, middle and the last decoder layer (a case of its own)
 LAYER_NOISE = 0.02  # of a layer's largest magnitude (module doc)
 DENSE_COSINE = 0.99  # measured: see the module doc
-TEXT = "def fibonacci(n):\n    # the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b"
+TEXT = ("def fibonacci(n):\n    # the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):\n"
+        "        a, b = b, a + b")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_batched_steps_match_one_prefill(tapped, ids):
 
 def test_ragged_feed_places_each_row(tapped, ids):
     """One forward feeding rows 2, 0 and 3 tokens: row r's fed token i lands at last_hidden[r, i], zeros
-    beyond, as in a prefill of the row's tokens."""
+    beyond, as in a prefill of the row's tokens; a feed of nothing and an empty prefix."""
     seqs = [ids[:8], ids[:5], ids[4:15]]
     rows = tapped.new_rows()
     rows.add_rows([seqs[0][:6], seqs[1], seqs[2][:8]])
@@ -133,6 +134,12 @@ def test_ragged_feed_places_each_row(tapped, ids):
     assert rel_err(got[0, :2], whole[0][6:8]) < LAYER_NOISE and not got[0, 2].any()
     assert not got[1].any()
     assert rel_err(got[2], whole[1][8:11]) < LAYER_NOISE
+    rows.commit([2, 0, 3])
+    rows.forward([[], [], []], hidden=True)  # nothing fed: zeros of the full width
+    assert rows.last_hidden.shape == (3, 1, 3 * H) and not rows.last_hidden.any()
+    rows.add_rows([[], seqs[1]], hidden=True)  # an empty prefix has no features
+    assert rows.prefill_hidden[0] is None
+    assert rel_err(rows.prefill_hidden[1], prefill_features(tapped, [seqs[1]])[0]) < LAYER_NOISE
 
 
 def test_layers_match_the_dense_model(tapped, smol_f32, ids):

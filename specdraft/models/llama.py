@@ -179,6 +179,7 @@ class LlamaModel(GGUFHeadIO):
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
         self.n_ctx = int(n_ctx or os.environ.get("SPECDRAFT_LLAMA_CTX", 0) or min(self.n_ctx_train, DEFAULT_CTX))
         self.num_layers = int(ll.llama_model_n_layer(self._model))
+        self.n_embd = int(ll.llama_model_n_embd(self._model))
         self.feature_layers: tuple[int, ...] = ()  # decoder layers handed over in forward(hidden=True)
         self._pools: dict[bool, list] = {False: [], True: []}  # idle (context, tap) pairs (cleared), by whether
         # they carry the feature tap; reused by new_rows
@@ -472,7 +473,9 @@ class LlamaRows:
                 items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
                               (r, i - first_out) if i >= first_out else None))
         logits, feats = self._feed(items, N, N - first_out, layers)
-        return logits, None if feats is None else padded_features(_per_row(feats, [len(s) for s in seqs]), N)
+        if feats is None:
+            return logits, None
+        return logits, padded_features(_per_row(feats, [len(s) for s in seqs]), N, len(layers) * self.model.n_embd)
 
     def _feed(self, items: list, N: int, n_out: int, layers=()) -> tuple[torch.Tensor, np.ndarray | None]:
         """-> (logits [B, n_out, V], the layers' features of the items in order or None)."""
@@ -497,6 +500,8 @@ class LlamaRows:
         """Decode ``items`` N_BATCH at a time (a long catch-up feed or prefill takes several decodes);
         ``take(where)`` reads each decode's logits before the next overwrites them; -> the ``layers``'
         outputs of every item, in order [len(items), layers * H] (None without layers)."""
+        if not items:  # nothing to decode (empty prefixes, empty feeds)
+            return np.zeros((0, len(layers) * self.model.n_embd), np.float32) if layers else None
         every = FeatureTap.all_outputs(layers, self.model.num_layers)
         if layers:
             self.tap.begin(layers)
