@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -54,12 +55,25 @@ class ModelFacts:
     max_position_embeddings: int
 
 
+def padded_features(rows: list, N: int, width: int | None = None) -> torch.Tensor:
+    """Per-row features [n_r, W] (numpy; None: the row fed nothing) -> ``last_hidden`` [B, N, W], zeros
+    past each row's n_r (W: ``width``, else the rows'; numpy: a torch fill of this size wakes torch's OpenMP workers, whose spinning then
+    takes cores from the backend's next forward)."""
+    W = width if width is not None else max((x.shape[1] for x in rows if x is not None), default=0)
+    out = np.zeros((len(rows), N, W), np.float32)
+    for r, x in enumerate(rows):
+        if x is not None and x.shape[1] == W:
+            out[r, : x.shape[0]] = x
+    return torch.from_numpy(out)
+
+
 class SequenceRows(Protocol):
     lens: list[int]  # tokens each row holds in the cache
-    last_hidden: torch.Tensor | None  # [B, N, H * (1 + layers)] features of the last forward(hidden=True):
-    # the final norm's output, then each layer the model hands over (TargetModel.add_feature_layers)
-    prefill_hidden: list  # per row of the last add_rows(hidden=True): [len(prefix), H] or None
-    # (hidden=True needs TargetModel.capabilities.hidden; a backend without it raises ConfigError)
+    last_hidden: torch.Tensor | None  # [B, N, H * blocks] features of the last forward(hidden=True): the
+    # final norm's output (block 0, where capabilities.hidden), then each layer the model hands over
+    # (TargetModel.add_feature_layers; a backend without ``hidden`` starts its layer blocks at 0)
+    prefill_hidden: list  # per row of the last add_rows(hidden=True): [len(prefix), H * blocks] or None
+    # (hidden=True needs capabilities.hidden, or capabilities.layers and layers added; else ConfigError)
 
     @property
     def B(self) -> int: ...
@@ -128,8 +142,8 @@ class TargetModel(Protocol):
     # only where capabilities.layers:
     # def add_feature_layers(self, layers) -> list[int]: hand over these decoder layers' outputs
     #     (hidden-states indices, 1 = the first layer's output) in every forward(hidden=True) too; -> the
-    #     H-wide block of last_hidden each fills (block 0 is the final norm's where capabilities.hidden).
-    #     Blocks never move once given.
+    #     H-wide block of last_hidden each fills (block 0 is the final norm's where capabilities.hidden,
+    #     else the first layer added). Blocks never move once given.
     # only where capabilities.head_io (heads, their drafters and their training read nothing else):
     # facts: ModelFacts
     # def embed(self, ids: torch.Tensor) -> torch.Tensor: the input embeddings of ``ids`` [..., H]

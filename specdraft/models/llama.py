@@ -18,6 +18,15 @@ prefix, its ancestors and itself, and nothing else. ``commit`` keeps the accepte
 sequence (``seq_cp`` from the accepted leaf's sequence) and drops the spare sequences; cells no
 sequence holds any more are free.
 
+Trained heads (EAGLE-3): ``add_feature_layers`` makes the contexts created from then on carry a graph eval
+callback that copies the requested decoder layers' outputs out of llama.cpp's graph (llama_features.py);
+``forward(hidden=True)`` and ``add_rows(hidden=True)`` hand them over (no final-norm block:
+``capabilities.hidden`` is False). llama.cpp asks the callback about every node of the graph (about 960 on
+Qwen2.5-Coder-1.5B); measured 2026-12-05 on an AMD EPYC (Zen 4, 2 threads, other jobs sharing the CPU)
+from the time spent in the callback and a C-to-Python call's cost: about 0.5 ms per decode where it
+copies nothing and 1.3 ms where it copies 3 layers, with 1 or 16 rows alike (a decode there takes 95 ms
+or more). Contexts without the tap pay nothing.
+
 Numerics: llama.cpp's kernels differ between a 1-token and an n-token batch (like bf16 in
 transformers), so speculative greedy output is compared with plain decoding on this backend, each
 divergence reported with the target's top-2 logit gap (tests/test_llama_backend.py).
@@ -36,12 +45,15 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
-from .base import Capabilities
+from .base import Capabilities, padded_features
+from .gguf_tensors import GGUFHeadIO
+from .llama_features import FeatureTap
 
 PIN = "llama-cpp-python==0.3.36"  # requirements-llama.txt; built from source by `make setup`
 DEFAULT_CTX = 8192  # KV cells per context (all rows together); SPECDRAFT_LLAMA_CTX overrides
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: rows + spare sequences of token trees
 N_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
+N_UBATCH = N_BATCH  # tokens per graph evaluation inside one decode (llama.cpp's micro-batch)
 # llama.cpp's own default (auto: on for these CPUs). With it, an n-token batch of up to 48 tokens gave
 # bit-identical logits to n single-token steps on SmolLM2 Q4_1, and without it 2 tokens already
 # differed by up to 3 logits; Q4_K_M's repacked kernels differ from 4 tokens on either way.
@@ -131,9 +143,10 @@ def safe_extra_bufts(path: Path, name: str) -> bool:
 _warned: set[str] = set()
 
 
-def _no_hidden():
-    raise ConfigError("the llama backend does not expose the target's hidden features; Medusa and EAGLE heads "
-                      "need --backend hf")
+def _per_row(feats: np.ndarray, lengths: list[int]) -> list:
+    """Features of tokens fed row after row -> each row's [its tokens, W] (None: it fed none)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return [feats[e - n: e] if n else None for n, e in zip(lengths, ends.tolist())]
 
 
 def threads() -> int:
@@ -141,8 +154,9 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-class LlamaModel:
-    """A GGUF file loaded by llama.cpp (weights memory-mapped), with the target's tokenizer."""
+class LlamaModel(GGUFHeadIO):
+    """A GGUF file loaded by llama.cpp (weights memory-mapped), with the target's tokenizer; ``facts``,
+    ``embed`` and ``output_rows`` read the same file (gguf_tensors.py)."""
 
     backend = "llama"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
@@ -157,7 +171,7 @@ class LlamaModel:
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not load {path}: not a valid GGUF model file (corrupt or truncated?)")
-        self.path = path
+        self.path = self.gguf = path
         self.name = name or path.stem
         self.tokenizer = tokenizer
         self._vocab = ll.llama_model_get_vocab(self._model)
@@ -165,7 +179,10 @@ class LlamaModel:
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
         self.n_ctx = int(n_ctx or os.environ.get("SPECDRAFT_LLAMA_CTX", 0) or min(self.n_ctx_train, DEFAULT_CTX))
         self.num_layers = int(ll.llama_model_n_layer(self._model))
-        self._pool: list = []  # idle contexts (cleared), reused by new_rows
+        self.n_embd = int(ll.llama_model_n_embd(self._model))
+        self.feature_layers: tuple[int, ...] = ()  # decoder layers handed over in forward(hidden=True)
+        self._pools: dict[bool, list] = {False: [], True: []}  # idle (context, tap) pairs (cleared), by whether
+        # they carry the feature tap; reused by new_rows
         self._eos: set[int] | None = None
 
     # --- facts ---------------------------------------------------------------------------------
@@ -192,35 +209,63 @@ class LlamaModel:
             self._eos = {t for t in ids if 0 <= t < self._n_vocab}
         return set(self._eos)
 
-    capabilities = Capabilities(hidden=False, trees=True)  # token trees: a sequence id per leaf (module doc)
+    # token trees: a sequence id per leaf (module doc); decoder layers' outputs: llama_features.py
+    capabilities = Capabilities(hidden=False, trees=True, layers=True, head_io=True)
+
+    def add_feature_layers(self, layers) -> list[int]:
+        """Hand over these decoder layers' outputs (hidden-states indices: i = the output of decoder layer
+        i - 1, 1 <= i <= num_layers) in every forward(hidden=True) / add_rows(hidden=True) of rows made from
+        now on; -> the block of ``last_hidden`` each fills (no final-norm block: the first layer is block 0).
+        Layers already handed over keep their blocks."""
+        bad = [i for i in layers if not 1 <= int(i) <= self.num_layers]
+        if bad:
+            raise ConfigError(f"{self.name} has no decoder layer output {bad} to hand over (1..{self.num_layers})")
+        self.feature_layers += tuple(int(i) for i in dict.fromkeys(layers) if int(i) not in self.feature_layers)
+        if self.feature_layers:  # idle contexts without the tap are never handed out again: free their caches
+            self._free_contexts(self._pools[False])
+        return [self.feature_layers.index(int(i)) for i in layers]
 
     # --- contexts ------------------------------------------------------------------------------
-    def _context(self):
+    def _context(self) -> tuple:
+        """-> (a cleared context, its FeatureTap or None): contexts made once feature layers were added
+        carry the tap; the others run their graphs without a callback."""
         ll = lib()
         n = threads()
-        if self._pool:
-            ctx = self._pool.pop()
+        tapped = bool(self.feature_layers)
+        if self._pools[tapped]:
+            ctx, tap = self._pools[tapped].pop()
         else:
+            tap = FeatureTap() if tapped else None
             cp = ll.llama_context_default_params()
             cp.n_ctx = self.n_ctx
-            cp.n_batch = cp.n_ubatch = N_BATCH
+            cp.n_batch, cp.n_ubatch = N_BATCH, N_UBATCH
             cp.n_seq_max = MAX_SEQ
             cp.kv_unified = True  # a tree node's cell belongs to several sequences of one row
             cp.n_threads = cp.n_threads_batch = n
             cp.no_perf = True
             cp.flash_attn_type = FLASH_ATTN
+            if tap is not None:
+                cp.cb_eval = tap.callback
             ctx = ll.llama_init_from_model(self._model, cp)
             if not ctx:
                 raise ModelFileError(f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.name}")
         ll.llama_set_n_threads(ctx, n, n)
-        return ctx
+        return ctx, tap
 
-    def _release(self, ctx) -> None:
+    def _release(self, ctx, tap) -> None:
         ll = lib()
+        if tap is None and self.feature_layers:  # a context without the tap is not handed out again
+            ll.llama_free(ctx)
+            return
         # the cells' metadata only: zeroing the buffers too cost 23 ms per request (Qwen 1.5B) and buys
         # nothing, since a cell is read only after a decode has written it
         ll.llama_memory_clear(ll.llama_get_memory(ctx), False)
-        self._pool.append(ctx)
+        self._pools[tap is not None].append((ctx, tap))
+
+    @staticmethod
+    def _free_contexts(pool: list) -> None:
+        while pool:
+            lib().llama_free(pool.pop()[0])
 
     def new_rows(self, compact_slack: int = 32) -> "LlamaRows":
         return LlamaRows(self)
@@ -255,9 +300,8 @@ class LlamaModel:
     def __del__(self):
         try:
             ll = lib()
-            for ctx in self._pool:
-                ll.llama_free(ctx)
-            self._pool = []
+            self._free_contexts(self._pools[False])
+            self._free_contexts(self._pools[True])
             if getattr(self, "_model", None):
                 ll.llama_model_free(self._model)
                 self._model = None
@@ -271,7 +315,7 @@ class LlamaRows:
     def __init__(self, model: LlamaModel):
         self.model = model
         self.ll = lib()
-        self.ctx = model._context()
+        self.ctx, self.tap = model._context()
         self.mem = self.ll.llama_get_memory(self.ctx)
         self.V = model.vocab_size
         self.lens: list[int] = []
@@ -295,7 +339,7 @@ class LlamaRows:
         try:
             if self._batch is not None:
                 self.ll.llama_batch_free(self._batch)
-            self.model._release(self.ctx)
+            self.model._release(self.ctx, self.tap)
         except Exception:
             pass
 
@@ -331,15 +375,15 @@ class LlamaRows:
 
     # --- rows join and leave -------------------------------------------------------------------
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
-        if hidden:
-            _no_hidden()
+        """Prefill ``prefixes`` as new last rows (``hidden``: ``prefill_hidden`` gets each one's feature
+        layers' outputs [len(prefix), layers * H], None for an empty prefix)."""
+        layers = self._feature_layers(hidden)
         if len(prefixes) > len(self.free):
             raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
         new = [self.free.pop() for _ in prefixes]
         items = [(t, i, (s,), None) for s, p in zip(new, prefixes) for i, t in enumerate(p)]
         try:
-            for at in range(0, len(items), N_BATCH):  # no logits: the loop never reads a prefill's
-                self._decode_items(items[at: at + N_BATCH])
+            feats = self._decodes(items, layers)  # no logits: the loop never reads a prefill's
         except BaseException:  # (context full): no trace of these rows, or a later row would inherit their cells
             for s in new:
                 self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
@@ -348,7 +392,8 @@ class LlamaRows:
         first = self.B
         self.seq += new
         self.lens += [len(p) for p in prefixes]
-        self.prefill_hidden = [None] * len(prefixes)
+        self.prefill_hidden = [None] * len(prefixes) if feats is None else [
+            None if x is None else torch.from_numpy(x) for x in _per_row(feats, [len(p) for p in prefixes])]
         return list(range(first, self.B))
 
     def adopt_rows(self, src, idx: list[int]) -> list[int]:
@@ -390,15 +435,30 @@ class LlamaRows:
     # --- one forward ---------------------------------------------------------------------------
     def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
                 hidden: bool = False) -> torch.Tensor:
-        if hidden:
-            _no_hidden()
+        """As ``SequenceRows.forward``; ``hidden``: ``last_hidden`` [B, N, layers * H] gets the feature
+        layers' outputs at every fed position (zeros past a row's feed; blocks: ``add_feature_layers``)."""
+        layers = self._feature_layers(hidden)
+        self.last_hidden = None
         try:
-            return self._forward(seqs, keep, trees)
+            logits, self.last_hidden = self._forward(seqs, keep, trees, layers)
         except BaseException:  # a failed feed leaves no cells and holds no spare sequences
             self._drop_feed()
             raise
+        return logits
 
-    def _forward(self, seqs, keep, trees) -> torch.Tensor:
+    def _feature_layers(self, hidden: bool) -> tuple[int, ...]:
+        """The layers a feed hands over: none without ``hidden``; a clear error where it cannot."""
+        if not hidden:
+            return ()
+        if not self.model.feature_layers:
+            raise ConfigError(f"{self.model.name} on the llama backend hands over decoder layers' outputs only "
+                              "(no final-norm features): hidden=True needs add_feature_layers first")
+        if self.tap is None:
+            raise ConfigError(f"these rows of {self.model.name} were made before add_feature_layers; only rows made "
+                              "after it hand over the layers' outputs")
+        return self.model.feature_layers
+
+    def _forward(self, seqs, keep, trees, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
         N = max(max((len(s) for s in seqs), default=0), 1)
         first_out = N - keep if keep else 0  # fed index of the first position whose logits are returned
         items = []  # (token, position, sequence ids, (row, column) of its logits or None)
@@ -412,20 +472,48 @@ class LlamaRows:
             for i, tok in enumerate(s):
                 items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
                               (r, i - first_out) if i >= first_out else None))
-        return self._feed(items, N, N - first_out)
+        logits, feats = self._feed(items, N, N - first_out, layers)
+        if feats is None:
+            return logits, None
+        return logits, padded_features(_per_row(feats, [len(s) for s in seqs]), N, len(layers) * self.model.n_embd)
 
-    def _feed(self, items: list, N: int, n_out: int) -> torch.Tensor:
+    def _feed(self, items: list, N: int, n_out: int, layers=()) -> tuple[torch.Tensor, np.ndarray | None]:
+        """-> (logits [B, n_out, V], the layers' features of the items in order or None)."""
         whole = self.B == 1 and len(items) == N <= N_BATCH  # a single row's feed in one decode
         out = None if whole else torch.zeros(self.B, n_out, self.V)
-        for at in range(0, len(items), N_BATCH):  # a long catch-up feed takes several decodes
-            where = self._decode_items(items[at: at + N_BATCH])
-            if not where:
-                continue
+
+        def take(where: list) -> None:
+            nonlocal out
             src = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(len(where), self.V))
-            if whole:  # its logits as llama.cpp laid them out, one copy
-                return torch.from_numpy(src.copy()).view(1, n_out, self.V)
-            out[torch.tensor([w[0] for w in where]), torch.tensor([w[1] for w in where])] = torch.from_numpy(src)
-        return out
+            read = [k for k, w in enumerate(where) if w is not None]
+            if whole:  # its logits as llama.cpp laid them out (the last rows), one copy
+                out = torch.from_numpy(src[read[0]:].copy()).view(1, n_out, self.V)
+                return
+            src = src if len(read) == len(where) else src[read]
+            out[torch.tensor([where[k][0] for k in read]), torch.tensor([where[k][1] for k in read])] = \
+                torch.from_numpy(src)
+
+        feats = self._decodes(items, layers, take)
+        return out, feats
+
+    def _decodes(self, items: list, layers=(), take=None) -> np.ndarray | None:
+        """Decode ``items`` N_BATCH at a time (a long catch-up feed or prefill takes several decodes);
+        ``take(where)`` reads each decode's logits before the next overwrites them; -> the ``layers``'
+        outputs of every item, in order [len(items), layers * H] (None without layers)."""
+        if not items:  # nothing to decode (empty prefixes, empty feeds)
+            return np.zeros((0, len(layers) * self.model.n_embd), np.float32) if layers else None
+        every = FeatureTap.all_outputs(layers, self.model.num_layers)
+        if layers:
+            self.tap.begin(layers)
+        try:
+            for at in range(0, len(items), N_BATCH):
+                where = self._decode_items(items[at: at + N_BATCH], every)
+                if take is not None and any(w is not None for w in where):
+                    take(where)
+            return self.tap.end(len(items), layers) if layers else None
+        finally:
+            if layers:
+                self.tap.stop()
 
     def _drop_feed(self) -> None:
         """Undo a forward that failed part way: cells past each row's length, the spare tree sequences."""
@@ -441,14 +529,16 @@ class LlamaRows:
         """(spare sequence ids, free cells): the rows' committed tokens hold distinct cells of n_ctx."""
         return len(self.free), self.model.n_ctx - sum(self.lens)
 
-    def _decode_items(self, items: list) -> list:
+    def _decode_items(self, items: list, every: bool = False) -> list:
         """One ``llama_decode`` of at most N_BATCH (token, position, sequence ids, logits slot or None)
-        items; -> the slots of its logits rows, in llama.cpp's output order (the batch's)."""
+        items; -> the slots of its logits rows, in llama.cpp's output order (the batch's). ``every``: every
+        item computes logits (the last layer's output needs it: llama_features.py); then the slots are
+        one per item, None where nobody reads them."""
         b = self._new_batch(len(items))
         for tok, pos, sq, slot in items:
-            self._put(b, tok, pos, sq, slot is not None)
+            self._put(b, tok, pos, sq, every or slot is not None)
         self._decode(b)
-        return [slot for *_, slot in items if slot is not None]
+        return [slot for *_, slot in items if every or slot is not None]
 
     def _tree_sequences(self, r: int, allow: torch.Tensor) -> list[tuple[int, ...]]:
         """Each fed token's sequence ids for row r's token tree (see the module doc): the first leaf

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
-from .base import Capabilities
+from .base import Capabilities, padded_features
+from .gguf_tensors import GGUFHeadIO
 
 PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
 DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
@@ -196,12 +197,13 @@ def _with_bias_input(model):
     return model
 
 
-class OVModel:
-    """A GGUF model compiled by OpenVINO for this CPU, with the target's tokenizer."""
+class OVModel(GGUFHeadIO):
+    """A GGUF model compiled by OpenVINO for this CPU, with the target's tokenizer; ``facts``, ``embed``
+    and ``output_rows`` read the GGUF file itself (gguf_tensors.py)."""
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
-    capabilities = Capabilities(hidden=True, trees=True, layers=True)
+    capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True)
 
     def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
         ov = runtime()
@@ -281,16 +283,6 @@ class OVModel:
 
     def new_rows(self, compact_slack: int = 256) -> "OVRows":
         return OVRows(self, compact_slack)
-
-
-def _padded(rows: list, N: int) -> torch.Tensor:
-    """Per-row features [n_r, W] (None: the row fed nothing) -> [B, N, W], zeros past each row's n_r."""
-    W = max((x.shape[1] for x in rows if x is not None), default=0)
-    out = np.zeros((len(rows), N, W), np.float32)
-    for r, x in enumerate(rows):
-        if x is not None and x.shape[1] == W:
-            out[r, : x.shape[0]] = x
-    return torch.from_numpy(out)
 
 
 class OVRows:
@@ -404,7 +396,7 @@ class OVRows:
                     out[r, :want] = logits
                 if hidden:
                     feats[r] = self._features(r, len(s))
-        self.last_hidden = _padded(feats, N) if hidden else None
+        self.last_hidden = padded_features(feats, N) if hidden else None
         return torch.from_numpy(out)
 
     def commit(self, keep: list) -> None:
