@@ -67,7 +67,9 @@ def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
 # contents of the paths file that crashed --backend auto, doctor and autotune --paths with a traceback
 BAD = [b'{"pick":"hf"}', b'{"pick":["hf"]}', b'{"pick":{"path":"hf"}}', b'{"pick":{"path":7,"tokens_per_s":1}}',
        b'{"pick":{"path":"hf","tokens_per_s":"fast"}}', b'{"curves":["hf"]}', b'{"curves":{"hf":5}}', b'{"hf":5}',
-       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}"]
+       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}",
+       # digits str.isdigit() takes and int() refuses
+       '{"curves":{"hf":{"1":3,"8":4,"²":5}}}'.encode(), '{"curves":{"llama":{"1":3,"8":4,"¹":5}}}'.encode()]
 COMMANDS = [["generate", "--target", "smollm2-135m", "--backend", "auto", "x"], ["doctor", "--model", "smollm2-135m"],
             ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"]]
 

@@ -73,7 +73,9 @@ def _path_text(v, at) -> str | None:
 
 
 _CURVE = homefiles.obj({}, required=("1", "8"),  # what --backend auto and doctor read: 1 token, and 8 against it
-                       keys=homefiles.of(lambda k: k.isdigit(), "a token count"), values=homefiles.POSITIVE)
+                       # ASCII digits only: "²".isdigit() is True, yet int("²") raises (curves_of reads int(n))
+                       keys=homefiles.of(lambda k: k.isascii() and k.isdigit(), "a token count"),
+                       values=homefiles.POSITIVE)
 SCHEMA = homefiles.obj({  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
     "model": homefiles.TEXT, "cpu": homefiles.TEXT,
     "curves": homefiles.obj({}, keys=_path_text, values=_CURVE),
