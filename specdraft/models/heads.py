@@ -65,12 +65,20 @@ def check_signature(saved: dict, target, where: str) -> None:
     for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers"):
         if saved.get(key) != now[key]:
             raise ConfigError(f"head {where} was trained for a target with {key}={saved.get(key)!r} "
-                              f"(target {saved.get('target')!r}); this target has {key}={now[key]!r}")
+                              f"(target {_trained_for(where)!r}); this target has {key}={now[key]!r}")
     a, b = saved.get("lm_head_fingerprint"), now["lm_head_fingerprint"]
     if a is None or abs(a - b) > 1e-2 * max(abs(a), abs(b), 1e-6):
-        raise ConfigError(f"head {where} was trained for target {saved.get('target')!r}, whose LM head weights "
+        raise ConfigError(f"head {where} was trained for target {_trained_for(where)!r}, whose LM head weights "
                           f"differ from this target's (fingerprint {a} vs {b}): a head only fits the model it was "
                           "trained on")
+
+
+def _trained_for(where: str) -> str | None:
+    """The target the head directory's config records (the signature holds its facts, not its name)."""
+    try:
+        return read_head_config(where).get("target")
+    except ConfigError:
+        return None
 
 
 # --- Medusa ----------------------------------------------------------------------------------
