@@ -174,3 +174,20 @@ def test_bad_dataset_is_one_error_line(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {want}"), r.stderr
+
+
+def test_a_file_that_is_not_gguf_is_named_so_and_never_kept_as_the_builds_verdict(tmp_path, monkeypatch):
+    """A quantized-variant record pointing at a file of the right size that is no GGUF file was blamed on the
+    llama.cpp build ("cannot decode multi-token batches on this CPU"), and that verdict kept by file name and
+    size for the real file later."""
+    from specdraft.models import llama_probe, quantize
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    fake.write_bytes(b"<html>not a model</html>")
+    (tmp_path / "quantized.json").write_text(json.dumps({"smollm2-135m:Q8_0": {"path": str(fake), "size": 24}}))
+    with pytest.raises(ModelFileError, match=f"{fake}, registered as smollm2-135m:Q8_0, is not a GGUF file"):
+        quantize.variant_path("smollm2-135m", "Q8_0")
+    with pytest.raises(ModelFileError, match=f"{fake} is not a GGUF file"):
+        llama_probe.probe_record(fake)
+    assert not llama_probe.cache_dir().exists()  # nothing probed, nothing kept

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..core import homefiles
 from ..core.errors import ConfigError, ModelFileError
 from . import catalog
+from .llama_probe import is_gguf
 
 TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,
          "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1}  # llama_ftype values
@@ -58,6 +59,9 @@ def variant_path(base: str, qtype: str) -> Path:
     if not p.exists() or p.stat().st_size != rec["size"]:
         raise ModelFileError(f"{p} is missing or not the registered file ({rec['size']} bytes); "
                              f"run `specdraft models quantize {base} --type {qtype}` again")
+    if not is_gguf(p):
+        raise ModelFileError(f"{p}, registered as {base}:{qtype}, is not a GGUF file; run `specdraft models "
+                             f"quantize {base} --type {qtype}` again")
     return p
 
 
