@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -113,3 +116,35 @@ def check_writable(folder: Path, what: str) -> None:
     except OSError as e:
         raise HomeFileError(f"cannot write {what} in {folder}: {e.strerror or e} (set SPECDRAFT_HOME to a writable "
                             "directory)") from None
+
+
+def private_temp(path: Path, suffix: str = ".tmp") -> Path:
+    """A temporary name beside ``path`` that no other writer uses (two writers at once each rename a whole
+    file of their own over ``path``; neither finds its temporary file renamed away)."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex}{suffix}")
+
+
+def write_json(path: Path, doc, indent: int | None = 1) -> None:
+    """``doc`` into ``path`` whole or not at all (a private temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = private_temp(path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=indent))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(path: Path):
+    """Held by one process (or thread) at a time: an exclusive lock on the file ``path`` (made if missing), for a
+    read-modify-write of a file many commands may update at once, or work a second caller should wait for."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

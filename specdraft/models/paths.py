@@ -19,7 +19,6 @@ The file: ``$SPECDRAFT_HOME/paths/<model>__<cpu key>.json``, {"model", "cpu", "c
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -107,9 +106,7 @@ def write(model: str, **fields) -> Path:
     curves = {**doc.get("curves", {}), **fields.pop("curves", {})}
     doc.update(model=model, cpu=cpu_name(), curves=curves, **fields)
     f = file_for(model)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(f)
+    homefiles.write_json(f, doc)
     return f
 
 
