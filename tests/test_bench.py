@@ -81,10 +81,33 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
         assert (tmp_path / f"r{suffix}").stat().st_size > 0
 
 
-def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path):
+OTHER_RUN = {"settings": {"target": "x", "dtype": "float32", "sampling": {"temperature": 0, "top_k": 0, "top_p": 1,
+                                                                        "max_new_tokens": 8}},
+             "environment": {}, "records": []}
+
+
+def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path, capsys):
     out = tmp_path / "r.json"
-    out.write_text(json.dumps({"settings": {"target": "x"}, "records": []}))
+    out.write_text(json.dumps(OTHER_RUN))
     assert main(_args(tiny_dir, dataset, out)) == 2
+    assert capsys.readouterr().err == f"error: {out} holds results of other settings; pass another --out to start afresh\n"
+
+
+@pytest.mark.parametrize("content", [b'{"a": 1}', b"[1, 2]", b"\x89PNG\r\n\x1a\n\0\0", b"{not json", b'"text"',
+                                     json.dumps({**OTHER_RUN, "records": [{"method": "plain"}]}).encode(),
+                                     json.dumps({**OTHER_RUN, "records": [{"prompt_id": 1, "task": "qa", "method": "m",
+                                                                          "repeat": 0, "new_tokens": 2, "wall_s": 1,
+                                                                          "steps": [[]]}]}).encode()])
+def test_a_file_that_is_no_results_file_is_one_error_line(tiny_dir, dataset, tmp_path, capsys, content):
+    """`bench --out FILE` (which resumes FILE) and `bench report FILE` on another JSON, a list or a binary
+    gave a traceback."""
+    f = tmp_path / "other.json"
+    f.write_bytes(content)
+    for argv in (_args(tiny_dir, dataset, f), ["bench", "report", str(f), "--no-plots"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the results file {f}: ") and err.count("\n") == 1, err
+    assert f.read_bytes() == content  # never written over
 
 
 def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):

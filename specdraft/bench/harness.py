@@ -32,7 +32,7 @@ from ..core.errors import ConfigError, SpecDraftError
 from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
 from ..core import prompts as data
-from .report import render
+from .report import read_results, render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
              "ov_genai", "ov_genai_lookup", "ov_genai_draft")
@@ -548,8 +548,8 @@ def load_bench(plan: Plan, threads: int) -> Bench:
 def open_results(out: Path, settings: dict, env: dict) -> dict:
     """A fresh results document, or the one in ``out`` to resume (it must hold the same settings)."""
     doc = {"settings": settings, "environment": env, "skipped": {}, "records": []}
-    if out.exists():
-        old = json.loads(out.read_text())
+    old = read_results(out, "pass another --out to start afresh")
+    if old is not None:
         if old.get("settings") != settings:
             raise SpecDraftError(f"{out} holds results of other settings; pass another --out to start afresh")
         doc["records"] = old.get("records", [])
@@ -649,9 +649,9 @@ def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]
 def main_bench(opts: BenchOptions, run_sharded=None) -> int:
     if opts.action == "report":
         path = Path(opts.results or opts.out)
-        if not path.exists():
+        doc = read_results(path, "name a file `specdraft bench` wrote")
+        if doc is None:
             raise SpecDraftError(f"no results file {path}")
-        doc = json.loads(path.read_text())
     else:
         t0 = time.time()
         doc, opts = run_bench(opts, run_sharded)

@@ -1,5 +1,5 @@
 """The JSON files this project writes under ``$SPECDRAFT_HOME`` (measured paths, probe verdicts, quantized
-variants), read back through a schema: a file that is not what this project wrote (torn, edited, another
+variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn, edited, another
 version's) is one clear error naming the file and its first wrong value, not a traceback wherever a field
 is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
 
@@ -78,17 +78,18 @@ def obj(fields: dict[str, Schema], required: tuple[str, ...] = (), keys: Schema 
     return check
 
 
-def read_json(path: Path, schema: Schema, what: str):
+def read_json(path: Path, schema: Schema, what: str, advice: str = "delete it and it is written again",
+              max_bytes: int | None = MAX_BYTES):
     """The document in ``path`` (None when there is none), checked against ``schema``; else a HomeFileError:
-    "<what> <path>: <what is wrong>; delete it (it is measured / written again)"."""
+    "<what> <path>: <what is wrong>; <advice>" (by default: delete it, it is measured / written again)."""
     def bad(problem: str) -> HomeFileError:
-        return HomeFileError(f"{what} {path}: {problem}; delete it and it is written again")
+        return HomeFileError(f"{what} {path}: {problem}; {advice}")
 
     if not path.exists() and not path.is_symlink():
         return None
     if not path.is_file():
         raise bad("not a regular file")
-    if path.stat().st_size > MAX_BYTES:
+    if max_bytes is not None and path.stat().st_size > max_bytes:
         raise bad(f"{path.stat().st_size} bytes, more than this project writes")
     try:
         doc = json.loads(path.read_bytes().decode("utf-8"))
