@@ -342,6 +342,12 @@ def cmd_train(a) -> int:
     return train_main(settings_from_args(TrainOptions, a), ray_builder=data_builder)
 
 
+def cmd_heads(a) -> int:
+    from .commands.heads import main_heads
+
+    return main_heads(a)
+
+
 def cmd_overlap(a) -> int:
     from .bench.overlap import OverlapOptions, main_overlap
 
@@ -463,7 +469,7 @@ def _add_serve_parser(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import autotune, doctor, train, tune_skip
+    from .commands import autotune, doctor, heads, train, tune_skip
     from . import demo
     from .bench import batchbench, costs, harness
     from .bench import overlap
@@ -479,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_parser(sub).set_defaults(fn=cmd_costs)
     tune_skip.add_parser(sub).set_defaults(fn=cmd_tune_skip)
     train.add_parser(sub).set_defaults(fn=cmd_train)
+    heads.add_parser(sub).set_defaults(fn=cmd_heads)
     _add_serve_parser(sub).set_defaults(fn=cmd_serve)
     overlap.add_parser(sub).set_defaults(fn=cmd_overlap)
     leak.add_parser(sub).set_defaults(fn=cmd_leak)

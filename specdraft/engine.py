@@ -148,10 +148,10 @@ class Engine:
         check_fits(self.target, len(prompt_ids), sp)
         if sp.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer")
-        if drafter.wants_hidden and not self.target.capabilities.hidden:  # a head on the target's features
-            raise ConfigError(f"{drafter.name} reads the target's final-norm features, which {self.target.name} on the "
-                              f"{self.target.backend} backend does not expose (Medusa and EAGLE heads need --backend hf "
-                              "and a model with model.norm)")
+        caps = self.target.capabilities
+        if drafter.wants_hidden and not (caps.hidden or caps.layers):  # a head on the target's features
+            raise ConfigError(f"{drafter.name} reads the target's features, which {self.target.name} on the "
+                              f"{self.target.backend} backend does not hand over")
         row = Request(prompt_ids, sp, drafter, on_emit, tag, length or DraftLength(), tokens=list(prompt_ids),
                       stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter(), lossy=lossy)
         row.stats.lossy = lossy_label(lossy, sp)

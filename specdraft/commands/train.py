@@ -48,8 +48,6 @@ from ..core.errors import ConfigError, SpecDraftError
 from ..models.heads import (
     EagleHead,
     MedusaHeads,
-    embed_of,
-    lm_head_of,
     read_head_config,
     save_head,
     target_signature,
@@ -363,8 +361,8 @@ def check_options(opts: TrainOptions) -> tuple[TrainOptions, dict | None]:
 
 def medusa_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions):
     """-> (the heads, loss(generator) of one batch)."""
-    H, V = int(target.config.hidden_size), target.vocab_size
-    lm_w, lm_b = lm_head_of(target).weight.detach(), getattr(lm_head_of(target), "bias", None)
+    H, V = target.facts.hidden_size, target.vocab_size
+    lm_w, lm_b = target.output_rows(), None
     K = saved["heads"] if saved else opts.heads
     blocks = saved.get("blocks", 1) if saved else opts.blocks
     head = MedusaHeads(H, K, blocks)
@@ -383,19 +381,19 @@ def medusa_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOption
 def eagle_setup(target, seqs: list[dict], saved: dict | None, opts: TrainOptions):
     """-> (the head, loss(generator) of one batch)."""
     V = target.vocab_size
-    lm_w, lm_b = lm_head_of(target).weight.detach(), getattr(lm_head_of(target), "bias", None)
+    lm_w, lm_b = target.output_rows(), None
     n_vocab = saved.get("draft_vocab") if saved else opts.draft_vocab
     ids = top_token_ids(seqs, n_vocab, V) if n_vocab else None
-    head = EagleHead(target.config, ids)
+    head = EagleHead(target.facts, ids)
     vocab_map = None
     if ids is not None:
         vocab_map = torch.full((V,), -100, dtype=torch.long)
         vocab_map[ids] = torch.arange(ids.numel())
         w_cls = lm_w.index_select(0, ids)
-        b_cls = None if lm_b is None else lm_b.detach().index_select(0, ids)
+        b_cls = None
     else:
         w_cls, b_cls = lm_w, lm_b
-    emb = embed_of(target)
+    emb = target.embed
     print(f"eagle: 1 decoder layer, {len(seqs)} sequences, draft vocabulary {ids.numel() if ids is not None else V}",
           file=sys.stderr)
 

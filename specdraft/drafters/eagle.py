@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from ..core.config import SamplingParams, SpecConfig
-from ..models.heads import EagleHead, embed_of, lm_head_of
+from ..core.errors import ConfigError
+from ..models.heads import EagleHead, needs_head_io
 from ..models.base import TargetModel
 from ..core.sampling import probs_from_logits, sample
 from ..core.tree import DraftTree
@@ -47,30 +48,35 @@ class EagleDrafter(TreeGrower, Drafter):
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
 
     def __init__(self, target: TargetModel, head: EagleHead, spec: SpecConfig):
+        needs_head_io(target, f"method {self.name!r}")
+        self._check_features(target)
         self.target, self.head, self.spec = target, head, spec
         if spec.tree == "chain":
             self.max_depth = spec.k
         else:
             self._tree_shape(spec)
-        self.embed = embed_of(target)
         self.V = target.vocab_size
         self.width = head.hidden  # of the target's features per position, as this head reads them
+        self.dtype = next(head.parameters()).dtype  # the head's: features and embeddings are fed in it
         self._draft_vocab(target, head)
+
+    def _check_features(self, target: TargetModel) -> None:
+        if not target.capabilities.hidden:
+            raise ConfigError(f"method {self.name!r} reads the target's final-norm features, which {target.name} "
+                              f"on the {target.backend} backend does not hand over")
 
     def _draft_vocab(self, target: TargetModel, head) -> None:
         """The draft logits' rows: the target's LM head, or its rows for the head's ``draft_ids``."""
-        self.lm_head = lm_head_of(target)
         ids = head.draft_ids
         self.ids = ids if ids.numel() else None
-        if self.ids is not None:
-            w = self.lm_head.weight.detach()
-            self.w_sub = w.index_select(0, self.ids)
-            b = getattr(self.lm_head, "bias", None)
-            self.b_sub = None if b is None else b.detach().index_select(0, self.ids)
+        self.w_out = target.output_rows(self.ids).to(self.dtype)  # all rows, or the draft vocabulary's
+
+    def embed(self, toks: torch.Tensor) -> torch.Tensor:
+        return self.target.embed(toks).to(self.dtype)
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.sp, self.gen = sp, generator
-        self.feats = torch.empty(0, self.width, dtype=self.target.dtype)
+        self.feats = torch.empty(0, self.width, dtype=self.dtype)
         self.cache = self.head.new_cache()
         self.n_true = 0
         self._draft = DraftTree.empty()
@@ -81,16 +87,16 @@ class EagleDrafter(TreeGrower, Drafter):
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """Draft logits over the full vocabulary [..., V] (float32) for predicted features [..., H]."""
-        if self.ids is None:
-            return self.lm_head(f).float()
         sub = self._sub_logits(f).float()
+        if self.ids is None:
+            return sub
         out = sub.new_full((*sub.shape[:-1], self.V), float("-inf"))
         out[..., self.ids] = sub
         return out
 
     def _sub_logits(self, f: torch.Tensor) -> torch.Tensor:
-        """[..., len(ids)] logits of the draft vocabulary."""
-        return torch.nn.functional.linear(f, self.w_sub, self.b_sub)
+        """[..., len(ids)] logits of the draft vocabulary (all of it without ``ids``)."""
+        return torch.nn.functional.linear(f, self.w_out)
 
     def _step(self, feats: torch.Tensor, toks: torch.Tensor, start: int) -> torch.Tensor:
         pos = torch.arange(start, start + feats.shape[0])[None]

@@ -26,7 +26,7 @@ import torch
 
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import ConfigError
-from ..models.heads import MedusaHeads, lm_head_of
+from ..models.heads import MedusaHeads, needs_head_io
 from ..models.base import TargetModel
 from ..core.sampling import probs_from_logits
 from ..core.tree import DraftTree
@@ -90,10 +90,14 @@ class MedusaDrafter(Drafter):
     draw_children = staticmethod(children_without_replacement)  # (q, m, generator) -> tokens, their q_j
 
     def __init__(self, target: TargetModel, heads: MedusaHeads, spec: SpecConfig):
+        needs_head_io(target, "method 'medusa'")
+        if not target.capabilities.hidden:
+            raise ConfigError(f"method 'medusa' reads the target's final-norm features, which {target.name} on the "
+                              f"{target.backend} backend does not hand over")
         self.target = target
         self.heads = heads
         self.spec = spec
-        self.lm_head = lm_head_of(target)
+        self.w_out = target.output_rows().to(next(heads.parameters()).dtype)  # the target's LM head
         self.plan = tree_plan(spec, heads.n_heads, "medusa")
 
     def max_draft_depth(self) -> int:
@@ -109,7 +113,7 @@ class MedusaDrafter(Drafter):
     def head_logits(self, feat: torch.Tensor, depth: int) -> torch.Tensor:
         """[depth, V] float32: head d's logits for the token d + 2 after the feature's position."""
         h = torch.stack([self.heads.heads[d](feat) for d in range(depth)])
-        return self.lm_head(h).float()
+        return torch.nn.functional.linear(h, self.w_out).float()
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._draft = DraftTree.empty()

@@ -277,8 +277,9 @@ REGISTRY.update({m.name: m for m in [
            needs="head", trees=("chain", "static"), load_resource=_head, runs_on="hidden"),
     Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
            needs="head", trees=ALL_TREES, load_resource=_head, runs_on="hidden"),
-    Method("eagle3", "a trained one-layer head on three of the target's layers (specdraft train eagle3)", _eagle3,
-           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="hidden"),
+    Method("eagle3", "a trained one-layer head on three of the target's layers (specdraft train eagle3, or an "
+           "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)", _eagle3,
+           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="layers"),
 ]})
 
 METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY

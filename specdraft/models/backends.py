@@ -22,7 +22,8 @@ from typing import Callable
 from ..core.errors import ConfigError
 
 
-OFFERS = ("trees", "hidden", "views")  # token trees scored; final-norm features handed over; layer views (views.py)
+OFFERS = ("trees", "hidden", "layers", "views")  # token trees scored; final-norm / decoder-layer features handed
+# over with the embedding and LM head (Capabilities.head_io); layer views (views.py)
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,10 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
             offers=frozenset(OFFERS), paths=("hf", "hf:w8a8"), advice=_advise_hf),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
-            offers=frozenset({"trees"}), paths=("llama",), check=_check_llama),
+            offers=frozenset({"trees", "layers"}), paths=("llama",), check=_check_llama),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
                         "verification, chains and trees", _load_openvino, False,
-            offers=frozenset({"trees"}), paths=("openvino",), check=_check_openvino,
+            offers=frozenset({"trees", "layers"}), paths=("openvino",), check=_check_openvino,
             advice=_advise_openvino, optional=True),
 ]}
 

@@ -30,9 +30,28 @@ import torch
 class Capabilities:
     """What a backend's model offers beyond the calls every backend has."""
 
-    hidden: bool = False  # forward(hidden=True) / add_rows(hidden=True) leave the final-norm features
+    hidden: bool = False  # forward(hidden=True) / add_rows(hidden=True) leave the final-norm features (block 0)
     trees: bool = True  # forward(trees=...) scores token trees (the target's verification, model-drafted trees)
-    layers: bool = False  # add_feature_layers: decoder layers' outputs handed over beside them (EAGLE-3)
+    layers: bool = False  # add_feature_layers: decoder layers' outputs handed over in those forwards (EAGLE-3)
+    head_io: bool = False  # facts, embed() and output_rows(): what a trained head is built on (models/heads.py)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The architecture facts a trained head is built from and checked against (a transformers config,
+    or a GGUF file's metadata: every backend reads the same numbers)."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int  # rows of the LM head
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
 
 
 class SequenceRows(Protocol):
@@ -109,4 +128,11 @@ class TargetModel(Protocol):
     # only where capabilities.layers:
     # def add_feature_layers(self, layers) -> list[int]: hand over these decoder layers' outputs
     #     (hidden-states indices, 1 = the first layer's output) in every forward(hidden=True) too; -> the
-    #     H-wide block of last_hidden each fills (block 0: the final norm). Blocks never move once given.
+    #     H-wide block of last_hidden each fills (block 0 is the final norm's where capabilities.hidden).
+    #     Blocks never move once given.
+    # only where capabilities.head_io (heads, their drafters and their training read nothing else):
+    # facts: ModelFacts
+    # def embed(self, ids: torch.Tensor) -> torch.Tensor: the input embeddings of ``ids`` [..., H]
+    # def output_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor: the LM head's rows [n, H]
+    #     (all of them for None: no copy where the backend holds them dense)
+    # (both in ``dtype``: the model's own, float32 where a backend dequantizes a GGUF file's rows)

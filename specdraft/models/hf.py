@@ -24,7 +24,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from .base import Capabilities
+from .base import Capabilities, ModelFacts
 
 
 def check_cache_layout(model) -> None:
@@ -62,7 +62,30 @@ class HFModel:
     # --- facts -------------------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None)
+        return Capabilities(hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None,
+                            head_io=True)
+
+    @property
+    def facts(self) -> ModelFacts:
+        c = self.config
+        heads = int(c.num_attention_heads)
+        rope = getattr(c, "rope_parameters", None) or {}
+        return ModelFacts(
+            model_type=str(getattr(c, "model_type", "")), hidden_size=int(c.hidden_size),
+            num_layers=int(c.num_hidden_layers), vocab_size=self.vocab_size, num_attention_heads=heads,
+            num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+            intermediate_size=int(getattr(c, "intermediate_size", 0) or 4 * c.hidden_size),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+            max_position_embeddings=self.max_context)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids.to(self.device))
+
+    def output_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.model.get_output_embeddings().weight.detach()
+        return w if ids is None else w.index_select(0, ids.to(w.device))
 
     @property
     def dtype(self) -> torch.dtype:

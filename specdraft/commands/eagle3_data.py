@@ -1,0 +1,267 @@
+"""EAGLE-3 training data, made in one batched pass on the target that serves.
+
+Stages, each appended after every batch and continued by the next run (DIR/data/):
+
+1. prompts (``synth.jsonl``): Magpie. The chat template up to the user's text (with one of a few
+   generic system prompts, to spread the topics) is fed alone, so the instruct model writes a user
+   turn; draws are batched, at mixed temperatures, seeded by their draw number. A draw is kept if it
+   ended (EOS, not the token limit), holds at least 8 characters, is new (case and spacing ignored)
+   and shares no 8-word run with a benchmark prompt (Spec-Bench, the code edits).
+2. answers and features (``answers.jsonl``, ``features.bin`` + ``features.jsonl``): the target
+   answers ``rows`` prompts per forward with plain decoding (most greedy, some sampled), and every
+   forward hands over the three layers' outputs of the tokens it fed (the backend's feature hand-over:
+   hooks, IR outputs or llama.cpp's graph callback), recorded by ``FeatureRecorder``. One pass: no
+   second forward over prompt + answer.
+3. features for answers that have none (a new machine given only the token ids): a batched prefill of
+   prompt + answer on the same backend.
+
+Features are bf16 rows [tokens, 3H]; position t's row is what the target computed when it fed token
+t, for t = 0 .. T - 2 (the last token is never fed). ``features.jsonl`` is written after its rows; rows
+past the last index line (a stopped run's) are cut off before appending.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.errors import ConfigError, SpecDraftError
+from ..core.jsonl import AppendedJsonl
+from ..drafters.base import NoDrafter
+
+# Generic system prompts that spread Magpie's topics (none is taken from a benchmark); None: the
+# template's own default system prompt.
+SYSTEM_PROMPTS = (
+    None,
+    "You are a helpful assistant.",
+    "You are a knowledgeable assistant who answers questions about science, history and everyday life.",
+    "You are a writing assistant: you help people write, edit, summarize and translate texts.",
+    "You are a patient tutor for mathematics and logical reasoning.",
+    "You are an expert software engineer who helps with code in many languages.",
+    "You are an assistant that helps people plan, compare options and make decisions.",
+)
+SYNTH_TEMPERATURES = (0.8, 1.0, 1.2)
+ANSWER_SAMPLED_EVERY = 4  # one answer in 4 is sampled (temperature 0.8), the rest greedy
+ANSWER_TEMPERATURE = 0.8
+NGRAM = 8  # words in a run shared with a benchmark prompt that rejects a synthesized prompt
+
+
+class FeatureRecorder(NoDrafter):
+    """Plain decoding that keeps the target's features of every token it feeds: the prompt's (handed
+    over with the first step) and each step's pending token. ``cols``: the columns of the layers wanted."""
+
+    name = "plain"
+    wants_hidden = True
+
+    def __init__(self, cols: torch.Tensor):
+        self.cols = cols
+        self.parts: list[torch.Tensor] = []
+
+    def observe(self, step) -> None:
+        self.parts.append(step.hidden[:, self.cols].to(torch.bfloat16))
+
+    def features(self) -> torch.Tensor:
+        return torch.cat(self.parts) if self.parts else torch.empty(0, self.cols.numel(), dtype=torch.bfloat16)
+
+
+def feature_columns(target, layers) -> torch.Tensor:
+    """The columns of ``target``'s handed-over features that hold ``layers`` (registering them)."""
+    if not target.capabilities.layers:
+        raise ConfigError(f"{target.name} on the {target.backend} backend does not hand over its layers' outputs; "
+                          "EAGLE-3 data needs a backend that does (hf, llama, openvino)")
+    H = target.facts.hidden_size
+    blocks = target.add_feature_layers(layers)
+    return torch.cat([torch.arange(b * H, (b + 1) * H) for b in blocks])
+
+
+# --- append-only files ----------------------------------------------------------------------------
+class FeatureStore:
+    """``features.bin`` (bf16 rows) and its index ``features.jsonl`` ({i, row, n}); see the module doc."""
+
+    def __init__(self, data: Path, width: int):
+        self.bin, self.width = data / "features.bin", width
+        self.index = AppendedJsonl(data / "features.jsonl", need=("i", "row", "n"))
+        self.have = {r["i"] for r in self.index.rows}
+        self.rows = sum(r["n"] for r in self.index.rows)
+        self.bin.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.bin, "ab") as f:
+            f.truncate(self.rows * width * 2)
+
+    def append(self, i: int, x: torch.Tensor) -> None:
+        if x.shape[1] != self.width:
+            raise SpecDraftError(f"features of width {x.shape[1]}, the store holds {self.width}")
+        with open(self.bin, "ab") as f:
+            f.write(x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        self.index.append([{"i": i, "row": self.rows, "n": int(x.shape[0])}])
+        self.rows += int(x.shape[0])
+        self.have.add(i)
+
+
+# --- 1. prompts -----------------------------------------------------------------------------------
+def _words(s: str) -> list[str]:
+    return re.findall(r"\w+", s.lower())
+
+
+def benchmark_ngrams() -> set[tuple[str, ...]]:
+    """Every run of NGRAM words of the shipped benchmark prompts (Spec-Bench's turns, the code edits)."""
+    from ..core.prompts import PRESET_FILES, SPEC_BENCH, load_prompts
+
+    grams: set[tuple[str, ...]] = set()
+    for f in (SPEC_BENCH, *PRESET_FILES.values()):
+        for r in load_prompts(f):
+            for text in [r["prompt"], *r.get("turns", [])]:
+                w = _words(text)
+                grams.update(tuple(w[i: i + NGRAM]) for i in range(len(w) - NGRAM + 1))
+    return grams
+
+
+def overlaps(text: str, grams: set) -> bool:
+    w = _words(text)
+    return any(tuple(w[i: i + NGRAM]) in grams for i in range(len(w) - NGRAM + 1))
+
+
+def user_prefix(tokenizer, system: str | None) -> list[int]:
+    """The chat template up to where the user's text starts: what Magpie feeds an instruct model so
+    that it writes a user turn (``system`` None: the template's default system prompt)."""
+    mark = "\u2063MAGPIE\u2063"
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": mark}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    if mark not in text:
+        raise ConfigError("the target's chat template does not show the user's text; --synth needs one")
+    return [int(t) for t in tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"]]
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Magpie draw number ``n``: its system prompt, temperature and seed follow from n alone, so a
+    resumed run continues the same sequence of draws."""
+
+    n: int
+    seed: int
+
+    @property
+    def system(self) -> int:
+        return self.n % len(SYSTEM_PROMPTS)
+
+    @property
+    def temperature(self) -> float:
+        return SYNTH_TEMPERATURES[(self.n // len(SYSTEM_PROMPTS)) % len(SYNTH_TEMPERATURES)]
+
+    @property
+    def sampling_seed(self) -> int:
+        return self.seed * 1_000_003 + self.n
+
+
+def norm_text(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+SYNTH_TRIES = 20  # draws per wanted prompt before synthesis gives up (a model that never ends a turn)
+
+
+def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: int, seed: int,
+                  progress) -> list[str]:
+    """``want`` distinct prompts written by the target (module doc, stage 1), continuing synth.jsonl."""
+    from ..engine import generate_batch
+    from ..core.config import SamplingParams
+
+    log = AppendedJsonl(data / "synth.jsonl", need=("draw", "text", "kept"))
+    draws = list(log.rows)
+    kept = [d["text"] for d in draws if d["kept"]]
+    seen = {norm_text(t) for t in kept}
+    grams = benchmark_ngrams()
+    prefixes = [user_prefix(tokenizer, s) for s in SYSTEM_PROMPTS]
+    eos = gen.eos_token_ids()
+    bar = progress(total=want, initial=min(len(kept), want), desc="synthesize prompts", unit="prompt")
+    while len(kept) < want:
+        first = len(draws)
+        if first >= SYNTH_TRIES * want + rows:
+            raise SpecDraftError(f"only {len(kept)} of {first} synthesized prompts ended within {max_tokens} tokens "
+                                 "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl")
+        batch = [Draw(first + j, seed) for j in range(rows)]
+        jobs = [(prefixes[d.system], SamplingParams(temperature=d.temperature, seed=d.sampling_seed,
+                                                    max_new_tokens=max_tokens), NoDrafter()) for d in batch]
+        outs = generate_batch(gen, jobs, eos_ids=eos, max_batch=rows)
+        new = []
+        for d, o in zip(batch, outs):
+            text = tokenizer.decode(o.token_ids, skip_special_tokens=True).strip()
+            take = (o.stats.finish_reason != "length" and len(text) >= 8 and norm_text(text) not in seen
+                    and not overlaps(text, grams) and len(kept) < want)
+            if take:
+                seen.add(norm_text(text))
+                kept.append(text)
+                bar.update(1)
+            new.append({"draw": d.n, "system": d.system, "temperature": d.temperature, "text": text, "kept": take})
+        log.append(new)
+        draws += new
+    bar.close()
+    return kept[:want]
+
+
+# --- 2. answers with their features -----------------------------------------------------------------
+def answer_sampling(i: int, max_new_tokens: int, seed: int):
+    """Prompt i's answer: greedy, or sampled for one prompt in ANSWER_SAMPLED_EVERY (seeded by i)."""
+    from ..core.config import SamplingParams
+
+    if i % ANSWER_SAMPLED_EVERY == ANSWER_SAMPLED_EVERY - 1:
+        return SamplingParams(temperature=ANSWER_TEMPERATURE, seed=seed * 1_000_003 + i, max_new_tokens=max_new_tokens)
+    return SamplingParams(max_new_tokens=max_new_tokens)
+
+
+def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, layers, rows: int,
+                         max_new_tokens: int, seed: int, progress) -> dict:
+    """Answers and features of every (prompt index, prompt ids) not in answers.jsonl yet (module doc,
+    stage 2); -> {"tokens": answer tokens made, "seconds": wall time}."""
+    from ..engine import generate_batch
+
+    answers = AppendedJsonl(data / "answers.jsonl", need=("i", "tokens", "n_prompt"))
+    have = {r["i"] for r in answers.rows}
+    cols = feature_columns(gen, layers)
+    store = FeatureStore(data, cols.numel())
+    todo = sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
+    eos = gen.eos_token_ids()
+    bar = progress(total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})",
+                   unit="prompt")
+    t0, made = time.perf_counter(), 0
+    for b in range(0, len(todo), rows):
+        chunk = todo[b: b + rows]
+        recs = [FeatureRecorder(cols) for _ in chunk]
+        jobs = [(ids, answer_sampling(i, max_new_tokens, seed), r) for (i, ids), r in zip(chunk, recs)]
+        outs = generate_batch(gen, jobs, eos_ids=eos, max_batch=len(jobs))
+        for (i, ids), o, r, job in zip(chunk, outs, recs, jobs):
+            tokens = ids + o.token_ids
+            x = r.features()[: len(tokens) - 1]
+            if x.shape[0] != len(tokens) - 1:
+                raise SpecDraftError(f"prompt {i}: {x.shape[0]} feature rows for {len(tokens) - 1} fed tokens")
+            store.append(i, x)  # features first: an answer row always has its features
+            answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": not job[1].greedy}])
+        made += sum(len(o.token_ids) for o in outs)
+        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.1f}")
+        bar.update(len(chunk))
+    bar.close()
+    return {"tokens": made, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# --- 3. features of answers that have none -----------------------------------------------------------
+def prefill_features(gen, answers: list[dict], data: Path, layers, rows: int, progress) -> None:
+    """Features of answered sequences that have none, ``rows`` sequences per batched prefill."""
+    cols = feature_columns(gen, layers)
+    store = FeatureStore(data, cols.numel())
+    todo = [a for a in answers if a["i"] not in store.have]
+    bar = progress(total=sum(len(a["tokens"]) for a in todo), desc=f"features ({gen.backend} prefill)", unit="tok")
+    for b in range(0, len(todo), rows):
+        chunk = todo[b: b + rows]
+        kv = gen.new_rows()
+        kv.add_rows([a["tokens"][:-1] for a in chunk], hidden=True)
+        for a, h in zip(chunk, kv.prefill_hidden):
+            store.append(a["i"], h[:, cols].to(torch.bfloat16))
+            bar.update(len(a["tokens"]))
+        kv.remove_rows(list(range(len(chunk))))
+    bar.close()
