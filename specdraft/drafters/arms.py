@@ -19,6 +19,7 @@ DEFAULT_ARMS = {
     "hybrid": {"method": "hybrid"},
 }
 ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
+HEAD_METHOD = "eagle3"  # the method of auto's head arms: auto's ``head`` is its head
 # with an EAGLE-3 head (auto's ``head``): its chain and its dynamic tree
 HEAD_ARMS = {
     "eagle3": {"method": "eagle3", "k": 5},
@@ -91,10 +92,11 @@ def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
 
     if spec.head is None:
         return []
-    if read_head_config(spec.head)["type"] != "eagle3":
-        raise ConfigError(f"auto's head {spec.head} must be an eagle3 head (its arms are eagle3's)")
-    if REGISTRY["eagle3"].unavailable(dec.backend, dec.draft is not None):
-        return []
+    if read_head_config(spec.head)["type"] != HEAD_METHOD:
+        raise ConfigError(f"auto's head {spec.head} must be an {HEAD_METHOD} head (its arms are {HEAD_METHOD}'s)")
+    problem = REGISTRY[HEAD_METHOD].unavailable(dec.backend, True, where=f" (auto drafts with its head {spec.head})")
+    if problem:  # a head given is never left out unsaid
+        raise ConfigError(problem)
     return [(name, SpecConfig.from_dict({**d, "head": spec.head}), None) for name, d in HEAD_ARMS.items()]
 
 
