@@ -70,12 +70,29 @@ class SpecDecoder:
         return _cached(self._shared.setdefault(key[0], OrderedDict()), key, make, limit)
 
     def head(self, spec: SpecConfig):
-        """The trained head in ``spec.head``, loaded once per decoder and checked against the target."""
+        """The trained head in ``spec.head``, loaded once per decoder and checked against the target and
+        against the head type ``spec.method`` drafts with (auto: its eagle3 arms', ``arms.head_type``)."""
+        from .drafters.arms import head_type
         from .models.heads import load_head
 
-        # keyed by method too: the type check is load_head's, and a medusa head is no eagle head
-        return self.shared(("head", spec.head, spec.method),
-                           lambda: load_head(spec.head, self.target, expect_type=spec.method)[0], limit=None)
+        # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
+        kind = head_type(spec.method)
+        return self.shared(("head", spec.head, kind),
+                           lambda: load_head(spec.head, self.target, expect_type=kind)[0], limit=None)
+
+    def skip_config(self, path: str) -> tuple[int, ...]:
+        """The layers the `specdraft tune-skip` file at ``path`` skips, read once per decoder and checked against
+        the target (a server reads it within a request's bounded check; admission finds it here)."""
+        from .models.views import load_skip_config
+
+        return self.shared(("skip_config", path), lambda: tuple(load_skip_config(path, self.target)), limit=None)
+
+    def autotune_file(self, path) -> dict:
+        """The `specdraft autotune` file at ``path`` (``arms.load_file``), read once per decoder, as
+        ``skip_config``."""
+        from .drafters.arms import load_file
+
+        return self.shared(("autotune", str(path)), lambda: load_file(path), limit=None)
 
     def datastore(self, path: str):
         """The suffix datastore at ``path``, loaded once per decoder and checked against the target's

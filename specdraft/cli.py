@@ -142,11 +142,11 @@ def _check_before_loading(spec, a) -> str | None:
 
 def _head_method(spec) -> str | None:
     """The method that drafts with the spec's head: its own (medusa, eagle, eagle3), or auto's head arms'."""
-    from .drafters.arms import HEAD_METHOD
+    from .drafters.arms import HEAD_TYPE
 
     if spec.head is None:
         return None
-    return HEAD_METHOD if spec.method == DEFAULT_METHOD else spec.method
+    return HEAD_TYPE if spec.method == DEFAULT_METHOD else spec.method
 
 
 def _runs_on(spec) -> tuple[str, ...]:

@@ -49,3 +49,32 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
         dirs[name] = out / name
         save_head(head, dirs[name], extra)
     return dirs
+
+
+def random_eagle3_head(target, draft_ids, intermediate=48, seed=5):
+    """An untrained EAGLE-3 head (reference layout) for a tiny ``target`` (weights perturbed from their
+    initialization, so that its drafts are neither all alike nor all right): lossless decoding must not
+    depend on it."""
+    from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
+
+    torch.manual_seed(seed)
+    f = target.facts
+    h = Eagle3Head(Eagle3Shape.for_target(f, eagle3_layers(f.num_layers), draft_ids.numel(), intermediate))
+    h.set_draft_ids(draft_ids)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return h.eval()
+
+
+def save_eagle3_head(target, out, draft_ids=None):
+    """``random_eagle3_head`` (over the whole vocabulary of ``target`` unless ``draft_ids``), saved in ``out``
+    as `specdraft train eagle3` saves one (the reference layout, float32); -> ``out``."""
+    from specdraft.models import head_formats
+    from specdraft.models.heads import target_signature
+
+    ids = torch.arange(target.vocab_size) if draft_ids is None else draft_ids
+    head = random_eagle3_head(target, ids)
+    meta = {"type": "eagle3", "target": target.name, "target_signature": target_signature(target)}
+    head_formats.write(out, head.shape, head.state_dict(), meta, dtype=torch.float32)
+    return out

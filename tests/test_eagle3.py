@@ -1,9 +1,10 @@
-"""EAGLE-3 (heads.Eagle3Head, drafters/eagle3.py, `specdraft train eagle3`): the target's layer
+"""EAGLE-3 (models/eagle3.py, drafters/eagle3.py, `specdraft train eagle3`): the target's layer
 features handed over in the verifying forward equal a plain forward's; greedy output equals plain
 decoding on SmolLM2 float32 (chain and dynamic tree) with a briefly trained head; the first two
 sampled tokens follow the exact target distribution on a tiny model, and two broken variants fail
 (q of the draft vocabulary left unnormalized; a tree's siblings recording the parent's q); training
-resumes to the weights of an uninterrupted run; the shipped Qwen-sized head fits under 50 MB."""
+resumes to the weights of an uninterrupted run; a Qwen-sized head of the default shape fits under 50 MB
+in int8. Checkpoints of other engines' formats: tests/test_head_formats.py."""
 
 import json
 import shutil
@@ -13,11 +14,13 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
+from head_util import random_eagle3_head
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import eagle as eagle_mod
 from specdraft.drafters.eagle3 import Eagle3Drafter
-from specdraft.models.heads import Eagle3Head, eagle3_layers, int8_state
+from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
+from specdraft.models.head_formats import int8_rows
 from stat_util import fit_pvalue, sample_first_tokens
 from test_greedy_real import NEW, PROMPTS as GREEDY_PROMPTS
 
@@ -83,7 +86,9 @@ def smol_eagle3(tmp_path_factory):
     data = d / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in GREEDY_PROMPTS[:3]))
     cfg = train(d / "head", 12, "--data", data)
-    assert cfg["type"] == "eagle3" and cfg["storage"] == "int8" and cfg["step"] == 12
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["specdraft"]["step"] == 12
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM's ids; SGLang's one lower
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     return d, data
 
 
@@ -96,10 +101,10 @@ def test_training_resumes_to_the_uninterrupted_weights(smol_eagle3):
     (resumed / "data").mkdir(parents=True)
     for f in (d / "head" / "data").iterdir():  # the data is reused, not made again
         shutil.copy(f, resumed / "data" / f.name)
-    assert train(resumed, 6, "--data", data)["step"] == 6
-    assert train(resumed, 12, "--data", data, "--resume")["step"] == 12
-    a = torch.load(d / "head" / "train_state.pt", weights_only=False)
-    b = torch.load(resumed / "train_state.pt", weights_only=False)
+    assert train(resumed, 6, "--data", data)["specdraft"]["step"] == 6
+    assert train(resumed, 12, "--data", data, "--resume")["specdraft"]["step"] == 12
+    a = torch.load(d / "head" / "train_state.pt", weights_only=True)
+    b = torch.load(resumed / "train_state.pt", weights_only=True)
     assert len(a["losses"]) == 12 and a["losses"][-1] < a["losses"][0]
     for k in a["weights"]:
         torch.testing.assert_close(a["weights"][k], b["weights"][k], rtol=0, atol=0)
@@ -138,12 +143,7 @@ def tiny_target():
 
 
 def random_head(target):
-    torch.manual_seed(5)
-    h = Eagle3Head(target.config, eagle3_layers(target.num_layers), DRAFT_IDS, 48)
-    with torch.no_grad():
-        for p in h.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return h.eval()
+    return random_eagle3_head(target, DRAFT_IDS)
 
 
 def exact_first_two(target, sp):
@@ -177,14 +177,15 @@ def test_sampling_first_two_tokens_match_target(tiny_target, spec, sp):
 
 
 def test_unnormalized_draft_vocabulary_q_is_detected(tiny_target, monkeypatch):
-    """Broken on purpose: the draft row filled with 0 instead of -inf, q then cut back to the draft
-    vocabulary without renormalizing (it sums to less than 1; the token is still drawn from the
-    normalized q, so only the reported q is wrong)."""
+    """Broken on purpose: the tokens outside the draft vocabulary given the largest draft logit instead of
+    -inf, q then cut back to the draft vocabulary without renormalizing (it sums to less than 1; the token
+    is still drawn from the normalized q, so only the reported q is wrong)."""
     real = eagle_mod.probs_from_logits
 
     def unnormalized(logits, sp):
         off = torch.isinf(logits)
-        return real(logits.masked_fill(off, 0.0), sp).masked_fill(off, 0.0)
+        top = logits.masked_fill(off, float("-inf")).amax(-1, keepdim=True)
+        return real(torch.where(off, top, logits), sp).masked_fill(off, 0.0)
     monkeypatch.setattr(eagle_mod, "probs_from_logits", unnormalized)
     assert first_two(tiny_target, CHAIN, T1) < 1e-3
 
@@ -203,19 +204,18 @@ def test_skipped_sibling_residual_is_detected(tiny_target):
 
 # --- the shipped size -----------------------------------------------------------------------------
 def test_qwen_head_ships_under_50_mb():
-    """The default head for Qwen2.5-Coder-1.5B (28 layers, H 1536, vocabulary 151,936) stored as int8:
-    45.6M parameters, under 50 MB (with the target's MLP width, 8960, it would not fit)."""
-    from transformers import Qwen2Config
+    """The default head for Qwen2.5-Coder-1.5B (28 layers, H 1536, vocabulary 151,936), reference layout,
+    stored as int8: 44M parameters, under 50 MB (with the target's MLP width, 8960, and a 32k draft
+    vocabulary it would not fit)."""
+    from specdraft.commands.train.eagle3 import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE
+    from specdraft.models.base import ModelFacts
 
-    from specdraft.models.heads import EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE
-
-    cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                      num_key_value_heads=2, vocab_size=151936)
-    head = Eagle3Head(cfg, eagle3_layers(28), torch.arange(EAGLE3_DRAFT_VOCAB), EAGLE3_INTERMEDIATE)
+    facts = ModelFacts("qwen2", 1536, 28, 151936, 12, 2, 128, 8960, 1e-6, 1e6, 32768)
+    head = Eagle3Head(Eagle3Shape.for_target(facts, eagle3_layers(28), EAGLE3_DRAFT_VOCAB, EAGLE3_INTERMEDIATE))
     assert head.layers == (2, 14, 25)
-    n = sum(p.numel() for p in head.parameters())
-    size = sum(v.numel() * v.element_size() for v in int8_state(head.state_dict()).values())
-    assert 45e6 < n < 46e6 and size < 50e6, (n, size)
+    n = head.parameter_count()
+    size = sum(v.numel() * v.element_size() for v in int8_rows(head.state_dict()).values())
+    assert 43e6 < n < 45e6 and size < 50e6, (n, size)
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 2,000 generated bodies (every field with wrong types, huge numbers, NaN / inf, empty and long strings,
 nested objects, unknown fields; mostly on top of a valid request so that the checks past the first
 one are reached too), plus hostile raw bodies (invalid UTF-8, deep nesting, a 50 MB body, a prompt of
-a million tokens). Every answer must be a 2xx or a 4xx, never a 5xx or a hang, and every 400 about a
-request field must name it.
+a million tokens), plus 300 with such strings in one text field each. Strings include lone surrogates
+(valid JSON escapes, no text) and digits int() refuses. Every answer must be a 2xx or a 4xx, never a
+5xx or a hang, and every 400 about a request field must name it.
 
 The ``spec`` object (issue 29): every SpecConfig field with wrong types, huge values, file paths and
 method / tree / schedule names, alone and next to a normal request decoding concurrently in the same
@@ -13,6 +14,8 @@ dead-end (a grammar complete before min_tokens) next to a normal request."""
 import dataclasses
 import json
 import os
+import pickle
+import tempfile
 import threading
 from collections import Counter
 
@@ -31,11 +34,17 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "frequency_penalty", "repetition_penalty", "min_tokens", "response_format", "guided_json", "guided_regex",
           "guided_grammar", "guided_choice", "structured_outputs", "spec", "ignore_eos", "stream_options", "echo",
           "user", "best_of", "tools", "no_such_field"]
+# strings that are valid JSON but no Unicode text (lone surrogates, sent as "\ud800" escapes; a generated pair
+# may also make one valid character), and digits int() refuses where a number may come as a string ("²" in
+# logit_bias keys: "²".isdigit() is True)
+SURROGATE_TEXT = st.text(st.characters(categories=["Cs"]) | st.characters(max_codepoint=0x7F), min_size=1, max_size=6)
+DIGIT_LOOKALIKES = st.sampled_from(["²", "٣", "５", "1²", "⑦", "๓", "-²"])
+TEXT = st.one_of(st.text(max_size=12), SURROGATE_TEXT, DIGIT_LOOKALIKES)
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([0, 1, 3, -1, 2**31]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.just(""), st.just("x" * 20_000),
-    st.lists(st.integers(-3, 20), max_size=6), st.lists(st.text(max_size=3), max_size=3),
-    st.dictionaries(st.text(max_size=6), st.one_of(st.integers(), st.text(max_size=4), st.none()), max_size=3),
+    st.floats(allow_nan=True, allow_infinity=True), TEXT, st.just(""), st.just("x" * 20_000),
+    st.lists(st.integers(-3, 20), max_size=6), st.lists(TEXT, max_size=3),
+    st.dictionaries(TEXT, st.one_of(st.integers(), TEXT, st.none()), max_size=3),
     st.just({"method": "draft_model", "k": 2}), st.just({"type": "json_object"}), st.just([[[[[]]]]]),
 )
 VALID = st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 15), min_size=1, max_size=6),
@@ -79,11 +88,31 @@ def test_fuzz_completions(server, body):
 
 
 @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(body=BODIES, content=st.one_of(st.text(max_size=8), JUNK))
+@given(body=BODIES, content=st.one_of(st.text(max_size=8), SURROGATE_TEXT, JUNK))
 def test_fuzz_chat(server, body, content):
     body = {k: v for k, v in body.items() if k != "prompt"}
     body.setdefault("messages", [{"role": "user", "content": content}])
     check(server.post("/v1/chat/completions", content=json.dumps(body)))
+
+
+# every field that carries text, each with such strings (on top of a valid request: one field at a time, so
+# that the text reaches what reads it: the tokenizer, the grammar compiler, the spec's checks)
+TEXT_FIELDS = {"prompt": TEXT, "stop": TEXT | st.lists(TEXT, max_size=4), "guided_regex": TEXT,
+               "guided_grammar": TEXT, "guided_choice": st.lists(TEXT, min_size=1, max_size=3),
+               "guided_json": st.fixed_dictionaries({"type": st.just("string"), "pattern": TEXT}),
+               "structured_outputs": st.dictionaries(st.sampled_from(["regex", "grammar", "choice"]), TEXT, max_size=1),
+               "response_format": st.fixed_dictionaries({"type": TEXT}),
+               "logit_bias": st.dictionaries(TEXT, st.integers(-100, 100), min_size=1, max_size=2),
+               "model": TEXT, "user": TEXT, "stream_mode": TEXT,
+               "spec": st.fixed_dictionaries({"method": TEXT}) | st.dictionaries(TEXT, st.integers(1, 4), max_size=1)}
+TEXT_BODIES = st.sampled_from(sorted(TEXT_FIELDS)).flatmap(
+    lambda f: st.builds(lambda base, v: {**base, f: v}, VALID, TEXT_FIELDS[f]))
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=TEXT_BODIES)
+def test_fuzz_text_fields(server, body):
+    check(server.post("/v1/completions", content=json.dumps(body)))
 
 
 def test_fuzz_reached_decoding():
@@ -362,8 +391,27 @@ def test_fuzz_paths_file_shapes(paths_file, slot, value):
     HOME_STATUS["shape", use_paths_file(paths_file, json.dumps(_replaced(VALID_PATHS, slot, value)).encode())] += 1
 
 
+class _Planted:
+    """A pickle that runs a shell command when it is loaded: no file under the home is unpickled."""
+    def __reduce__(self):
+        return os.system, (f"touch {PLANTED_MARKER}",)
+
+
+def _torch_saved(obj) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+PLANTED_MARKER = os.path.join(tempfile.gettempdir(), f"specdraft-fuzz-planted-{os.getpid()}")
+PICKLES = [pickle.dumps(_Planted()), _torch_saved(_Planted())]
 VALID_BYTES = json.dumps(VALID_PATHS).encode()
-RAW = st.one_of(st.binary(max_size=64), st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
+RAW = st.one_of(st.sampled_from(PICKLES), st.binary(max_size=64),
+                st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
                 st.tuples(st.integers(0, len(VALID_BYTES) - 1), st.binary(min_size=1, max_size=3)).map(
                     lambda t: VALID_BYTES[:t[0]] + t[1] + VALID_BYTES[t[0] + len(t[1]):]))
 
@@ -398,9 +446,16 @@ def test_fuzz_other_home_files(tmp_path_factory, doc):
         HOME_STATUS["other", "refused"] += 1
 
 
+def test_planted_pickles_in_home_files_do_not_run(paths_file):
+    for raw in PICKLES:
+        assert use_paths_file(paths_file, raw) == "refused"
+    assert not os.path.exists(PLANTED_MARKER)
+
+
 def test_fuzz_home_files_reached_both_outcomes():
     """Not vacuous: generated files are both read and refused; the fixed-mode victims both decode and get 400s."""
     assert HOME_STATUS["shape", "read"] >= 10 and HOME_STATUS["shape", "refused"] >= 50, HOME_STATUS
     assert HOME_STATUS["bytes", "refused"] >= 50, HOME_STATUS  # (mostly not JSON: a few decode)
     assert METRICS_STATUS[200] >= 30, METRICS_STATUS
+    assert not os.path.exists(PLANTED_MARKER)  # the planted pickles among the bytes ran nothing
     print("home file fuzz:", dict(HOME_STATUS), "fixed-mode /metrics observer:", dict(METRICS_STATUS))

@@ -48,7 +48,7 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
     common = ["--max-new-tokens", 12, "--checkpoint-every", 3, *extra]
     straight = tmp_path / "straight"
     cfg = train(kind, tiny_dir, data, straight, 12, *common)
-    state = torch.load(straight / "train_state.pt", weights_only=False)
+    state = torch.load(straight / "train_state.pt", weights_only=True)
     losses = state["losses"]
     assert cfg["step"] == 12 and len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
@@ -68,7 +68,7 @@ def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     # resuming without the optimizer state would not reproduce it
-    st = torch.load(resumed / "train_state.pt", weights_only=False)
+    st = torch.load(resumed / "train_state.pt", weights_only=True)
     assert st["step"] == 12 and len(st["optimizer"]["state"]) > 0
 
     # the checkpoint reloads and drafts; greedy output equals plain

@@ -136,7 +136,7 @@ def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys
                  "--batch-size", "8", "--heads", "1", "--max-new-tokens", "6", "--threads", "1",
                  "--ray", "--ray-workers", "2"]) == 0
     assert "w0 on " in (err := capsys.readouterr().err) and "w1 on " in err and "1 batch(es)" in err
-    blob = torch.load(out / "data.pt", weights_only=False)
+    blob = torch.load(out / "data.pt", weights_only=True)
     dec = SpecDecoder.load("smollm2-135m", dtype="float32", threads=1, backend="hf")
     local = train.build_data(dec, prompts, 6, True)
     assert len(blob["seqs"]) == len(local) == 4

@@ -26,6 +26,7 @@ class StubTok:
         return "".join(chr(97 + int(i)) for i in ids)
 
     def __call__(self, text, add_special_tokens=False):
+        text.encode("utf-8")  # as a real tokenizer, it reads Unicode text only (a lone surrogate fails)
         return {"input_ids": [ord(c) % 16 for c in text]}
 
     def get_vocab(self):
@@ -186,6 +187,24 @@ def test_bad_head_is_a_400_on_spec(tiny_server, tiny_heads):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "spec.head" and fragment in err["message"], err
         assert str(tiny_heads["medusa"].parent) not in r.text  # the log has the path, not the client
+
+
+def test_auto_with_an_eagle3_head_is_served(tmp_path):
+    """`serve --head DIR --resource head:h3=DIR` (auto by default): every request naming no method was a 400
+    ("the server's head is not available"), and so was {"method": "auto", "head": "h3"} on any server: the
+    head was loaded as an "auto" head. auto's head is its eagle3 arms' head; greedy output equals plain."""
+    from head_util import save_eagle3_head
+
+    dec = tiny_pair()
+    head = save_eagle3_head(dec.target, tmp_path / "h3")
+    with running_server(dec, model_name="tiny", default_spec={"method": "auto", "head": str(head)}, max_batch=4,
+                        resources={"head": {"h3": str(head)}}) as (url, app):
+        for spec in [None, {"method": "auto", "head": "h3"}, {"method": "auto", "head": "h3", "auto_arms": ["eagle3"]}]:
+            out, refs = _three_concurrent_greedy(url, dec, spec, 6)
+            assert [o["choices"][0]["text"] for o in out] == refs, out
+            assert all(o["usage"]["method"] == "auto" for o in out)
+        assert all(set(o["usage"]["arms"]) <= {"plain", "eagle3"} for o in out), out
+        assert any("eagle3" in o["usage"]["arms"] for o in out), out  # the head's arm drafted
 
 
 def test_concurrent_and_cancelled(tiny_server):

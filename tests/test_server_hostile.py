@@ -457,3 +457,125 @@ def test_a_blocked_resource_load_does_not_keep_the_process_alive(tmp_path):
             "    except TimeoutError:\n        print('timeout')\nasyncio.run(main())\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
     assert p.returncode == 0 and p.stdout.strip() == "timeout", p.stderr
+
+
+def _release(fifo) -> None:
+    """Lets a reader blocked on ``fifo`` go (it reads an empty file)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader
+        pass
+
+
+RESOURCE_FILES = {  # a valid file of each field a spec names by its resource name, and a method reading it
+    "skip_config": ("layer_skip", {"skip_layers": [1], "num_layers": 2}),
+    "autotune": ("auto", {"arms": [{"name": "prompt_lookup", "spec": {"method": "prompt_lookup", "k": 2}}]}),
+}
+
+
+@pytest.mark.parametrize("swap", ["fifo", "removed"])
+@pytest.mark.parametrize("field", list(RESOURCE_FILES))
+def test_admission_reads_no_resource_file_again(tmp_path, monkeypatch, field, swap):
+    """A resource is read once, within the bounded check; admission on the worker thread read the file
+    again: one swapped for a FIFO while its request waited blocked the worker for good (every later
+    request hung), one removed gave a 400 carrying its path."""
+    method, doc = RESOURCE_FILES[field]
+    f = tmp_path / "secret-layout" / f"{field}.json"
+    f.parent.mkdir()
+    f.write_text(json.dumps(doc))
+    try:
+        with running_server(tiny_pair(), model_name="tiny", timeout_s=3, max_batch=2,
+                            resources={field: {"r": str(f)}}) as (url, app):
+            worker = app.state.worker
+            real = worker._admit
+
+            def swapped_then_admitted(jobs):  # the file changes after the check, before admission
+                if f.is_file():
+                    f.unlink()
+                    if swap == "fifo":
+                        os.mkfifo(f)
+                return real(jobs)
+            monkeypatch.setattr(worker, "_admit", swapped_then_admitted)
+            body = {**BODY, "spec": {"method": method, field: "r"}}
+            r = post(url, body)
+            assert r.status_code == 200, r.text
+            r = post(url, body)  # the next request's check sees the swap
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == f"spec.{field}: resource 'r' is not available"
+            assert post(url, BODY).status_code == 200
+    finally:
+        _release(f)
+
+
+def test_health_counts_admission_as_busy(monkeypatch):
+    """/health said "ok" while the worker was held up admitting a request (busy_since was set only around a
+    decoding step): admission (making drafters, prefill) is the worker's work too."""
+    gate = threading.Event()
+    with running_server(tiny_pair(), model_name="tiny", stuck_after_s=0.3, max_batch=2) as (url, app):
+        dec = app.state.worker.decoder
+        real = dec.make_drafter
+        monkeypatch.setattr(dec, "make_drafter", lambda spec: (gate.wait(20), real(spec))[1])
+        out = {}
+        th = threading.Thread(target=lambda: out.update(r=post(url, BODY)))
+        th.start()
+        try:
+            t0 = time.monotonic()
+            while httpx.get(url + "/health", timeout=5).status_code == 200:
+                assert time.monotonic() - t0 < 5, "/health stayed ok during a held-up admission"
+                time.sleep(0.05)
+            assert httpx.get(url + "/health", timeout=5).json()["status"] == "worker stuck"
+        finally:
+            gate.set()
+            th.join(20)
+        assert out["r"].status_code == 200 and httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_autotune_arm_paths_do_not_reach_clients(tmp_path):
+    """An operator's autotune file whose arm names a path passed the resource check, and the client's 400
+    named that path. Arms' resources are checked and loaded with the file; the client hears the name only."""
+    secret = tmp_path / "secret-operator-dir"
+    at = tmp_path / "at.json"
+    at.write_text(json.dumps({"arms": [{"name": "suffix", "spec": {"method": "suffix", "datastore": str(secret)}}]}))
+    with running_server(tiny_pair(), model_name="tiny", resources={"autotune": {"at": str(at)}}) as (url, app):
+        r = post(url, {**BODY, "spec": {"method": "auto", "autotune": "at"}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "spec.autotune", r.text
+        assert err["message"] == "spec.autotune: resource 'at' is not available" and "secret" not in r.text
+        assert post(url, BODY).status_code == 200
+
+
+SURROGATES = [  # valid JSON ("\ud800" escaped), but no Unicode text: tokenizers and llguidance fail on it
+    ({"guided_regex": "a\ud800"}, "guided_regex"), ({"guided_choice": ["yes", "n\udfff"]}, "guided_choice[1]"),
+    ({"structured_outputs": {"regex": "\ud800"}}, "structured_outputs.regex"), ({"stop": ["\udc00"]}, "stop[0]"),
+    ({"spec": {"method": "\ud800"}}, "spec.method"), ({"logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ({"prompt": "abc \ud800"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("extra,param", SURROGATES)
+def test_lone_surrogates_are_400s_naming_the_field(batch_server, extra, param):
+    """guided_regex / guided_choice with a lone surrogate were a 500 (UnicodeEncodeError in the grammar compiler)."""
+    r = httpx.post(batch_server[0] + "/v1/completions", content=json.dumps({**BODY, **extra}), headers=JSON, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and "surrogate" in err["message"], r.text
+
+
+def test_lone_surrogates_in_text_a_tokenizer_reads_are_400s():
+    """With a real tokenizer (SmolLM2's), a prompt with a lone surrogate was a 500 (TypeError from the
+    tokenizer), a chat message's content a 500 (UnicodeEncodeError in the chat template)."""
+    from transformers import AutoTokenizer
+
+    from conftest import smol_files
+
+    t = tiny_llama(vocab=16)
+    t.tokenizer = AutoTokenizer.from_pretrained(smol_files())
+    with running_server(SpecDecoder(t, None), model_name="tiny") as (url, app):
+        chat = lambda content: {"messages": [{"role": "user", "content": content}]}  # noqa: E731
+        for path, body, param in [
+                ("/v1/completions", {"prompt": "abc \ud800"}, "prompt"),
+                ("/v1/completions", {"prompt": ["\udbff x"]}, "prompt[0]"),
+                ("/v1/chat/completions", chat("hi \ud800"), "messages[0].content"),
+                ("/v1/chat/completions", chat([{"type": "text", "text": "\udc00"}]), "messages[0].content[0].text")]:
+            r = httpx.post(url + path, content=json.dumps({**body, "max_tokens": 2}), headers=JSON, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and "surrogate" in err["message"], r.text

@@ -1,6 +1,6 @@
 """Prompts sharded over Ray worker actors (scale/cluster.py starts and stops them): ``bench --ray`` and
 ``train --ray``. The CLI hands these to the bench (harness.run_bench's ``run_sharded``) and to training
-(train.train_main's ``ray_builder``), which sit below this package.
+(commands/train's ``train_main``, its ``ray_builder``), which sit below this package.
 
 bench: each worker loads the models once, warms every method up, and runs whole prompts through
 ``harness.run_prompt``, so every method of a prompt runs interleaved on one worker (the fairness
@@ -9,14 +9,15 @@ finished prompt, and records each worker's machine, per record and under "worker
 timed on its own worker only, so the report computes speedups per worker, then aggregates them.
 
 train: the training data's batches, each answered by a worker holding the target (``data_builder``),
-the same batches a local run answers (train.build_data)."""
+the same batches a local run answers (commands/train/data.py's build_data)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ..commands import train
+from ..commands.train import data as train_data
+from ..commands.train.loop import progress
 from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 from ..scale import cluster
 
@@ -96,15 +97,15 @@ class DataWorker:
         return {**cluster.node_info(), "threads": threads}
 
     def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:
-        return self.wid, train.answer_batch(self.dec, chunk, max_new_tokens)
+        return self.wid, train_data.answer_batch(self.dec, chunk, max_new_tokens)
 
 
 def data_builder(ray_opts: cluster.RayOptions, target: str):
     """train.build_data's stand-in for ``train --ray``: the same batches, answered on Ray workers."""
 
     def build(dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None):
-        encoded = train.encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
-        chunks = [encoded[i: i + train.DATA_BATCH] for i in range(0, len(encoded), train.DATA_BATCH)]
+        encoded = train_data.encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
+        chunks = [encoded[i: i + train_data.DATA_BATCH] for i in range(0, len(encoded), train_data.DATA_BATCH)]
         if not chunks:
             return []
         ray, n = ray_opts.start(len(chunks))
@@ -112,7 +113,7 @@ def data_builder(ray_opts: cluster.RayOptions, target: str):
         actors, infos = cluster.start_workers(ray, DataWorker, [f"w{i}" for i in range(n)], cpus, target, cpus)
         count = dict.fromkeys(infos, 0)
         seqs = []
-        bar = train._tqdm(total=len(encoded), desc="target answers (ray)", unit="prompt")
+        bar = progress(total=len(encoded), desc="target answers (ray)", unit="prompt")
         try:
             for wid, got in cluster.drain(ray, actors, True, lambda act, c: act.answer.remote(c, max_new_tokens),
                                           chunks):

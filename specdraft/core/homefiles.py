@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ConfigError
+from .jsonl import read_json_file
 
 Schema = Callable[[object, str], "str | None"]
 MAX_BYTES = 16 << 20  # none of these files is near this; a larger one is not ours
@@ -87,20 +88,10 @@ def read_json(path: Path, schema: Schema, what: str, advice: str = "delete it an
 
     if not path.exists() and not path.is_symlink():
         return None
-    if not path.is_file():
-        raise bad("not a regular file")
-    if max_bytes is not None and path.stat().st_size > max_bytes:
-        raise bad(f"{path.stat().st_size} bytes, more than this project writes")
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise bad(f"cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise bad("not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise bad(f"not valid JSON ({e.msg}, line {e.lineno})") from None
-    except RecursionError:
-        raise bad("nested too deeply") from None
+        doc = read_json_file(path, max_bytes)
+    except ValueError as e:
+        raise bad(str(e)) from None
     problem = schema(doc, "")
     if problem:
         raise bad(problem)

@@ -19,12 +19,18 @@ DEFAULT_ARMS = {
     "hybrid": {"method": "hybrid"},
 }
 ARM_FIELDS = ("k", "max_k", "retrieval_k", "hybrid_min_match", "tree_nodes")  # auto's spec passes these on
-HEAD_METHOD = "eagle3"  # the method of auto's head arms: auto's ``head`` is its head
+HEAD_TYPE = "eagle3"  # the type of auto's ``head``: its head arms (below) draft with it
 # with an EAGLE-3 head (auto's ``head``): its chain and its dynamic tree
 HEAD_ARMS = {
-    "eagle3": {"method": "eagle3", "k": 5},
-    "eagle3_tree": {"method": "eagle3", "tree": "dynamic", "k": 5, "tree_topk": 3, "tree_budget": 10},
+    "eagle3": {"method": HEAD_TYPE, "k": 5},
+    "eagle3_tree": {"method": HEAD_TYPE, "tree": "dynamic", "k": 5, "tree_topk": 3, "tree_budget": 10},
 }
+
+
+def head_type(method: str) -> str:
+    """The head type a ``spec.head`` of ``method`` must be: the method's own (medusa, eagle, eagle3), and for
+    auto its head arms' (HEAD_TYPE)."""
+    return HEAD_TYPE if method == "auto" else method
 
 
 def slug(s: str | None) -> str:
@@ -63,7 +69,7 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
     if path == "off":  # online calibration only, whatever file exists
         path = None
     if path is not None:
-        arms = [(a["name"], SpecConfig.from_dict(a["spec"]), a) for a in load_file(path)["arms"]]
+        arms = file_arms(dec, path)
     else:
         passed = {f: getattr(spec, f) for f in ARM_FIELDS}
         arms = []
@@ -81,22 +87,30 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
             raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
         arms = [a for a in arms if a[0] in keep]
     arms = [a for a in arms if a[1].method != "plain"]
-    if any(s.method == "auto" for _, s, _ in arms):
-        raise ConfigError("an auto arm cannot itself be 'auto'")
     return [("plain", SpecConfig(method="plain"), None)] + arms
 
 
-def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
-    """HEAD_ARMS when auto's ``head`` is an EAGLE-3 head and the backend hands over its features."""
-    from ..models.heads import read_head_config
+def file_arms(dec, path: str | Path) -> list[tuple[str, SpecConfig, dict]]:
+    """(name, spec, prior) of each arm of the autotune file at ``path`` (read once per decoder:
+    ``SpecDecoder.autotune_file``)."""
+    arms = [(a["name"], SpecConfig.from_dict(a["spec"]), a) for a in dec.autotune_file(path)["arms"]]
+    if any(s.method == "auto" for _, s, _ in arms):
+        raise ConfigError("an auto arm cannot itself be 'auto'")
+    return arms
 
+
+def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
+    """HEAD_ARMS when auto has a ``head``: an EAGLE-3 head for this target, on a backend that hands over its
+    features (else an error: a head given is used or refused, never dropped)."""
     if spec.head is None:
         return []
-    if read_head_config(spec.head)["type"] != HEAD_METHOD:
-        raise ConfigError(f"auto's head {spec.head} must be an {HEAD_METHOD} head (its arms are {HEAD_METHOD}'s)")
-    problem = REGISTRY[HEAD_METHOD].unavailable(dec.backend, True, where=f" (auto drafts with its head {spec.head})")
-    if problem:  # a head given is never left out unsaid
-        raise ConfigError(problem)
+    try:
+        problem = REGISTRY[HEAD_TYPE].unavailable(dec.backend, dec.draft is not None)
+        if problem:  # a head given is never left out unsaid
+            raise ConfigError(problem)
+        dec.head(spec)  # loaded once per decoder (as its arms' head): its type and its target checked
+    except ConfigError as e:
+        raise ConfigError(f"auto's head: {e} (auto drafts with it through its {HEAD_TYPE} arms)") from None
     return [(name, SpecConfig.from_dict({**d, "head": spec.head}), None) for name, d in HEAD_ARMS.items()]
 
 

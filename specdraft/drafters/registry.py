@@ -147,9 +147,9 @@ def _first_layers(dec, spec):
 
 
 def _kept_layers(dec, spec):
-    from ..models.views import load_skip_config, skip_to_keep
+    from ..models.views import skip_to_keep
 
-    skip = spec.skip_layers or load_skip_config(spec.skip_config, dec.target)
+    skip = spec.skip_layers or dec.skip_config(spec.skip_config)
     return dec.layer_view(skip_to_keep(dec.target.num_layers, skip))
 
 

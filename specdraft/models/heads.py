@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
+from ..core.homefiles import ANY, NUMBER, Schema, items, nullable, obj, of
+from ..core.jsonl import read_json_file
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")
 
@@ -165,10 +167,24 @@ def save_head(head: nn.Module, out: Path, extra: dict) -> None:
     (out / "config.tmp").replace(out / "config.json")
 
 
+def _int_at_least(low: int) -> Schema:
+    return of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}")
+
+
+_COUNT = _int_at_least(1)
+_COMMON = {"hidden_size": _COUNT, "train_s": nullable(NUMBER),
+           "target_signature": obj({"lm_head_fingerprint": nullable(NUMBER)}, keys=ANY)}
+HEAD_SCHEMAS = {  # what building and loading a head reads of its config.json (training writes more)
+    "medusa": obj({**_COMMON, "heads": _COUNT, "blocks": _COUNT}, required=("hidden_size", "heads"), keys=ANY),
+    "eagle": obj({**_COMMON, "draft_vocab": nullable(_COUNT)}, required=("hidden_size",), keys=ANY),
+}  # (EAGLE-3 checkpoints: head_formats checks theirs)
+
+
 def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
-    """The head directory's config.json, checked, with its ``type``; ``expect_type``: the head type the
-    method needs. An EAGLE-3 checkpoint of any format (models/head_formats.py) is type eagle3 and
-    carries its own config. Called on load (``load_head``) and by the CLI before it loads any model;
+    """The head directory's config.json, checked (every field building and loading the head reads), with
+    its ``type``; ``expect_type``: the head type the method needs. An EAGLE-3 checkpoint of any format
+    (models/head_formats.py) is type eagle3; its fields are checked when it is read. Called on load
+    (``load_head``), by ``train --resume`` and by the CLI before it loads any model;
     ``SpecConfig.validate`` reads no files."""
     from .head_formats import is_eagle3_config
 
@@ -181,25 +197,56 @@ def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
         raise ConfigError(f"{p} is not a head directory: it needs config.json (written by `specdraft train`, or an "
                           "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)")
     try:
-        meta = json.loads(cf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cf} is not valid JSON: {e}") from e
+        meta = read_json_file(cf)
+    except ValueError as e:
+        raise ConfigError(f"{cf}: {e}") from None
     if is_eagle3_config(meta):
         meta = {**meta, "type": "eagle3"}
-    elif not isinstance(meta, dict) or meta.get("type") not in HEAD_TYPES:
-        raise ConfigError(f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_TYPES)}, or an "
+    elif not isinstance(meta, dict) or meta.get("type") not in HEAD_SCHEMAS:
+        raise ConfigError(f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_SCHEMAS)}, or an "
                           "EAGLE-3 checkpoint's architectures)")
+    else:
+        problem = HEAD_SCHEMAS[meta["type"]](meta, "")
+        if problem:
+            raise ConfigError(f"{cf}: {problem} (not a config `specdraft train` wrote)")
     if expect_type is not None and meta["type"] != expect_type:
         raise ConfigError(f"head {path} is a {meta['type']} head; method {expect_type!r} needs a {expect_type} head")
     return meta
 
 
 def build_head(meta: dict, target) -> nn.Module:
+    """A Medusa or EAGLE head of ``meta``'s shape (read_head_config's) for ``target``, weights not loaded yet."""
+    H = target.facts.hidden_size
+    if meta["hidden_size"] != H:
+        raise ConfigError(f"the head has hidden_size {meta['hidden_size']}; this target has {H}")
     if meta["type"] == "medusa":
-        return MedusaHeads(int(meta["hidden_size"]), int(meta["heads"]), int(meta.get("blocks", 1)))
+        return MedusaHeads(H, meta["heads"], meta.get("blocks", 1))
     n = meta.get("draft_vocab")
-    ids = torch.zeros(int(n), dtype=torch.long) if n else None
-    return EagleHead(target.facts, ids)
+    return EagleHead(target.facts, torch.zeros(n, dtype=torch.long) if n else None)
+
+
+def load_weights(head: nn.Module, state: dict, vocab_size: int, where: str) -> None:
+    """``state`` into ``head``; a ConfigError if it does not fit, or its draft vocabulary is not
+    distinct ids, ascending, of the target's vocabulary (``vocab_size``: the drafters index with them)."""
+    try:
+        head.load_state_dict(state)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"head weights in {where} do not match its config.json: {str(e).splitlines()[0]}") from None
+    ids = getattr(head, "draft_ids", torch.empty(0))
+    if ids.numel() and not (ids[0] >= 0 and ids[-1] < vocab_size and bool((ids[1:] > ids[:-1]).all())):
+        raise ConfigError(f"the draft vocabulary in {where} is not ascending ids of the target's {vocab_size} tokens")
+
+
+def read_head_weights(path: Path) -> dict:
+    """head.safetensors' tensors; a ConfigError for a file that is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = Path(path) / "head.safetensors"
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, RuntimeError, IndexError) as e:  # not ours: torn, another format
+        raise ConfigError(f"{f} holds no head weights this program wrote ({str(e).splitlines()[0]})") from None
 
 
 def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple[nn.Module, dict]:
@@ -207,27 +254,16 @@ def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple
     where the head records that), frozen, in the target's dtype."""
     meta = read_head_config(path, expect_type)
     needs_head_io(target, f"a {meta['type']} head")
-    head = _load_eagle3(path, meta, target) if meta["type"] == "eagle3" else _load_own(path, meta, target)
+    if meta["type"] == "eagle3":
+        head = _load_eagle3(path, meta, target)
+    else:
+        check_signature(meta.get("target_signature", {}), target, str(path), meta.get("target"))
+        head = build_head(meta, target)
+        load_weights(head, read_head_weights(path), target.vocab_size, str(path))
     head = head.to(target.dtype).eval()
     for p in head.parameters():
         p.requires_grad_(False)
     return head, meta
-
-
-def _load_own(path, meta: dict, target) -> nn.Module:
-    from safetensors.torch import load_file
-
-    check_signature(meta.get("target_signature", {}), target, str(path), meta.get("target"))
-    head = build_head(meta, target)
-    f = Path(path) / "head.safetensors"
-    if not f.is_file():
-        raise ConfigError(f"{path} is not a head directory: it needs head.safetensors beside config.json")
-    state = load_file(str(f))
-    try:
-        head.load_state_dict(state)
-    except RuntimeError as e:
-        raise ConfigError(f"head weights in {path} do not match its config.json: {str(e).splitlines()[0]}") from e
-    return head
 
 
 def _load_eagle3(path, meta: dict, target) -> nn.Module:

@@ -442,10 +442,10 @@ async def parse(request: Request, sv: _Serving, chat: bool):
     p = parse_request(body, chat=chat, model_name=sv.settings.model_name, target=sv.decoder.target, tokenizer=sv.tok,
                       default_spec=sv.default_spec, default_max_tokens=sv.settings.default_max_tokens,
                       resources=request.app.state.resources)
-    m = check_method(sv.decoder, p.spec)  # what the method needs must exist before admission
+    check_method(sv.decoder, p.spec)  # what the method needs must exist before admission
     named = {k: v for k, v in (body.get("spec") or {}).items() if k in PATH_FIELDS}
     limit = min(LOAD_S, sv.settings.timeout_s or LOAD_S)  # checked and loaded where timeout and shutdown reach
-    await load_resources(sv.decoder, p.spec, named, m, limit, lambda: request.app.state.draining)
+    await load_resources(sv.decoder, p.spec, named, limit, lambda: request.app.state.draining)
     p.stream_mode = p.stream_mode or sv.stream_mode
     if request.app.state.stream_pacing.locked and p.stream_mode != "fixed":
         raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "

@@ -101,7 +101,11 @@ class BatchWorker(BaseWorker):
                     break
                 jobs.append(job)
             if jobs:
-                self._admit(jobs)
+                self.busy_since = time.monotonic()  # admission is work too (drafters made, prompts prefilled)
+                try:
+                    self._admit(jobs)
+                finally:
+                    self.busy_since = None
             self._taken = []
             with self.cv:
                 self._n_rows = eng.num_rows

@@ -21,6 +21,7 @@ import bisect
 import re
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 from ..core.config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
@@ -115,6 +116,45 @@ def _check_types(body: dict) -> None:
     if mode is not None and mode not in STREAM_MODES:
         raise RequestError(f"stream_mode must be one of {', '.join(map(repr, STREAM_MODES))}, got {mode!r}",
                            param="stream_mode")
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text, i.e. holds no lone surrogate (UTF-8 cannot encode one)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _field_name(path: tuple) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+
+
+_SCALARS = {int, float, bool, type(None)}
+
+
+def _check_text(body: dict) -> None:
+    """A 400 naming a field whose string (or key) holds a lone surrogate: valid JSON ("\\ud800" is an
+    escape), but no text: tokenizers, chat templates and the grammar compiler fail on it (they were 500s).
+    Walked with a queue, not recursion: the parser takes nesting deeper than the recursion limit left here."""
+    todo = deque([((), body)])
+    while todo:
+        path, obj = todo.popleft()
+        if isinstance(obj, list) and set(map(type, obj)) <= _SCALARS:  # token ids: skipped at C speed
+            continue
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            if isinstance(k, str) and not _is_text(k):
+                where = _field_name(path)
+                raise RequestError(f"{where or 'the request body'} has a key that holds a lone surrogate (an "
+                                   "unpaired \\ud800-\\udfff escape): not Unicode text", param=where or None)
+            if isinstance(v, str) and not _is_text(v):
+                where = _field_name(path + (k,))
+                raise RequestError(f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not "
+                                   "Unicode text", param=where)
+            if isinstance(v, (dict, list)):
+                todo.append((path + (k,), v))
 
 
 def _spec(body: dict, default: SpecConfig, resources: dict | None = None) -> SpecConfig:
@@ -353,6 +393,7 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
                   default_max_tokens: int, resources: dict | None = None) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    _check_text(body)
     model = body.get("model")
     if model is not None and model != model_name:
         raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",

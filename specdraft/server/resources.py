@@ -1,8 +1,10 @@
 """The operator's resources: the files a request's spec may name, by name only (``serve --resource
 FIELD:NAME=PATH``; server/protocol.py resolves the names). ``serve`` checks every one at start; a request's
 are checked again and loaded before it is admitted, in a thread of their own, within a time limit that the
-request's timeout and shutdown reach. A client is told which resource failed, never its path (the reason
-goes to the server's log): paths say how the operator's machine is laid out."""
+request's timeout and shutdown reach; an autotune file's with what its arms read. The decoder keeps what
+was loaded, and admission (on the worker thread, unbounded) reads only that, never a file: one swapped for
+a FIFO meanwhile would block the worker. A client is told which resource failed, never its path (the
+reason goes to the server's log): paths say how the operator's machine is laid out."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import threading
 
 from ..core.config import PATH_FIELDS
 from ..core.errors import SpecDraftError
+from ..drafters.registry import method as registered
 from .protocol import RequestError
 from .scheduler import shutdown_error
 
@@ -60,13 +63,36 @@ def check_all(resources: dict[str, dict[str, str]]) -> None:
                 raise SpecDraftError(f"--resource {field}:{name}={path}: {why}")
 
 
-def _loaders():
-    from ..drafters.arms import load_file
-    from ..models.views import load_skip_config
+LOADERS = {"head": lambda dec, spec: dec.head(spec), "datastore": lambda dec, spec: dec.datastore(spec.datastore),
+           "skip_config": lambda dec, spec: dec.skip_config(spec.skip_config),
+           "autotune": lambda dec, spec: _arms_resources(dec, spec.autotune)}
 
-    return {"head": lambda dec, spec: dec.head(spec), "datastore": lambda dec, spec: dec.datastore(spec.datastore),
-            "skip_config": lambda dec, spec: load_skip_config(spec.skip_config, dec.target),
-            "autotune": lambda dec, spec: load_file(spec.autotune)}
+
+def _read(decoder, spec, fields: list[str], on_field=lambda field: None) -> None:
+    """Loads (into the decoder's caches) what ``spec`` reads: each of ``fields`` (``on_field`` told which one
+    is loading), then its method's resource (a layer view of this target, a head of the method's type)."""
+    for field in fields:
+        on_field(field)
+        LOADERS[field](decoder, spec)
+    on_field(None)
+    load_resource = registered(spec.method).load_resource
+    if load_resource is not None:
+        load_resource(decoder, spec)
+
+
+def _arms_resources(decoder, path: str) -> None:
+    """The autotune file at ``path`` and what each of its arms reads (a datastore, a head, a skip config):
+    checked as the operator's own resources are and loaded, so that admission makes the arms from the
+    decoder's caches and a client never hears an arm's path."""
+    from ..drafters.arms import file_arms
+
+    for name, arm, _ in file_arms(decoder, path):
+        fields = [field for field, _ in used(arm, {})]
+        for field in fields:
+            why = problem(field, getattr(arm, field))
+            if why:
+                raise SpecDraftError(f"arm {name!r}: {field} {getattr(arm, field)}: {why}")
+        _read(decoder, arm, fields)
 
 
 def used(spec, named: dict) -> list[tuple[str, str]]:
@@ -80,8 +106,8 @@ def used(spec, named: dict) -> list[tuple[str, str]]:
     return out
 
 
-async def load(decoder, spec, named: dict, method, limit_s: float, draining) -> None:
-    """Checks and loads what ``spec`` reads (cached by the decoder), then ``method.load_resource``; a
+async def load(decoder, spec, named: dict, limit_s: float, draining) -> None:
+    """Checks and loads what ``spec`` reads (cached by the decoder), then its method's ``load_resource``; a
     RequestError naming the field: 400 when a resource is not available, 408 past ``limit_s``, 503 once
     ``draining()``."""
     fields = used(spec, named)
@@ -89,15 +115,10 @@ async def load(decoder, spec, named: dict, method, limit_s: float, draining) -> 
         why = problem(field, getattr(spec, field))
         if why:
             raise _unavailable(field, what, spec, why)
-    loaders, at = _loaders(), {"field": None}
+    at = {"field": None}
 
     def work():
-        for field, _ in fields:
-            at["field"] = field
-            loaders[field](decoder, spec)
-        at["field"] = None
-        if method.load_resource is not None:  # a layer view of this target, a head of the method's type
-            method.load_resource(decoder, spec)
+        _read(decoder, spec, [field for field, _ in fields], lambda field: at.update(field=field))
 
     try:
         await _bounded(work, limit_s, draining)

@@ -16,59 +16,46 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.errors import SpecDraftError
-from ..core.jsonl import AppendedJsonl
+from ...core.errors import SpecDraftError
+from ...core.jsonl import AppendedJsonl
+from .eagle3_data import ANSWER_FIELDS, FEATURE_FIELDS, current_features
 
 TTT_DECAY = 0.8  # step j's loss weight is 0.8^j (EAGLE-3's and SpecForge's)
 
 
 class Eagle3Data:
-    """The answered sequences that have features (DIR/data), features memory-mapped. A sequence whose
-    features were written twice (a run stopped between its two appends) reads the last copy."""
+    """The answered sequences with current features (DIR/data; eagle3_data.py), features memory-mapped
+    (rows at the absolute offsets the index names)."""
 
-    def __init__(self, data: Path, width: int, max_rows: int | None = None):
+    def __init__(self, data: Path, width: int):
         import numpy as np
 
-        answers = {r["i"]: r for r in AppendedJsonl(data / "answers.jsonl", need=("i", "tokens", "n_prompt")).rows}
-        index = {r["i"]: r for r in AppendedJsonl(data / "features.jsonl", need=("i", "row", "n")).rows}
-        keep = sorted(i for i in index if i in answers and index[i]["n"] == len(answers[i]["tokens"]) - 1)
-        if max_rows is not None:
-            keep = keep[:max_rows]
-        if not keep:
+        answers = {r["i"]: r for r in AppendedJsonl(data / "answers.jsonl", ANSWER_FIELDS).rows}
+        index = current_features(AppendedJsonl(data / "features.jsonl", FEATURE_FIELDS).rows, answers)
+        self.index = [index[i] for i in sorted(index)]
+        if not self.index:
             raise SpecDraftError(f"{data} holds no answered sequences with features yet")
-        self.ids = keep
-        self.rows = [int(index[i]["row"]) for i in keep]
-        self.tokens = [torch.tensor(answers[i]["tokens"], dtype=torch.long) for i in keep]
-        self.n_prompt = [int(answers[i]["n_prompt"]) for i in keep]
-        n = max(index[i]["row"] + index[i]["n"] for i in index)
-        size = (data / "features.bin").stat().st_size
-        if size < n * width * 2:
-            raise SpecDraftError(f"{data}/features.bin holds {size} bytes, its index needs {n * width * 2}")
+        self.tokens = [torch.tensor(answers[r["i"]]["tokens"], dtype=torch.long) for r in self.index]
+        self.n_prompt = [int(answers[r["i"]]["n_prompt"]) for r in self.index]
+        binf = data / "features.bin"
+        n = binf.stat().st_size // (2 * width) if binf.exists() else 0
+        if any(r["row"] + r["n"] > n for r in self.index):
+            raise SpecDraftError(f"{binf} is shorter than {data / 'features.jsonl'} says; delete both to make the "
+                                 "features again")
         # copy-on-write: torch wants a writable array; nothing writes to it
-        mm = np.memmap(data / "features.bin", dtype=np.int16, mode="c", shape=(n, width))
+        mm = np.memmap(binf, dtype=np.int16, mode="c", shape=(n, width))
         self.feats = torch.from_numpy(mm).view(torch.bfloat16)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.index)
 
     @property
     def answer_tokens(self) -> int:
         return sum(len(t) - n for t, n in zip(self.tokens, self.n_prompt))
 
     def features(self, k: int, n: int) -> torch.Tensor:
-        r = self.rows[k]
+        r = self.index[k]["row"]
         return self.feats[r: r + n].float()
-
-
-def draft_vocab(data: Eagle3Data, n: int, vocab: int) -> tuple[torch.Tensor, float]:
-    """The n most frequent answer tokens (ties: the lower id), sorted: the draft vocabulary; -> (ids,
-    the share of answer tokens they cover)."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for toks, n0 in zip(data.tokens, data.n_prompt):
-        counts += torch.bincount(toks[n0:], minlength=vocab)[:vocab]
-    order = torch.sort(counts, descending=True, stable=True).indices[: min(n, vocab)]
-    covered = float(counts[order].sum()) / max(float(counts.sum()), 1.0)
-    return torch.sort(order).values, covered
 
 
 def ttt_batch(data: Eagle3Data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: int):

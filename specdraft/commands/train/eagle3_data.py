@@ -22,17 +22,21 @@ past the last index line (a stopped run's) are cut off before appending.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..core.errors import ConfigError, SpecDraftError
-from ..core.jsonl import AppendedJsonl
-from ..drafters.base import NoDrafter
+from ...core.errors import ConfigError, SpecDraftError
+from ...core.jsonl import AppendedJsonl
+from ...drafters.base import NoDrafter
+from .data import block_columns, decode_recording
+from .loop import progress
 
 # Generic system prompts that spread Magpie's topics (none is taken from a benchmark); None: the
 # template's own default system prompt.
@@ -51,57 +55,62 @@ ANSWER_TEMPERATURE = 0.8
 NGRAM = 8  # words in a run shared with a benchmark prompt that rejects a synthesized prompt
 
 
-class FeatureRecorder(NoDrafter):
-    """Plain decoding that keeps the target's features of every token it feeds: the prompt's (handed
-    over with the first step) and each step's pending token. ``cols``: the columns of the layers wanted."""
-
-    name = "plain"
-    wants_hidden = True
-
-    def __init__(self, cols: torch.Tensor):
-        self.cols = cols
-        self.parts: list[torch.Tensor] = []
-
-    def observe(self, step) -> None:
-        self.parts.append(step.hidden[:, self.cols].to(torch.bfloat16))
-
-    def features(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else torch.empty(0, self.cols.numel(), dtype=torch.bfloat16)
-
-
 def feature_columns(target, layers) -> torch.Tensor:
     """The columns of ``target``'s handed-over features that hold ``layers`` (registering them)."""
     if not target.capabilities.layers:
         raise ConfigError(f"{target.name} on the {target.backend} backend does not hand over its layers' outputs; "
                           "EAGLE-3 data needs a backend that does (hf, llama, openvino)")
-    H = target.facts.hidden_size
-    blocks = target.add_feature_layers(layers)
-    return torch.cat([torch.arange(b * H, (b + 1) * H) for b in blocks])
+    return block_columns(target, target.add_feature_layers(layers))
 
 
 # --- append-only files ----------------------------------------------------------------------------
+# the appended files and the fields every row of each has (core.jsonl.AppendedJsonl: a torn last line,
+# left by a stopped run, is cut off before the next append)
+SYNTH_FIELDS, ANSWER_FIELDS, FEATURE_FIELDS = ("draw", "text", "kept"), ("i", "tokens", "n_prompt"), ("i", "row", "n")
+
+
+def tokens_crc(tokens: list[int]) -> int:
+    return zlib.crc32(json.dumps(tokens).encode())
+
+
+def current_features(index: list[dict], answers: dict[int, dict]) -> dict[int, dict]:
+    """Answer i -> the index row of its features: the last one written for it, made from the answer's
+    tokens as they are now (an answer lost with a torn line is made again, and can come out different)."""
+    out = {}
+    for r in index:
+        a = answers.get(r["i"])
+        if a is not None and r["n"] == len(a["tokens"]) - 1 and r.get("crc") == tokens_crc(a["tokens"]):
+            out[r["i"]] = r
+    return out
+
+
 class FeatureStore:
     """``features.bin`` (bf16 rows) and its index ``features.jsonl`` ({i, row, n}); see the module doc."""
 
     def __init__(self, data: Path, width: int):
         self.bin, self.width = data / "features.bin", width
-        self.index = AppendedJsonl(data / "features.jsonl", need=("i", "row", "n"))
-        self.have = {r["i"] for r in self.index.rows}
-        self.rows = sum(r["n"] for r in self.index.rows)
+        self.index = AppendedJsonl(data / "features.jsonl", need=FEATURE_FIELDS)
+        self.rows = max((r["row"] + r["n"] for r in self.index.rows), default=0)  # where the indexed rows end
         self.bin.parent.mkdir(parents=True, exist_ok=True)
+        size = self.bin.stat().st_size if self.bin.exists() else 0
+        if size < self.rows * width * 2:
+            raise SpecDraftError(f"{self.bin} holds {size} bytes, less than the {self.rows * width * 2} that "
+                                 f"{self.index.path} names; delete both to make the features again")
         with open(self.bin, "ab") as f:
             f.truncate(self.rows * width * 2)
 
-    def append(self, i: int, x: torch.Tensor) -> None:
+    def current(self, answers: dict[int, dict]) -> dict[int, dict]:
+        return current_features(self.index.rows, answers)
+
+    def append(self, i: int, tokens: list[int], x: torch.Tensor) -> None:
         if x.shape[1] != self.width:
             raise SpecDraftError(f"features of width {x.shape[1]}, the store holds {self.width}")
         with open(self.bin, "ab") as f:
             f.write(x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
-        self.index.append([{"i": i, "row": self.rows, "n": int(x.shape[0])}])
+        self.index.append([{"i": i, "row": self.rows, "n": int(x.shape[0]), "crc": tokens_crc(tokens)}])
         self.rows += int(x.shape[0])
-        self.have.add(i)
 
 
 # --- 1. prompts -----------------------------------------------------------------------------------
@@ -111,7 +120,7 @@ def _words(s: str) -> list[str]:
 
 def benchmark_ngrams() -> set[tuple[str, ...]]:
     """Every run of NGRAM words of the shipped benchmark prompts (Spec-Bench's turns, the code edits)."""
-    from ..core.prompts import PRESET_FILES, SPEC_BENCH, load_prompts
+    from ...core.prompts import PRESET_FILES, SPEC_BENCH, load_prompts
 
     grams: set[tuple[str, ...]] = set()
     for f in (SPEC_BENCH, *PRESET_FILES.values()):
@@ -166,13 +175,12 @@ def norm_text(s: str) -> str:
 SYNTH_TRIES = 20  # draws per wanted prompt before synthesis gives up (a model that never ends a turn)
 
 
-def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: int, seed: int,
-                  progress) -> list[str]:
+def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: int, seed: int) -> list[str]:
     """``want`` distinct prompts written by the target (module doc, stage 1), continuing synth.jsonl."""
-    from ..engine import generate_batch
-    from ..core.config import SamplingParams
+    from ...core.config import SamplingParams
+    from ...engine import generate_batch
 
-    log = AppendedJsonl(data / "synth.jsonl", need=("draw", "text", "kept"))
+    log = AppendedJsonl(data / "synth.jsonl", need=SYNTH_FIELDS)
     draws = list(log.rows)
     kept = [d["text"] for d in draws if d["kept"]]
     seen = {norm_text(t) for t in kept}
@@ -208,7 +216,7 @@ def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: 
 # --- 2. answers with their features -----------------------------------------------------------------
 def answer_sampling(i: int, max_new_tokens: int, seed: int):
     """Prompt i's answer: greedy, or sampled for one prompt in ANSWER_SAMPLED_EVERY (seeded by i)."""
-    from ..core.config import SamplingParams
+    from ...core.config import SamplingParams
 
     if i % ANSWER_SAMPLED_EVERY == ANSWER_SAMPLED_EVERY - 1:
         return SamplingParams(temperature=ANSWER_TEMPERATURE, seed=seed * 1_000_003 + i, max_new_tokens=max_new_tokens)
@@ -216,33 +224,24 @@ def answer_sampling(i: int, max_new_tokens: int, seed: int):
 
 
 def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, layers, rows: int,
-                         max_new_tokens: int, seed: int, progress) -> dict:
+                         max_new_tokens: int, seed: int) -> dict:
     """Answers and features of every (prompt index, prompt ids) not in answers.jsonl yet (module doc,
-    stage 2); -> {"tokens": answer tokens made, "seconds": wall time}."""
-    from ..engine import generate_batch
-
-    answers = AppendedJsonl(data / "answers.jsonl", need=("i", "tokens", "n_prompt"))
+    stage 2), shortest prompts first; -> {"tokens": answer tokens made, "seconds": wall time}."""
+    answers = AppendedJsonl(data / "answers.jsonl", need=ANSWER_FIELDS)
     have = {r["i"] for r in answers.rows}
     cols = feature_columns(gen, layers)
     store = FeatureStore(data, cols.numel())
     todo = sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
-    eos = gen.eos_token_ids()
     bar = progress(total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})",
                    unit="prompt")
     t0, made = time.perf_counter(), 0
     for b in range(0, len(todo), rows):
         chunk = todo[b: b + rows]
-        recs = [FeatureRecorder(cols) for _ in chunk]
-        jobs = [(ids, answer_sampling(i, max_new_tokens, seed), r) for (i, ids), r in zip(chunk, recs)]
-        outs = generate_batch(gen, jobs, eos_ids=eos, max_batch=len(jobs))
-        for (i, ids), o, r, job in zip(chunk, outs, recs, jobs):
-            tokens = ids + o.token_ids
-            x = r.features()[: len(tokens) - 1]
-            if x.shape[0] != len(tokens) - 1:
-                raise SpecDraftError(f"prompt {i}: {x.shape[0]} feature rows for {len(tokens) - 1} fed tokens")
-            store.append(i, x)  # features first: an answer row always has its features
-            answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": not job[1].greedy}])
-        made += sum(len(o.token_ids) for o in outs)
+        jobs = [(ids, answer_sampling(i, max_new_tokens, seed)) for i, ids in chunk]
+        for (i, ids), (tokens, x), (_, sp) in zip(chunk, decode_recording(gen, jobs, cols), jobs):
+            store.append(i, tokens, x)  # features first: an answer row always finds its features
+            answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": not sp.greedy}])
+            made += len(tokens) - len(ids)
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.1f}")
         bar.update(len(chunk))
     bar.close()
@@ -250,18 +249,21 @@ def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, 
 
 
 # --- 3. features of answers that have none -----------------------------------------------------------
-def prefill_features(gen, answers: list[dict], data: Path, layers, rows: int, progress) -> None:
-    """Features of answered sequences that have none, ``rows`` sequences per batched prefill."""
+def prefill_features(gen, answers: list[dict], data: Path, layers, rows: int) -> None:
+    """Features of answered sequences that have none (or stale ones), ``rows`` sequences per batched prefill."""
     cols = feature_columns(gen, layers)
     store = FeatureStore(data, cols.numel())
-    todo = [a for a in answers if a["i"] not in store.have]
+    have = store.current({a["i"]: a for a in answers})
+    todo = [a for a in answers if a["i"] not in have]
+    if not todo:
+        return
     bar = progress(total=sum(len(a["tokens"]) for a in todo), desc=f"features ({gen.backend} prefill)", unit="tok")
     for b in range(0, len(todo), rows):
         chunk = todo[b: b + rows]
         kv = gen.new_rows()
         kv.add_rows([a["tokens"][:-1] for a in chunk], hidden=True)
         for a, h in zip(chunk, kv.prefill_hidden):
-            store.append(a["i"], h[:, cols].to(torch.bfloat16))
+            store.append(a["i"], a["tokens"], h[:, cols].to(torch.bfloat16))
             bar.update(len(a["tokens"]))
         kv.remove_rows(list(range(len(chunk))))
     bar.close()
