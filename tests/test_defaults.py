@@ -199,21 +199,21 @@ def test_an_option_against_the_backend_named_is_one_error_line(monkeypatch, caps
 # --- a head given with the method left to auto is used, or the command fails ----------------------------
 
 
-def _head_dir(d, kind: str, **meta):
+def _head_dir(d, config: dict):
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"type": kind, **meta}))
+    (d / "config.json").write_text(json.dumps(config))
     (d / "head.safetensors").write_bytes(b"")
     return d
 
 
 def test_a_head_that_cannot_run_under_auto_is_an_error_not_a_fallback(tmp_path, monkeypatch, capsys):
     """It was a warning and a prompt_lookup run (exit 0); the server started without it."""
-    medusa = _head_dir(tmp_path / "medusa", "medusa")
+    medusa = _head_dir(tmp_path / "medusa", {"type": "medusa", "hidden_size": 32, "heads": 2})
     for cmd in (["generate", "--target", "smollm2-135m", "--head", str(medusa), "x"],
                 ["serve", "--target", "smollm2-135m", "--head", str(medusa)]):
         assert cli.main(cmd) == 2  # before any model loads
         assert capsys.readouterr().err.startswith(f"error: head {medusa} is a medusa head; method 'eagle3' needs")
-    wrong = _head_dir(tmp_path / "eagle3", "eagle3", target="another-model")  # no checkpoint an eagle3 head reads
+    wrong = _head_dir(tmp_path / "eagle3", {"architectures": ["LlamaForCausalLMEagle3"]})  # no weights it reads
     dec = SpecDecoder(tiny_llama(vocab=16))
     with pytest.raises(ConfigError):
         dec.usable(SpecConfig(method="auto", head=str(wrong)))
