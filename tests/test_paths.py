@@ -40,9 +40,11 @@ def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kep
     assert doc["pick"]["path"] == fastest
     assert json.loads((kept / "tune.json").read_text())["backend"] == fastest  # tuned on the chosen path
     capsys.readouterr()
-    dec = SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto")
+    dec = SpecDecoder.load("smollm2-135m", backend="auto")
     assert dec.backend == fastest
     assert f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`" in capsys.readouterr().err
+    assert SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto").backend == "hf"  # a dtype given: hf's
+    assert "the only backend that honours --dtype float32" in capsys.readouterr().err
 
 
 @slow_llama
