@@ -7,7 +7,7 @@ import torch
 
 from specdraft.bench import runners
 from specdraft.bench.report import aggregate
-from conftest import tiny_model_dir
+from conftest import tiny_llama, tiny_model_dir
 from specdraft.cli import main
 
 
@@ -81,10 +81,33 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
         assert (tmp_path / f"r{suffix}").stat().st_size > 0
 
 
-def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path):
+OTHER_RUN = {"settings": {"target": "x", "dtype": "float32", "sampling": {"temperature": 0, "top_k": 0, "top_p": 1,
+                                                                        "max_new_tokens": 8}},
+             "environment": {}, "records": []}
+
+
+def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path, capsys):
     out = tmp_path / "r.json"
-    out.write_text(json.dumps({"settings": {"target": "x"}, "records": []}))
+    out.write_text(json.dumps(OTHER_RUN))
     assert main(_args(tiny_dir, dataset, out)) == 2
+    assert capsys.readouterr().err == f"error: {out} holds results of other settings; pass another --out to start afresh\n"
+
+
+@pytest.mark.parametrize("content", [b'{"a": 1}', b"[1, 2]", b"\x89PNG\r\n\x1a\n\0\0", b"{not json", b'"text"',
+                                     json.dumps({**OTHER_RUN, "records": [{"method": "plain"}]}).encode(),
+                                     json.dumps({**OTHER_RUN, "records": [{"prompt_id": 1, "task": "qa", "method": "m",
+                                                                          "repeat": 0, "new_tokens": 2, "wall_s": 1,
+                                                                          "steps": [[]]}]}).encode()])
+def test_a_file_that_is_no_results_file_is_one_error_line(tiny_dir, dataset, tmp_path, capsys, content):
+    """`bench --out FILE` (which resumes FILE) and `bench report FILE` on another JSON, a list or a binary
+    gave a traceback."""
+    f = tmp_path / "other.json"
+    f.write_bytes(content)
+    for argv in (_args(tiny_dir, dataset, f), ["bench", "report", str(f), "--no-plots"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the results file {f}: ") and err.count("\n") == 1, err
+    assert f.read_bytes() == content  # never written over
 
 
 def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):
@@ -231,3 +254,39 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
     row = next(line for line in printed.splitlines() if line.startswith(f"| {cpu_name()}, "))
     assert doc["environment"]["date"][:10] in row and "tok/s" in row and "identical" in row
     assert "over the fastest plain decoder" in printed or "Speedup" in printed
+
+
+def test_headline_preset_fills_only_the_options_not_given():
+    """Typed at their defaults (--backend hf, --max-new-tokens 128), they were replaced by the preset's."""
+    from specdraft.bench.harness import BenchOptions, plan_bench
+    from specdraft.cli import build_parser, settings_from_args
+
+    filled = plan_bench(BenchOptions(preset="headline")).opts
+    assert (filled.backend, filled.max_new_tokens, filled.target) == ("llama", 48, "qwen2.5-coder-1.5b:Q4_0")
+    given = plan_bench(BenchOptions(preset="headline", backend="hf", max_new_tokens=128, target="smollm2-135m")).opts
+    assert (given.backend, given.max_new_tokens, given.target, given.llama_k) == ("hf", 128, "smollm2-135m", "4")
+    a = build_parser().parse_args(["bench", "--preset", "headline", "--backend", "hf", "--max-new-tokens", "128"])
+    opts = plan_bench(settings_from_args(BenchOptions, a)).opts
+    assert (opts.backend, opts.max_new_tokens, opts.methods) == ("hf", 128, filled.methods)
+    plain = plan_bench(BenchOptions(tasks="qa", n_per_task=1, draft="d")).opts  # no preset: the usual defaults
+    assert (plain.backend, plain.max_new_tokens, plain.out) == ("hf", 128, "results/bench.json")
+
+
+def test_a_backend_beside_the_runs_that_cannot_load_the_target_names_the_methods_on_it(monkeypatch):
+    """`--preset headline --target smollm2-135m` runs on llama; OpenVINO cannot convert SmolLM2's file, and the
+    error said "use --backend llama" instead of naming the preset's openvino methods."""
+    from specdraft import api
+    from specdraft.bench.harness import BenchOptions, load_bench, plan_bench
+    from specdraft.core.errors import ConfigError, ModelFileError
+
+    def load(target, backend=None, **kw):
+        if backend == "openvino":
+            raise ModelFileError(f"OpenVINO converts {target} wrongly")
+        return api.SpecDecoder(tiny_llama(vocab=16))
+
+    monkeypatch.setattr(api.SpecDecoder, "load", staticmethod(load))
+    plan = plan_bench(BenchOptions(preset="headline", target="smollm2-135m", tasks="qa", n_per_task=1))
+    with pytest.raises(ConfigError) as e:
+        load_bench(plan, 1)
+    assert str(e.value) == ("openvino:plain, openvino:suffix_k16 run on the openvino backend, which cannot load "
+                            "smollm2-135m here (OpenVINO converts smollm2-135m wrongly); leave them out of --methods")

@@ -321,14 +321,15 @@ CURVE = {"1": 9.0, "4": 9.5, "8": 10.0, "16": 12.0}
 VALID_PATHS = {"model": "smollm2-135m", "cpu": "x", "curves": {"hf": CURVE, "llama:Q4_0": {**CURVE, "1": 4.0}},
                "pick": {"path": "llama", "tokens_per_s": 30.0, "tried": [{"path": "llama", "tokens_per_s": 30.0}],
                         "prompts": ["a"], "sampling": {"temperature": 0.0}}}
-SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"),
+SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"), ("curves", "hf", "²"),
          ("curves", "llama:Q4_0"), ("curves", "gpu"), ("extra",), ("pick",), ("pick", "path"), ("pick", "tokens_per_s"),
          ("pick", "tried"), ("pick", "tried", 0), ("pick", "sampling")]
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6)
     | st.sampled_from(["hf", "llama:Q4_0", "gpu:fast", "1", ""]),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(
-        st.sampled_from(["1", "4", "8", "16", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c, max_size=4),
+        st.sampled_from(["1", "4", "8", "16", "²", "¹", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c,
+        max_size=4),
     max_leaves=10)
 DELETE = object()
 HOME_STATUS = Counter()
@@ -385,7 +386,7 @@ def use_paths_file(f, raw: bytes) -> str:
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(slot=st.sampled_from(SLOTS), value=JSON | st.just(DELETE))
 def test_fuzz_paths_file_shapes(paths_file, slot, value):
-    if value is DELETE and (not slot or slot[-1] in ("gpu", "extra")):  # (not in the valid file: junk instead)
+    if value is DELETE and (not slot or slot[-1] in ("gpu", "extra", "²")):  # (not in the valid file: junk instead)
         value = {}
     HOME_STATUS["shape", use_paths_file(paths_file, json.dumps(_replaced(VALID_PATHS, slot, value)).encode())] += 1
 

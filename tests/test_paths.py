@@ -40,9 +40,11 @@ def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kep
     assert doc["pick"]["path"] == fastest
     assert json.loads((kept / "tune.json").read_text())["backend"] == fastest  # tuned on the chosen path
     capsys.readouterr()
-    dec = SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto")
+    dec = SpecDecoder.load("smollm2-135m", backend="auto")
     assert dec.backend == fastest
     assert f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`" in capsys.readouterr().err
+    assert SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto").backend == "hf"  # a dtype given: hf's
+    assert "the only backend that honours --dtype float32" in capsys.readouterr().err
 
 
 @slow_llama
@@ -67,7 +69,9 @@ def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
 # contents of the paths file that crashed --backend auto, doctor and autotune --paths with a traceback
 BAD = [b'{"pick":"hf"}', b'{"pick":["hf"]}', b'{"pick":{"path":"hf"}}', b'{"pick":{"path":7,"tokens_per_s":1}}',
        b'{"pick":{"path":"hf","tokens_per_s":"fast"}}', b'{"curves":["hf"]}', b'{"curves":{"hf":5}}', b'{"hf":5}',
-       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}"]
+       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}",
+       # digits str.isdigit() takes and int() refuses
+       '{"curves":{"hf":{"1":3,"8":4,"²":5}}}'.encode(), '{"curves":{"llama":{"1":3,"8":4,"¹":5}}}'.encode()]
 COMMANDS = [["generate", "--target", "smollm2-135m", "--backend", "auto", "x"], ["doctor", "--model", "smollm2-135m"],
             ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"]]
 

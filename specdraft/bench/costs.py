@@ -16,7 +16,7 @@ class CostsOptions:
     """``specdraft costs``'s flags."""
     target: str = "qwen2.5-coder-1.5b"
     backend: str = "hf"
-    dtype: str = "bfloat16"  # a comma list
+    dtype: str | None = None  # a comma list; None: not given (DEFAULT_DTYPE)
     quantizations: str | None = None  # a comma list: none, int8, int4[-gN], w8a8
     tokens: str = "1,2,3,5,9,17,33,65"  # a comma list of new tokens per forward
     context: int = 60
@@ -33,7 +33,7 @@ def add_parser(sub):
     c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
     add_backend_arg(c, default="hf")  # a measurement of one backend: the one named
-    c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    c.add_argument("--dtype", default=None, help="hf backend: a comma list, e.g. bfloat16,float32 (default bfloat16)")
     c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
                    help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
                         "(weight-only) or w8a8 (int8 activations too, oneDNN)")
@@ -53,7 +53,7 @@ def add_parser(sub):
 
 def main_costs(opts: CostsOptions) -> int:
     from ..core.errors import SpecDraftError
-    from ..models.backends import backend
+    from ..models.backends import DEFAULT_DTYPE, backend
     from ..models.loading import set_threads
     from ..models.backends import load_model
     from ..models.lowbit import parse_quant
@@ -61,7 +61,7 @@ def main_costs(opts: CostsOptions) -> int:
     threads = set_threads(opts.threads)
     ns = [int(x) for x in opts.tokens.split(",")]
     rows = []
-    dtypes = opts.dtype.split(",") if backend(opts.backend).uses_dtype else ["gguf"]
+    dtypes = (opts.dtype or DEFAULT_DTYPE).split(",") if backend(opts.backend).uses_dtype else ["gguf"]
     quants = [q for q in opts.quantizations.split(",") if q and q != "none"] if opts.quantizations else []
     if quants and opts.backend != "hf":
         raise SpecDraftError("--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "

@@ -5,8 +5,8 @@ the fastest plain CPU decoders (llama.cpp on the catalog's Q4_K_M file and on it
 GenAI on the Q4_0 file), the strongest speculative baselines (llama.cpp's and OpenVINO GenAI's prompt
 lookup), and specdraft's lossless methods on the llama.cpp and OpenVINO backends, each backend's greedy
 output checked against its own plain decoding. Speedups are over the fastest plain decoder of the run.
-The preset fills only the options left at their defaults: ``--target``, ``--max-new-tokens``,
-``--n-per-task`` and the rest still apply.
+The preset fills only the options the user did not give (one typed at its default value counts as given):
+``--target``, ``--backend``, ``--max-new-tokens``, ``--n-per-task`` and the rest still apply.
 """
 
 from __future__ import annotations

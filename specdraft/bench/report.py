@@ -7,6 +7,7 @@ import statistics
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
+from ..core import homefiles as h
 from ..core.metrics import (
     StepRecord,
     acceptance_rate,
@@ -17,6 +18,34 @@ from ..core.metrics import (
     tokens_per_second,
 )
 from ..core.prompts import TASKS
+
+
+_COUNT = h.of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)")
+_STEP = h.of(lambda v: isinstance(v, list) and len(v) in (2, 3) and all(
+    isinstance(x, int) and not isinstance(x, bool) for x in v[:2]), "[drafted, accepted, depth]")
+_NAME = h.of(lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a name or number")
+_RECORD = h.obj({"prompt_id": _NAME, "task": h.TEXT, "method": h.TEXT, "repeat": _COUNT, "new_tokens": _COUNT,
+                 "wall_s": h.NUMBER, "steps": h.items(_STEP), "exact": h.BOOL,
+                 "arms": h.nullable(h.obj({}, keys=h.TEXT, values=h.NUMBER)), "draft_s": h.NUMBER,
+                 "verify_s": h.NUMBER, "first_divergence": _COUNT, "top2_gap": h.nullable(h.NUMBER),
+                 "fid_tokens": h.nullable(h.NUMBER), "fid_sum": h.nullable(h.NUMBER), "fid_var": h.nullable(h.NUMBER)},
+                required=("prompt_id", "task", "method", "repeat", "new_tokens", "wall_s"), keys=h.TEXT)
+_SAMPLING = h.obj({n: h.NUMBER for n in ("temperature", "top_k", "top_p", "max_new_tokens")},
+                  required=("temperature", "top_k", "top_p", "max_new_tokens"), keys=h.TEXT)
+RESULTS = h.obj({  # what render reads of what harness.run_bench writes
+    "settings": h.obj({"target": h.TEXT, "dtype": h.TEXT, "backend": h.TEXT, "reference": h.TEXT,
+                       "draft": h.nullable(h.TEXT), "draft_backend": h.nullable(h.TEXT), "sampling": _SAMPLING,
+                       "methods": h.obj({}, keys=h.TEXT, values=h.nullable(h.obj({}, keys=h.TEXT)))},
+                      required=("target", "dtype", "sampling"), keys=h.TEXT),
+    "environment": h.obj({}, keys=h.TEXT), "skipped": h.obj({}, keys=h.TEXT, values=h.TEXT),
+    "records": h.items(_RECORD), "workers": h.obj({}, keys=h.TEXT, values=h.obj({}, keys=h.TEXT)),
+}, required=("settings", "environment", "records"))
+
+
+def read_results(path: Path, advice: str) -> dict | None:
+    """The results document in ``path`` (None when there is none); a file that is not one (another JSON, a
+    binary) is one error naming it, ending with ``advice``."""
+    return h.read_json(path, RESULTS, "the results file", advice, max_bytes=None)
 
 
 OTHER_BASES = ("plain", "hf_generate", "llama_cpp", "ov_genai")  # extra speedup columns, when in the run

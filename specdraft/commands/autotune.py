@@ -165,7 +165,7 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
     paths.check_writable(model)  # a bad paths file, an unwritable home: said now, not after measuring
     for p in candidates:
         text = str(p)
-        models = dataclasses.replace(opts.models, target=p.target(model), backend=p.backend)
+        models = _on_path(opts.models, p)
         try:
             dec = models.load(threads=threads)
         except SpecDraftError as e:
@@ -186,7 +186,15 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
                                  "prompts": [r["id"] for r in rows], "sampling": sp.to_dict()})
     p = paths.ModelPath.parse(best["path"])
     print(f"autotune: path {p} is the fastest here; --backend auto takes it (wrote {f})", file=sys.stderr)
-    return dataclasses.replace(opts, models=dataclasses.replace(opts.models, target=p.target(model), backend=p.backend))
+    return dataclasses.replace(opts, models=_on_path(opts.models, p))
+
+
+def _on_path(models, p):
+    """``models`` (its target a catalog name) on the path ``p``; --dtype goes to the paths that read dense weights."""
+    from ..models.backends import BACKENDS
+
+    return dataclasses.replace(models, target=p.target(models.target), backend=p.backend,
+                               dtype=models.dtype if BACKENDS[p.backend].uses_dtype else None)
 
 
 def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int):

@@ -19,7 +19,6 @@ The file: ``$SPECDRAFT_HOME/paths/<model>__<cpu key>.json``, {"model", "cpu", "c
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -73,7 +72,9 @@ def _path_text(v, at) -> str | None:
 
 
 _CURVE = homefiles.obj({}, required=("1", "8"),  # what --backend auto and doctor read: 1 token, and 8 against it
-                       keys=homefiles.of(lambda k: k.isdigit(), "a token count"), values=homefiles.POSITIVE)
+                       # ASCII digits only: "²".isdigit() is True, yet int("²") raises (curves_of reads int(n))
+                       keys=homefiles.of(lambda k: k.isascii() and k.isdigit(), "a token count"),
+                       values=homefiles.POSITIVE)
 SCHEMA = homefiles.obj({  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
     "model": homefiles.TEXT, "cpu": homefiles.TEXT,
     "curves": homefiles.obj({}, keys=_path_text, values=_CURVE),
@@ -105,13 +106,11 @@ def write(model: str, **fields) -> Path:
     curves = {**doc.get("curves", {}), **fields.pop("curves", {})}
     doc.update(model=model, cpu=cpu_name(), curves=curves, **fields)
     f = file_for(model)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(f)
+    homefiles.write_json(f, doc)
     return f
 
 
-def measure_curves(model: str, paths: list[str], dtype: str = "bfloat16", say=print, fail=None,
+def measure_curves(model: str, paths: list[str], dtype: str | None = None, say=print, fail=None,
                    repeats: int = 3) -> dict[str, dict[int, float]]:
     """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
     time), the median of ``repeats``; a path that cannot run here goes to ``fail(path, message)``
@@ -156,9 +155,41 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list[tuple[ModelPath, str]]:
+@dataclass(frozen=True)
+class Allowed:
+    """The backends ``--backend auto`` may take a path on (those that run the method and honour every option
+    given); ``because`` says what narrowed them, in auto's line."""
+    backends: tuple[str, ...] | None = None  # None: every backend
+    because: tuple[str, ...] = ()  # e.g. ("runs this method", "honours --dtype float32")
+
+    def reason(self) -> str:
+        return " and ".join(self.because) or "is allowed"
+
+
+def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_backend: str | None) -> Allowed:
+    """What ``--backend auto`` may take for the target: the backends the method runs on (None: any) that honour
+    every option given (``backends.option_needs``) which the target's backend answers for: a draft's, when the
+    draft follows the target's backend (``draft_backend`` None: so it does, or there is no draft); --dtype,
+    unless the draft's backend takes it."""
+    from .backends import BACKENDS
+
+    names, because = set(method_backends or BACKENDS), []
+    if names != set(BACKENDS):
+        because.append("runs this method")
+    for n in needs:
+        drafts_take_it = n.whose == "draft" or (n.whose == "either" and draft_backend in n.backends)
+        if draft_backend is not None and drafts_take_it:
+            continue  # the draft's own backend answers for it (backends.check_named)
+        names &= set(n.backends)
+        because.append(f"honours {n.option}")
+    if not names:
+        raise ConfigError(f"--backend auto: no backend {' and '.join(because)}")
+    return Allowed(tuple(b for b in BACKENDS if b in names), tuple(because))
+
+
+def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed()) -> list[tuple[ModelPath, str]]:
     """``--backend auto``'s candidates for ``model``, best first, each with why it ranks there; only paths
-    on ``backends`` (a method's, None: any) count. Measures the curves when none were kept."""
+    on ``allowed``'s backends count. Measures the curves when none were kept."""
     from . import catalog
     from .backends import BACKENDS
 
@@ -166,25 +197,27 @@ def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list
     if model not in catalog.MODELS:  # (a NAME:VARIANT is one path already)
         raise ConfigError(f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
                           f"{model!r} is not one: name a backend (--backend {' | '.join(BACKENDS)})")
-    allowed = [b for b in BACKENDS if backends is None or b in backends]
-    if len(allowed) == 1:  # the method runs on one backend only: nothing to measure
-        return [(ModelPath(allowed[0]), "the only backend this method runs on")]
+    names = [b for b in BACKENDS if allowed.backends is None or b in allowed.backends]
+    if len(names) == 1:  # nothing to measure: its dense weights (a variant's would not be in --dtype)
+        return [(ModelPath(names[0]), f"the only backend that {allowed.reason()}")]
     doc = read(model)
     out = []
     pick = doc.get("pick")
-    if pick and ModelPath.parse(pick["path"]).backend in allowed:
+    among = f" (of the paths on backends that {allowed.reason()})" if allowed.because else ""
+    if pick and ModelPath.parse(pick["path"]).backend in names:
         out.append((ModelPath.parse(pick["path"]),
-                    f"`specdraft autotune --paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)"))
-    curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in allowed}
+                    f"`specdraft autotune --paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s){among}"))
+    curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in names}
     if not out and not curves:
         check_writable(model)
-        todo = [BACKENDS[b].paths[0] for b in allowed if BACKENDS[b].paths]  # what auto measures when nothing was
+        todo = [BACKENDS[b].paths[0] for b in names if BACKENDS[b].paths]  # what auto measures when nothing was
         say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in "
             f"{file_for(model)})")
         curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s), repeats=1)  # doctor: 3 repeats
         if not curves:
             raise ConfigError(f"--backend auto: no backend could run {model} here")
-    why = "the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole requests)"
+    why = ("the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole "
+           f"requests){among}")
     out += [(ModelPath.parse(k), why) for k in sorted(curves, key=lambda k: curves[k][1])]
     unique = {}
     for p, why in out:  # the pick is also among the curves
@@ -192,13 +225,13 @@ def ranked(model: str, dtype: str = "bfloat16", say=None, backends=None) -> list
     return list(unique.values())
 
 
-def load_fastest(model: str, dtype: str = "bfloat16", say=None, backends=None):
+def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed()):
     """The model on the best of ``ranked``'s paths that loads here -> (model, ModelPath); a path that
     fails to load (a backend missing on this machine) is said and the next one taken."""
     from .backends import load_model
 
     say = say or _say
-    for p, why in ranked(model, dtype, say, backends):
+    for p, why in ranked(model, dtype, say, allowed):
         try:
             m = load_model(p.target(model), dtype, backend=p.backend)
         except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
@@ -209,9 +242,9 @@ def load_fastest(model: str, dtype: str = "bfloat16", say=None, backends=None):
     raise ConfigError(f"--backend auto: none of {model}'s measured paths loads here")
 
 
-def resolve(model: str, dtype: str = "bfloat16", say=None) -> tuple[str, str]:
+def resolve(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed()) -> tuple[str, str]:
     """``--backend auto`` for ``model`` without loading it: -> (the target name to load, its backend)."""
-    p, why = ranked(model, dtype, say)[0]
+    p, why = ranked(model, dtype, say, allowed)[0]
     (say or _say)(
         f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
     return p.target(model), p.backend
