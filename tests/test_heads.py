@@ -155,7 +155,7 @@ def random_medusa(n_heads=3):
 
 def random_eagle(target, ids=None):
     torch.manual_seed(4)
-    h = EagleHead(target.config, ids)
+    h = EagleHead(target.facts, ids)
     with torch.no_grad():
         for p in h.parameters():
             if p.dtype.is_floating_point:

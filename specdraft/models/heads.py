@@ -46,7 +46,7 @@ def target_signature(target) -> dict:
     """What a head must match: architecture facts plus a weight fingerprint of the LM head (a sum over a
     few rows, compared with a relative tolerance so a bf16 or 4-bit copy of the same target passes)."""
     f = target.facts
-    w = target.output_rows(torch.arange(64))
+    w = target.output_rows(torch.arange(min(64, target.vocab_size)))
     return {"model_type": f.model_type, "hidden_size": f.hidden_size, "vocab_size": f.vocab_size,
             "num_hidden_layers": f.num_layers, "lm_head_fingerprint": float(w.detach().double().abs().sum())}
 
