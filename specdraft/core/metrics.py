@@ -6,6 +6,9 @@ these functions: the engine's per-request stats, the CLI, the benchmark report a
 - per-position acceptance[i] = P(draft position i accepted | position i was drafted); for a token
   tree, position i is depth i + 1 (drafted there = the tree reaches that depth).
 - tokens/s = new tokens / wall seconds.
+- time to first token = seconds from the call to the first new token reaching the caller (a streaming
+  callback); the decode phase = the tokens after the first over the seconds after the first
+  (``decode_phase``): what speculation changes, without the prompt's prefill.
 - speedup = (tokens / wall of the method) / (tokens / wall of the baseline), on totals.
 - fidelity Z (sampling) = sum over sampled tokens of (log p(x) + H(p)) / sqrt(sum of Var log p), p the
   target's distribution: about N(0, 1) for a lossless sampler (fidelity.py).
@@ -65,6 +68,11 @@ def per_position_acceptance(steps: list[StepRecord]) -> list[float]:
 
 def tokens_per_second(tokens: int, wall_s: float) -> float | None:
     return tokens / wall_s if wall_s > 0 else None
+
+
+def decode_phase(new_tokens: int, wall_s: float, first_token_s: float) -> tuple[int, float]:
+    """One generation's decode phase: (the tokens after the first, the seconds after the first arrived)."""
+    return max(new_tokens - 1, 0), max(wall_s - first_token_s, 0.0)
 
 
 def speedup(tokens: int, wall_s: float, base_tokens: int, base_wall_s: float) -> float | None:
