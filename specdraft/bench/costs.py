@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..core.policy import chain_tokens
 from ..models.cost_curve import cpu_name, measure_costs
 from ..drafters.flags import add_backend_arg, add_draft_backend_arg
 
@@ -110,11 +111,6 @@ def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dic
     name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy
     m = load_model(name, dtype, backend=be)
     return f"{opts.draft} ({be})", measure_costs(m, ns, opts.context, opts.repeats)
-
-
-def chain_tokens(alpha: float, k: int) -> float:
-    """Tokens a step of k chained draft tokens yields when each is accepted with probability alpha."""
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def break_even_acceptance(tokens: float, k: int) -> float | None:
