@@ -18,26 +18,8 @@ import time
 import torch
 
 from ..core.config import SamplingParams, SpecConfig
+from ..core.metrics import FirstToken
 from ..drafters.remote_draft import PREFETCHED
-
-
-class FirstToken:
-    """When a call's first new token reached the caller: ``token()`` from the method's streaming callback,
-    ``seconds(wall_s)`` right after the call returns."""
-
-    def __init__(self):
-        self.at: float | None = None
-
-    def token(self) -> None:
-        if self.at is None:
-            self.at = time.perf_counter()
-
-    def seconds(self, wall_s: float) -> float:
-        """The seconds of ``wall_s`` before the first token: wall_s less the time from it to now (the call's
-        end), so a method that times itself (the engine's wall_s) keeps its own start. No token: wall_s."""
-        if self.at is None:
-            return wall_s
-        return min(wall_s, max(0.0, wall_s - (time.perf_counter() - self.at)))
 
 
 class EngineRunner:
@@ -50,8 +32,7 @@ class EngineRunner:
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         first = FirstToken()
-        out = self.dec.generate(ids, sampling=sp, spec=self.spec,
-                                on_emit=lambda new, *_: first.token() if new else None)  # (None: not cancelled)
+        out = self.dec.generate(ids, sampling=sp, spec=self.spec, on_emit=first.on_emit)
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,
