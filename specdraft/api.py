@@ -141,11 +141,15 @@ class SpecDecoder:
         backend: str | None = None,
         draft_backend: str | None = None,
         backends: tuple[str, ...] | None = None,
+        shape=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``backend``: "hf" (transformers), "llama" (llama.cpp on GGUF files; ``dtype`` does not
         apply), "openvino", or "auto" (the backend and weights measured fastest here: paths.py, among
         ``backends`` when the method to run needs some); None: auto for a catalog model, else hf.
+        ``shape`` (``models.paths.RequestShape``: the prompt's tokens and the new tokens expected): auto then
+        takes the path fastest end to end for such requests (a long prompt where prefill is cheap, a long
+        answer where decoding is), where the paths file holds every path's prefill and decoding costs.
         The draft loads on the target's backend unless ``draft_backend`` says otherwise.
         ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
         with the target's own weights at lower precision."""
@@ -154,7 +158,7 @@ class SpecDecoder:
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
             from .models.paths import load_fastest
 
-            t, path = load_fastest(target, dtype, backends=backends)
+            t, path = load_fastest(target, dtype, backends=backends, shape=shape)
             target, backend = path.target(target), path.backend
         else:
             t = load_model(target, dtype, backend=backend)

@@ -121,6 +121,7 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
 
     doc = json.loads(js.read_text())
     assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
+    assert set(doc["prefill"]["hf float32"]) == {"32", "512"} and "hf float32: prefill of 32 / 512 prompt tokens: " in out
 
 
 def test_costs_command_with_a_draft(tiny_dir, capsys, tmp_path):

@@ -57,8 +57,9 @@ class _Loads:
         monkeypatch.setattr(paths, "load_fastest", self.fastest)
         monkeypatch.setattr(api, "load_model", self.plain)
 
-    def fastest(self, model, dtype="bfloat16", say=None, backends=None):
+    def fastest(self, model, dtype="bfloat16", say=None, backends=None, shape=None):
         self.calls.append(("auto", model, backends))
+        self.shape = shape
         return tiny_llama(vocab=16), paths.ModelPath("llama")
 
     def plain(self, name, dtype="bfloat16", num_layers=None, backend="hf"):
