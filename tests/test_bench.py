@@ -56,6 +56,7 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
     for r in doc["records"]:
         assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
+        assert r["decode_tokens"] == r["new_tokens"] - 1 and r["decode_s"] == pytest.approx(r["wall_s"] - r["first_token_s"])
         if r["method"] in ("plain", "draft_model", "prompt_lookup"):  # the engine's runs: their prefill apart
             assert 0 < r["prefill_s"] < r["wall_s"]
         if r["method"] != "plain":
