@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_llama
 from specdraft.api import COST_POINTS, SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.base import StepOutcome
+from specdraft.core.tree import DraftTree
+from specdraft.drafters.base import Drafter, StepOutcome
 from specdraft.engine import generate_batch
 from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
@@ -168,10 +169,10 @@ def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothi
     measured_costs(dec)
 
 
-class _ChainStub:
+class _ChainStub(Drafter):
     """A drafter that drafts a chain as deep as it is let (a stub: acceptance is the simulation's)."""
 
-    name, group_key, wants_hidden, reproducible, reads_fed_positions, processor = "stub", None, False, True, False, None
+    name = "stub"
 
     def __init__(self, k: int):
         self.k = k
@@ -179,16 +180,8 @@ class _ChainStub:
     def max_draft_depth(self):
         return self.k
 
-    def begin(self, prompt_ids, sp, generator):
-        pass
-
     def propose(self, tokens, max_tokens):
-        from specdraft.core.tree import DraftTree
-
         return DraftTree.chain([1] * min(self.k, max_tokens))
-
-    def observe(self, step):
-        pass
 
 
 def simulate_auto(slope: float, alpha: float, steps: int = 128, seed: int = 0) -> tuple[float, float]:
@@ -197,6 +190,7 @@ def simulate_auto(slope: float, alpha: float, steps: int = 128, seed: int = 0) -
     tokens/s against plain decoding's)."""
     import random
 
+    from specdraft.core.policy import interpolate
     from specdraft.drafters.auto import Arm, ArmMemory, AutoDrafter, StepCosts
     from specdraft.drafters.base import NoDrafter
 
@@ -216,15 +210,9 @@ def simulate_auto(slope: float, alpha: float, steps: int = 128, seed: int = 0) -
                                  accepted=accepted, emitted=[0] * (accepted + 1)))
         drafted += tree.size > 0
         emitted += accepted + 1
-        seconds += curve[1] + (interp(curve, 1 + tree.size) - curve[1])
+        seconds += interpolate(curve, 1 + tree.size)
         tokens += [rng.randrange(1000) for _ in range(accepted + 1)]  # novel text: no repeats to retrieve
     return drafted / steps, (emitted / seconds) * curve[1]
-
-
-def interp(curve, n):
-    from specdraft.core.policy import interpolate
-
-    return interpolate(curve, n)
 
 
 def test_auto_decodes_plainly_where_the_curve_says_drafting_cannot_pay():

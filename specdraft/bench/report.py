@@ -92,7 +92,7 @@ def aggregate(doc: dict) -> dict:
     def tot(method, task=None, rep=None):
         rs = [r for r in recs if r["method"] == method and (task is None or r["task"] == task)
               and (rep is None or r["repeat"] == rep)]
-        return sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs), rs
+        return (*end_to_end(rs), rs)
 
     asked = doc.get("settings", {}).get("reference", "plain")
     ref = _reference(asked, methods, lambda b: tot(b)[2], end_to_end)
