@@ -158,15 +158,19 @@ class SpecDecoder:
         backend: str | None = None,
         draft_backend: str | None = None,
         backends: tuple[str, ...] | None = None,
+        shape=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``dtype``: the dense weights' (None: not given, bfloat16). ``backend``: "hf" (transformers), "llama"
         (llama.cpp on GGUF files; ``dtype`` does not apply), "openvino", or "auto" (the backend and weights
         measured fastest here: paths.py, among ``backends`` when the method to run needs some, and among those
         that honour the options given: a ``dtype``, ``draft_layers`` or ``self:int4`` mean transformers);
-        None: auto for a catalog model, else hf. The draft loads on the target's backend unless
-        ``draft_backend`` says otherwise. ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"``
-        (llama: a registered variant) drafts with the target's own weights at lower precision."""
+        None: auto for a catalog model, else hf. ``shape`` (``models.paths.RequestShape``: the prompt's tokens
+        and the new tokens expected): auto then takes the path fastest end to end for such requests (a long
+        prompt where prefill is cheap, a long answer where decoding is), where the paths file holds every
+        path's prefill and decoding costs. The draft loads on the target's backend unless ``draft_backend``
+        says otherwise. ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered
+        variant) drafts with the target's own weights at lower precision."""
         set_threads(threads)
         backend = backend or default_backend(target)
         needs = option_needs(dtype, draft, draft_layers)
@@ -175,7 +179,7 @@ class SpecDecoder:
             from .models.paths import allowed_for, load_fastest
 
             allowed = allowed_for(backends, needs, draft_backend if draft else None)
-            t, path = load_fastest(target, dtype, allowed=allowed)
+            t, path = load_fastest(target, dtype, allowed=allowed, shape=shape)
             target, backend = path.target(target), path.backend
         else:
             t = load_model(target, dtype, backend=backend)

@@ -20,6 +20,7 @@ from .api import ModelSettings
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT
 from .core.errors import SpecDraftError
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
+from .models.paths import RequestShape
 
 
 # --- flags -> typed settings ----------------------------------------------------------------------
@@ -201,7 +202,8 @@ def cmd_generate(a) -> int:
 
         Datastore(spec.datastore)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
-    dec = models_from_args(a, _runs_on(spec)).load(draft=a.draft if wants_draft else None)
+    shape = RequestShape.of_text(a.prompt, sp.max_new_tokens, a.chat)  # --backend auto weighs prefill against decoding
+    dec = models_from_args(a, _runs_on(spec)).load(draft=a.draft if wants_draft else None, shape=shape)
     if a.method_defaulted:
         spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)

@@ -56,6 +56,7 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
     for r in doc["records"]:
         assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
+        assert r["decode_tokens"] == r["new_tokens"] - 1 and r["decode_s"] == pytest.approx(r["wall_s"] - r["first_token_s"])
         if r["method"] in ("plain", "draft_model", "prompt_lookup"):  # the engine's runs: their prefill apart
             assert 0 < r["prefill_s"] < r["wall_s"]
         if r["method"] != "plain":
@@ -144,6 +145,7 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
 
     doc = json.loads(js.read_text())
     assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
+    assert set(doc["prefill"]["hf float32"]) == {"32", "512"} and "hf float32: prefill of 32 / 512 prompt tokens: " in out
 
 
 def test_costs_command_with_a_draft(tiny_dir, capsys, tmp_path):
@@ -229,8 +231,8 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
 @pytest.mark.long
 def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, capsys):
     """`make bench`'s command on Qwen 0.5B Q4_0 (SmolLM2's Q4_1 file does not convert to OpenVINO), 2 short
-    prompts, 4 tokens: every decoder of the preset runs, the speedups are over the fastest plain decoder,
-    and the README's row names the CPU and the date."""
+    prompts, 4 tokens: every decoder of the preset runs and reports its first token, the speedups are over
+    the fastest plain decoder, and the README's row names the CPU, the date and both speedups."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
     from specdraft.cli import main
@@ -247,12 +249,15 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
                  "--max-new-tokens", "4", "--threads", "1", "--no-plots", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     methods = {r["method"] for r in doc["records"]}
-    assert methods == {"plain", "llama_cpp", "llama_cpp@qwen2.5-coder-0.5b", "ov_genai", "ov_genai_lookup", "llama_cpp_lookup", "auto",
-                       "openvino:plain", "openvino:suffix_k16"}, methods
+    assert methods == {"plain", "llama_cpp", "ov_genai", "llama_cpp_lookup", "auto", "openvino:plain",
+                       "openvino:suffix_k16"}, methods
+    for r in doc["records"]:  # the real runners' streaming callbacks: the first token within the call
+        assert 0 < r["first_token_s"] <= r["wall_s"], r["method"]
     assert len({r["prompt_id"] for r in doc["records"]}) == 2  # a qa prompt of core18, a code edit
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith(f"| {cpu_name()}, "))
     assert doc["environment"]["date"][:10] in row and "tok/s" in row and "identical" in row
+    assert "2 prompts x 4 new tokens, greedy" in row and row.count("x** |") == 2  # decode phase, end to end
     assert "over the fastest plain decoder" in printed or "Speedup" in printed
 
 

@@ -62,9 +62,10 @@ class _Loads:
         monkeypatch.setattr(paths, "load_fastest", self.fastest)
         monkeypatch.setattr(api, "load_model", self.plain)
 
-    def fastest(self, model, dtype=None, say=None, allowed=paths.Allowed()):
+    def fastest(self, model, dtype=None, say=None, allowed=paths.Allowed(), shape=None):
         self.calls.append(("auto", model, allowed.backends))
         self.allowed.append(allowed)
+        self.shape = shape
         names = allowed.backends or tuple(BACKENDS)
         return tiny_llama(vocab=16), paths.ModelPath("llama" if "llama" in names else names[0])
 

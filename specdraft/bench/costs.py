@@ -7,7 +7,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..models.cost_curve import cpu_name, measure_costs
+from ..core.policy import chain_tokens
+from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
+from ..models.paths import PREFILL_TOKENS
 from ..drafters.flags import add_backend_arg, add_draft_backend_arg
 
 
@@ -70,11 +72,14 @@ def main_costs(opts: CostsOptions) -> int:
         parse_quant(q)
     weights = [(d, None) for d in dtypes if "none" in (opts.quantizations or "none").split(",")] + \
         [(d, q) for d in dtypes for q in quants]
+    prefill = {}  # weights -> {prompt tokens: ms}: what a request pays before its first token
     for dtype, q in weights:
         m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend)
+        name = f"{opts.backend} {dtype}" + (f" {q}" if q else "")
         for tree in ([False, True] if opts.tree else [False]):
             c = measure_costs(m, ns, opts.context, opts.repeats, tree=tree)
-            rows.append((f"{opts.backend} {dtype}" + (f" {q}" if q else "") + (" tree" if tree else " chain"), c))
+            rows.append((name + (" tree" if tree else " chain"), c))
+        prefill[name] = measure_prefill(m, list(PREFILL_TOKENS), opts.repeats)
         del m
     draft = draft_curve(opts, ns, dtypes[0]) if opts.draft else None
     cpu = cpu_name()
@@ -87,6 +92,7 @@ def main_costs(opts: CostsOptions) -> int:
             json.dump({"target": opts.target, "backend": opts.backend, "cpu": cpu, "threads": threads,
                        "context": opts.context, "repeats": opts.repeats,
                        "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
+                       "prefill": {name: {str(n): ms for n, ms in c.items()} for name, c in prefill.items()},
                        **({"draft": {"name": draft[0], "ms": {str(n): ms for n, ms in draft[1].items()}}} if draft else {})},
                       f, indent=1)
     if opts.plot:
@@ -95,6 +101,9 @@ def main_costs(opts: CostsOptions) -> int:
     print("|---" * (len(ns) + 1) + "|")
     for dtype, c in rows:
         print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.2f}x)" for n in ns) + " |")
+    for name, c in prefill.items():
+        print(f"{name}: prefill of " + " / ".join(map(str, c)) + " prompt tokens: "
+              + " / ".join(f"{ms:.0f}" for ms in c.values()) + " ms")
     if draft:
         print(f"| draft {draft[0]} | " + " | ".join(f"{draft[1][n]:.0f}" for n in ns) + " |")
         for name, c in rows:
@@ -110,11 +119,6 @@ def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dic
     name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy
     m = load_model(name, dtype, backend=be)
     return f"{opts.draft} ({be})", measure_costs(m, ns, opts.context, opts.repeats)
-
-
-def chain_tokens(alpha: float, k: int) -> float:
-    """Tokens a step of k chained draft tokens yields when each is accepted with probability alpha."""
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def break_even_acceptance(tokens: float, k: int) -> float | None:

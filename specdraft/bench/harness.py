@@ -31,6 +31,7 @@ from ..core.config import SamplingParams, SpecConfig, for_method, methods_needin
 from ..core.errors import ConfigError, SpecDraftError
 from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
+from ..core.metrics import decode_phase
 from ..core import prompts as data
 from .report import read_results, render
 
@@ -606,6 +607,7 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         res = rn.run(ids, rsp)
         rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
+        rec["decode_tokens"], rec["decode_s"] = decode_phase(rec["new_tokens"], res["wall_s"], res["first_token_s"])
         base = reference_of(rn.name, bench.plan.opts.backend)
         target = bench.decs[on_backend(base)[0] or bench.plan.opts.backend].target
         if rn.name == base and rep == 0:
