@@ -337,11 +337,12 @@ class ModelSettings:
 
         return (self.dtype or DEFAULT_DTYPE) if BACKENDS[backend].uses_dtype else "GGUF weights"
 
-    def load(self, **override) -> SpecDecoder:
-        """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``)."""
+    def load(self, shape=None, **override) -> SpecDecoder:
+        """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the
+        request's, for --backend auto (``SpecDecoder.load``)."""
         settings = dataclasses.replace(self, **override)
         settings.check()
-        return SpecDecoder.load(**dataclasses.asdict(settings))
+        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape)
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
