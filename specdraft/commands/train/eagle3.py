@@ -98,27 +98,42 @@ def data_meta(opts, layers, gen, out: Path) -> dict:
     return want
 
 
+SYNTH_ROUND = 256  # synthesized prompts answered before the next ones are written (data grows in rounds)
+
+
 def make_data(opts, gen, layers, out: Path) -> dict:
-    """Prompts, answers and features, each stage continuing what DIR/data holds; -> the data's meta."""
+    """Prompts, answers and features, each stage continuing what DIR/data holds; with --synth in rounds of
+    SYNTH_ROUND prompts, each answered before the next round is written, so the data usable for training
+    grows from the start; -> the data's meta."""
     from ...core.prompts import load_prompts
 
     meta = data_meta(opts, layers, gen, out)
     data = out / "data"
-    tok = gen.tokenizer
-    if opts.synth:
-        prompts = d3.synth_prompts(gen, tok, opts.synth, data, opts.gen_batch, opts.synth_max_tokens, opts.seed)
-    else:
-        prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
-    encoded = []
-    for i, p in enumerate(prompts):
-        ids = encode(tok, p, chat=not opts.no_chat)
-        if len(ids) + opts.max_new_tokens <= gen.max_context and len(ids) <= (opts.max_prompt_tokens or len(ids)):
-            encoded.append((i, ids))
-    made = d3.answer_with_features(gen, encoded, data, layers, opts.gen_batch, opts.max_new_tokens, opts.seed)
+    made = {"tokens": 0, "seconds": 0.0}
+    rounds = range(SYNTH_ROUND, opts.synth + SYNTH_ROUND, SYNTH_ROUND) if opts.synth else [None]
+    for want in rounds:
+        if opts.synth:
+            prompts = d3.synth_prompts(gen, gen.tokenizer, min(want, opts.synth), data, opts.gen_batch,
+                                       opts.synth_max_tokens, opts.seed)
+        else:
+            prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
+        r = d3.answer_with_features(gen, encode_all(gen, prompts, opts), data, layers, opts.gen_batch,
+                                    opts.max_new_tokens, opts.seed)
+        made = {k: made[k] + r[k] for k in made}
     answers = [r for r in AppendedJsonl(data / "answers.jsonl", d3.ANSWER_FIELDS).rows if r["i"] < len(prompts)]
     d3.prefill_features(gen, answers, data, layers, opts.gen_batch)  # answers imported without features
     return {**meta, "n_prompts": len(prompts), "n_seqs": len(answers),
             "answer_tokens": sum(len(a["tokens"]) - a["n_prompt"] for a in answers), "made": made}
+
+
+def encode_all(gen, prompts: list[str], opts) -> list[tuple[int, list[int]]]:
+    """(index, token ids) of the prompts that fit the context with their answer (and --max-prompt-tokens)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = encode(gen.tokenizer, p, chat=not opts.no_chat)
+        if len(ids) + opts.max_new_tokens <= gen.max_context and len(ids) <= (opts.max_prompt_tokens or len(ids)):
+            out.append((i, ids))
+    return out
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
