@@ -20,9 +20,10 @@ from ...core.errors import ConfigError, SpecDraftError
 from ...core.jsonl import AppendedJsonl, read_json_file
 from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers, ttt_loss
 from ...models.heads import target_signature
+from ...models.llama_probe import native_bf16
 from . import eagle3_data as d3
 from .data import draft_vocab
-from .eagle3_ttt import Eagle3Data, cpu_has_bf16, ttt_batch
+from .eagle3_ttt import Eagle3Data, ttt_batch
 from .loop import Run, fit
 
 EAGLE3_INTERMEDIATE = 2048
@@ -195,7 +196,7 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size)
     head = Eagle3Head(shape) if shape is not None else new_head(gen, data, layers, opts)
     device = device_of(opts.device)
-    bf16 = device.type == "cuda" or cpu_has_bf16()
+    bf16 = device.type == "cuda" or native_bf16()
     print(f"eagle3: layers {list(head.layers)}, {head.parameter_count() / 1e6:.1f}M parameters, draft vocabulary "
           f"{head.shape.draft_vocab_size}, {len(data)} sequences ({data.answer_tokens} answer tokens), "
           f"{opts.ttt_steps} draft steps, on {device}{' in bf16' if bf16 else ''}", file=sys.stderr)

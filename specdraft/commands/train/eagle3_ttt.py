@@ -65,12 +65,3 @@ def ttt_batch(data: Eagle3Data, idx: list[int], t2d_index: torch.Tensor, K: int,
             ok = (at < T) & (at >= n0)
             labels[b, t[ok], j] = t2d_index[x[at[ok]]]
     return F, toks, labels
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bf16 matrix products natively (AVX512_BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
