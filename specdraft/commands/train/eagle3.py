@@ -53,6 +53,8 @@ def check(opts) -> None:
         v = getattr(opts, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if opts.holdout < 0:
+        raise ConfigError(f"--holdout must be >= 0, got {opts.holdout}")
     if opts.max_len < opts.ttt_steps + 2:
         raise ConfigError(f"--max-len {opts.max_len} leaves no room for {opts.ttt_steps} draft steps")
     device_of(opts.device)
@@ -193,7 +195,7 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     if opts.data_only:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
-    data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size)
+    data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size, opts.holdout)
     head = Eagle3Head(shape) if shape is not None else new_head(gen, data, layers, opts)
     device = device_of(opts.device)
     bf16 = device.type == "cuda" or native_bf16()
