@@ -1,0 +1,107 @@
+"""The wheel is what a user installs: built from a copy of the sources, resolved with its extras and
+installed into a fresh venv with no index (nothing downloaded: the dependencies are this venv's, seen
+through a .pth line), it runs `specdraft --help`, `generate` on SmolLM2's directory and `serve`
+(/health), importing the installed copy, not the checkout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import smol_files
+from server_util import free_port, wait_until
+
+pytestmark = pytest.mark.slow  # the CLI loads SmolLM2 twice, in processes of its own
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ["pyproject.toml", "README.md", "LICENSE"]  # and specdraft/
+EXTRAS = ["llama", "openvino", "server", "leak", "test"]  # those requirements*.txt installs; ray: make setup-ray
+
+
+@dataclass(frozen=True)
+class Installed:
+    venv: Path
+    resolved: dict  # pip's --dry-run report of the wheel with EXTRAS
+    env: dict  # the environment to run the venv's programs in (no PYTHONPATH to the checkout)
+
+    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.venv / "bin" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                              env=self.env, timeout=timeout, cwd=self.venv)
+
+
+def _pip(python: Path, *args: str) -> str:
+    """pip, run by this venv's pip for ``python`` (the fresh venv has none), never reaching an index."""
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), *args, "--no-index"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"  # a copy: building in the checkout would leave build/ and *.egg-info there
+    shutil.copytree(ROOT / "specdraft", src / "specdraft", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in FILES:
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp / "dist"), str(src)], check=True, timeout=120)
+    wheel = next((tmp / "dist").glob("specdraft-*.whl"))
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    purelib = Path(subprocess.check_output([venv / "bin" / "python", "-c",
+                                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after the venv's own packages
+    report = _pip(venv / "bin" / "python", "install", "--dry-run", "--quiet", "--report", "-",
+                  f"{wheel}[{','.join(EXTRAS)}]")
+    _pip(venv / "bin" / "python", "install", "--quiet", "--no-deps", str(wheel))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return Installed(venv, json.loads(report), env)
+
+
+def test_the_extras_resolve_offline(installed):
+    """Every extra's requirements are met by the pins `make setup` installs: pip's resolver, given the wheel
+    with its extras and no index, has nothing but the wheel itself to install."""
+    (only,) = installed.resolved["install"]
+    meta = only["metadata"]
+    assert meta["name"] == "specdraft" and set(only["requested_extras"]) == set(EXTRAS)
+    assert set(EXTRAS) | {"ray"} <= set(meta["provides_extra"])
+    assert any(r.startswith("fastapi") and 'extra == "server"' in r for r in meta["requires_dist"])
+    assert any(r.startswith("torch") and "extra" not in r for r in meta["requires_dist"])
+
+
+def test_the_installed_wheel_runs(installed):
+    origin = installed.run("python", "-c", "import importlib.util as u; print(u.find_spec('specdraft').origin)")
+    assert Path(origin.stdout.strip()).is_relative_to(installed.venv), origin.stdout + origin.stderr
+    helped = installed.run("specdraft", "--help")
+    assert helped.returncode == 0 and "lossless speculative decoding" in helped.stdout, helped.stderr
+    gen = installed.run("specdraft", "generate", "--backend", "hf", "--target", str(smol_files()), "--dtype", "float32",
+                        "--method", "prompt_lookup", "--max-new-tokens", "4", "def add(a, b):")
+    assert gen.returncode == 0 and "4 tokens" in gen.stderr, gen.stderr
+
+
+def test_the_installed_wheel_serves(installed):
+    port = free_port()
+    p = subprocess.Popen([installed.venv / "bin" / "specdraft", "serve", "--backend", "hf", "--target", str(smol_files()),
+                          "--dtype", "float32", "--method", "plain", "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=installed.env, cwd=installed.venv)
+    try:
+        def up():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            except httpx.HTTPError:
+                assert p.poll() is None, p.stdout.read()
+                return None
+        assert wait_until(up, timeout=120, every=0.2)["status"] == "ok"
+    finally:
+        p.terminate()
+        assert p.wait(60) == 0
