@@ -666,7 +666,7 @@ def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]
     doc = open_results(out, plan.settings, environment(opts.dtype, threads))
     if opts.ray is not None:
         if run_sharded is None:
-            raise ConfigError("--ray needs the Ray runner: run_bench(opts, scale.shard.run_sharded)")
+            raise ConfigError("--ray needs the Ray runner: run_bench(opts, specdraft.bench.shard.run_sharded)")
         run_sharded(plan, doc, out)
         return doc, opts
     bench = load_bench(plan, threads)
