@@ -17,7 +17,7 @@ import sys
 
 from .drafters import registry as methods
 from .api import ModelSettings
-from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT
+from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
@@ -78,8 +78,6 @@ def spec_from_args(a) -> "SpecConfig":
 
 
 def sampling_from_args(a) -> "SamplingParams":
-    from .core.config import SamplingParams
-
     return SamplingParams(
         temperature=a.temperature,
         top_k=a.top_k,

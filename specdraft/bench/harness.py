@@ -349,7 +349,7 @@ def reference_of(name: str, backend: str) -> str:
 
 def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tuple[list, dict]:
     """The runner of each variant; ``decs``: the decoder of each backend the run uses."""
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner
 
     runners, skipped = [], {}
     dec, hf_dec = decs[opts.backend], decs.get("hf")

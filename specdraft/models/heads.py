@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
-from ..core.homefiles import ANY, NUMBER, Schema, items, nullable, obj, of
+from ..core.homefiles import ANY, NUMBER, Schema, nullable, obj, of
 from ..core.jsonl import read_json_file
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")
