@@ -44,7 +44,9 @@ def defines(module: Path, name: str) -> bool:
     for node in ast.parse(module.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return True
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return True
         if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
@@ -71,7 +73,7 @@ def path_exists(path: str) -> bool:
         return True
     m = re.search(r"\{([^{}]*)\}", path)  # {a,b}: each must exist
     if m:
-        return all(path_exists(path[:m.start()] + alt + path[m.end():]) for alt in m[1].split(","))
+        return all(path_exists(path[: m.start()] + alt + path[m.end() :]) for alt in m[1].split(","))
     return any(bool(glob.glob(str(base / path))) for base in (ROOT, PKG))
 
 
@@ -86,16 +88,34 @@ def test_every_named_module_and_file_exists():
     assert not missing, "\n".join(missing)
 
 
-@pytest.mark.parametrize("text", ["run_bench(opts, scale.shard.run_sharded)", "see specdraft.server.metrics",
-                                  "(specdraft/commands/train.py)", "docs/results/nothing_*.json",
-                                  "models/nowhere.py", "specdraft.bench.shard.no_such_function"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "run_bench(opts, scale.shard.run_sharded)",
+        "see specdraft.server.metrics",
+        "(specdraft/commands/train.py)",
+        "docs/results/nothing_*.json",
+        "models/nowhere.py",
+        "specdraft.bench.shard.no_such_function",
+    ],
+)
 def test_a_wrong_name_is_found(text):
     assert missing_names("planted", text), text
 
 
-@pytest.mark.parametrize("text", ["specdraft.bench.shard.run_sharded", "bench.shard", "models/llama.py",
-                                  "specdraft/commands/train/", "docs/results/llama/*.json", "specdraft.json",
-                                  "docs/results/qwen_fp32_batch_crossover.{json,png}", "docs/results/x/NAME.py"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "specdraft.bench.shard.run_sharded",
+        "bench.shard",
+        "models/llama.py",
+        "specdraft/commands/train/",
+        "docs/results/llama/*.json",
+        "specdraft.json",
+        "docs/results/qwen_fp32_batch_crossover.{json,png}",
+        "docs/results/x/NAME.py",
+    ],
+)
 def test_a_right_name_passes(text):
     assert not missing_names("planted", text), text
 
@@ -103,10 +123,17 @@ def test_a_right_name_passes(text):
 def listed_modules(package: Path) -> list[str]:
     """The ``name`` of each ``- ``name``...`` bullet of a package's docstring: its modules, one a bullet."""
     doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
-    return [n for line in doc.splitlines() if line.startswith("- ``") for n in re.findall(r"``(\w+)``", line.split(":")[0])]
+    return [
+        n for line in doc.splitlines() if line.startswith("- ``") for n in re.findall(r"``(\w+)``", line.split(":")[0])
+    ]
 
 
 def test_package_docstrings_list_modules_that_exist():
-    missing = [f"{p.relative_to(ROOT)}: {n}" for p in [PKG, *PKG.rglob("*/")] if (p / "__init__.py").exists()
-               for n in listed_modules(p) if not (p / f"{n}.py").exists() and not (p / n / "__init__.py").exists()]
+    missing = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for p in [PKG, *PKG.rglob("*/")]
+        if (p / "__init__.py").exists()
+        for n in listed_modules(p)
+        if not (p / f"{n}.py").exists() and not (p / n / "__init__.py").exists()
+    ]
     assert not missing, missing

@@ -27,43 +27,51 @@ FILES = ["pyproject.toml", "README.md", "LICENSE"]  # and specdraft/
 EXTRAS = ["llama", "openvino", "server", "leak", "test"]  # those requirements*.txt installs; ray: make setup-ray
 
 
+SMOL_ARGS = "--backend hf --dtype float32 --target".split()  # followed by SmolLM2's directory
+
+
 @dataclass(frozen=True)
 class Installed:
     venv: Path
     resolved: dict  # pip's --dry-run report of the wheel with EXTRAS
     env: dict  # the environment to run the venv's programs in (no PYTHONPATH to the checkout)
 
-    def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.venv / "bin" / argv[0]), *argv[1:]], capture_output=True, text=True,
-                              env=self.env, timeout=timeout, cwd=self.venv)
+    def program(self, name: str) -> str:
+        return str(self.venv / "bin" / name)
+
+    def run(self, name: str, *args: str) -> subprocess.CompletedProcess:
+        argv = [self.program(name), *args]
+        return subprocess.run(argv, capture_output=True, text=True, env=self.env, cwd=self.venv, timeout=120)
 
 
-def _pip(python: Path, *args: str) -> str:
-    """pip, run by this venv's pip for ``python`` (the fresh venv has none), never reaching an index."""
-    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), *args, "--no-index"],
-                       capture_output=True, text=True, timeout=120)
+def _run(*argv) -> str:
+    """``argv``'s output; its errors in the assertion when it fails."""
+    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return p.stdout
+
+
+def _pip(venv: Path, *args) -> str:
+    """pip, run by this venv's pip for ``venv`` (which has none), never reaching an index."""
+    return _run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", *args, "--no-index")
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"  # a copy: building in the checkout would leave build/ and *.egg-info there
+    src, dist, venv = tmp / "src", tmp / "dist", tmp / "venv"
+    # a copy: building in the checkout would leave build/ and *.egg-info there
     shutil.copytree(ROOT / "specdraft", src / "specdraft", ignore=shutil.ignore_patterns("__pycache__"))
     for name in FILES:
         shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(tmp / "dist"), str(src)], check=True, timeout=120)
-    wheel = next((tmp / "dist").glob("specdraft-*.whl"))
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-    purelib = Path(subprocess.check_output([venv / "bin" / "python", "-c",
-                                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
-    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after the venv's own packages
-    report = _pip(venv / "bin" / "python", "install", "--dry-run", "--quiet", "--report", "-",
-                  f"{wheel}[{','.join(EXTRAS)}]")
-    _pip(venv / "bin" / "python", "install", "--quiet", "--no-deps", str(wheel))
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", dist, src)
+    wheel = next(dist.glob("specdraft-*.whl"))
+    _run(sys.executable, "-m", "venv", "--without-pip", venv)
+    purelib = _run(venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    deps = sysconfig.get_paths()["purelib"]  # this venv's packages, on the path after the fresh venv's own
+    (Path(purelib.strip()) / "deps.pth").write_text(deps + "\n")
+    report = _pip(venv, "install", "--dry-run", "--quiet", "--report", "-", f"{wheel}[{','.join(EXTRAS)}]")
+    _pip(venv, "install", "--quiet", "--no-deps", wheel)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return Installed(venv, json.loads(report), env)
 
@@ -84,23 +92,25 @@ def test_the_installed_wheel_runs(installed):
     assert Path(origin.stdout.strip()).is_relative_to(installed.venv), origin.stdout + origin.stderr
     helped = installed.run("specdraft", "--help")
     assert helped.returncode == 0 and "lossless speculative decoding" in helped.stdout, helped.stderr
-    gen = installed.run("specdraft", "generate", "--backend", "hf", "--target", str(smol_files()), "--dtype", "float32",
-                        "--method", "prompt_lookup", "--max-new-tokens", "4", "def add(a, b):")
+    args = ["--method", "prompt_lookup", "--max-new-tokens", "4", "def add(a, b):"]
+    gen = installed.run("specdraft", "generate", *SMOL_ARGS, str(smol_files()), *args)
     assert gen.returncode == 0 and "4 tokens" in gen.stderr, gen.stderr
 
 
 def test_the_installed_wheel_serves(installed):
     port = free_port()
-    p = subprocess.Popen([installed.venv / "bin" / "specdraft", "serve", "--backend", "hf", "--target", str(smol_files()),
-                          "--dtype", "float32", "--method", "plain", "--port", str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=installed.env, cwd=installed.venv)
+    argv = [installed.program("specdraft"), "serve", *SMOL_ARGS, str(smol_files()), "--method", "plain"]
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen([*argv, "--port", str(port)], env=installed.env, cwd=installed.venv, **out)
+
+    def up():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        except httpx.HTTPError:
+            assert p.poll() is None, p.stdout.read()
+            return None
+
     try:
-        def up():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-            except httpx.HTTPError:
-                assert p.poll() is None, p.stdout.read()
-                return None
         assert wait_until(up, timeout=120, every=0.2)["status"] == "ok"
     finally:
         p.terminate()

@@ -14,18 +14,23 @@ from .errors import ConfigError
 class Extra:
     packages: str  # what the user is told is missing
     modules: tuple[str, ...]  # what imports once the extra is installed
-    checkout: str = ""  # how a source checkout's Makefile installs it instead
+    checkout: str  # how a source checkout's Makefile installs it instead
 
 
 EXTRAS = {
     "llama": Extra("llama-cpp-python", ("llama_cpp",), "`make setup` builds it for this CPU"),
-    "openvino": Extra("openvino, openvino-genai and openvino-tokenizers", ("openvino", "openvino_genai"),
-                      "`make setup` installs them"),
-    "server": Extra("fastapi, uvicorn, httpx and prometheus_client",
-                    ("fastapi", "uvicorn", "httpx", "prometheus_client"), "`make setup` installs them"),
+    "openvino": Extra(
+        "openvino, openvino-genai and openvino-tokenizers", ("openvino", "openvino_genai"), "`make setup` installs them"
+    ),
+    "server": Extra(
+        "fastapi, uvicorn, httpx and prometheus_client",
+        ("fastapi", "uvicorn", "httpx", "prometheus_client"),
+        "`make setup` installs them",
+    ),
     "ray": Extra("Ray", ("ray",), "`make setup-ray`"),
-    "leak": Extra("scikit-learn and the server packages", ("sklearn", "fastapi", "uvicorn", "httpx"),
-                  "`make setup` installs them"),
+    "leak": Extra(
+        "scikit-learn and the server packages", ("sklearn", "fastapi", "uvicorn", "httpx"), "`make setup` installs them"
+    ),
 }
 
 
