@@ -108,11 +108,14 @@ class Request:
 
 class Engine:
     """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
-    ``policy.BatchRule``, optional) shrinks drafting as the batch grows."""
+    ``policy.BatchRule``, optional) shrinks drafting as the batch grows. ``isolate_seeded``: each seeded
+    sampling row decodes in a lane of its own, so its tokens are those of decoding it alone; False
+    batches such rows with the others (faster; their stats then say ``reproducible`` False)."""
 
     def __init__(self, target, eos_ids: set[int] | None = None, tokenizer=None, rule: BatchRule | None = None,
-                 compact_slack: int = 32):
+                 compact_slack: int = 32, isolate_seeded: bool = True):
         self.target = target
+        self.isolate_seeded = isolate_seeded
         self.eos_ids = set(eos_ids if eos_ids is not None else target.eos_token_ids())
         self.tokenizer = tokenizer
         self.rule = rule
@@ -166,7 +169,8 @@ class Engine:
                       stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter(), lossy=lossy)
         row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
-            row.stats.reproducible = drafter.reproducible and row.length.reproducible and lossy is None
+            row.stats.reproducible = (drafter.reproducible and row.length.reproducible and lossy is None
+                                      and self.isolate_seeded)
             row.own_lane = row.stats.reproducible  # what else runs must not change its forwards' numerics
         row.gen = make_generator(sp.seed)
         row.eos = set() if sp.ignore_eos else self.eos_ids
@@ -530,12 +534,14 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
 
 
 def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
-                   max_batch: int | None = None, join_every: int = 0) -> list[GenerationResult]:
+                   max_batch: int | None = None, join_every: int = 0,
+                   isolate_seeded: bool = True) -> list[GenerationResult]:
     """Decode several (prompt_ids, sampling, drafter[, length[, lossy]]) jobs together; results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
-    ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins)."""
-    eng = Engine(target, eos_ids, tokenizer, rule)
+    ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins);
+    ``isolate_seeded``: as ``Engine``'s."""
+    eng = Engine(target, eos_ids, tokenizer, rule, isolate_seeded=isolate_seeded)
     waiting = list(enumerate(jobs))
     results: dict[int, GenerationResult] = {}
     steps = 0
