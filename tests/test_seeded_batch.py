@@ -24,7 +24,8 @@ SEEDED = {  # method: (prompt, seed, drafter config; None: plain)
     "plain": ("Once upon a time, in a small village by the sea,", 1, None),
     "prompt_lookup": ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):", 2,
                       SpecConfig(method="prompt_lookup", k=4, max_ngram=2)),
-    "tree": ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3, SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3)),
+    "tree": ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3,
+             SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3)),
 }
 OTHERS = [("Write a list of ten fruits:", 5), ("def fibonacci(n):", 24), ("The history of Rome begins", 16)]
 

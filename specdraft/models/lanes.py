@@ -5,13 +5,14 @@ computes alone (a seeded sampling request: docs/server.md) gets a lane of its ow
 every forward are a batch of one, shaped as when it decodes alone. In a shared forward a row's
 floating-point summation order depends on what else runs: a matmul kernel depends on how many rows
 it multiplies (float32, AMD EPYC Zen 4: a 1-row and a 4-row GEMM round differently, and SmolLM2's
-logits then differ by up to 1e-4), and attention sums over the cache's layout (transformers: the
+logits then differ by about 1e-4), and attention sums over the cache's layout (transformers: the
 padding and holes other rows cause; llama.cpp: cells a departed row freed, taken by this row's next
 tokens out of order, up to 0.8 logits on SmolLM2 Q4_1). An inverse-CDF sample flips whenever its
 uniform falls between the two cumulative sums, and the texts part from there.
 
-Row r of the loop is row ``index`` of its lane; rows keep the loop's order within every lane (new
-rows are appended last everywhere), so a lane's rows are a subsequence of the loop's.
+Every row of the loop is a row of one lane. Within a lane rows keep the loop's order (new rows are
+appended last everywhere), so a lane's rows are a subsequence of the loop's, and a row's index in its
+lane is the count of its lane's rows before it.
 """
 
 from __future__ import annotations
