@@ -27,6 +27,7 @@ from .core.config import (
 from .engine import GenerationResult, generate
 from .core.errors import ConfigError, TokenizerMismatchError
 from .drafters.registry import method
+from .learning.config import learn_config
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
 from .models.backends import load_model
@@ -39,8 +40,10 @@ RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at onc
 
 
 class SpecDecoder:
-    def __init__(self, target, draft=None):
-        """``target``, ``draft``: models behind the model interface (models/base.py), any backend."""
+    def __init__(self, target, draft=None, learn=None):
+        """``target``, ``draft``: models behind the model interface (models/base.py), any backend. ``learn``:
+        online learning of the EAGLE-3 head from the requests decoded (specdraft/learning): True, a
+        ``LearnConfig`` or a dict of its fields; None or False: off."""
         self.target = target
         self.draft = draft
         self._bridge = None  # a VocabBridge when the draft's tokenizer differs (drafters/cross_vocab.py)
@@ -62,6 +65,7 @@ class SpecDecoder:
         self.curves_given = False  # set_cost_curves: not measured, not corrected
         self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
         self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
+        self.learner = _learner(target, learn)
 
     def shared(self, key: tuple, make, limit: int | None = CACHE_ENTRIES):
         """The resource under ``key`` (a tuple whose first item names its kind, e.g. ("layer_view", layers)),
@@ -73,12 +77,18 @@ class SpecDecoder:
         """The trained head in ``spec.head``, loaded once per decoder and checked against the target and
         against the head type ``spec.method`` drafts with (auto: its eagle3 arms', ``arms.head_type``)."""
         from .drafters.arms import head_type
-        from .models.heads import load_head
 
         # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
         kind = head_type(spec.method)
-        return self.shared(("head", spec.head, kind),
-                           lambda: load_head(spec.head, self.target, expect_type=kind)[0], limit=None)
+        return self.shared(("head", spec.head, kind), lambda: self._load_head(spec.head, kind), limit=None)
+
+    def _load_head(self, path: str, kind: str):
+        from .models.heads import load_head
+
+        head = load_head(path, self.target, expect_type=kind)[0]
+        if self.learner is not None and kind == "eagle3":
+            self.learner.adopt(head, path)  # the head it learns continues from its adapted version
+        return head
 
     def skip_config(self, path: str) -> tuple[int, ...]:
         """The layers the `specdraft tune-skip` file at ``path`` skips, read once per decoder and checked against
@@ -158,6 +168,7 @@ class SpecDecoder:
         backend: str | None = None,
         draft_backend: str | None = None,
         backends: tuple[str, ...] | None = None,
+        learn=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``backend``: "hf" (transformers), "llama" (llama.cpp on GGUF files; ``dtype`` does not
@@ -165,7 +176,8 @@ class SpecDecoder:
         ``backends`` when the method to run needs some); None: auto for a catalog model, else hf.
         The draft loads on the target's backend unless ``draft_backend`` says otherwise.
         ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
-        with the target's own weights at lower precision."""
+        with the target's own weights at lower precision. ``learn``: as in ``SpecDecoder()``."""
+        learn_config(learn)  # checked before anything loads
         set_threads(threads)
         backend = backend or default_backend(target)
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
@@ -175,7 +187,8 @@ class SpecDecoder:
             target, backend = path.target(target), path.backend
         else:
             t = load_model(target, dtype, backend=backend)
-        return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None)
+        return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None,
+                   learn=learn)
 
     def with_draft(self, target_name: str, draft: str, dtype: str = "bfloat16", draft_backend: str | None = None):
         """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
@@ -194,7 +207,10 @@ class SpecDecoder:
         problem = m.unavailable(self.backend, self.draft is not None)
         if problem:
             raise ConfigError(problem)
-        return m.make(self, spec)
+        d = m.make(self, spec)
+        if self.learner is not None and self.learner.drafts_with_head(d):
+            d.reproducible = False  # its head changes with what the decoder serves (a composite reads its parts')
+        return d
 
     def usable(self, spec: SpecConfig) -> SpecConfig:
         """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
@@ -276,7 +292,22 @@ class SpecDecoder:
             drafter = self.make_drafter(spec)
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
-                        on_emit=on_emit, lossy=spec.lossy_rule())
+                        on_emit=on_emit, lossy=spec.lossy_rule(), hook=self.learner)
+
+    def close(self) -> None:
+        """Stops what the decoder runs beside decoding (the online learner's training process)."""
+        if self.learner is not None:
+            self.learner.close()
+
+
+def _learner(target, learn):
+    """The decoder's online learner (specdraft/learning), or None when ``learn`` says off."""
+    cfg = learn_config(learn)
+    if cfg is None:
+        return None
+    from .learning.learner import Learner
+
+    return Learner(target, cfg)
 
 
 def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):

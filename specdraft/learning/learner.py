@@ -1,0 +1,353 @@
+"""The serving side of online learning (package doc): one ``Learner`` per ``SpecDecoder`` that learns.
+
+It binds to the first EAGLE-3 head the decoder loads (``adopt``): the head continues from its adapted
+version when one is kept (store.py), and the training process starts. The engine's loop holds each step
+inside ``stepping()`` and calls ``after_step`` between steps (engine.StepHook): there the learner counts
+the EAGLE-3 steps' acceptance, hands finished requests to the training process, judges the update on
+trial (``guard.AcceptanceGuard``: kept, or rolled back by copying the weights before it back) and copies
+a new update into the head. Copies happen only while no step runs (``_swap`` refuses otherwise), so
+every step drafts with one set of weights, and a drafter's cache made with older weights is rebuilt
+(``head.version``, drafters/eagle.py). Decoding stays lossless whatever the weights: the drafter only
+proposes, and the target verifies."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..engine import StepHook
+from .config import LearnConfig
+from .guard import AcceptanceGuard
+from .wire import Failed, Progress, ServedSequence, Stop, Verdict, Weights, WireTensor
+
+log = logging.getLogger("specdraft.learn")
+
+
+@dataclass
+class LearnStatus:
+    """A snapshot for /health, /metrics and the playground."""
+
+    state: str  # "waiting for an EAGLE-3 head", "learning", "failed: ...", "stopped"
+    head: str | None = None
+    adapted: str | None = None  # the kept version this server started from or saved last
+    updates: int = 0  # updates copied into the head
+    kept: int = 0
+    rollbacks: int = 0
+    on_trial: bool = False
+    sent: int = 0  # served sequences handed to the training process
+    dropped: int = 0  # not handed over: its queue was full
+    acceptance: float | None = None  # the latest window's
+    acceptance_before: float | None = None  # the window before the update on trial
+    curve: list = field(default_factory=list)  # [(unix time, acceptance)], a point per window
+    progress: Progress = field(default_factory=Progress)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def head_drafter(drafter, head):
+    """The EAGLE-3 drafter on ``head`` inside ``drafter`` (itself, or a part of a composite such as auto), or None."""
+    from ..drafters.eagle3 import Eagle3Drafter
+
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter if drafter.head is head else None
+    return next((d for p in getattr(drafter, "parts", ()) if (d := head_drafter(p, head)) is not None), None)
+
+
+def head_arms(drafter, head) -> set[str] | None:
+    """The names of auto's arms that draft with ``head`` (a step counts when one of them drafted it); None:
+    ``drafter`` drafts with it every step."""
+    arms = getattr(drafter, "arms", None)
+    if arms is None:
+        return None
+    return {a.name for a in arms if head_drafter(a.drafter, head) is not None}
+
+
+@dataclass
+class _Watch:
+    """A row that drafts with the head: its steps counted so far and which of them are the head's."""
+
+    arms: set[str] | None
+    seen: int = 0
+
+
+class Learner(StepHook):
+    """``home``: the models' home the adapted store lives under (None: $SPECDRAFT_HOME). ``spawn`` False: no
+    training process (tests hand updates over themselves)."""
+
+    def __init__(self, target, cfg: LearnConfig, home=None, spawn: bool = True):
+        self.target, self.cfg, self.home, self.spawn = target, cfg, home, spawn
+        self.head = self.head_path = None
+        self.guard = AcceptanceGuard(cfg.window, cfg.max_drop)
+        self.status_ = LearnStatus("waiting for an EAGLE-3 head")
+        self._lock = threading.Lock()
+        self._stepping = 0
+        self._pending: Weights | None = None
+        self._before: dict[str, torch.Tensor] | None = None  # the weights before the update on trial
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._proc = self._data = self._control = self._out = None
+
+    # --- binding ----------------------------------------------------------------------------------
+    def adopt(self, head, head_path: str) -> None:
+        """A head the decoder loaded: the first EAGLE-3 one is learned (module doc); others are served as shipped."""
+        if self.head is not None:
+            if head is not self.head:
+                log.warning("learn: the head %s is served as shipped (this server learns %s)", head_path, self.head_path)
+            return
+        from .store import AdaptedStore, adapted_root, head_fingerprint, store_name
+
+        self.head, self.head_path = head, str(head_path)
+        head.version = 0
+        fp = head_fingerprint(head_path)
+        self.store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp)) if self.cfg.persist else None
+        self._continue_from_store()
+        self.status_.head = self.head_path
+        self.status_.state = "learning"
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of the serving process's state
+        self._data, self._control, self._out = ctx.Queue(self.cfg.queue), ctx.Queue(), ctx.Queue()
+        if self.spawn:
+            self._start_process(ctx, {**getattr(head, "meta", {}), "type": "eagle3", "adapted_from": self.head_path,
+                                      "shipped_sha256": fp})
+
+    def drafts_with_head(self, drafter) -> bool:
+        """Whether ``drafter`` (or a part of it) drafts with the head this learner changes."""
+        return self.head is not None and head_drafter(drafter, self.head) is not None
+
+    def _continue_from_store(self) -> None:
+        ck = self.store.load(self.target.facts.num_layers) if self.store is not None else None
+        if ck is None:
+            return
+        if ck.shape != self.head.shape:
+            log.warning("learn: the adapted head %s has another shape than %s; starting from the shipped head",
+                        self.store.current(), self.head_path)
+            return
+        self._copy({k: ck.state[k] for k, _ in self.head.named_parameters()})  # no drafter holds the head yet
+        self.status_.adapted = str(self.store.current())
+        log.warning("learn: continuing from the adapted head %s (`specdraft heads reset` returns to the shipped head "
+                    "%s)", self.status_.adapted, self.head_path)
+
+    def _start_process(self, ctx, meta: dict) -> None:
+        from . import process
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        state = {k: WireTensor.of(v) for k, v in self.head.state_dict().items()}
+        setup = process.ProcessSetup(
+            shape=self.head.shape, state=state, cfg=self.cfg, served_dtype=str(self._dtype()).replace("torch.", ""),
+            store_root=None if self.store is None else str(self.store.root), store_meta=meta,
+            threads=max(1, round(self.cfg.budget * cpus)), cpus=cpus, parent_pid=os.getpid())
+        self._proc = ctx.Process(target=process.main, args=(setup, self._data, self._control, self._out),
+                                 name="specdraft-learner", daemon=True)
+        with _environ(OMP_WAIT_POLICY="PASSIVE"), _main_hidden():  # OpenMP reads it when the child's starts
+            self._proc.start()
+        threading.Thread(target=self._read, name="specdraft-learner-reader", daemon=True).start()
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.head.parameters()).dtype
+
+    def _read(self) -> None:
+        """The training process's messages (a thread): updates wait in ``_pending`` for the loop's next pause."""
+        while True:
+            try:
+                msg = self._out.get(timeout=1.0)
+            except queue.Empty:
+                if self._proc.is_alive():
+                    continue
+                msg = Failed(f"the training process ended (exit code {self._proc.exitcode})")
+            except (EOFError, OSError):
+                return
+            if isinstance(msg, Weights):
+                with self._lock:
+                    self._pending = msg
+            elif isinstance(msg, Progress):
+                self.status_.progress = msg
+            elif isinstance(msg, Failed):
+                self._fail(msg.message)
+                return
+
+    def _fail(self, why: str) -> None:
+        if self.status_.state == "learning":
+            log.error("learn: stopped learning (%s); the head serves as it is", why)
+            self.status_.state = f"failed: {why}"
+
+    # --- the engine's hook --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stepping(self):
+        with self._lock:
+            self._stepping += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stepping -= 1
+
+    def after_step(self, rows: list, finished: list) -> None:
+        if self.head is None or self.status_.state != "learning":
+            return
+        try:
+            for row in list(rows) + list(finished):
+                self._count(row)
+            for row in finished:
+                self._hand_over(row)
+                self._rows.pop(row, None)
+            with self._lock:
+                if self._stepping == 0:  # another thread's step runs (library use): next time
+                    self._judge()
+                    self._try_pending()
+        except Exception as e:  # noqa: BLE001 - learning must never take serving down
+            log.exception("learn: between steps")
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _watch(self, row) -> _Watch | None:
+        w = self._rows.get(row)
+        if w is None and row not in self._rows:
+            w = _Watch(head_arms(row.drafter, self.head)) if head_drafter(row.drafter, self.head) else None
+            self._rows[row] = w
+        return w
+
+    def _count(self, row) -> None:
+        w = self._watch(row)
+        if w is None:
+            return
+        steps = row.stats.steps
+        for st in steps[w.seen:]:
+            if w.arms is None or (st.arm or "").split("/")[0] in w.arms:
+                self.guard.observe(st.drafted, st.accepted)
+        w.seen = len(steps)
+
+    def _hand_over(self, row) -> None:
+        """A finished row's sequence to the training process (unless its client may not teach the head)."""
+        if row.error is not None or not getattr(row.tag, "learn", True):
+            return
+        d = head_drafter(row.drafter, self.head)
+        seq = None if d is None else served_sequence(row.tokens, len(row.prompt_ids), d.feats, self.target,
+                                                     self.cfg.max_len)
+        if seq is None:
+            return
+        try:
+            self._data.put_nowait(seq)
+            self.status_.sent += 1
+        except queue.Full:
+            self.status_.dropped += 1
+
+    # --- updates (with the lock held, no step running) ---------------------------------------------
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.head.named_parameters())
+
+    def _swap(self, state: dict[str, torch.Tensor]) -> None:
+        """The head's weights replaced in place; only ever between steps."""
+        if self._stepping:
+            raise RuntimeError("the head's weights may change only between engine steps")
+        self._copy(state)
+
+    def _copy(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for k, p in self._params().items():
+                p.copy_(state[k])
+        self.head.version += 1
+
+    def _try_pending(self) -> None:
+        if self._pending is None or not self.guard.can_try():
+            return
+        w, self._pending = self._pending, None
+        self._before = {k: p.detach().clone() for k, p in self._params().items()}
+        self._swap({k: t.tensor() for k, t in w.state.items()})
+        self.guard.start(w.version)
+        self.status_.updates += 1
+
+    def _judge(self) -> None:
+        v = self.guard.verdict()
+        if v is None:
+            return
+        version, keep = v
+        if keep:
+            self.status_.kept += 1
+        else:
+            self._swap(self._before)
+            self.status_.rollbacks += 1
+            log.warning("learn: update %d rolled back (acceptance %.3f after it, %.3f before)", version,
+                        self.guard.last_after, self.guard.last_before)
+        self._before = None
+        self._control.put(Verdict(version, keep))
+
+    # --- what it shows ------------------------------------------------------------------------------
+    def status(self) -> LearnStatus:
+        s = self.status_
+        t = self.guard.trial
+        s.on_trial, s.acceptance_before = t is not None, None if t is None else round(t.before, 4)
+        rate = self.guard.recent.rate
+        s.acceptance = None if rate is None else round(rate, 4)
+        s.curve = list(self.guard.curve)
+        if s.progress.saved_path:
+            s.adapted = s.progress.saved_path
+        return LearnStatus(**{**vars(s)})
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the training process (it finishes what it writes first)."""
+        if self._proc is None:
+            return
+        if self.status_.state == "learning":
+            self.status_.state = "stopped"
+        with contextlib.suppress(Exception):
+            self._control.put(Stop())
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        self._proc = None
+
+
+def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, target, max_len: int) -> ServedSequence | None:
+    """What a finished request teaches (wire.ServedSequence), cut to its last ``max_len`` tokens; None when it
+    holds no answer to learn or its drafter never saw its features (cancelled before its first step)."""
+    n = len(tokens)
+    if n - n_prompt < 2 or feats.shape[0] < n - 1:
+        return None
+    start = max(0, n - max_len)
+    ids = torch.tensor(tokens[start:], dtype=torch.long)
+    with torch.inference_mode():
+        embeds = target.embed(ids)
+    return ServedSequence(ids.numpy().copy(), max(0, n_prompt - start), WireTensor.of(feats[start: n - 1]),
+                          WireTensor.of(embeds))
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """While a process is spawned: the caller's main script is not named to it. The training process needs
+    nothing from it, and spawn would otherwise import it again in the child, which runs a script written
+    without an ``if __name__ == "__main__"`` guard a second time."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    if main is not None:
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
