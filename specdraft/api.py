@@ -30,7 +30,7 @@ from .drafters.registry import method
 from .learning.config import learn_config
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
-from .models.backends import load_model
+from .models.backends import check_named, load_model, option_needs
 from .models.views import layer_view
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
@@ -162,35 +162,43 @@ class SpecDecoder:
         cls,
         target: str,
         draft: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str | None = None,
         draft_layers: int | None = None,
         threads: int | None = None,
         backend: str | None = None,
         draft_backend: str | None = None,
         backends: tuple[str, ...] | None = None,
+        shape=None,
         learn=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
-        ``backend``: "hf" (transformers), "llama" (llama.cpp on GGUF files; ``dtype`` does not
-        apply), "openvino", or "auto" (the backend and weights measured fastest here: paths.py, among
-        ``backends`` when the method to run needs some); None: auto for a catalog model, else hf.
-        The draft loads on the target's backend unless ``draft_backend`` says otherwise.
-        ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered variant) drafts
-        with the target's own weights at lower precision. ``learn``: as in ``SpecDecoder()``."""
+        ``dtype``: the dense weights' (None: not given, bfloat16). ``backend``: "hf" (transformers), "llama"
+        (llama.cpp on GGUF files; ``dtype`` does not apply), "openvino", or "auto" (the backend and weights
+        measured fastest here: paths.py, among ``backends`` when the method to run needs some, and among those
+        that honour the options given: a ``dtype``, ``draft_layers`` or ``self:int4`` mean transformers);
+        None: auto for a catalog model, else hf. ``shape`` (``models.paths.RequestShape``: the prompt's tokens
+        and the new tokens expected): auto then takes the path fastest end to end for such requests (a long
+        prompt where prefill is cheap, a long answer where decoding is), where the paths file holds every
+        path's prefill and decoding costs. The draft loads on the target's backend unless ``draft_backend``
+        says otherwise. ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered
+        variant) drafts with the target's own weights at lower precision. ``learn``: as in ``SpecDecoder()``."""
         learn_config(learn)  # checked before anything loads
         set_threads(threads)
         backend = backend or default_backend(target)
+        needs = option_needs(dtype, draft, draft_layers)
+        check_named(backend, draft_backend, draft is not None, [n for n in needs if n.whose == "draft"])
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
-            from .models.paths import load_fastest
+            from .models.paths import allowed_for, load_fastest
 
-            t, path = load_fastest(target, dtype, backends=backends)
+            allowed = allowed_for(backends, needs, draft_backend if draft else None)
+            t, path = load_fastest(target, dtype, allowed=allowed, shape=shape)
             target, backend = path.target(target), path.backend
         else:
             t = load_model(target, dtype, backend=backend)
         return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None,
                    learn=learn)
 
-    def with_draft(self, target_name: str, draft: str, dtype: str = "bfloat16", draft_backend: str | None = None):
+    def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None):
         """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
         return SpecDecoder(self.target, load_draft(self.target, target_name, draft, dtype, None,
                                                    draft_backend or self.backend))
@@ -215,7 +223,8 @@ class SpecDecoder:
     def usable(self, spec: SpecConfig) -> SpecConfig:
         """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
         autotune file), ``spec`` with ``fallback_method`` instead (logged), so a command naming no method
-        never fails on auto. Call it only for a method the user did not name."""
+        never fails on auto; but an ``auto`` with a head (the user's) that cannot run is an error. Call it only
+        for a method the user did not name."""
         return spec if spec.method != DEFAULT_METHOD else self._usable_drafter(spec)[0]
 
     def _usable_drafter(self, spec: SpecConfig):
@@ -223,7 +232,7 @@ class SpecDecoder:
         try:
             return spec, self.make_drafter(spec)
         except ConfigError as e:
-            if spec.method != DEFAULT_METHOD:
+            if spec.method != DEFAULT_METHOD or spec.head is not None:  # a head given is never dropped unsaid
                 raise
             fb = with_method(spec, fallback_method(self.draft is not None))
             logging.getLogger("specdraft").warning("method auto cannot run here (%s); using %s", e, fb.method)
@@ -341,15 +350,30 @@ class ModelSettings:
     target: str
     draft: str | None = None
     draft_layers: int | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # None: not given (DEFAULT_DTYPE on the backends that read one)
     threads: int | None = None
     backend: str | None = None  # None: default_backend(target)
     draft_backend: str | None = None
     backends: tuple[str, ...] | None = None  # auto chooses among these (the method's), None: any
 
-    def load(self, **override) -> SpecDecoder:
-        """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``)."""
-        return SpecDecoder.load(**{**dataclasses.asdict(self), **override})
+    def check(self) -> None:
+        """Before anything loads: an option given that the backend named for it does not honour (--backend
+        llama --dtype float32) is one error; auto chooses among the backends that honour them all."""
+        needs = option_needs(self.dtype, self.draft, self.draft_layers)
+        check_named(self.backend or default_backend(self.target), self.draft_backend, self.draft is not None, needs)
+
+    def weights(self, backend: str) -> str:
+        """The target's weights on ``backend`` (the one it loaded on), in words."""
+        from .models.backends import BACKENDS, DEFAULT_DTYPE
+
+        return (self.dtype or DEFAULT_DTYPE) if BACKENDS[backend].uses_dtype else "GGUF weights"
+
+    def load(self, shape=None, **override) -> SpecDecoder:
+        """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the
+        request's, for --backend auto (``SpecDecoder.load``)."""
+        settings = dataclasses.replace(self, **override)
+        settings.check()
+        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape)
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
@@ -365,7 +389,7 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
 
 
-def load_draft(target, target_name: str, draft: str, dtype, draft_layers: int | None, backend: str):
+def load_draft(target, target_name: str, draft: str, dtype: str | None, draft_layers: int | None, backend: str):
     """The draft model ``draft`` names for ``target``: a model, or ``self:QUANT`` (_self_draft)."""
     if draft.startswith("self:"):  # the target's own weights at lower precision
         if draft_layers is not None:

@@ -17,9 +17,10 @@ import sys
 
 from .drafters import registry as methods
 from .api import ModelSettings
-from .core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
+from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT
 from .core.errors import SpecDraftError
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
+from .models.paths import RequestShape
 
 
 # --- flags -> typed settings ----------------------------------------------------------------------
@@ -121,17 +122,39 @@ def _logit_bias(items: list[str]) -> dict:
 
 def _check_before_loading(spec, a) -> str | None:
     """What the spec's method needs (the registry's ``needs``), checked before any model loads: a draft
-    model, or a head of the method's type. Returns the need."""
+    model, or a head of the method's type (auto's head: its head arms'), on a backend that runs it; and the
+    model options against the backends named. Returns the need."""
     m = methods.method(spec.method)
     problem = m.unavailable(_backend_for(a, m), bool(a.draft), no_draft=f"--method {m.name} needs --draft NAME")
     if problem:
         raise SpecDraftError(problem)
-    needs = m.needs
-    if needs == "head":
+    head_method = _head_method(spec)
+    if head_method is not None:
         from .models.heads import read_head_config
 
-        read_head_config(spec.head, expect_type=spec.method)
-    return needs
+        read_head_config(spec.head, expect_type=head_method)
+        hm = methods.method(head_method)  # (auto's: eagle3, which not every backend runs)
+        problem = hm.unavailable(_backend_for(a, hm), True, where=f" (--head {spec.head} is a {head_method} head)")
+        if problem and hm is not m:
+            raise SpecDraftError(problem)
+    models_from_args(a, _runs_on(spec)).check()
+    return m.needs
+
+
+def _head_method(spec) -> str | None:
+    """The method that drafts with the spec's head: its own (medusa, eagle, eagle3), or auto's head arms'."""
+    from .drafters.arms import HEAD_TYPE
+
+    if spec.head is None:
+        return None
+    return HEAD_TYPE if spec.method == DEFAULT_METHOD else spec.method
+
+
+def _runs_on(spec) -> tuple[str, ...]:
+    """The backends the spec runs on: its method's, and with a head, those of the method that drafts with it."""
+    runs = methods.method(spec.method).backends
+    head_method = _head_method(spec)
+    return runs if head_method is None else tuple(b for b in runs if b in methods.method(head_method).backends)
 
 
 def cmd_models(a) -> int:
@@ -179,7 +202,8 @@ def cmd_generate(a) -> int:
 
         Datastore(spec.datastore)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
-    dec = models_from_args(a, methods.method(spec.method).backends).load(draft=a.draft if wants_draft else None)
+    shape = RequestShape.of_text(a.prompt, sp.max_new_tokens, a.chat)  # --backend auto weighs prefill against decoding
+    dec = models_from_args(a, _runs_on(spec)).load(draft=a.draft if wants_draft else None, shape=shape)
     if a.method_defaulted:
         spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
@@ -239,7 +263,7 @@ def _serve_settings(a):
                               locked=a.stream_mode == "fixed-only")
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
-    return (models_from_args(a, methods.method(spec.method).backends), _server_settings(a, spec, api_key, pacing),
+    return (models_from_args(a, _runs_on(spec)), _server_settings(a, spec, api_key, pacing),
             _replica_options(a), a.method_defaulted)
 
 
@@ -527,13 +551,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _apply_backend_auto(a) -> None:
-    """--backend auto for a command that reads --backend itself (costs); the others load through
-    SpecDecoder.load, which resolves it after their own checks."""
-    if a.backend != "auto":
-        return
-    from .models.paths import resolve
+    """--backend auto for a command that reads --backend itself (costs), among the backends that take its
+    --dtype; the others load through SpecDecoder.load, which resolves it after their own checks."""
+    from .models.backends import check_named, option_needs
+    from .models.paths import allowed_for, resolve
 
-    a.target, a.backend = resolve(a.target, getattr(a, "dtype", "bfloat16"))
+    needs = option_needs(a.dtype, None, None)
+    check_named(a.backend, None, False, needs)
+    if a.backend == "auto":
+        a.target, a.backend = resolve(a.target, a.dtype, allowed=allowed_for(None, needs, None))
 
 
 def _apply_quantize(a) -> None:

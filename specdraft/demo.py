@@ -53,7 +53,7 @@ def run_demo(opts: DemoOptions) -> int:
     t0 = time.time()
     print(f"loading {models.target} (target) and {models.draft} (draft) ...", file=sys.stderr)
     dec = models.load()
-    what = models.dtype if dec.backend == "hf" else "GGUF weights"
+    what = models.weights(dec.backend)
     print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     # Short prompts: on a 2-core CPU a 700-token Spec-Bench article takes minutes to prefill in bf16.
     rows = data.select(data.load_prompts(), preset="core18")

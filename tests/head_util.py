@@ -32,7 +32,7 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
         embs = [target.model.get_input_embeddings()(s) for s in seqs]
     extra = {"target": target.name, "target_signature": target_signature(target)}
     dirs = {}
-    medusa, eagle = MedusaHeads(int(target.config.hidden_size), n_heads), EagleHead(target.config)
+    medusa, eagle = MedusaHeads(target.facts.hidden_size, n_heads), EagleHead(target.facts)
     for name, head, lr in (("medusa", medusa, 1e-2), ("eagle", eagle, 3e-3)):
         opt = torch.optim.AdamW(head.parameters(), lr=lr)
         for step in range(steps):

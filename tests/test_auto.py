@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_llama
 from specdraft.api import COST_POINTS, SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.base import StepOutcome
+from specdraft.core.tree import DraftTree
+from specdraft.drafters.base import Drafter, StepOutcome
 from specdraft.engine import generate_batch
 from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
@@ -77,8 +78,11 @@ SAMPLED = [("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram"
 @pytest.mark.parametrize("name,spec", SAMPLED, ids=[n for n, _ in SAMPLED])
 def test_sampling_first_two_tokens_match_target(dec, name, spec):
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    if name == "auto":  # drafting cheap, so that auto drafts whatever this machine's curve for the tiny pair says
+        flat_costs(dec, slope=0.0, draft=0.0001)
     make = lambda: dec.make_drafter(SpecConfig.from_dict(spec))  # noqa: E731
     counts, drafted, accepted = sample_first_tokens(dec.target, make, PROMPT, sp, 5, 2, N, V, seed0=20_000)
+    measured_costs(dec)
     assert 0 < accepted < drafted, (accepted, drafted)
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) > 1e-3
 
@@ -114,20 +118,25 @@ def test_auto_falls_back_to_plain_and_drafts_where_it_pays(dec):
 def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
     """A draft-model arm whose first try pays a long prompt's prefill (catch-up): cheap re-tries of the
     known arms must not spend the budget it waits for, and a long request may afford it at once."""
+    from specdraft.drafters.auto import Draw
+
     flat_costs(dec, slope=0.0, draft=0.002)  # a plain step 10 ms; the draft's catch-up of 100 tokens 0.2 s
     auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "auto_arms": ["prompt_lookup", "suffix", "draft_model"]}))
     prompt = [i % V for i in range(100)]
     auto.begin(prompt, SamplingParams(max_new_tokens=1), None)
     names = [a.name for a in auto.arms]
-    for i in (names.index("prompt_lookup"), names.index("suffix")):  # probed arms, lookup the better
-        for _ in range(auto.probe):
-            auto.ev["novel"][i].add(2.0 + (i == names.index("prompt_lookup")), 0.01)
+    lookup, suffix = names.index("prompt_lookup"), names.index("suffix")
+    for _ in range(auto.probe):  # probed arms, lookup the better (220 tok/s against suffix's 200)
+        auto.ev["novel"][lookup].add(2.2, 0.01, draw=Draw(8, 8, 1))
+        auto.ev["novel"][suffix].add(2.0, 0.01, draw=Draw(16, 4, 1))
     ev = auto.ev["novel"]
     auto.budget.elapsed, auto.budget.explored = 3.0, 0.01  # room for a re-try (10 ms), not for the probe
-    assert auto.choose("novel", len(prompt)) == names.index("prompt_lookup")  # the best; suffix not re-tried
+    assert auto.choose("novel", len(prompt)) == lookup  # the best; suffix not re-tried
     assert not auto.exploring
-    # a probe of the draft (k=4) risks 0.215 s: a step of 18 ms emitting one token (lookup's 3.3 ms) + the catch-up
-    auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.215 s
+    # a probe of the draft (k=4: at best 251 tok/s, so it may beat lookup; its mean acceptance, 0.5 with no
+    # evidence, pays for one token) risks 0.2075 s: a step of 12 ms emitting one token (lookup's 4.5 ms) + the
+    # catch-up
+    auto.budget.elapsed = 5.0  # 5% of 5.2 s affords 0.01 + 0.2075 s
     assert auto.choose("novel", len(prompt)) == names.index("draft_model") and auto.exploring
     auto.budget.elapsed = 3.2  # too little behind, but with 128 tokens ahead at 10 ms each: affordable
     auto.begin(prompt, SamplingParams(max_new_tokens=1000), None)  # (counted as AHEAD = 128)
@@ -158,6 +167,74 @@ def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothi
         auto.observe(StepOutcome(torch.zeros(1, dtype=torch.long), torch.zeros(1, V), accepted=0, emitted=[0], batch=2))
     assert chosen[-1] == "draft_model", chosen
     measured_costs(dec)
+
+
+class _ChainStub(Drafter):
+    """A drafter that drafts a chain as deep as it is let (a stub: acceptance is the simulation's)."""
+
+    name = "stub"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def max_draft_depth(self):
+        return self.k
+
+    def propose(self, tokens, max_tokens):
+        return DraftTree.chain([1] * min(self.k, max_tokens))
+
+
+def simulate_auto(slope: float, alpha: float, steps: int = 128, seed: int = 0) -> tuple[float, float]:
+    """auto choosing between plain and a k=8 chain drafter on the cost curve c(n) = 1 + slope (n - 1) (in
+    plain steps), each draft token accepted with probability ``alpha`` -> (the share of steps that drafted,
+    tokens/s against plain decoding's)."""
+    import random
+
+    from specdraft.core.policy import interpolate
+    from specdraft.drafters.auto import Arm, ArmMemory, AutoDrafter, StepCosts
+    from specdraft.drafters.base import NoDrafter
+
+    curve = {n: 0.01 * (1 + slope * (n - 1)) for n in COST_POINTS}
+    auto = AutoDrafter([Arm("plain", NoDrafter()), Arm("lookup", _ChainStub(8))], StepCosts(curve), ArmMemory())
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1000) for _ in range(40)]
+    auto.begin(tokens, SamplingParams(max_new_tokens=steps), None)
+    drafted = emitted = 0
+    seconds = 0.0
+    for _ in range(steps):
+        tree = auto.combine(auto.plan(tokens, 16)[0], None)
+        accepted = 0
+        while accepted < tree.size and rng.random() < alpha:
+            accepted += 1
+        auto.observe(StepOutcome(torch.zeros(tree.size + 1, dtype=torch.long), torch.zeros(tree.size + 1, 1),
+                                 accepted=accepted, emitted=[0] * (accepted + 1)))
+        drafted += tree.size > 0
+        emitted += accepted + 1
+        seconds += interpolate(curve, 1 + tree.size)
+        tokens += [rng.randrange(1000) for _ in range(accepted + 1)]  # novel text: no repeats to retrieve
+    return drafted / steps, (emitted / seconds) * curve[1]
+
+
+def test_auto_decodes_plainly_where_the_curve_says_drafting_cannot_pay():
+    """Scoring n tokens costs n plain steps: no acceptance can pay, so auto never drafts, not even to explore."""
+    share, speed = simulate_auto(slope=1.0, alpha=0.9)
+    assert share == 0 and speed == pytest.approx(1.0)
+
+
+def test_auto_on_a_steep_curve_stops_exploring_an_arm_that_loses():
+    """4 tokens cost 2.2x one (llama.cpp's Q4_0 curve); drafts accepted 20% of the time lose there (one draft
+    token pays from 40%). auto learns that in a few cheap, one-token tries and decodes plainly: at least
+    0.98x plain decoding, in the decoder's first request."""
+    for seed in range(3):
+        share, speed = simulate_auto(slope=0.4, alpha=0.2, seed=seed)
+        assert share <= 0.1 and speed >= 0.98, (seed, share, speed)
+
+
+def test_auto_speculates_where_the_curve_and_the_acceptance_pay():
+    share, speed = simulate_auto(slope=0.0, alpha=0.3)  # a flat curve: any acceptance pays
+    assert share >= 0.8 and speed >= 1.3, (share, speed)
+    share, speed = simulate_auto(slope=0.4, alpha=0.9)  # the steep curve, but drafts that are kept
+    assert share >= 0.8 and speed >= 1.4, (share, speed)
 
 
 def scored(n: int, seconds: float, batch: int) -> StepOutcome:

@@ -7,7 +7,7 @@ import torch
 
 from specdraft.bench import runners
 from specdraft.bench.report import aggregate
-from conftest import tiny_model_dir
+from conftest import tiny_llama, tiny_model_dir
 from specdraft.cli import main
 
 
@@ -56,6 +56,7 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
     for r in doc["records"]:
         assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
+        assert r["decode_tokens"] == r["new_tokens"] - 1 and r["decode_s"] == pytest.approx(r["wall_s"] - r["first_token_s"])
         if r["method"] in ("plain", "draft_model", "prompt_lookup"):  # the engine's runs: their prefill apart
             assert 0 < r["prefill_s"] < r["wall_s"]
         if r["method"] != "plain":
@@ -81,10 +82,33 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
         assert (tmp_path / f"r{suffix}").stat().st_size > 0
 
 
-def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path):
+OTHER_RUN = {"settings": {"target": "x", "dtype": "float32", "sampling": {"temperature": 0, "top_k": 0, "top_p": 1,
+                                                                        "max_new_tokens": 8}},
+             "environment": {}, "records": []}
+
+
+def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path, capsys):
     out = tmp_path / "r.json"
-    out.write_text(json.dumps({"settings": {"target": "x"}, "records": []}))
+    out.write_text(json.dumps(OTHER_RUN))
     assert main(_args(tiny_dir, dataset, out)) == 2
+    assert capsys.readouterr().err == f"error: {out} holds results of other settings; pass another --out to start afresh\n"
+
+
+@pytest.mark.parametrize("content", [b'{"a": 1}', b"[1, 2]", b"\x89PNG\r\n\x1a\n\0\0", b"{not json", b'"text"',
+                                     json.dumps({**OTHER_RUN, "records": [{"method": "plain"}]}).encode(),
+                                     json.dumps({**OTHER_RUN, "records": [{"prompt_id": 1, "task": "qa", "method": "m",
+                                                                          "repeat": 0, "new_tokens": 2, "wall_s": 1,
+                                                                          "steps": [[]]}]}).encode()])
+def test_a_file_that_is_no_results_file_is_one_error_line(tiny_dir, dataset, tmp_path, capsys, content):
+    """`bench --out FILE` (which resumes FILE) and `bench report FILE` on another JSON, a list or a binary
+    gave a traceback."""
+    f = tmp_path / "other.json"
+    f.write_bytes(content)
+    for argv in (_args(tiny_dir, dataset, f), ["bench", "report", str(f), "--no-plots"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the results file {f}: ") and err.count("\n") == 1, err
+    assert f.read_bytes() == content  # never written over
 
 
 def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):
@@ -121,6 +145,7 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
 
     doc = json.loads(js.read_text())
     assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
+    assert set(doc["prefill"]["hf float32"]) == {"32", "512"} and "hf float32: prefill of 32 / 512 prompt tokens: " in out
 
 
 def test_costs_command_with_a_draft(tiny_dir, capsys, tmp_path):
@@ -206,8 +231,8 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
 @pytest.mark.long
 def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, capsys):
     """`make bench`'s command on Qwen 0.5B Q4_0 (SmolLM2's Q4_1 file does not convert to OpenVINO), 2 short
-    prompts, 4 tokens: every decoder of the preset runs, the speedups are over the fastest plain decoder,
-    and the README's row names the CPU and the date."""
+    prompts, 4 tokens: every decoder of the preset runs and reports its first token, the speedups are over
+    the fastest plain decoder, and the README's row names the CPU, the date and both speedups."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
     from specdraft.cli import main
@@ -224,10 +249,49 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
                  "--max-new-tokens", "4", "--threads", "1", "--no-plots", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     methods = {r["method"] for r in doc["records"]}
-    assert methods == {"plain", "llama_cpp", "llama_cpp@qwen2.5-coder-0.5b", "ov_genai", "ov_genai_lookup", "llama_cpp_lookup", "auto",
-                       "openvino:plain", "openvino:suffix_k16"}, methods
+    assert methods == {"plain", "llama_cpp", "ov_genai", "llama_cpp_lookup", "auto", "openvino:plain",
+                       "openvino:suffix_k16"}, methods
+    for r in doc["records"]:  # the real runners' streaming callbacks: the first token within the call
+        assert 0 < r["first_token_s"] <= r["wall_s"], r["method"]
     assert len({r["prompt_id"] for r in doc["records"]}) == 2  # a qa prompt of core18, a code edit
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith(f"| {cpu_name()}, "))
     assert doc["environment"]["date"][:10] in row and "tok/s" in row and "identical" in row
+    assert "2 prompts x 4 new tokens, greedy" in row and row.count("x** |") == 2  # decode phase, end to end
     assert "over the fastest plain decoder" in printed or "Speedup" in printed
+
+
+def test_headline_preset_fills_only_the_options_not_given():
+    """Typed at their defaults (--backend hf, --max-new-tokens 128), they were replaced by the preset's."""
+    from specdraft.bench.harness import BenchOptions, plan_bench
+    from specdraft.cli import build_parser, settings_from_args
+
+    filled = plan_bench(BenchOptions(preset="headline")).opts
+    assert (filled.backend, filled.max_new_tokens, filled.target) == ("llama", 48, "qwen2.5-coder-1.5b:Q4_0")
+    given = plan_bench(BenchOptions(preset="headline", backend="hf", max_new_tokens=128, target="smollm2-135m")).opts
+    assert (given.backend, given.max_new_tokens, given.target, given.llama_k) == ("hf", 128, "smollm2-135m", "4")
+    a = build_parser().parse_args(["bench", "--preset", "headline", "--backend", "hf", "--max-new-tokens", "128"])
+    opts = plan_bench(settings_from_args(BenchOptions, a)).opts
+    assert (opts.backend, opts.max_new_tokens, opts.methods) == ("hf", 128, filled.methods)
+    plain = plan_bench(BenchOptions(tasks="qa", n_per_task=1, draft="d")).opts  # no preset: the usual defaults
+    assert (plain.backend, plain.max_new_tokens, plain.out) == ("hf", 128, "results/bench.json")
+
+
+def test_a_backend_beside_the_runs_that_cannot_load_the_target_names_the_methods_on_it(monkeypatch):
+    """`--preset headline --target smollm2-135m` runs on llama; OpenVINO cannot convert SmolLM2's file, and the
+    error said "use --backend llama" instead of naming the preset's openvino methods."""
+    from specdraft import api
+    from specdraft.bench.harness import BenchOptions, load_bench, plan_bench
+    from specdraft.core.errors import ConfigError, ModelFileError
+
+    def load(target, backend=None, **kw):
+        if backend == "openvino":
+            raise ModelFileError(f"OpenVINO converts {target} wrongly")
+        return api.SpecDecoder(tiny_llama(vocab=16))
+
+    monkeypatch.setattr(api.SpecDecoder, "load", staticmethod(load))
+    plan = plan_bench(BenchOptions(preset="headline", target="smollm2-135m", tasks="qa", n_per_task=1))
+    with pytest.raises(ConfigError) as e:
+        load_bench(plan, 1)
+    assert str(e.value) == ("openvino:plain, openvino:suffix_k16 run on the openvino backend, which cannot load "
+                            "smollm2-135m here (OpenVINO converts smollm2-135m wrongly); leave them out of --methods")

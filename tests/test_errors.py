@@ -174,3 +174,71 @@ def test_bad_dataset_is_one_error_line(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {want}"), r.stderr
+
+
+def test_a_file_that_is_not_gguf_is_named_so_and_never_kept_as_the_builds_verdict(tmp_path, monkeypatch):
+    """A quantized-variant record pointing at a file of the right size that is no GGUF file was blamed on the
+    llama.cpp build ("cannot decode multi-token batches on this CPU"), and that verdict kept by file name and
+    size for the real file later."""
+    from specdraft.models import llama_probe, quantize
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    fake.write_bytes(b"<html>not a model</html>")
+    (tmp_path / "quantized.json").write_text(json.dumps({"smollm2-135m:Q8_0": {"path": str(fake), "size": 24}}))
+    with pytest.raises(ModelFileError, match=f"{fake}, registered as smollm2-135m:Q8_0, is not a GGUF file"):
+        quantize.variant_path("smollm2-135m", "Q8_0")
+    with pytest.raises(ModelFileError, match=f"{fake} is not a GGUF file"):
+        llama_probe.probe_record(fake)
+    assert not llama_probe.cache_dir().exists()  # nothing probed, nothing kept
+
+
+def test_two_quantizes_of_one_variant_at_once_both_get_the_file(tmp_path, monkeypatch):
+    """Both wrote NAME.Q8_0.partial and renamed it: the second rename died with FileNotFoundError. Now the
+    second waits for the first and takes its file (llama.cpp's quantizer and loader faked: no llama.cpp)."""
+    import ctypes
+    import threading
+    import time
+
+    from specdraft.models import llama, quantize
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
+    src = tmp_path / "gguf" / catalog.MODELS["smollm2-135m"].gguf_name
+    src.parent.mkdir()
+    src.write_bytes(b"GGUF source")
+    monkeypatch.setattr(catalog, "pull", lambda name: tmp_path / "dense")
+    monkeypatch.setattr(catalog, "gguf_path", lambda name: src)
+    runs = []
+
+    class Params(ctypes.Structure):
+        _fields_ = [("ftype", ctypes.c_int), ("nthread", ctypes.c_int), ("allow_requantize", ctypes.c_bool)]
+
+    class FakeLib:
+        llama_model_quantize_default_params = Params
+
+        def llama_model_quantize(self, src_path, dst_path, params):
+            runs.append(dst_path)
+            with open(dst_path, "wb") as f:  # opened first, written for minutes, as llama.cpp's is
+                time.sleep(0.3)  # (both callers inside at once)
+                f.write(b"GGUF quantized")
+            return 0
+
+    monkeypatch.setattr(llama, "lib", FakeLib)
+    monkeypatch.setattr(llama, "LlamaModel", lambda path, tok, name=None: None)
+    got, errors = [], []
+
+    def one():
+        try:
+            got.append(quantize.quantize("smollm2-135m", "Q8_0"))
+        except Exception as e:  # noqa: BLE001 (the test reports whatever escaped)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 2 and got[0] == got[1] and got[0].read_bytes() == b"GGUF quantized"
+    assert len(runs) == 1  # the second took the first's file
+    assert quantize.variant_path("smollm2-135m", "Q8_0") == got[0]
+    assert not list(src.parent.glob("*.partial"))

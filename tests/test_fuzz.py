@@ -319,16 +319,21 @@ def test_fuzz_fixed_mode_metrics_observer(fixed_only, body):
 # --- the files kept under $SPECDRAFT_HOME: wrong shapes and bytes ------------------------------------------
 CURVE = {"1": 9.0, "4": 9.5, "8": 10.0, "16": 12.0}
 VALID_PATHS = {"model": "smollm2-135m", "cpu": "x", "curves": {"hf": CURVE, "llama:Q4_0": {**CURVE, "1": 4.0}},
-               "pick": {"path": "llama", "tokens_per_s": 30.0, "tried": [{"path": "llama", "tokens_per_s": 30.0}],
+               "prefill": {"hf": {"32": 50.0, "512": 600.0}, "llama:Q4_0": {"32": 40.0, "512": 500.0}},
+               "pick": {"path": "llama", "tokens_per_s": 30.0, "tried": [
+                   {"path": "llama", "tokens_per_s": 30.0, "decode_tokens_per_s": 31.0, "prefill_ms_per_token": 1.5}],
                         "prompts": ["a"], "sampling": {"temperature": 0.0}}}
-SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"),
+SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"), ("curves", "hf", "²"),
          ("curves", "llama:Q4_0"), ("curves", "gpu"), ("extra",), ("pick",), ("pick", "path"), ("pick", "tokens_per_s"),
-         ("pick", "tried"), ("pick", "tried", 0), ("pick", "sampling")]
+         ("pick", "tried"), ("pick", "tried", 0), ("pick", "sampling"), ("prefill",), ("prefill", "hf"),
+         ("prefill", "hf", "32"), ("prefill", "gpu"), ("pick", "tried", 0, "decode_tokens_per_s"),
+         ("pick", "tried", 0, "prefill_ms_per_token"), ("pick", "tried", 0, "path")]
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6)
     | st.sampled_from(["hf", "llama:Q4_0", "gpu:fast", "1", ""]),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(
-        st.sampled_from(["1", "4", "8", "16", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c, max_size=4),
+        st.sampled_from(["1", "4", "8", "16", "²", "¹", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c,
+        max_size=4),
     max_leaves=10)
 DELETE = object()
 HOME_STATUS = Counter()
@@ -376,6 +381,7 @@ def use_paths_file(f, raw: bytes) -> str:
     curves = paths.curves_of(doc)
     if curves or doc.get("pick"):  # (with neither, --backend auto measures: not here)
         paths.resolve("smollm2-135m", say=lambda s: None)
+        paths.resolve("smollm2-135m", say=lambda s: None, shape=paths.RequestShape(2000, 64))
     if curves:
         doctor.recommend(doctor.Report(), curves, "smollm2-135m")
     paths.write("smollm2-135m", curves={"hf": CURVE})
@@ -385,7 +391,7 @@ def use_paths_file(f, raw: bytes) -> str:
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(slot=st.sampled_from(SLOTS), value=JSON | st.just(DELETE))
 def test_fuzz_paths_file_shapes(paths_file, slot, value):
-    if value is DELETE and (not slot or slot[-1] in ("gpu", "extra")):  # (not in the valid file: junk instead)
+    if value is DELETE and (not slot or slot[-1] in ("gpu", "extra", "²")):  # (not in the valid file: junk instead)
         value = {}
     HOME_STATUS["shape", use_paths_file(paths_file, json.dumps(_replaced(VALID_PATHS, slot, value)).encode())] += 1
 

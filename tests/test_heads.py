@@ -2,6 +2,7 @@
 SmolLM2, sampling exactness through the engine on a tiny model (with a broken variant that must fail)."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -117,12 +118,14 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     assert "is a medusa head; method 'eagle' needs a" in capsys.readouterr().err  # before loading the model
 
     other = load_model(str(tiny_model_dir(tmp_path / "three_layers", layers=3)), "float32")
-    with pytest.raises(ConfigError, match="num_hidden_layers=2 .*this target has num_hidden_layers=3"):
+    trained_for = re.escape(repr(str(tiny_dir)))  # the target the head's config records
+    with pytest.raises(ConfigError, match=f"num_hidden_layers=2 \\(target {trained_for}\\); this target has "
+                                          "num_hidden_layers=3"):
         load_head(hd, other, "medusa")
     same_shape = load_model(str(tiny_dir), "float32")
     with torch.no_grad():
         same_shape.model.get_output_embeddings().weight.mul_(1.5)
-    with pytest.raises(ConfigError, match="LM head weights differ"):
+    with pytest.raises(ConfigError, match=f"trained for target {trained_for}, whose LM head weights differ"):
         load_head(hd, same_shape, "medusa")
     with pytest.raises(ConfigError, match="tree is 3 deep but the Medusa head has 2 heads"):
         MedusaDrafter(same_shape, MedusaHeads(32, 2), SpecConfig(method="medusa", tree="static", tree_branching=[1, 1, 1]))
@@ -152,7 +155,7 @@ def random_medusa(n_heads=3):
 
 def random_eagle(target, ids=None):
     torch.manual_seed(4)
-    h = EagleHead(target.config, ids)
+    h = EagleHead(target.facts, ids)
     with torch.no_grad():
         for p in h.parameters():
             if p.dtype.is_floating_point:

@@ -77,6 +77,20 @@ def test_nothing_works_is_one_error_line(gguf, fresh_probe_cache, monkeypatch, c
     assert capsys.readouterr().err.startswith("error: llama.cpp cannot decode")
 
 
+def test_a_file_llama_cpp_cannot_load_is_its_own_error_and_never_kept(fresh_probe_cache, tmp_path):
+    """A GGUF header over junk: the probe's child cannot load it, which says nothing about the build (it was
+    blamed on this CPU and kept by file name and size)."""
+    from specdraft.core.errors import ModelFileError
+    from specdraft.models import llama
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelFileError, match="llama.cpp cannot load broken from .*broken.gguf .a probe exited"):
+        llama.LlamaModel(broken, name="broken")
+    assert not fresh_probe_cache.exists() or llama_probe._key(broken) not in llama_probe._seen(
+        fresh_probe_cache / f"{llama_probe.build_id()}.json")
+
+
 def test_a_server_serves_with_the_fallback(gguf, fresh_probe_cache, monkeypatch):
     import httpx
 

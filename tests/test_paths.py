@@ -40,9 +40,11 @@ def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kep
     assert doc["pick"]["path"] == fastest
     assert json.loads((kept / "tune.json").read_text())["backend"] == fastest  # tuned on the chosen path
     capsys.readouterr()
-    dec = SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto")
+    dec = SpecDecoder.load("smollm2-135m", backend="auto")
     assert dec.backend == fastest
     assert f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`" in capsys.readouterr().err
+    assert SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto").backend == "hf"  # a dtype given: hf's
+    assert "the only backend that honours --dtype float32" in capsys.readouterr().err
 
 
 @slow_llama
@@ -67,7 +69,9 @@ def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
 # contents of the paths file that crashed --backend auto, doctor and autotune --paths with a traceback
 BAD = [b'{"pick":"hf"}', b'{"pick":["hf"]}', b'{"pick":{"path":"hf"}}', b'{"pick":{"path":7,"tokens_per_s":1}}',
        b'{"pick":{"path":"hf","tokens_per_s":"fast"}}', b'{"curves":["hf"]}', b'{"curves":{"hf":5}}', b'{"hf":5}',
-       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}"]
+       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}",
+       # digits str.isdigit() takes and int() refuses
+       '{"curves":{"hf":{"1":3,"8":4,"²":5}}}'.encode(), '{"curves":{"llama":{"1":3,"8":4,"¹":5}}}'.encode()]
 COMMANDS = [["generate", "--target", "smollm2-135m", "--backend", "auto", "x"], ["doctor", "--model", "smollm2-135m"],
             ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"]]
 
@@ -98,3 +102,78 @@ def test_an_unwritable_home_is_said_before_measuring(home, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"error: cannot write the paths file in {home / 'paths'}") and err.count("\n") == 1, err
+
+
+# --- a request's shape: prefill against decoding -----------------------------------------------------
+# llama.cpp decodes faster (35 ms a token against 52), OpenVINO prefills 1.76x faster: the shape decides
+CURVES = {"llama": {"1": 35.0, "4": 60.0, "8": 80.0}, "openvino": {"1": 52.0, "4": 55.0, "8": 60.0}}
+PREFILL = {"llama": {"32": 100.0, "512": 1600.0}, "openvino": {"32": 57.0, "512": 910.0}}
+RAG, CHAT = paths.RequestShape(2000, 32), paths.RequestShape(40, 512)
+
+
+def test_backend_auto_takes_the_path_fastest_end_to_end_for_the_requests_shape(kept, capsys):
+    paths.write("smollm2-135m", curves=CURVES, prefill=PREFILL)
+    assert paths.resolve("smollm2-135m", shape=RAG) == ("smollm2-135m", "openvino")  # a long prompt, a short answer
+    err = capsys.readouterr().err
+    assert "the fastest path end to end for 2000 prompt tokens and 32 new tokens: about 5.2 s" in err
+    assert "`specdraft doctor`'s one-token forward); llama 7.4 s" in err
+    assert paths.resolve("smollm2-135m", shape=CHAT) == ("smollm2-135m", "llama")  # a short prompt, a long answer
+    assert paths.resolve("smollm2-135m") == ("smollm2-135m", "llama")  # no shape: the cheapest one-token forward
+
+
+def test_autotune_paths_decoding_speeds_count_for_the_shape(kept):
+    """autotune --paths measured whole requests: its decode phase (auto's, where it drafts) and prefill per
+    token stand in for doctor's curves."""
+    tried = [{"path": "llama", "tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "prefill_ms_per_token": 3.0},
+             {"path": "openvino", "tokens_per_s": 21.0, "decode_tokens_per_s": 40.0, "prefill_ms_per_token": 1.7}]
+    paths.write("smollm2-135m", pick={"path": "openvino", "tokens_per_s": 21.0, "tried": tried})
+    assert paths.resolve("smollm2-135m", shape=CHAT) == ("smollm2-135m", "openvino")  # auto's 40 tok/s there
+    costs = paths.path_costs(paths.read("smollm2-135m"))
+    assert costs["llama"].seconds(paths.RequestShape(1000, 100)) == pytest.approx((3.0, 5.0))
+
+
+def test_a_file_without_prefill_costs_chooses_as_before_and_says_so(kept, capsys):
+    paths.write("smollm2-135m", curves=CURVES)  # written before prefill was measured
+    assert paths.resolve("smollm2-135m", shape=RAG) == ("smollm2-135m", "llama")
+    err = capsys.readouterr().err
+    assert "no prefill costs kept for llama, openvino (`specdraft doctor --model smollm2-135m` measures them)" in err
+    paths.write("smollm2-135m", prefill={"llama": PREFILL["llama"]})  # merged per path; openvino's still missing
+    assert paths.read("smollm2-135m")["curves"] == CURVES
+    assert paths.resolve("smollm2-135m", shape=RAG) == ("smollm2-135m", "llama")
+    assert "no prefill costs kept for openvino" in capsys.readouterr().err
+
+
+def test_the_cli_and_the_library_pass_the_requests_shape(kept, monkeypatch):
+    """generate knows its prompt and max_new_tokens; SpecDecoder.load takes a shape and loads the path it picks."""
+    from conftest import tiny_llama
+
+    paths.write("smollm2-135m", curves=CURVES, prefill=PREFILL)
+    loaded = []
+    monkeypatch.setattr("specdraft.models.backends.load_model",
+                        lambda name, dtype="bfloat16", num_layers=None, backend="hf": loaded.append(backend) or tiny_llama(vocab=16))
+    assert SpecDecoder.load("smollm2-135m", shape=RAG).backend == "hf" and loaded == ["openvino"]  # (a tiny stand-in)
+    seen = {}
+
+    def load(**kw):
+        seen.update(kw)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(SpecDecoder, "load", staticmethod(load))
+    assert main(["generate", "--target", "smollm2-135m", "--chat", "--max-new-tokens", "300", "x" * 400]) == 2
+    assert seen["shape"] == paths.RequestShape(100 + paths.CHAT_TOKENS, 300)
+
+
+def test_autotune_paths_keeps_each_paths_decode_phase_and_prefill(kept, monkeypatch):
+    from conftest import tiny_llama
+    from specdraft.api import ModelSettings
+    from specdraft.commands.autotune import AutotuneOptions, screen_paths
+    from specdraft.core.config import SamplingParams
+
+    monkeypatch.setattr(ModelSettings, "load", lambda self, **kw: SpecDecoder(tiny_llama(vocab=16)))
+    opts = AutotuneOptions(models=ModelSettings("smollm2-135m"), paths="hf,llama")
+    rows = [{"id": i, "prompt": [1, 2, 3, 4] * (i + 1)} for i in range(2)]
+    screen_paths(opts, rows, SamplingParams(max_new_tokens=6), threads=1)
+    tried = paths.read("smollm2-135m")["pick"]["tried"]
+    assert [t["path"] for t in tried] == ["hf", "llama"]
+    assert all(t["decode_tokens_per_s"] > 0 and t["prefill_ms_per_token"] > 0 for t in tried)
+    assert set(paths.path_costs(paths.read("smollm2-135m"))) == {"hf", "llama"}  # what a request's shape is weighed by

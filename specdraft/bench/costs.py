@@ -7,7 +7,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..models.cost_curve import cpu_name, measure_costs
+from ..core.policy import chain_tokens
+from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
+from ..models.paths import PREFILL_TOKENS
 from ..drafters.flags import add_backend_arg, add_draft_backend_arg
 
 
@@ -16,7 +18,7 @@ class CostsOptions:
     """``specdraft costs``'s flags."""
     target: str = "qwen2.5-coder-1.5b"
     backend: str = "hf"
-    dtype: str = "bfloat16"  # a comma list
+    dtype: str | None = None  # a comma list; None: not given (DEFAULT_DTYPE)
     quantizations: str | None = None  # a comma list: none, int8, int4[-gN], w8a8
     tokens: str = "1,2,3,5,9,17,33,65"  # a comma list of new tokens per forward
     context: int = 60
@@ -33,7 +35,7 @@ def add_parser(sub):
     c = sub.add_parser("costs", help="ms per target forward for n new tokens (does speculation pay here?)")
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
     add_backend_arg(c, default="hf")  # a measurement of one backend: the one named
-    c.add_argument("--dtype", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    c.add_argument("--dtype", default=None, help="hf backend: a comma list, e.g. bfloat16,float32 (default bfloat16)")
     c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
                    help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
                         "(weight-only) or w8a8 (int8 activations too, oneDNN)")
@@ -53,7 +55,7 @@ def add_parser(sub):
 
 def main_costs(opts: CostsOptions) -> int:
     from ..core.errors import SpecDraftError
-    from ..models.backends import backend
+    from ..models.backends import DEFAULT_DTYPE, backend
     from ..models.loading import set_threads
     from ..models.backends import load_model
     from ..models.lowbit import parse_quant
@@ -61,7 +63,7 @@ def main_costs(opts: CostsOptions) -> int:
     threads = set_threads(opts.threads)
     ns = [int(x) for x in opts.tokens.split(",")]
     rows = []
-    dtypes = opts.dtype.split(",") if backend(opts.backend).uses_dtype else ["gguf"]
+    dtypes = (opts.dtype or DEFAULT_DTYPE).split(",") if backend(opts.backend).uses_dtype else ["gguf"]
     quants = [q for q in opts.quantizations.split(",") if q and q != "none"] if opts.quantizations else []
     if quants and opts.backend != "hf":
         raise SpecDraftError("--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "
@@ -70,11 +72,14 @@ def main_costs(opts: CostsOptions) -> int:
         parse_quant(q)
     weights = [(d, None) for d in dtypes if "none" in (opts.quantizations or "none").split(",")] + \
         [(d, q) for d in dtypes for q in quants]
+    prefill = {}  # weights -> {prompt tokens: ms}: what a request pays before its first token
     for dtype, q in weights:
         m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend)
+        name = f"{opts.backend} {dtype}" + (f" {q}" if q else "")
         for tree in ([False, True] if opts.tree else [False]):
             c = measure_costs(m, ns, opts.context, opts.repeats, tree=tree)
-            rows.append((f"{opts.backend} {dtype}" + (f" {q}" if q else "") + (" tree" if tree else " chain"), c))
+            rows.append((name + (" tree" if tree else " chain"), c))
+        prefill[name] = measure_prefill(m, list(PREFILL_TOKENS), opts.repeats)
         del m
     draft = draft_curve(opts, ns, dtypes[0]) if opts.draft else None
     cpu = cpu_name()
@@ -87,6 +92,7 @@ def main_costs(opts: CostsOptions) -> int:
             json.dump({"target": opts.target, "backend": opts.backend, "cpu": cpu, "threads": threads,
                        "context": opts.context, "repeats": opts.repeats,
                        "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
+                       "prefill": {name: {str(n): ms for n, ms in c.items()} for name, c in prefill.items()},
                        **({"draft": {"name": draft[0], "ms": {str(n): ms for n, ms in draft[1].items()}}} if draft else {})},
                       f, indent=1)
     if opts.plot:
@@ -95,6 +101,9 @@ def main_costs(opts: CostsOptions) -> int:
     print("|---" * (len(ns) + 1) + "|")
     for dtype, c in rows:
         print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.2f}x)" for n in ns) + " |")
+    for name, c in prefill.items():
+        print(f"{name}: prefill of " + " / ".join(map(str, c)) + " prompt tokens: "
+              + " / ".join(f"{ms:.0f}" for ms in c.values()) + " ms")
     if draft:
         print(f"| draft {draft[0]} | " + " | ".join(f"{draft[1][n]:.0f}" for n in ns) + " |")
         for name, c in rows:
@@ -110,11 +119,6 @@ def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dic
     name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy
     m = load_model(name, dtype, backend=be)
     return f"{opts.draft} ({be})", measure_costs(m, ns, opts.context, opts.repeats)
-
-
-def chain_tokens(alpha: float, k: int) -> float:
-    """Tokens a step of k chained draft tokens yields when each is accepted with probability alpha."""
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def break_even_acceptance(tokens: float, k: int) -> float | None:

@@ -31,8 +31,9 @@ from ..core.config import SamplingParams, SpecConfig, for_method, methods_needin
 from ..core.errors import ConfigError, SpecDraftError
 from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
+from ..core.metrics import decode_phase
 from ..core import prompts as data
-from .report import render
+from .report import read_results, render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
              "ov_genai", "ov_genai_lookup", "ov_genai_draft")
@@ -49,29 +50,36 @@ def on_backend(name: str) -> tuple[str | None, str]:
     return (b, inner) if sep and b in BACKENDS else (None, name)
 
 
+# The options a preset may fill (--preset headline), with their values when neither the user nor a preset
+# gives one; in BenchOptions they are None until then, so that a value typed at its default is still given.
+UNGIVEN = {"target": "qwen2.5-coder-1.5b", "backend": "hf", "reference": "plain", "llama_k": "10",
+           "methods": "plain,draft_model,prompt_lookup", "max_new_tokens": 128, "out": "results/bench.json"}
+
+
 @dataclass(frozen=True)
 class BenchOptions:
-    """``specdraft bench``'s flags (a --config file may set any of them too: plan_bench)."""
+    """``specdraft bench``'s flags (a --config file may set any of them too: plan_bench). None in a field of
+    UNGIVEN: not given (``with_defaults`` fills it)."""
     action: str = "run"  # run | report
     results: str | None = None  # with report: the results JSON
-    target: str = "qwen2.5-coder-1.5b"
+    target: str | None = None
     draft: str | None = None
     draft_layers: int | None = None
     dtype: str = "bfloat16"
     threads: int | None = None
-    backend: str = "hf"
+    backend: str | None = None
     draft_backend: str | None = None
-    reference: str = "plain"
-    llama_k: str = "10"  # a comma list
+    reference: str | None = None
+    llama_k: str | None = None  # a comma list
     pair_threads: int = 1
     llama_draft_k: str = "4"  # a comma list
-    methods: str = "plain,draft_model,prompt_lookup"
+    methods: str | None = None
     config: str | None = None
     dataset: str | None = None
     tasks: str | None = None
     n_per_task: int | None = None
     preset: str | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None
     json_schema: str | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -81,11 +89,15 @@ class BenchOptions:
     repeats: int = 1
     sweep: list = field(default_factory=list)  # FIELD=v1,v2,... each
     no_chat: bool = False
-    out: str = "results/bench.json"
+    out: str | None = None
     no_plots: bool = False
     ray: str | None = None
     ray_workers: int | None = None
     ray_worker_cpus: int | None = None
+
+    def with_defaults(self) -> "BenchOptions":
+        """These options with UNGIVEN's values where none was given (nor filled by a preset)."""
+        return replace(self, **{k: v for k, v in UNGIVEN.items() if getattr(self, k) is None})
 
     def ray_options(self) -> cluster.RayOptions:
         return cluster.RayOptions(self.ray, self.ray_workers, self.ray_worker_cpus, self.threads)
@@ -96,29 +108,30 @@ def add_parser(sub):
     b.add_argument("action", nargs="?", default="run", choices=["run", "report"],
                    help="run (default) or re-render a report from --out / a results file")
     b.add_argument("results", nargs="?", default=None, help="with 'report': the results JSON")
-    b.add_argument("--target", default="qwen2.5-coder-1.5b")
+    b.add_argument("--target", default=None, help=f"default {UNGIVEN['target']}")
     b.add_argument("--draft", default=None)
     b.add_argument("--draft-layers", type=int, default=None)
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="the hf backend's weights (the hf: methods' with --backend llama)")
     b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--backend", default="hf", choices=tuple(BACKENDS),
-                   help="the engine's model backend; with llama, METHOD runs on the GGUF file and hf:METHOD on "
-                        "transformers in the same run")
+    b.add_argument("--backend", default=None, choices=tuple(BACKENDS),
+                   help="the engine's model backend (default hf); with llama, METHOD runs on the GGUF file and "
+                        "hf:METHOD on transformers in the same run")
     b.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
                    help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
                         "transformers copy of the draft")
-    b.add_argument("--reference", default="plain",
-                   help="the method speedups are measured against (e.g. llama_cpp: llama.cpp's plain decoding)")
-    b.add_argument("--llama-k", default="10", help="draft tokens of llama_cpp_lookup and ov_genai_lookup; a comma "
-                   "list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
+    b.add_argument("--reference", default=None,
+                   help="the method speedups are measured against (default plain; e.g. llama_cpp: llama.cpp's plain "
+                        "decoding)")
+    b.add_argument("--llama-k", default=None, help="draft tokens of llama_cpp_lookup and ov_genai_lookup (default "
+                   "10); a comma list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
     b.add_argument("--pair-threads", type=int, default=1,
                    help="pair_serial / pair_overlap (method remote_draft, the draft in a Ray actor, in turns / "
                         "drafting while the target verifies): threads of the draft's process")
     b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft and ov_genai_draft (a comma "
                    "list, likewise)")
-    b.add_argument("--methods", default="plain,draft_model,prompt_lookup",
-                   help=f"comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
+    b.add_argument("--methods", default=None,
+                   help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
                    "METHOD on that backend, beside --backend's, in the same run), or "
                    "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
                    "e.g. the Q4_K_M file beside a NAME:Q4_0 target)")
@@ -131,7 +144,7 @@ def add_parser(sub):
                    "speculative CPU decoder against specdraft's methods, core18+code_edit; `make bench`); core18: 18 "
                    "generic Spec-Bench prompts; code_edit: 9 snippet-rewriting prompts shipped with specdraft "
                    "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"default {UNGIVEN['max_new_tokens']}")
     b.add_argument("--json-schema", default=None, metavar="FILE", help="constrain every engine method's output to this "
                    "JSON schema (plain included; e.g. specdraft/bench/structured_schema.json with --preset structured); "
                    "records say whether each output parses and validates")
@@ -144,7 +157,7 @@ def add_parser(sub):
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
-    b.add_argument("--out", default="results/bench.json")
+    b.add_argument("--out", default=None, help=f"default {UNGIVEN['out']}")
     b.add_argument("--no-plots", action="store_true")
     cluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
                  "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
@@ -459,22 +472,22 @@ class Bench:
 
 
 def _apply_preset(opts: BenchOptions) -> tuple[BenchOptions, dict]:
-    """--preset headline: its options where the flags left the default -> (options, its variants)."""
+    """--preset headline: its options where the user gave none -> (options, its variants)."""
     from .headline import NAME, TARGET, headline_config
 
     if opts.preset != NAME:
         return opts, {}
-    defaults = BenchOptions()
-    target = TARGET if opts.target == defaults.target else opts.target
+    target = opts.target or TARGET
     cfg = headline_config(target)
-    given = {k: v for k, v in cfg.items() if k != "variants" and getattr(opts, k) == getattr(defaults, k)}
-    given.update(target=target, preset=cfg["preset"])  # the prompts: core18+code_edit
-    return replace(opts, **given), {"variants": cfg["variants"]}
+    assert set(cfg) - {"variants", "preset"} <= set(UNGIVEN), "a preset fills only options that can be left ungiven"
+    fills = {k: v for k, v in cfg.items() if k != "variants" and getattr(opts, k) is None}
+    fills.update(target=target, preset=cfg["preset"])  # the prompts: core18+code_edit
+    return replace(opts, **fills), {"variants": cfg["variants"]}
 
 
 def _apply_config(opts: BenchOptions) -> tuple[BenchOptions, dict]:
-    """--preset headline's options, then --config's over the flags; -> (options, the config: its 'spec' and
-    'variants' too)."""
+    """--preset headline's options, then --config's over the flags, then the defaults of what neither gave;
+    -> (options, the config: its 'spec' and 'variants' too)."""
     opts, preset = _apply_preset(opts)
     cfg = {**preset, **(_load_config(opts.config) if opts.config else {})}
     names = {f.name for f in fields(opts)}
@@ -485,7 +498,7 @@ def _apply_config(opts: BenchOptions) -> tuple[BenchOptions, dict]:
             if attr not in names:
                 raise ConfigError(f"unknown option {key!r} in {opts.config}")
             changes[attr] = val
-    return replace(opts, **changes), cfg
+    return replace(opts, **changes).with_defaults(), cfg
 
 
 def plan_bench(opts: BenchOptions) -> Plan:
@@ -526,10 +539,15 @@ def load_bench(plan: Plan, threads: int) -> Bench:
     dec = SpecDecoder.load(opts.target, draft=plan.draft, dtype=opts.dtype, draft_layers=opts.draft_layers, threads=threads,
                            backend=opts.backend, draft_backend=opts.draft_backend)
     decs = {opts.backend: dec}
-    wanted = {on_backend(n)[0] or ("hf" if k.startswith("hf_") else None) for n, k, _ in plan.variants}
-    for b in sorted(wanted - {None, opts.backend}):
-        decs[b] = SpecDecoder.load(_target_on(b, opts.target), draft=plan.draft, dtype=opts.dtype,
-                                   draft_layers=opts.draft_layers, threads=threads, backend=b)
+    wanted = _other_backends(plan.variants)
+    for b in sorted(set(wanted) - {None, opts.backend}):
+        try:
+            decs[b] = SpecDecoder.load(_target_on(b, opts.target), draft=plan.draft, dtype=opts.dtype,
+                                       draft_layers=opts.draft_layers, threads=threads, backend=b)
+        except SpecDraftError as e:  # named as what the run asked of that backend, beside --backend's
+            them = "it" if len(wanted[b]) == 1 else "them"
+            raise ConfigError(f"{', '.join(wanted[b])} run on the {b} backend, which cannot load "
+                              f"{_target_on(b, opts.target)} here ({e}); leave {them} out of --methods") from e
     if "hf" in wanted and opts.backend == "hf" and plan.draft and opts.draft_backend not in (None, "hf"):
         from ..models.backends import load_model  # transformers' baselines need a transformers draft
 
@@ -545,11 +563,20 @@ def load_bench(plan: Plan, threads: int) -> Bench:
     return bench
 
 
+def _other_backends(variants) -> dict[str | None, list[str]]:
+    """The backend each variant names (BACKEND:METHOD, transformers' hf_* baselines; None: --backend's) ->
+    the variants' names."""
+    out: dict[str | None, list[str]] = {}
+    for n, k, _ in variants:
+        out.setdefault(on_backend(n)[0] or ("hf" if k.startswith("hf_") else None), []).append(n)
+    return out
+
+
 def open_results(out: Path, settings: dict, env: dict) -> dict:
     """A fresh results document, or the one in ``out`` to resume (it must hold the same settings)."""
     doc = {"settings": settings, "environment": env, "skipped": {}, "records": []}
-    if out.exists():
-        old = json.loads(out.read_text())
+    old = read_results(out, "pass another --out to start afresh")
+    if old is not None:
         if old.get("settings") != settings:
             raise SpecDraftError(f"{out} holds results of other settings; pass another --out to start afresh")
         doc["records"] = old.get("records", [])
@@ -580,6 +607,7 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         res = rn.run(ids, rsp)
         rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
                "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
+        rec["decode_tokens"], rec["decode_s"] = decode_phase(rec["new_tokens"], res["wall_s"], res["first_token_s"])
         base = reference_of(rn.name, bench.plan.opts.backend)
         target = bench.decs[on_backend(base)[0] or bench.plan.opts.backend].target
         if rn.name == base and rep == 0:
@@ -648,10 +676,10 @@ def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]
 
 def main_bench(opts: BenchOptions, run_sharded=None) -> int:
     if opts.action == "report":
-        path = Path(opts.results or opts.out)
-        if not path.exists():
+        path = Path(opts.results or opts.with_defaults().out)
+        doc = read_results(path, "name a file `specdraft bench` wrote")
+        if doc is None:
             raise SpecDraftError(f"no results file {path}")
-        doc = json.loads(path.read_text())
     else:
         t0 = time.time()
         doc, opts = run_bench(opts, run_sharded)

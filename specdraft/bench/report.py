@@ -7,9 +7,11 @@ import statistics
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
+from ..core import homefiles as h
 from ..core.metrics import (
     StepRecord,
     acceptance_rate,
+    decode_phase,
     fidelity_z,
     mean_accepted_tokens,
     per_position_acceptance,
@@ -17,6 +19,34 @@ from ..core.metrics import (
     tokens_per_second,
 )
 from ..core.prompts import TASKS
+
+
+_COUNT = h.of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)")
+_STEP = h.of(lambda v: isinstance(v, list) and len(v) in (2, 3) and all(
+    isinstance(x, int) and not isinstance(x, bool) for x in v[:2]), "[drafted, accepted, depth]")
+_NAME = h.of(lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a name or number")
+_RECORD = h.obj({"prompt_id": _NAME, "task": h.TEXT, "method": h.TEXT, "repeat": _COUNT, "new_tokens": _COUNT,
+                 "wall_s": h.NUMBER, "steps": h.items(_STEP), "exact": h.BOOL,
+                 "arms": h.nullable(h.obj({}, keys=h.TEXT, values=h.NUMBER)), "draft_s": h.NUMBER,
+                 "verify_s": h.NUMBER, "first_divergence": _COUNT, "top2_gap": h.nullable(h.NUMBER),
+                 "fid_tokens": h.nullable(h.NUMBER), "fid_sum": h.nullable(h.NUMBER), "fid_var": h.nullable(h.NUMBER)},
+                required=("prompt_id", "task", "method", "repeat", "new_tokens", "wall_s"), keys=h.TEXT)
+_SAMPLING = h.obj({n: h.NUMBER for n in ("temperature", "top_k", "top_p", "max_new_tokens")},
+                  required=("temperature", "top_k", "top_p", "max_new_tokens"), keys=h.TEXT)
+RESULTS = h.obj({  # what render reads of what harness.run_bench writes
+    "settings": h.obj({"target": h.TEXT, "dtype": h.TEXT, "backend": h.TEXT, "reference": h.TEXT,
+                       "draft": h.nullable(h.TEXT), "draft_backend": h.nullable(h.TEXT), "sampling": _SAMPLING,
+                       "methods": h.obj({}, keys=h.TEXT, values=h.nullable(h.obj({}, keys=h.TEXT)))},
+                      required=("target", "dtype", "sampling"), keys=h.TEXT),
+    "environment": h.obj({}, keys=h.TEXT), "skipped": h.obj({}, keys=h.TEXT, values=h.TEXT),
+    "records": h.items(_RECORD), "workers": h.obj({}, keys=h.TEXT, values=h.obj({}, keys=h.TEXT)),
+}, required=("settings", "environment", "records"))
+
+
+def read_results(path: Path, advice: str) -> dict | None:
+    """The results document in ``path`` (None when there is none); a file that is not one (another JSON, a
+    binary) is one error naming it, ending with ``advice``."""
+    return h.read_json(path, RESULTS, "the results file", advice, max_bytes=None)
 
 
 OTHER_BASES = ("plain", "hf_generate", "llama_cpp", "ov_genai")  # extra speedup columns, when in the run
@@ -38,12 +68,26 @@ def _steps(recs) -> list[StepRecord]:
     return [StepRecord(s[0], s[1], 0, depth=s[2] if len(s) > 2 else None) for r in recs for s in r.get("steps", [])]
 
 
-def speedup_over(rs: list[dict], base: list[dict]) -> float | None:
-    """metrics.speedup of records ``rs`` over ``base`` on their totals; with records from several
-    Ray workers (bench --ray), per worker (a shard is timed on its own worker only), then the mean
-    over workers weighted by the method's new tokens there."""
+def end_to_end(recs: list[dict]) -> tuple[int, float]:
+    """(new tokens, wall seconds) of the records: whole calls, prefill included."""
+    return sum(r["new_tokens"] for r in recs), sum(r["wall_s"] for r in recs)
+
+
+def decode_totals(recs: list[dict]) -> tuple[int, float] | None:
+    """(tokens after the first, seconds after the first) of the records (metrics.decode_phase); None when a
+    record has no first-token time (results written before runners reported it)."""
+    if any("first_token_s" not in r for r in recs):
+        return None
+    parts = [decode_phase(r["new_tokens"], r["wall_s"], r["first_token_s"]) for r in recs]
+    return sum(n for n, _ in parts), sum(s for _, s in parts)
+
+
+def speedup_over(rs: list[dict], base: list[dict], totals=end_to_end) -> float | None:
+    """metrics.speedup of records ``rs`` over ``base`` on their ``totals`` (end to end, or decode_totals: the
+    decode phase); with records from several Ray workers (bench --ray), per worker (a shard is timed on its
+    own worker only), then the mean over workers weighted by the method's new tokens there."""
     def tot(recs):
-        return sum(r["new_tokens"] for r in recs), sum(r["wall_s"] for r in recs)
+        return totals(recs) or (0, 0.0)
 
     workers = {r.get("worker") for r in rs + base}
     if len(workers) <= 1:
@@ -77,23 +121,27 @@ def aggregate(doc: dict) -> dict:
     def tot(method, task=None, rep=None):
         rs = [r for r in recs if r["method"] == method and (task is None or r["task"] == task)
               and (rep is None or r["repeat"] == rep)]
-        return sum(r["new_tokens"] for r in rs), sum(r["wall_s"] for r in rs), rs
+        return (*end_to_end(rs), rs)
 
     asked = doc.get("settings", {}).get("reference", "plain")
-    ref = asked
-    if asked == FASTEST_PLAIN:
-        ref = max(other_bases(methods), key=lambda b: tokens_per_second(*tot(b)[:2]) or 0.0)
-    ref = ref if ref in methods else "plain"
+    ref = _reference(asked, methods, lambda b: tot(b)[2], end_to_end)
+    decoding = all("first_token_s" in r for r in recs) and bool(recs)
+    dref = _reference(asked, methods, lambda b: tot(b)[2], decode_totals) if decoding else None
     out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
-           "repeats": len(repeats), "reference": ref, "fastest_plain": asked == FASTEST_PLAIN, "rows": {},
+           "repeats": len(repeats), "reference": ref, "decode_reference": dref,
+           "fastest_plain": asked == FASTEST_PLAIN, "rows": {},
            "workers": sorted({r["worker"] for r in recs if "worker" in r})}
     for m in methods:
-        row = {"task_speedup": {}, "task_mat": {}}
+        row = {"task_speedup": {}, "task_mat": {}, "task_decode_speedup": {}}
         for t in tasks + [None]:
             n, w, rs = tot(m, t)
             sp = speedup_over(rs, tot(ref, t)[2])
+            dsp = speedup_over(rs, tot(dref, t)[2], decode_totals) if decoding else None
             mat = mean_accepted_tokens(_steps(rs))
             if t is None:
+                dn, ds = decode_totals(rs) or (0, 0.0)
+                row.update(decode_tokens_per_s=tokens_per_second(dn, ds) if decoding else None, decode_speedup=dsp,
+                           first_token_s=sum(r["first_token_s"] for r in rs) / len(rs) if decoding and rs else None)
                 row.update(tokens=n, wall_s=w, tokens_per_s=tokens_per_second(n, w), speedup=sp, mat=mat,
                            acceptance_rate=acceptance_rate(_steps(rs)),
                            per_position=per_position_acceptance(_steps(rs)),
@@ -112,9 +160,19 @@ def aggregate(doc: dict) -> dict:
                 ]
             else:
                 row["task_speedup"][t] = sp
+                row["task_decode_speedup"][t] = dsp
                 row["task_mat"][t] = mat
         out["rows"][m] = row
     return out
+
+
+def _reference(asked: str, methods: list[str], records_of, totals) -> str:
+    """The method speedups are over: the one asked, or with FASTEST_PLAIN the plain decoder with the most
+    tokens/s on ``totals`` (end to end or the decode phase: each has its own fastest)."""
+    ref = asked
+    if asked == FASTEST_PLAIN:
+        ref = max(other_bases(methods), key=lambda b: tokens_per_second(*(totals(records_of(b)) or (0, 0.0))) or 0.0)
+    return ref if ref in methods else "plain"
 
 
 def engine_methods(doc: dict) -> list[str]:
@@ -124,21 +182,44 @@ def engine_methods(doc: dict) -> list[str]:
 
 
 def headline(doc: dict, agg: dict) -> str:
-    """The README's results row: CPU and date, the fastest plain decoder, specdraft's fastest lossless
-    method, its speedup over that decoder, and how its greedy output compared with plain decoding."""
+    """The README's results row: CPU and date, the generation's length, then for the decode phase and end
+    to end apart (each with its own fastest plain decoder) that decoder, specdraft's fastest lossless
+    method, its speedup; and how that method's greedy output compared with plain decoding."""
     env, rows = doc["environment"], agg["rows"]
-    ref = agg["reference"]
-    best = max((m for m in engine_methods(doc) if m in rows), key=lambda m: rows[m]["tokens_per_s"] or 0, default=None)
-    if best is None:
+    specs = [m for m in engine_methods(doc) if m in rows]
+    if not specs:
         return ""
-    r = rows[best]
-    gaps = [x["top2_gap"] for x in r["mismatches"] if x.get("top2_gap") is not None]
-    same = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]} identical" + (
+    phases = [("decode_tokens_per_s", "decode_speedup", agg.get("decode_reference")),
+              ("tokens_per_s", "speedup", agg["reference"])]
+    cells, best = [], []
+    for rate, gain, ref in phases:
+        if ref is None:
+            cells.append("- | -")
+            continue
+        m = max(specs, key=lambda x: rows[x][rate] or 0)
+        best.append(m)
+        cells.append(f"{ref} {_f(rows[ref][rate])}, {m} {_f(rows[m][rate])} tok/s | **{_f(rows[m][gain], '{:.2f}x')}**")
+    same = "; ".join(f"{m} {_identical(rows[m])}" for m in dict.fromkeys(best))
+    return ("| CPU, date | generation | decode phase: fastest plain, specdraft's fastest lossless | speedup "
+            "| end to end: fastest plain, specdraft's fastest lossless | speedup | greedy output vs plain |\n"
+            "|---|---|---|---|---|---|---|\n"
+            f"| {env.get('cpu')}, {str(env.get('date'))[:10]} | {_generation(doc, agg)} | {cells[0]} | {cells[1]} "
+            f"| {same} |\n")
+
+
+def _identical(row: dict) -> str:
+    """How a method's greedy outputs compared with plain decoding: 'n/m identical', the near-ties named."""
+    if row["exact"] is None:
+        return "-"
+    gaps = [x["top2_gap"] for x in row["mismatches"] if x.get("top2_gap") is not None]
+    return f"{row['exact'][0]}/{row['exact'][1]} identical" + (
         f", divergences at top-2 gaps <= {max(gaps):.3f}" if gaps else "")
-    return ("| CPU, date | fastest plain decoder | specdraft's fastest lossless | speedup | greedy output vs plain |\n"
-            "|---|---|---|---|---|\n"
-            f"| {env.get('cpu')}, {str(env.get('date'))[:10]} | {ref} {_f(rows[ref]['tokens_per_s'], '{:.2f}')} tok/s "
-            f"| {best} {_f(r['tokens_per_s'], '{:.2f}')} tok/s | **{_f(r['speedup'], '{:.2f}x')}** | {same} |\n")
+
+
+def _generation(doc: dict, agg: dict) -> str:
+    sp = doc["settings"]["sampling"]
+    mode = "greedy" if sp["temperature"] == 0 else f"T={sp['temperature']}"
+    return f"{agg['n_prompts']} prompts x {sp['max_new_tokens']} new tokens, {mode}"
 
 
 def _weights(s: dict) -> str:
@@ -193,6 +274,7 @@ def markdown(doc: dict, agg: dict) -> str:
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
         lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
+    lines += decode_lines(doc, agg)
     bases = [b for b in other_bases(agg["methods"]) if b != agg["reference"]]
     fid = any(r.get("fidelity_z") is not None for r in agg["rows"].values())
     lines += ["", "| method | tok/s | " + "".join(f"vs {_ref_label(b)} | " for b in bases)
@@ -218,6 +300,24 @@ def markdown(doc: dict, agg: dict) -> str:
     for name, why in doc.get("skipped", {}).items():
         lines.append(f"- {name}: {why}")
     return "\n".join(lines + arm_lines(doc, agg["tasks"])) + "\n"
+
+
+def decode_lines(doc: dict, agg: dict) -> list[str]:
+    """The decode phase's table: each method's speedup over the fastest plain decoder of that phase, per task."""
+    dref = agg.get("decode_reference")
+    if dref is None:
+        return []
+    out = ["", f"Decode phase (the tokens after the first over the seconds after the first arrived; the prompt's "
+           f"prefill and the first step apart): speedup over {_ref_label(dref)}"
+           + (" (the fastest plain decoder of this phase)" if agg.get("fastest_plain") else "")
+           + "; first token: mean seconds from the call to the first new token.", "",
+           "| method | " + " | ".join(agg["tasks"]) + " | Overall | decode tok/s | first token s |",
+           "|---" * (len(agg["tasks"]) + 4) + "|"]
+    for m, r in agg["rows"].items():
+        cells = [_f(r["task_decode_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
+        out.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{_f(r['decode_speedup'], '{:.2f}x')}** | "
+                   f"{_f(r['decode_tokens_per_s'])} | {_f(r['first_token_s'], '{:.2f}')} |")
+    return out
 
 
 def worker_lines(doc: dict, agg: dict) -> list[str]:
@@ -323,7 +423,8 @@ def render(doc: dict, results_path: Path, plots: bool = True) -> str:
     md = markdown(doc, agg)
     row = headline(doc, agg)
     if row:
-        md += "\nThe fastest lossless configuration against the fastest plain decoder (the README's row):\n\n" + row
+        md += ("\nspecdraft's fastest lossless configuration against the fastest plain decoder, in the decode phase "
+               "and end to end (the README's row):\n\n" + row)
     stem = results_path.with_suffix("")
     files = make_plots(doc, agg, stem) if plots else []
     if files:

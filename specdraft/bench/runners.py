@@ -1,5 +1,10 @@
 """Everything the benchmark times is a Runner: ``run(prompt_ids, sp) -> dict`` with ``token_ids``,
-``wall_s`` and, where the method has them, per-step ``steps`` ([drafted, accepted, depth]).
+``wall_s``, ``first_token_s`` and, where the method has them, per-step ``steps`` ([drafted, accepted, depth]).
+
+``first_token_s`` is the same clock for every runner: the seconds of ``wall_s`` until the first new token
+reached the caller through the method's own streaming callback (the engine's ``on_emit``, transformers'
+streamer, llama-cpp-python's generator, OpenVINO GenAI's streamer). What follows it is the decode phase
+(metrics.decode_phase), which speculation speeds up; what precedes it is mostly the prompt's prefill.
 
 The engine's methods (plain included) run through the same ``engine.generate``; the baselines users
 run today (transformers ``generate``, assisted generation, prompt lookup; llama.cpp if installed)
@@ -13,6 +18,7 @@ import time
 import torch
 
 from ..core.config import SamplingParams, SpecConfig
+from ..core.metrics import FirstToken
 from ..drafters.remote_draft import PREFETCHED
 
 
@@ -25,10 +31,12 @@ class EngineRunner:
         self.spec = spec.validate()
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
-        out = self.dec.generate(ids, sampling=sp, spec=self.spec)
+        first = FirstToken()
+        out = self.dec.generate(ids, sampling=sp, spec=self.spec, on_emit=first.on_emit)
         return {
             "token_ids": out.token_ids,
             "wall_s": out.stats.wall_s,
+            "first_token_s": first.seconds(out.stats.wall_s),
             "prefill_s": out.stats.prefill_s,
             "steps": [[s.drafted, s.accepted, s.positions] for s in out.stats.steps],
             "draft_s": out.stats.draft_s,
@@ -84,15 +92,36 @@ class HFRunner:
                 kw.update(tokenizer=self.dec.tokenizer, assistant_tokenizer=self.dec.draft.tokenizer)
         elif self.mode == "prompt_lookup":
             kw["prompt_lookup_num_tokens"] = self.lookup_tokens
+        first = FirstToken()
+        kw["streamer"] = _HFStreamer(first)
         t0 = time.perf_counter()
         out = model.generate(x, **kw)
         wall = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        for i, t in enumerate(new):  # what the engine would emit: up to and including EOS
-            if t in self.dec.eos_ids:
-                new = new[: i + 1]
-                break
-        return {"token_ids": new, "wall_s": wall}
+        new = _until_eos(out[0, len(ids):].tolist(), self.dec.eos_ids)
+        return {"token_ids": new, "wall_s": wall, "first_token_s": first.seconds(wall)}
+
+
+def _until_eos(new: list[int], eos_ids) -> list[int]:
+    """What the engine would emit: up to and including the first EOS."""
+    for i, t in enumerate(new):
+        if t in eos_ids:
+            return new[: i + 1]
+    return new
+
+
+class _HFStreamer:
+    """transformers' streamer protocol: ``put`` gets the prompt first, then the new tokens as they come."""
+
+    def __init__(self, first: FirstToken):
+        self.first, self.puts = first, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts > 1:
+            self.first.token()
+
+    def end(self) -> None:
+        pass
 
 
 class LlamaCppRunner:
@@ -128,6 +157,7 @@ class LlamaCppRunner:
         return on_ggml_thread(self._run, ids, sp)  # beside torch's AMX matmuls, ggml's need a thread of their own
 
     def _run(self, ids: list[int], sp: SamplingParams) -> dict:
+        first = FirstToken()
         t0 = time.perf_counter()
         new = []
         self.llm.reset()
@@ -135,10 +165,12 @@ class LlamaCppRunner:
             self.llm.set_seed(sp.seed)
         for t in self.llm.generate(ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p, min_p=0.0,
                                    repeat_penalty=1.0):
+            first.token()
             new.append(int(t))
             if int(t) in self.eos_ids or len(new) >= sp.max_new_tokens:
                 break
-        return {"token_ids": new, "wall_s": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        return {"token_ids": new, "wall_s": wall, "first_token_s": first.seconds(wall)}
 
 
 class _LlamaModelDraft:
@@ -201,12 +233,26 @@ class OVGenAIRunner:
         x = np.asarray([ids], np.int64)
         inputs = self.genai.TokenizedInputs(ov.Tensor(x), ov.Tensor(np.ones_like(x)))
         config = self._config(sp)
+        first = FirstToken()
         t0 = time.perf_counter()
-        out = self.pipe.generate(inputs, config)
+        out = self.pipe.generate(inputs, config, self._streamer(first))
         wall = time.perf_counter() - t0
-        new = [int(t) for t in out.tokens[0]]
-        for i, t in enumerate(new):  # what the engine would emit: up to and including EOS
-            if t in self.eos_ids:
-                new = new[: i + 1]
-                break
-        return {"token_ids": new, "wall_s": wall}
+        new = _until_eos([int(t) for t in out.tokens[0]], self.eos_ids)
+        return {"token_ids": new, "wall_s": wall, "first_token_s": first.seconds(wall)}
+
+    def _streamer(self, first: FirstToken):
+        """An OpenVINO GenAI streamer that marks the first token (``write`` gets token ids, one or a list)."""
+        genai = self.genai
+
+        class Streamer(genai.StreamerBase):
+            def write(self, token):
+                first.token()
+                return genai.StreamingStatus.RUNNING
+
+            def end(self):
+                pass
+
+        return Streamer()
+
+
+RUNNERS = (EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner)  # every kind of runner the bench makes

@@ -24,6 +24,7 @@ from ..api import ModelSettings
 from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import SpecDraftError
+from ..core.metrics import FirstToken, decode_phase, tokens_per_second
 from ..drafters.flags import add_model_args
 from ..drafters.registry import method
 
@@ -165,7 +166,7 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
     paths.check_writable(model)  # a bad paths file, an unwritable home: said now, not after measuring
     for p in candidates:
         text = str(p)
-        models = dataclasses.replace(opts.models, target=p.target(model), backend=p.backend)
+        models = _on_path(opts.models, p)
         try:
             dec = models.load(threads=threads)
         except SpecDraftError as e:
@@ -174,10 +175,14 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
         ids = [dec.encode(r["prompt"], chat=True) for r in rows]
         runs = run_candidates(dec, {"plain": SpecConfig(method="plain"), "auto": SpecConfig(method="auto", autotune="off")}, ids, sp)
         plain, auto = summarize(runs["plain"], {}), summarize(runs["auto"], {})
+        decode = max(decode_rate(runs["plain"]), decode_rate(runs["auto"]))
+        prefill = prefill_ms_per_token(runs["plain"] + runs["auto"])
         tried.append({"path": text, "plain_tokens_per_s": plain["tokens_per_s"], "auto_tokens_per_s": auto["tokens_per_s"],
-                      "auto_mat": auto["mat"], "tokens_per_s": max(plain["tokens_per_s"], auto["tokens_per_s"])})
+                      "auto_mat": auto["mat"], "tokens_per_s": max(plain["tokens_per_s"], auto["tokens_per_s"]),
+                      "decode_tokens_per_s": decode, "prefill_ms_per_token": prefill})
         print(f"autotune: path {text}: plain {plain['tokens_per_s']:.2f} tok/s, auto {auto['tokens_per_s']:.2f} "
-              f"tok/s (MAT {auto['mat']:.2f})", file=sys.stderr)
+              f"tok/s (MAT {auto['mat']:.2f}); decode phase {decode:.2f} tok/s, prefill {prefill:.2f} ms a prompt "
+              "token", file=sys.stderr)
         del dec
     if not tried:
         raise SpecDraftError(f"autotune --paths: none of {opts.paths} can run {model} here")
@@ -186,7 +191,26 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
                                  "prompts": [r["id"] for r in rows], "sampling": sp.to_dict()})
     p = paths.ModelPath.parse(best["path"])
     print(f"autotune: path {p} is the fastest here; --backend auto takes it (wrote {f})", file=sys.stderr)
-    return dataclasses.replace(opts, models=dataclasses.replace(opts.models, target=p.target(model), backend=p.backend))
+    return dataclasses.replace(opts, models=_on_path(opts.models, p))
+
+
+def _on_path(models, p):
+    """``models`` (its target a catalog name) on the path ``p``; --dtype goes to the paths that read dense weights."""
+    from ..models.backends import BACKENDS
+
+    return dataclasses.replace(models, target=p.target(models.target), backend=p.backend,
+                               dtype=models.dtype if BACKENDS[p.backend].uses_dtype else None)
+
+
+def decode_rate(records: list[dict]) -> float:
+    """Tokens per second of the records' decode phases (the tokens after the first; metrics.decode_phase)."""
+    parts = [decode_phase(len(r["token_ids"]), r["wall_s"], r["first_token_s"]) for r in records]
+    return tokens_per_second(sum(n for n, _ in parts), sum(s for _, s in parts)) or 0.0
+
+
+def prefill_ms_per_token(records: list[dict]) -> float:
+    """Milliseconds of prefill per prompt token over the records (what --backend auto weighs a prompt by)."""
+    return 1000 * sum(r["prefill_s"] for r in records) / max(1, sum(r["prompt_tokens"] for r in records))
 
 
 def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int):
@@ -222,8 +246,10 @@ def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: 
         dec.generate(ids[0], sampling=warm, spec=spec)
     for i in tqdm(range(len(ids)), desc="autotune", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         for n, spec in cands.items():
-            out = dec.generate(ids[i], sampling=sp, spec=spec)
-            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s,
+            first = FirstToken()
+            out = dec.generate(ids[i], sampling=sp, spec=spec, on_emit=first.on_emit)
+            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s, "prompt_tokens": len(ids[i]),
+                            "prefill_s": out.stats.prefill_s, "first_token_s": first.seconds(out.stats.wall_s),
                             "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
                             "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(spec) else 0})
     return runs

@@ -102,10 +102,30 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
                   + (" (what --backend auto takes here)" if not pick else "") + f": {why}")
     r.say("", f"`specdraft autotune --target {model} --paths {','.join(curves)}` measures whole requests on each "
               "and makes --backend auto take the fastest")
+    shape_advice(r, model)
     for path, curve in curves.items():  # what each other path is good for: its backend's own words
         line = path != fast and BACKENDS[ModelPath.parse(path).backend].advice
         if line and (text := line(path, curve, fast, c, model)):
             r.say("", text)
+
+
+LONG_PROMPT, LONG_ANSWER = (2000, 64), (50, 512)  # (prompt tokens, new tokens): a RAG request, a chat request
+
+
+def shape_advice(r: Report, model: str) -> None:
+    """Where a request's shape moves --backend auto (generate passes it): the path fastest end to end for a
+    long prompt with a short answer, and for a short prompt with a long answer."""
+    from ..models.paths import RequestShape, path_costs, read
+
+    costs = path_costs(read(model))
+    if len(costs) < 2:
+        return
+    best = {}
+    for prompt, new in (LONG_PROMPT, LONG_ANSWER):
+        shape = RequestShape(prompt, new)
+        best[prompt, new] = min(costs, key=lambda k: sum(costs[k].seconds(shape)))
+    r.say("", "by a request's shape (--backend auto weighs prefill against decoding): "
+              + ", ".join(f"a {p}-token prompt with a {n}-token answer runs fastest on {k}" for (p, n), k in best.items()))
 
 
 def add_parser(sub):

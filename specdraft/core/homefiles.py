@@ -1,5 +1,5 @@
 """The JSON files this project writes under ``$SPECDRAFT_HOME`` (measured paths, probe verdicts, quantized
-variants), read back through a schema: a file that is not what this project wrote (torn, edited, another
+variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn, edited, another
 version's) is one clear error naming the file and its first wrong value, not a traceback wherever a field
 is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
 
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -76,16 +79,17 @@ def obj(fields: dict[str, Schema], required: tuple[str, ...] = (), keys: Schema 
     return check
 
 
-def read_json(path: Path, schema: Schema, what: str):
+def read_json(path: Path, schema: Schema, what: str, advice: str = "delete it and it is written again",
+              max_bytes: int | None = MAX_BYTES):
     """The document in ``path`` (None when there is none), checked against ``schema``; else a HomeFileError:
-    "<what> <path>: <what is wrong>; delete it (it is measured / written again)"."""
+    "<what> <path>: <what is wrong>; <advice>" (by default: delete it, it is measured / written again)."""
     def bad(problem: str) -> HomeFileError:
-        return HomeFileError(f"{what} {path}: {problem}; delete it and it is written again")
+        return HomeFileError(f"{what} {path}: {problem}; {advice}")
 
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        doc = read_json_file(path, MAX_BYTES)
+        doc = read_json_file(path, max_bytes)
     except ValueError as e:
         raise bad(str(e)) from None
     problem = schema(doc, "")
@@ -104,3 +108,35 @@ def check_writable(folder: Path, what: str) -> None:
     except OSError as e:
         raise HomeFileError(f"cannot write {what} in {folder}: {e.strerror or e} (set SPECDRAFT_HOME to a writable "
                             "directory)") from None
+
+
+def private_temp(path: Path, suffix: str = ".tmp") -> Path:
+    """A temporary name beside ``path`` that no other writer uses (two writers at once each rename a whole
+    file of their own over ``path``; neither finds its temporary file renamed away)."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex}{suffix}")
+
+
+def write_json(path: Path, doc, indent: int | None = 1) -> None:
+    """``doc`` into ``path`` whole or not at all (a private temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = private_temp(path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=indent))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(path: Path):
+    """Held by one process (or thread) at a time: an exclusive lock on the file ``path`` (made if missing), for a
+    read-modify-write of a file many commands may update at once, or work a second caller should wait for."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -35,12 +35,12 @@ def decode_json(raw: bytes):
     return doc
 
 
-def read_json_file(path: Path, max_bytes: int = 16 << 20):
+def read_json_file(path: Path, max_bytes: int | None = 16 << 20):
     """The JSON document in the file ``path``; a ValueError saying what is wrong otherwise (also: not a
-    regular file, larger than ``max_bytes``, unreadable)."""
+    regular file, larger than ``max_bytes`` (None: any size), unreadable)."""
     if not path.is_file():
         raise ValueError("not a regular file")
-    if path.stat().st_size > max_bytes:
+    if max_bytes is not None and path.stat().st_size > max_bytes:
         raise ValueError(f"{path.stat().st_size} bytes, more than this project writes")
     try:
         raw = path.read_bytes()

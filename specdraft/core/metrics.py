@@ -6,6 +6,9 @@ these functions: the engine's per-request stats, the CLI, the benchmark report a
 - per-position acceptance[i] = P(draft position i accepted | position i was drafted); for a token
   tree, position i is depth i + 1 (drafted there = the tree reaches that depth).
 - tokens/s = new tokens / wall seconds.
+- time to first token = seconds from the call to the first new token reaching the caller (a streaming
+  callback); the decode phase = the tokens after the first over the seconds after the first
+  (``decode_phase``): what speculation changes, without the prompt's prefill.
 - speedup = (tokens / wall of the method) / (tokens / wall of the baseline), on totals.
 - fidelity Z (sampling) = sum over sampled tokens of (log p(x) + H(p)) / sqrt(sum of Var log p), p the
   target's distribution: about N(0, 1) for a lossless sampler (fidelity.py).
@@ -13,6 +16,7 @@ these functions: the engine's per-request stats, the CLI, the benchmark report a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -65,6 +69,35 @@ def per_position_acceptance(steps: list[StepRecord]) -> list[float]:
 
 def tokens_per_second(tokens: int, wall_s: float) -> float | None:
     return tokens / wall_s if wall_s > 0 else None
+
+
+def decode_phase(new_tokens: int, wall_s: float, first_token_s: float) -> tuple[int, float]:
+    """One generation's decode phase: (the tokens after the first, the seconds after the first arrived)."""
+    return max(new_tokens - 1, 0), max(wall_s - first_token_s, 0.0)
+
+
+class FirstToken:
+    """When a call's first new token reached the caller: ``token()`` from the method's streaming callback,
+    ``seconds(wall_s)`` right after the call returns."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def token(self) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
+
+    def on_emit(self, new, *_) -> None:
+        """As the engine's ``on_emit`` (returning None: the request goes on)."""
+        if new:
+            self.token()
+
+    def seconds(self, wall_s: float) -> float:
+        """The seconds of ``wall_s`` before the first token: wall_s less the time from it to now (the call's
+        end), so a method that times itself (the engine's wall_s) keeps its own start. No token: wall_s."""
+        if self.at is None:
+            return wall_s
+        return min(wall_s, max(0.0, wall_s - (time.perf_counter() - self.at)))
 
 
 def speedup(tokens: int, wall_s: float, base_tokens: int, base_wall_s: float) -> float | None:

@@ -36,6 +36,22 @@ def interpolate(curve: dict[int, float], n: float) -> float:
     return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
 
 
+def chain_tokens(alpha: float, k: int) -> float:
+    """Tokens a step of k chained draft tokens yields when each is accepted with probability alpha."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_depth(alpha: float, cap: int, step_s) -> tuple[int, float]:
+    """The draft depth d in 0..cap with the most expected tokens per second, chain_tokens(alpha, d) /
+    step_s(d) (d = 0: plain decoding), and that rate."""
+    best = (0, 1.0 / step_s(0))
+    for d in range(1, cap + 1):
+        rate = chain_tokens(alpha, d) / step_s(d)
+        if rate > best[1]:
+            best = (d, rate)
+    return best
+
+
 class CostAwarePolicy:
     """``costs`` (optional): a measured cost curve {n: seconds of a forward scoring n tokens} to start
     from (``SpecDecoder.cost_curve``), so a step need not explore costs first and a curve that is not

@@ -100,15 +100,14 @@ def file_arms(dec, path: str | Path) -> list[tuple[str, SpecConfig, dict]]:
 
 
 def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
-    """HEAD_ARMS when auto's ``head`` is an EAGLE-3 head and the backend hands over its features."""
-    from ..models.heads import read_head_config
-
+    """HEAD_ARMS when auto has a ``head``: an EAGLE-3 head for this target, on a backend that hands over its
+    features (else an error: a head given is used or refused, never dropped)."""
     if spec.head is None:
         return []
     try:
-        if REGISTRY[HEAD_TYPE].unavailable(dec.backend, dec.draft is not None):
-            read_head_config(spec.head, expect_type=HEAD_TYPE)  # a head of another type is refused all the same
-            return []
+        problem = REGISTRY[HEAD_TYPE].unavailable(dec.backend, dec.draft is not None)
+        if problem:  # a head given is never left out unsaid
+            raise ConfigError(problem)
         dec.head(spec)  # loaded once per decoder (as its arms' head): its type and its target checked
     except ConfigError as e:
         raise ConfigError(f"auto's head: {e} (auto drafts with it through its {HEAD_TYPE} arms)") from None

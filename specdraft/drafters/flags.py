@@ -19,8 +19,9 @@ def add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.5
     p.add_argument("--target", default=default_target, help="model name, transformers directory or .gguf file")
     p.add_argument("--draft", default=default_draft, help="draft model (needed by --method draft_model)")
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="weights dtype on the hf backend (a GGUF file carries its own on the llama backend)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="weights dtype on the hf backend (default bfloat16; a GGUF file carries its own on the llama "
+                        "backend, so with no --backend named, --dtype means hf)")
     p.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads (default: all cores)")
     p.add_argument("--quantize", default=None, metavar="int8|int4[-gN]",
                    help="hf backend: weight-only int8 / int4 linear layers for the target (a different model: "

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.eagle3 import Eagle3Head, Eagle3Shape, cpu_has_bf16, ttt_batch, ttt_loss
+from ..models.eagle3 import Eagle3Head, Eagle3Shape, ttt_batch, ttt_loss
+from ..models.llama_probe import native_bf16
 from .config import LearnConfig
 from .wire import ServedSequence, WireTensor
 
@@ -79,7 +80,7 @@ class HeadTrainer:
         self.t2d_index = torch.full((shape.vocab_size,), -100, dtype=torch.long)
         self.t2d_index[self.head.draft_ids] = torch.arange(shape.draft_vocab_size)
         self.buffer = ReplayBuffer(cfg.buffer_tokens, len(shape.layers) * shape.target_hidden_size)
-        self.bf16 = cpu_has_bf16()
+        self.bf16 = native_bf16()  # autocast where the CPU multiplies bf16 natively, as train eagle3
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.steps = 0
 

@@ -22,6 +22,7 @@ from typing import Callable
 from ..core.errors import ConfigError
 
 
+DEFAULT_DTYPE = "bfloat16"  # the dense weights' dtype when no --dtype is given
 OFFERS = ("trees", "hidden", "layers", "views")  # token trees scored; final-norm / decoder-layer features handed
 # over with the embedding and LM head (Capabilities.head_io); layer views (views.py)
 
@@ -31,8 +32,9 @@ class Backend:
     name: str
     summary: str
     load: Callable  # (name_or_path, dtype, num_layers) -> a TargetModel
-    uses_dtype: bool  # whether --dtype means anything (a GGUF file carries its own weight types)
+    uses_dtype: bool  # dense weights: whether --dtype means anything (a GGUF file carries its own weight types)
     offers: frozenset = frozenset()  # of OFFERS
+    truncates: bool = False  # loads a layer-truncated copy (num_layers: --draft-layers)
     paths: tuple[str, ...] = ()  # what doctor measures here (models/paths.py); the first: what auto measures
     check: Callable | None = None  # (report) -> whether it runs here; doctor's lines on it (report.say / .problem)
     advice: Callable | None = None  # (path, its curve, fastest path, its curve, model) -> doctor's line or None
@@ -135,7 +137,7 @@ def _advise_openvino(path, curve, fast, fast_curve, model) -> str:
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
-            offers=frozenset(OFFERS), paths=("hf", "hf:w8a8"), advice=_advise_hf),
+            offers=frozenset(OFFERS), truncates=True, paths=("hf", "hf:w8a8"), advice=_advise_hf),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
             offers=frozenset({"trees", "layers"}), paths=("llama",), check=_check_llama),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
@@ -143,6 +145,56 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
             offers=frozenset({"trees", "layers"}), paths=("openvino",), check=_check_openvino,
             advice=_advise_openvino, optional=True),
 ]}
+
+
+@dataclass(frozen=True)
+class OptionNeed:
+    """An option the user gave that only some backends honour (``option_needs``)."""
+    option: str  # as typed: "--dtype float32", "--draft-layers 4", "--draft self:int4"
+    backends: tuple[str, ...]  # those that honour it
+    whose: str  # the model it applies to: "target", "draft", or "either" (--dtype: the dense one of the two)
+    note: str  # why the others do not
+
+
+def having(ok: Callable[[Backend], bool]) -> tuple[str, ...]:
+    return tuple(n for n, b in BACKENDS.items() if ok(b))
+
+
+def option_needs(dtype: str | None, draft: str | None, draft_layers: int | None) -> list[OptionNeed]:
+    """What the options given (None: not given) ask of the backends: --dtype, weights in that dtype; a draft's
+    --draft-layers, a layer-truncated copy; --draft self:QUANT, the target's weights as that quantization (int8,
+    int4, w8a8: transformers' low-bit copies; Q4_0, Q8_0, ...: GGUF variants)."""
+    from .lowbit import is_quant_suffix
+    from .quantize import TYPES
+
+    needs = []
+    if dtype is not None:
+        needs.append(OptionNeed(f"--dtype {dtype}", having(lambda b: b.uses_dtype), "either",
+                                "a GGUF file carries its own weight types"))
+    if draft is not None and draft_layers is not None:
+        needs.append(OptionNeed(f"--draft-layers {draft_layers}", having(lambda b: b.truncates), "draft",
+                                "only transformers loads a layer-truncated copy"))
+    quant = draft[5:] if draft is not None and draft.startswith("self:") else None
+    if quant is not None and (quant.startswith("int") or is_quant_suffix(quant)):
+        needs.append(OptionNeed(f"--draft {draft}", having(lambda b: b.uses_dtype), "draft",
+                                f"{quant} is a low-bit copy of dense weights; a GGUF self-draft is self:Q4_0"))
+    elif quant in TYPES:
+        needs.append(OptionNeed(f"--draft {draft}", having(lambda b: not b.uses_dtype), "draft",
+                                f"{quant} is a GGUF variant; a transformers self-draft is self:int8 or self:int4"))
+    return needs
+
+
+def check_named(backend: str, draft_backend: str | None, has_draft: bool, needs: list[OptionNeed]) -> None:
+    """Each option given against the backend named for the model it applies to (the draft's: --draft-backend,
+    else the target's); auto chooses among those that honour them (paths.allowed_for). A contradiction the user
+    typed is one error naming both."""
+    for n in needs:
+        draft_on = draft_backend or backend
+        if n.whose == "either" and has_draft and draft_on in n.backends:
+            continue  # the draft's dense weights take the dtype
+        on, flag = (draft_on, "--draft-backend") if n.whose == "draft" and draft_backend else (backend, "--backend")
+        if on != "auto" and on not in n.backends:
+            raise ConfigError(f"{n.option} needs {flag} {' or '.join(n.backends)}; on {on}, {n.note}")
 
 
 def offering(need: str | None) -> tuple[str, ...]:
@@ -156,9 +208,12 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
-def load_model(name_or_path: str, dtype="bfloat16", num_layers: int | None = None, backend: str = "hf"):
+def load_model(name_or_path: str, dtype: str | None = DEFAULT_DTYPE, num_layers: int | None = None,
+               backend: str = "hf"):
     """Load a model and its tokenizer behind the backend named ``backend``: a ``TargetModel`` whose
-    ``source`` holds these arguments (a process of its own loads it again from them: remote_draft)."""
+    ``source`` holds these arguments (a process of its own loads it again from them: remote_draft).
+    ``dtype`` None: not given (DEFAULT_DTYPE where the backend reads one)."""
+    dtype = dtype or DEFAULT_DTYPE
     m = _named(backend).load(name_or_path, dtype, num_layers)
     m.source = {"name_or_path": name_or_path, "dtype": dtype, "num_layers": num_layers, "backend": backend}
     return m

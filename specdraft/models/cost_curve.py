@@ -47,6 +47,27 @@ def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tre
     return out
 
 
+def measure_prefill(model, ns: list[int], repeats: int = 3) -> dict[int, float]:
+    """Median milliseconds to prefill a prompt of n tokens into a fresh row, per n: what a request pays
+    before its first token (``SequenceRows.add_rows``, as the engine admits a request)."""
+    g = torch.Generator().manual_seed(1)
+    vocab = min(model.vocab_size, 1000)
+    rows = model.new_rows()
+    out = {}
+    for n in ns:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            rows.add_rows([ids])
+            dt = time.perf_counter() - t0
+            rows.remove_rows([0])
+            if i:  # the first one warms up
+                times.append(dt)
+        out[n] = 1000 * statistics.median(times)
+    return out
+
+
 def cpu_key() -> str:
     """A short key of this CPU kind (file names of what was measured on it)."""
     import hashlib

@@ -258,13 +258,3 @@ def ttt_batch(data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: in
             labels[b, t[ok], j] = t2d_index[x[at[ok]]]
     return F, toks, labels
 
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bf16 matrix products natively (AVX512_BF16 or AMX)."""
-    from pathlib import Path
-
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags

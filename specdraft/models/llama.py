@@ -126,6 +126,8 @@ def safe_extra_bufts(path: Path, name: str) -> bool:
     if os.environ.get("SPECDRAFT_LLAMA_PROBE", "1") == "0":  # the operator vouches for this build
         return True
     rec = probe_record(path)
+    if rec["extra_bufts"] is None and not rec["crashed"]:  # the file, not the build: llama.cpp cannot read it
+        raise ModelFileError(f"llama.cpp cannot load {name} from {path} (a probe {rec['default']})")
     if rec["extra_bufts"] is None:
         raise ConfigError(f"llama.cpp cannot decode multi-token batches of {name} on this CPU (a probe "
                           f"{rec['default']} with its default buffers, {rec['fallback']} without them); "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SIZES = (1, 2, 8, 32)
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 CRASH_HOOK = "SPECDRAFT_LLAMA_PROBE_CRASH"  # tests: "extra" kills the child when extra buffers are on, "all" always
 CPU_FLAGS = ("avx", "avx2", "avx_vnni", "fma", "f16c", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_int8", "amx_bf16")  # what a llama.cpp build can be compiled for
@@ -43,6 +44,12 @@ def cpu_flags() -> list[str]:
         return []
     have = set(line.split(":", 1)[1].split())
     return [f for f in CPU_FLAGS if f in have]
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512_BF16 or AMX): there bf16 halves a small
+    model's memory traffic at no cost in speed, elsewhere it is emulated and slower than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
 def build_id() -> str | None:
@@ -116,6 +123,15 @@ def run_probe(path: str | Path, extra_bufts: bool, timeout: float = 600) -> Prob
     return ProbeResult(False, f"exited with status {p.returncode}{at}: {last}")
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` starts with the GGUF magic (a file llama.cpp could parse at all)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def _key(path: Path) -> str:
     st = path.stat()
     return f"{path.name}:{st.st_size}"
@@ -139,8 +155,13 @@ def probe_record(path: str | Path, fresh: bool = False) -> dict:
     """The probe's verdict for this model on this build and CPU, cached: {"extra_bufts": True (the
     default buffers work) | False (only without the extra buffer types) | None (neither),
     "crashed": whether the default buffers' child died of a signal, "default": detail,
-    "fallback": detail or None}."""
+    "fallback": detail or None}. Only what says something about the build is kept: a child that decoded
+    or died of a signal, never one that could not load the file (that is the file's fault)."""
+    from ..core.errors import ModelFileError
+
     path = Path(path)
+    if not is_gguf(path):  # nothing to probe: llama.cpp would refuse it on any build
+        raise ModelFileError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     bid = build_id()
     file = cache_dir() / f"{bid}.json"
     seen = _seen(file)
@@ -150,6 +171,8 @@ def probe_record(path: str | Path, fresh: bool = False) -> dict:
     fallback = None if default.ok else run_probe(path, False)
     rec = {"extra_bufts": True if default.ok else (False if fallback.ok else None), "crashed": default.crashed,
            "default": default.detail, "fallback": fallback and fallback.detail}
+    if not (default.ok or default.crashed):
+        return rec
     seen[_key(path)] = rec
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".{os.getpid()}.tmp")

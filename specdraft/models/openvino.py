@@ -134,8 +134,8 @@ def check_conversion(model: "OVModel") -> dict:
     if stamp["median_diff"] > CHECK_TOLERANCE or not stamp["argmax_agree"]:
         raise ModelFileError(f"OpenVINO converts {model.name} wrongly: its logits differ from llama.cpp's on the same "
                              f"GGUF file by {stamp['median_diff']} at the median position (tolerance {CHECK_TOLERANCE}"
-                             f"{'' if stamp['argmax_agree'] else ', and the top token differs'}); use --backend llama "
-                             "for this model")
+                             f"{'' if stamp['argmax_agree'] else ', and the top token differs'}); the llama backend "
+                             "decodes it right")
     return stamp
 
 

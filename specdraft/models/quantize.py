@@ -11,12 +11,13 @@ they are, Q4_0 adds its own rounding. Each variant's SHA-256 and size are record
 from __future__ import annotations
 
 import ctypes
-import json
+import os
 from pathlib import Path
 
 from ..core import homefiles
 from ..core.errors import ConfigError, ModelFileError
 from . import catalog
+from .llama_probe import is_gguf
 
 TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,
          "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1}  # llama_ftype values
@@ -58,36 +59,54 @@ def variant_path(base: str, qtype: str) -> Path:
     if not p.exists() or p.stat().st_size != rec["size"]:
         raise ModelFileError(f"{p} is missing or not the registered file ({rec['size']} bytes); "
                              f"run `specdraft models quantize {base} --type {qtype}` again")
+    if not is_gguf(p):
+        raise ModelFileError(f"{p}, registered as {base}:{qtype}, is not a GGUF file; run `specdraft models "
+                             f"quantize {base} --type {qtype}` again")
     return p
 
 
 def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
-    """Write ``base`` as ``qtype`` with llama.cpp's quantizer, load it once, register it; -> its path."""
-    from .llama import LlamaModel, lib
-
-    ftype = check_type(qtype)
+    """Write ``base`` as ``qtype`` with llama.cpp's quantizer, load it once, register it; -> its path. A second
+    quantize of the same variant at once waits for the first and takes its file."""
+    check_type(qtype)
     spec = catalog.get_spec(base)
     catalog.pull(base)
     src = catalog.gguf_path(base)
     out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
-    made = _index().get(f"{base}:{qtype}")
-    if made and made.get("source_sha256") == spec.sha256 and out.is_file() and out.stat().st_size == made["size"]:
-        return out  # made before from the same file (its IR and caches stay valid)
-    tmp = out.with_suffix(".partial")
+    with homefiles.locked(out.with_name(out.name + ".lock")):
+        made = _index().get(f"{base}:{qtype}")
+        if (made and made.get("source_sha256") == spec.sha256 and out.is_file() and out.stat().st_size == made["size"]
+                and is_gguf(out)):
+            return out  # made before from the same file (its IR and caches stay valid)
+        _write_quantized(src, out, qtype, threads)
+        from .llama import LlamaModel
+
+        LlamaModel(out, None, name=f"{base}:{qtype}")  # the check: llama.cpp loads what it wrote
+        _register(f"{base}:{qtype}", {"path": str(out), "size": out.stat().st_size, "sha256": catalog.sha256_file(out),
+                                      "type": qtype, "source": spec.gguf_name, "source_sha256": spec.sha256})
+    return out
+
+
+def _write_quantized(src: Path, out: Path, qtype: str, threads: int | None) -> None:
+    """llama.cpp's quantizer from ``src`` into a temporary file of this call's own, renamed over ``out`` whole."""
+    from .llama import lib
+
+    tmp = homefiles.private_temp(out, ".partial")
     ll = lib()
     params = ll.llama_model_quantize_default_params()
-    params.ftype = ftype
+    params.ftype = TYPES[qtype]
     params.nthread = threads or 0
     params.allow_requantize = True
-    rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-    if rc != 0:
+    try:
+        rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise ModelFileError(f"llama.cpp could not quantize {src.name} to {qtype} (code {rc})")
+        os.replace(tmp, out)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise ModelFileError(f"llama.cpp could not quantize {src.name} to {qtype} (code {rc})")
-    tmp.rename(out)
-    LlamaModel(out, None, name=f"{base}:{qtype}")  # the check: llama.cpp loads what it wrote
-    rec = {"path": str(out), "size": out.stat().st_size, "sha256": catalog.sha256_file(out), "type": qtype,
-           "source": spec.gguf_name, "source_sha256": spec.sha256}
-    idx = _index()
-    idx[f"{base}:{qtype}"] = rec
-    _index_path().write_text(json.dumps(idx, indent=1))
-    return out
+
+
+def _register(name: str, record: dict) -> None:
+    """Add a variant's record to the index (other variants may be registered at the same time)."""
+    with homefiles.locked(_index_path().with_name(_index_path().name + ".lock")):
+        homefiles.write_json(_index_path(), {**_index(), name: record})

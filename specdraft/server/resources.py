@@ -22,9 +22,11 @@ from .scheduler import shutdown_error
 
 log = logging.getLogger("specdraft.server")
 
-# field: the files a loader reads, relative to the path ("" is the path itself, a file); a directory otherwise
+# field: the files a loader reads, relative to the path ("" is the path itself, a file); a directory otherwise.
+# A tuple in the list: the loader reads the first of these that exists (a head's weights: ours, or an
+# EAGLE-3 checkpoint's).
 FILES = {"skip_config": ("",), "autotune": ("",), "datastore": ("meta.json", "tokens.npy", "sa.npy"),
-         "head": ("config.json", "head.safetensors")}
+         "head": ("config.json", ("head.safetensors", "model.safetensors", "pytorch_model.bin"))}
 MAX_JSON_BYTES = 1 << 20  # a JSON file (skip config, autotune file, a manifest) larger than this is refused unread
 LOAD_S = 60.0  # the longest one request's resources may take to load (less with a shorter --timeout)
 
@@ -41,6 +43,8 @@ def problem(field: str, path: str) -> str | None:
         except OSError as e:
             return e.strerror.lower()
     for name in files:
+        if isinstance(name, tuple):  # alternatives: the first that exists
+            name = next((n for n in name if os.path.lexists(os.path.join(path, n))), name[0])
         f = os.path.join(path, name) if name else path
         where = f"{name}: " if name else ""
         try:

@@ -186,7 +186,7 @@ def main_leak(opts: LeakOptions) -> int:
               f"{interval * 1000:.0f} ms, padded to {opts.pad_bytes} B", file=sys.stderr)
         obs, labels = observe_modes(url, body, opts.per_class, opts.quiet)
     y = np.array(labels)
-    report = {"target": opts.models.target, "backend": opts.models.backend, "dtype": opts.models.dtype,
+    report = {"target": opts.models.target, "backend": dec.backend, "dtype": opts.models.weights(dec.backend),
               "method": opts.method, "cpu": cpu_name(), "per_class": opts.per_class, "max_tokens": opts.max_tokens,
               "chunk_tokens": opts.chunk, "interval_ms": round(interval * 1000, 1), "pad_bytes": opts.pad_bytes,
               "slowest_warmup_tok_s": round(slowest, 2), "chance_band_95": _chance_band(len(y)),

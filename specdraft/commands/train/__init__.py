@@ -49,6 +49,7 @@ class TrainOptions:
     max_len: int = 768  # eagle3: tokens of a sequence trained on (prompt + answer, cut)
     device: str = "auto"  # eagle3: where the head trains (auto: cuda when there is one)
     storage: str = "bfloat16"  # eagle3: the head file's weights (bfloat16, float32, or our compact int8)
+    holdout: int = 50  # eagle3: prompt i with i % holdout == 0 is kept out of training (a held-out split; 0: none)
     data_only: bool = False  # eagle3: make the data, do not train
     checkpoint_every: int = 50
     resume: bool = False
@@ -77,7 +78,7 @@ class Kind:
 
 RAY = ("ray", "ray_workers", "ray_worker_cpus")
 EAGLE3_OWN = ("draft_vocab", "synth", "synth_max_tokens", "gen_backend", "gen_batch", "ttt_steps",
-              "intermediate_size", "max_len", "device", "storage", "data_only")
+              "intermediate_size", "max_len", "device", "storage", "holdout", "data_only")
 
 
 def _kinds() -> dict[str, Kind]:
@@ -142,6 +143,9 @@ def _add_eagle3_args(t) -> None:
     t.add_argument("--storage", choices=["bfloat16", "float32", "int8"], default="bfloat16",
                    help="eagle3: the head file's weights (int8: specdraft's compact rows; `specdraft heads export` "
                    "writes the others' dtype)")
+    t.add_argument("--holdout", type=int, default=50, metavar="N",
+                   help="eagle3: prompt i with i %% N == 0 is kept out of training, for measuring the head on prompts "
+                   "of its own kind that it never saw (0: train on all)")
     t.add_argument("--data-only", action="store_true", help="eagle3: make (or extend) the data, do not train")
 
 

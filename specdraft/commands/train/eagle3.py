@@ -18,8 +18,9 @@ import torch
 
 from ...core.errors import ConfigError, SpecDraftError
 from ...core.jsonl import AppendedJsonl, read_json_file
-from ...models.eagle3 import Eagle3Head, Eagle3Shape, cpu_has_bf16, eagle3_layers, ttt_batch, ttt_loss
+from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers, ttt_batch, ttt_loss
 from ...models.heads import target_signature
+from ...models.llama_probe import native_bf16
 from . import eagle3_data as d3
 from .data import draft_vocab
 from .eagle3_ttt import Eagle3Data
@@ -52,6 +53,8 @@ def check(opts) -> None:
         v = getattr(opts, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if opts.holdout < 0:
+        raise ConfigError(f"--holdout must be >= 0, got {opts.holdout}")
     if opts.max_len < opts.ttt_steps + 2:
         raise ConfigError(f"--max-len {opts.max_len} leaves no room for {opts.ttt_steps} draft steps")
     device_of(opts.device)
@@ -98,27 +101,42 @@ def data_meta(opts, layers, gen, out: Path) -> dict:
     return want
 
 
+SYNTH_ROUND = 256  # synthesized prompts answered before the next ones are written (data grows in rounds)
+
+
 def make_data(opts, gen, layers, out: Path) -> dict:
-    """Prompts, answers and features, each stage continuing what DIR/data holds; -> the data's meta."""
+    """Prompts, answers and features, each stage continuing what DIR/data holds; with --synth in rounds of
+    SYNTH_ROUND prompts, each answered before the next round is written, so the data usable for training
+    grows from the start; -> the data's meta."""
     from ...core.prompts import load_prompts
 
     meta = data_meta(opts, layers, gen, out)
     data = out / "data"
-    tok = gen.tokenizer
-    if opts.synth:
-        prompts = d3.synth_prompts(gen, tok, opts.synth, data, opts.gen_batch, opts.synth_max_tokens, opts.seed)
-    else:
-        prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
-    encoded = []
-    for i, p in enumerate(prompts):
-        ids = encode(tok, p, chat=not opts.no_chat)
-        if len(ids) + opts.max_new_tokens <= gen.max_context and len(ids) <= (opts.max_prompt_tokens or len(ids)):
-            encoded.append((i, ids))
-    made = d3.answer_with_features(gen, encoded, data, layers, opts.gen_batch, opts.max_new_tokens, opts.seed)
+    made = {"tokens": 0, "seconds": 0.0}
+    rounds = range(SYNTH_ROUND, opts.synth + SYNTH_ROUND, SYNTH_ROUND) if opts.synth else [None]
+    for want in rounds:
+        if opts.synth:
+            prompts = d3.synth_prompts(gen, gen.tokenizer, min(want, opts.synth), data, opts.gen_batch,
+                                       opts.synth_max_tokens, opts.seed)
+        else:
+            prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
+        r = d3.answer_with_features(gen, encode_all(gen, prompts, opts), data, layers, opts.gen_batch,
+                                    opts.max_new_tokens, opts.seed)
+        made = {k: made[k] + r[k] for k in made}
     answers = [r for r in AppendedJsonl(data / "answers.jsonl", d3.ANSWER_FIELDS).rows if r["i"] < len(prompts)]
     d3.prefill_features(gen, answers, data, layers, opts.gen_batch)  # answers imported without features
     return {**meta, "n_prompts": len(prompts), "n_seqs": len(answers),
             "answer_tokens": sum(len(a["tokens"]) - a["n_prompt"] for a in answers), "made": made}
+
+
+def encode_all(gen, prompts: list[str], opts) -> list[tuple[int, list[int]]]:
+    """(index, token ids) of the prompts that fit the context with their answer (and --max-prompt-tokens)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = encode(gen.tokenizer, p, chat=not opts.no_chat)
+        if len(ids) + opts.max_new_tokens <= gen.max_context and len(ids) <= (opts.max_prompt_tokens or len(ids)):
+            out.append((i, ids))
+    return out
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -177,10 +195,10 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     if opts.data_only:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
-    data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size)
+    data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size, opts.holdout)
     head = Eagle3Head(shape) if shape is not None else new_head(gen, data, layers, opts)
     device = device_of(opts.device)
-    bf16 = device.type == "cuda" or cpu_has_bf16()
+    bf16 = device.type == "cuda" or native_bf16()
     print(f"eagle3: layers {list(head.layers)}, {head.parameter_count() / 1e6:.1f}M parameters, draft vocabulary "
           f"{head.shape.draft_vocab_size}, {len(data)} sequences ({data.answer_tokens} answer tokens), "
           f"{opts.ttt_steps} draft steps, on {device}{' in bf16' if bf16 else ''}", file=sys.stderr)

@@ -13,14 +13,14 @@ from .eagle3_data import ANSWER_FIELDS, FEATURE_FIELDS, current_features
 
 class Eagle3Data:
     """The answered sequences with current features (DIR/data; eagle3_data.py), features memory-mapped
-    (rows at the absolute offsets the index names)."""
+    (rows at the absolute offsets the index names); prompt i with i % ``holdout`` == 0 left out."""
 
-    def __init__(self, data: Path, width: int):
+    def __init__(self, data: Path, width: int, holdout: int = 0):
         import numpy as np
 
         answers = {r["i"]: r for r in AppendedJsonl(data / "answers.jsonl", ANSWER_FIELDS).rows}
         index = current_features(AppendedJsonl(data / "features.jsonl", FEATURE_FIELDS).rows, answers)
-        self.index = [index[i] for i in sorted(index)]
+        self.index = [index[i] for i in sorted(index) if not (holdout and i % holdout == 0)]
         if not self.index:
             raise SpecDraftError(f"{data} holds no answered sequences with features yet")
         self.tokens = [torch.tensor(answers[r["i"]]["tokens"], dtype=torch.long) for r in self.index]
