@@ -90,6 +90,11 @@ class SpecDecoder:
             self.learner.adopt(head, path)  # the head it learns continues from its adapted version
         return head
 
+    def served_outputs(self):
+        """The outputs this decoder served lately (``datastore.ServedOutputs``), which its suffix drafters
+        search, when it learns online; else None."""
+        return None if self.learner is None else self.learner.served
+
     def skip_config(self, path: str) -> tuple[int, ...]:
         """The layers the `specdraft tune-skip` file at ``path`` skips, read once per decoder and checked against
         the target (a server reads it within a request's bounded check; admission finds it here)."""

@@ -26,6 +26,7 @@ class LearnConfig:
     # before it is rolled back (acceptance is accepted / drafted, 0..1)
     persist: bool = True  # keep kept updates under $SPECDRAFT_HOME/adapted and continue from them next start
     queue: int = 16  # served sequences waiting for the training process; more are dropped (counted)
+    served_tokens: int = 65536  # recent outputs the suffix drafters search (datastore.ServedOutputs); 0: none
     seed: int = 0
 
     def __post_init__(self):
@@ -35,14 +36,16 @@ class LearnConfig:
                 raise ConfigError(f"learn: {name} must be a positive number, got {v!r}")
         if not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 1):
             raise ConfigError(f"learn: budget (--learn-budget) must be a share of the CPU in (0, 1], got {self.budget!r}")
-        if not (isinstance(self.max_drop, (int, float)) and 0 <= self.max_drop < 1):
-            raise ConfigError(f"learn: max_drop must be in [0, 1), got {self.max_drop!r}")
+        if not (isinstance(self.max_drop, (int, float)) and 0 <= self.max_drop <= 1):
+            raise ConfigError(f"learn: max_drop must be in [0, 1] (1: never roll back), got {self.max_drop!r}")
         for name in ("ttt_steps", "batch_size", "publish_every", "reuse", "window", "queue"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"learn: {name} must be an integer >= 1, got {v!r}")
         if not isinstance(self.max_len, int) or self.max_len < self.ttt_steps + 2:
             raise ConfigError(f"learn: max_len must be an integer >= ttt_steps + 2, got {self.max_len!r}")
+        if not isinstance(self.served_tokens, int) or isinstance(self.served_tokens, bool) or self.served_tokens < 0:
+            raise ConfigError(f"learn: served_tokens must be an integer >= 0, got {self.served_tokens!r}")
         if not isinstance(self.buffer_tokens, int) or self.buffer_tokens < self.max_len:
             raise ConfigError(f"learn: buffer_tokens must be an integer >= max_len ({self.max_len}), "
                               f"got {self.buffer_tokens!r}")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..drafters.datastore import ServedOutputs
 from ..engine import StepHook
 from .config import LearnConfig
 from .guard import AcceptanceGuard
@@ -41,6 +42,7 @@ class LearnStatus:
     kept: int = 0
     rollbacks: int = 0
     on_trial: bool = False
+    served_tokens: int = 0  # in the store of recent outputs the suffix drafters search
     sent: int = 0  # served sequences handed to the training process
     dropped: int = 0  # not handed over: its queue was full
     acceptance: float | None = None  # the latest window's
@@ -92,6 +94,7 @@ class Learner(StepHook):
         self._pending: Weights | None = None
         self._before: dict[str, torch.Tensor] | None = None  # the weights before the update on trial
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.served = ServedOutputs(cfg.served_tokens) if cfg.served_tokens else None  # for the suffix drafters
         self._proc = self._data = self._control = self._out = None
 
     # --- binding ----------------------------------------------------------------------------------
@@ -114,6 +117,8 @@ class Learner(StepHook):
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of the serving process's state
         self._data, self._control, self._out = ctx.Queue(self.cfg.queue), ctx.Queue(), ctx.Queue()
+        for q in (self._data, self._control):  # what the process never read is dropped at exit, not waited for
+            q.cancel_join_thread()
         if self.spawn:
             self._start_process(ctx, {**getattr(head, "meta", {}), "type": "eagle3", "adapted_from": self.head_path,
                                       "shipped_sha256": fp})
@@ -148,20 +153,20 @@ class Learner(StepHook):
                                  name="specdraft-learner", daemon=True)
         with _environ(OMP_WAIT_POLICY="PASSIVE"), _main_hidden():  # OpenMP reads it when the child's starts
             self._proc.start()
-        threading.Thread(target=self._read, name="specdraft-learner-reader", daemon=True).start()
+        threading.Thread(target=self._read, args=(self._proc,), name="specdraft-learner-reader", daemon=True).start()
 
     def _dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
 
-    def _read(self) -> None:
+    def _read(self, proc) -> None:
         """The training process's messages (a thread): updates wait in ``_pending`` for the loop's next pause."""
-        while True:
+        while self._proc is proc:
             try:
                 msg = self._out.get(timeout=1.0)
             except queue.Empty:
-                if self._proc.is_alive():
+                if proc.is_alive() or self._proc is not proc:
                     continue
-                msg = Failed(f"the training process ended (exit code {self._proc.exitcode})")
+                msg = Failed(f"the training process ended (exit code {proc.exitcode})")
             except (EOFError, OSError):
                 return
             if isinstance(msg, Weights):
@@ -190,13 +195,18 @@ class Learner(StepHook):
                 self._stepping -= 1
 
     def after_step(self, rows: list, finished: list) -> None:
-        if self.head is None or self.status_.state != "learning":
-            return
         try:
+            taught = [r for r in finished if r.error is None and getattr(r.tag, "learn", True)]
+            if self.served is not None:
+                for row in taught:
+                    self.served.add(row.output)
+            if self.head is None or self.status_.state != "learning":
+                return
             for row in list(rows) + list(finished):
                 self._count(row)
-            for row in finished:
+            for row in taught:
                 self._hand_over(row)
+            for row in finished:
                 self._rows.pop(row, None)
             with self._lock:
                 if self._stepping == 0:  # another thread's step runs (library use): next time
@@ -224,9 +234,7 @@ class Learner(StepHook):
         w.seen = len(steps)
 
     def _hand_over(self, row) -> None:
-        """A finished row's sequence to the training process (unless its client may not teach the head)."""
-        if row.error is not None or not getattr(row.tag, "learn", True):
-            return
+        """A finished row's sequence to the training process."""
         d = head_drafter(row.drafter, self.head)
         seq = None if d is None else served_sequence(row.tokens, len(row.prompt_ids), d.feats, self.target,
                                                      self.cfg.max_len)
@@ -286,6 +294,7 @@ class Learner(StepHook):
         rate = self.guard.recent.rate
         s.acceptance = None if rate is None else round(rate, 4)
         s.curve = list(self.guard.curve)
+        s.served_tokens = 0 if self.served is None else self.served.n_tokens
         if s.progress.saved_path:
             s.adapted = s.progress.saved_path
         return LearnStatus(**{**vars(s)})

@@ -3,10 +3,11 @@ into its replay buffer, trains a float32 copy of the head, and every ``publish_e
 sends the weights as an update; it waits for the server's verdict on an update before sending the next,
 writes a kept one to the adapted store and goes back to the weights before a rolled back one.
 
-Its cost is bounded twice. Its threads run at nice 19 and, where Linux allows, under SCHED_IDLE, so the
-serving engine gets a core whenever it has work (the kernel preempts the learner within its scheduling
-tick, inside any engine step); ``OMP_WAIT_POLICY=PASSIVE`` (set by the parent) keeps its OpenMP threads
-from spinning on a core while they wait. And it paces itself: after each piece of work it sleeps until
+Its cost is bounded twice. Its threads run at nice 19, so the serving engine gets a core whenever it has
+work (the kernel preempts the learner within its scheduling tick, inside any engine step: nice 19 weighs
+15 against nice 0's 1024); ``OMP_WAIT_POLICY=PASSIVE`` (set by the parent) keeps its OpenMP threads from
+spinning on a core while they wait. (SCHED_IDLE would yield even more, but on a machine that other
+processes keep busy it starved the learner outright: no optimizer step in a minute of a test.) And it paces itself: after each piece of work it sleeps until
 its CPU seconds are at most ``budget`` of the machine's CPU seconds since the work began (``Pacer``).
 It trains each served token about ``reuse`` times, then waits for more traffic."""
 
@@ -60,8 +61,7 @@ class Pacer:
 
 
 def lower_priority() -> None:
-    """nice 19 (and SCHED_IDLE where allowed) for every thread of this process; threads made later inherit it
-    (Linux keeps both per thread)."""
+    """nice 19 for every thread of this process; threads made later inherit it (Linux keeps it per thread)."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -69,18 +69,16 @@ def lower_priority() -> None:
     for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, 19)
-        if hasattr(os, "SCHED_IDLE"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
 
 
 def main(setup: ProcessSetup, data: "queue.Queue", control: "queue.Queue", out: "queue.Queue") -> None:
-    lower_priority()
     try:
         import torch
 
         torch.set_num_threads(setup.threads)
-        _Loop(setup, data, control, out).run()
+        loop = _Loop(setup, data, control, out)
+        lower_priority()  # after its start (a copy of the head, once), which a niced process on a busy machine
+        loop.run()  # would stretch to minutes
     except Exception as e:  # noqa: BLE001 - whatever it is, the server must hear of it and serve on
         last = traceback.format_exc().strip().splitlines()[-1]
         out.put(Failed(f"{type(e).__name__}: {e}" if str(e) else last))

@@ -52,7 +52,7 @@ def health_view(learner) -> dict:
             "rollbacks": s.rollbacks, "on_trial": s.on_trial, "acceptance": s.acceptance,
             "acceptance_before_update": s.acceptance_before, "buffer_tokens": p.buffer_tokens,
             "optimizer_steps": p.steps, "loss": p.loss, "busy_share": p.busy_share, "sequences_sent": s.sent,
-            "sequences_dropped": s.dropped, "warning": p.warning}
+            "sequences_dropped": s.dropped, "served_tokens": s.served_tokens, "warning": p.warning}
 
 
 def curve_view(learner) -> dict:
@@ -88,6 +88,7 @@ class LearnCollector:
         seqs.add_metric(["dropped"], s.dropped)
         yield seqs
         gauges = {"buffer_tokens": (p.buffer_tokens, "tokens in the replay buffer"),
+                  "served_tokens": (s.served_tokens, "tokens of recent outputs the suffix drafters search"),
                   "acceptance": (s.acceptance, "accepted / drafted of the head's steps over the latest window"),
                   "busy_share": (p.busy_share, "the training process's share of the machine's CPU time so far"),
                   "up": (1 if s.state == "learning" else 0, "1 while the learner learns")}
