@@ -26,10 +26,10 @@ from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.engine import StepHook, generate
 from specdraft.learning import LearnConfig
-from specdraft.learning.learner import Learner, served_sequence
+from specdraft.learning.learner import Learner, Update, served_sequence
 from specdraft.learning.store import AdaptedStore, adapted_root, head_fingerprint, store_name
 from specdraft.learning.trainer import HeadTrainer
-from specdraft.learning.wire import Verdict, Weights, WireTensor
+from specdraft.learning.wire import Verdict
 from specdraft.models.heads import load_head
 from stat_util import fit_pvalue, sample_first_tokens
 
@@ -146,7 +146,8 @@ def bare_learner(target, head_dir, **cfg):
 
 
 def plant(learner, head, version, fn):
-    learner._pending = Weights(version, {k: WireTensor.of(fn(p.detach())) for k, p in head.named_parameters()})
+    """An update as the training process's reader hands it over."""
+    learner._pending = Update(version, {k: fn(p.detach()) for k, p in head.named_parameters()})
 
 
 def test_weights_are_swapped_only_between_steps(target, head_dir):
