@@ -136,6 +136,19 @@ def test_a_drafter_feeds_its_context_again_after_the_weights_change(target):
     assert later and all(changed[n] == fresh[n] for n in later), (hook.at, changed, fresh)
 
 
+def test_seeded_samples_of_a_learning_head_say_they_are_not_pinned(target, head_dir):
+    """The seed pins a sample only while the drafts do not change with the traffic: with learning on,
+    eagle3 (and auto's eagle3 arms) report reproducible false."""
+    seeded = {"temperature": 1.0, "seed": 3, "max_new_tokens": 4}
+    learning = SpecDecoder(target, learn=LearnConfig(persist=False))
+    learning.learner.spawn = False
+    learning.set_cost_curves({n: 0.01 * n for n in range(1, 40)})  # auto's: given, not measured
+    for spec in ({"method": "eagle3", "head": str(head_dir)}, {"method": "auto", "head": str(head_dir)}):
+        assert learning.generate(PROMPTS[0], sampling=seeded, spec=spec).stats.reproducible is False
+        assert SpecDecoder(target).generate(PROMPTS[0], sampling=seeded,
+                                            spec={**spec, "method": "eagle3"}).stats.reproducible is True
+
+
 # --- the learner between steps ------------------------------------------------------------------------
 def bare_learner(target, head_dir, **cfg):
     """A learner bound to a loaded head, without a training process (updates are planted by the test)."""
