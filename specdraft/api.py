@@ -373,12 +373,12 @@ class ModelSettings:
 
         return (self.dtype or DEFAULT_DTYPE) if BACKENDS[backend].uses_dtype else "GGUF weights"
 
-    def load(self, shape=None, **override) -> SpecDecoder:
+    def load(self, shape=None, learn=None, **override) -> SpecDecoder:
         """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the
-        request's, for --backend auto (``SpecDecoder.load``)."""
+        request's, for --backend auto; ``learn``: online learning (both as ``SpecDecoder.load`` takes them)."""
         settings = dataclasses.replace(self, **override)
         settings.check()
-        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape)
+        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape, learn=learn)
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:

@@ -343,6 +343,17 @@ def test_serve_refuses_learning_it_cannot_do_as_asked(argv, fragment, capsys):
     assert err.startswith("error: ") and fragment in err and "\n" not in err, err
 
 
+def test_serve_loads_a_learning_decoder(tmp_path):
+    """`serve --learn`'s settings reach the decoder it loads (they did not: ModelSettings.load refused them)."""
+    from conftest import tiny_model_dir
+    from specdraft.api import ModelSettings
+
+    d = tiny_model_dir(tmp_path / "tiny")
+    dec = ModelSettings(target=str(d), backend="hf", dtype="float32").load(learn=LearnConfig(budget=0.5))
+    assert dec.learner is not None and dec.learner.cfg.budget == 0.5
+    assert ModelSettings(target=str(d), backend="hf", dtype="float32").load().learner is None
+
+
 def test_the_server_learns_from_the_keys_it_names_and_shows_the_learner(target, head_dir):
     """Two keys, learning from one: both are served, only the named key's requests reach the learner;
     /health, /metrics and /v1/specdraft/learning show its state."""
