@@ -269,7 +269,7 @@ def test_a_learning_server_shows_its_acceptance_curve(browser, tmp_path):
     dec.learner.spawn = False  # no training process: the test plants the curve
     with running_server(dec, model_name="tiny", default_spec={"method": "eagle3", "head": str(head), "k": 3}) as (url, _):
         dec.learner.guard.curve.extend([(1.0, 0.2), (2.0, 0.5), (3.0, 0.4)])
-        dec.learner.status_.state = "learning " + HOSTILE_ID
+        dec.learner._status.state = "learning " + HOSTILE_ID
         b.get(url + "/")
         wait_until(lambda: _q(b, "#learning")[0].is_displayed(), timeout=30)
         assert HOSTILE_ID in _q(b, "#learnstate")[0].text and not _q(b, "#learning img")

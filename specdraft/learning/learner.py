@@ -2,29 +2,34 @@
 
 It binds to the first EAGLE-3 head the decoder loads (``adopt``): the head continues from its adapted
 version when one is kept (store.py), and the training process starts. The engine's loop holds each step
-inside ``stepping()`` and calls ``after_step`` between steps (engine.StepHook): there the learner counts
-the EAGLE-3 steps' acceptance, hands finished requests to the training process, judges the update on
-trial (``guard.AcceptanceGuard``: kept, or rolled back by copying the weights before it back) and copies
-a new update into the head: each parameter takes the update's tensor as it is (no copy: the pause between
-two steps is microseconds, where copying a 44M-parameter head took 150-230 ms on a busy 2-core CPU), and
-the tensors it replaced are what a rollback puts back. Swaps happen only while no step runs (``_swap``
-refuses otherwise), so every step drafts with one set of weights, and a drafter's cache made with older weights is rebuilt
-(``head.version``, drafters/eagle.py). Decoding stays lossless whatever the weights: the drafter only
-proposes, and the target verifies."""
+inside ``stepping()`` and calls ``after_step`` between steps (engine.StepHook). There the learner:
+
+- counts the acceptance of the head's steps;
+- hands finished requests to the training process, and their outputs to the suffix drafters' store;
+- judges the update on trial (``guard.AcceptanceGuard``): kept, or rolled back;
+- swaps a new update in. Each parameter takes the update's tensor as it is, so the pause between two steps
+  is microseconds (copying a 44M-parameter head took 150-230 ms on a busy 2-core CPU); the tensors it
+  replaced are what a rollback puts back.
+
+Swaps happen only while no step runs (``_swap`` refuses otherwise), so every step drafts with one set of
+weights; a drafter's cache made with older weights is rebuilt (``head.version``, drafters/eagle.py).
+Decoding stays lossless whatever the weights: the drafter only proposes, and the target verifies."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
 import threading
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from ..drafters.datastore import ServedOutputs
+from ..drafters.eagle3 import Eagle3Drafter
 from ..engine import StepHook
 from .config import LearnConfig
 from .guard import AcceptanceGuard
@@ -52,14 +57,9 @@ class LearnStatus:
     curve: list = field(default_factory=list)  # [(unix time, acceptance)], a point per window
     progress: Progress = field(default_factory=Progress)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def head_drafter(drafter, head):
     """The EAGLE-3 drafter on ``head`` inside ``drafter`` (itself, or a part of a composite such as auto), or None."""
-    from ..drafters.eagle3 import Eagle3Drafter
-
     if isinstance(drafter, Eagle3Drafter):
         return drafter if drafter.head is head else None
     return next((d for p in getattr(drafter, "parts", ()) if (d := head_drafter(p, head)) is not None), None)
@@ -96,9 +96,9 @@ class Learner(StepHook):
 
     def __init__(self, target, cfg: LearnConfig, home=None, spawn: bool = True):
         self.target, self.cfg, self.home, self.spawn = target, cfg, home, spawn
-        self.head = self.head_path = None
+        self.head = self.head_path = self.store = None
         self.guard = AcceptanceGuard(cfg.window, cfg.max_drop)
-        self.status_ = LearnStatus("waiting for an EAGLE-3 head")
+        self._status = LearnStatus("waiting for an EAGLE-3 head")
         self._lock = threading.Lock()
         self._stepping = 0
         self._pending: Update | None = None
@@ -121,8 +121,8 @@ class Learner(StepHook):
         fp = head_fingerprint(head_path)
         self.store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp)) if self.cfg.persist else None
         self._continue_from_store()
-        self.status_.head = self.head_path
-        self.status_.state = "learning"
+        self._status.head = self.head_path
+        self._status.state = "learning"
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of the serving process's state
@@ -146,9 +146,9 @@ class Learner(StepHook):
                         self.store.current(), self.head_path)
             return
         self._take({k: ck.state[k] for k, _ in self.head.named_parameters()})  # no drafter holds the head yet
-        self.status_.adapted = str(self.store.current())
+        self._status.adapted = str(self.store.current())
         log.warning("learn: continuing from the adapted head %s (`specdraft heads reset` returns to the shipped head "
-                    "%s)", self.status_.adapted, self.head_path)
+                    "%s)", self._status.adapted, self.head_path)
 
     def _start_process(self, ctx, meta: dict) -> None:
         from . import process
@@ -184,15 +184,15 @@ class Learner(StepHook):
                 with self._lock:
                     self._pending = update
             elif isinstance(msg, Progress):
-                self.status_.progress = msg
+                self._status.progress = msg
             elif isinstance(msg, Failed):
                 self._fail(msg.message)
                 return
 
     def _fail(self, why: str) -> None:
-        if self.status_.state == "learning":
+        if self._status.state == "learning":
             log.error("learn: stopped learning (%s); the head serves as it is", why)
-            self.status_.state = f"failed: {why}"
+            self._status.state = f"failed: {why}"
 
     # --- the engine's hook --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -211,7 +211,7 @@ class Learner(StepHook):
             if self.served is not None:
                 for row in taught:
                     self.served.add(row.output)
-            if self.head is None or self.status_.state != "learning":
+            if self.head is None or self._status.state != "learning":
                 return
             for row in list(rows) + list(finished):
                 self._count(row)
@@ -253,9 +253,9 @@ class Learner(StepHook):
             return
         try:
             self._data.put_nowait(seq)
-            self.status_.sent += 1
+            self._status.sent += 1
         except queue.Full:
-            self.status_.dropped += 1
+            self._status.dropped += 1
 
     # --- updates (with the lock held, no step running) ---------------------------------------------
     def _params(self) -> dict[str, torch.nn.Parameter]:
@@ -284,7 +284,7 @@ class Learner(StepHook):
         update, self._pending = self._pending, None
         self._before = self._swap(update.tensors)
         self.guard.start(update.version)
-        self.status_.updates += 1
+        self._status.updates += 1
 
     def _judge(self) -> None:
         v = self.guard.verdict()
@@ -292,10 +292,10 @@ class Learner(StepHook):
             return
         version, keep = v
         if keep:
-            self.status_.kept += 1
+            self._status.kept += 1
         else:
             self._swap(self._before)
-            self.status_.rollbacks += 1
+            self._status.rollbacks += 1
             log.warning("learn: update %d rolled back (acceptance %.3f after it, %.3f before)", version,
                         self.guard.last_after, self.guard.last_before)
         self._before = None
@@ -303,7 +303,7 @@ class Learner(StepHook):
 
     # --- what it shows ------------------------------------------------------------------------------
     def status(self) -> LearnStatus:
-        s = self.status_
+        s = self._status
         t = self.guard.trial
         s.on_trial, s.acceptance_before = t is not None, None if t is None else round(t.before, 4)
         rate = self.guard.recent.rate
@@ -312,14 +312,14 @@ class Learner(StepHook):
         s.served_tokens = 0 if self.served is None else self.served.n_tokens
         if s.progress.saved_path:
             s.adapted = s.progress.saved_path
-        return LearnStatus(**{**vars(s)})
+        return dataclasses.replace(s)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the training process (it finishes what it writes first)."""
         if self._proc is None:
             return
-        if self.status_.state == "learning":
-            self.status_.state = "stopped"
+        if self._status.state == "learning":
+            self._status.state = "stopped"
         with contextlib.suppress(Exception):
             self._control.put(Stop())
         self._proc.join(timeout)
