@@ -39,6 +39,14 @@ class ProcessSetup:
     parent_pid: int  # the serving process: when it is gone, so is this one
 
 
+@dataclass
+class Published:
+    """The update on trial: its version and the weights it sent (float32), kept until the server's verdict."""
+
+    version: int
+    weights: dict
+
+
 class Pacer:
     """Sleeps after each piece of work so that the process's CPU seconds stay within ``share`` of the
     machine's (``cpus`` x wall seconds); reports the share used since it started."""
@@ -96,7 +104,7 @@ class _Loop:
         self.dtype = getattr(torch, setup.served_dtype)
         self.pacer = Pacer(setup.cfg.budget, setup.cpus)
         self.good = self.trainer.snapshot()  # the weights the server holds as kept
-        self.published: tuple[int, dict] | None = None  # (version, weights) on trial
+        self.published: Published | None = None
         self.version = self.since_publish = 0
         self.received_tokens = self.trained_tokens = 0
         self.progress = Progress()
@@ -139,8 +147,8 @@ class _Loop:
             self.trainer.buffer.add(msg)
             self.received_tokens += msg.n_tokens - msg.n_prompt
             self.progress.received += 1
-        elif isinstance(msg, Verdict) and self.published is not None and msg.version == self.published[0]:
-            snap = self.published[1]
+        elif isinstance(msg, Verdict) and self.published is not None and msg.version == self.published.version:
+            snap = self.published.weights
             self.published, self.since_publish = None, 0
             if msg.keep:
                 self.good = snap
@@ -161,7 +169,7 @@ class _Loop:
         if self.published is not None or self.since_publish < self.cfg.publish_every:
             return
         self.version += 1
-        self.published = (self.version, self.trainer.snapshot())
+        self.published = Published(self.version, self.trainer.snapshot())
         self.since_publish = 0
         self.out.put(Weights(self.version, self.trainer.weights(self.dtype)))
 
