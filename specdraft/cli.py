@@ -17,8 +17,9 @@ import sys
 
 from .drafters import registry as methods
 from .api import ModelSettings
-from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT
+from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
+from .core.extras import require_extra
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
@@ -77,8 +78,6 @@ def spec_from_args(a) -> "SpecConfig":
 
 
 def sampling_from_args(a) -> "SamplingParams":
-    from .core.config import SamplingParams
-
     return SamplingParams(
         temperature=a.temperature,
         top_k=a.top_k,
@@ -254,10 +253,9 @@ def _serve_settings(a):
         raise SpecDraftError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     if a.replicas < 1:
         raise SpecDraftError(f"--replicas must be >= 1, got {a.replicas}")
-    try:
-        from .server.pacing import StreamPacing
-    except ImportError as e:
-        raise SpecDraftError(f"specdraft serve needs the server packages (pip install -r requirements.txt): {e}") from e
+    require_extra("server", "specdraft serve")
+    from .server.pacing import StreamPacing
+
     try:
         pacing = StreamPacing(a.stream_chunk, a.stream_interval_ms / 1000, a.stream_pad_bytes,
                               locked=a.stream_mode == "fixed-only")

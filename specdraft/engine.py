@@ -13,7 +13,9 @@ token); each step feeds pending + draft and keeps the pending token + the accept
 chain's prefix, or a tree's accepted path).
 
 Greedy rows emit exactly what batch-size-1 decoding emits (same dtype): masks and positions make
-each row's attention identical; only floating-point summation order can differ.
+each row's attention identical; only floating-point summation order can differ. A seeded sampling row
+emits exactly its batch-size-1 tokens: it decodes in a lane of its own (models/lanes.py), so its
+forwards, its draft model's and its random stream are those of decoding it alone.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .core.sampling import make_generator
 from .core.tree import DraftTree, feed_mask
 from .core.verify import greedy_verify, lossy_label, sample_verify, verify_tree
 from .drafters.base import StepOutcome
+from .models.lanes import RowLanes
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Request:
     processor: RequestProcessor | None = None  # penalties, bias, min_tokens, grammar (None: none asked)
     logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
     error: Exception | None = None  # what failed in this row's own work (its drafter, its processing)
+    own_lane: bool = False  # decoded apart from the other rows, exactly as alone (seeded sampling)
 
     @property
     def output(self) -> list[int]:
@@ -96,18 +100,27 @@ class Request:
     def seeded_sampling(self) -> bool:
         return self.sp.seed is not None and not self.sp.greedy
 
+    @property
+    def group_key(self):
+        """The draft group this row drafts in: its drafter's, or one of its own in its own lane."""
+        key = self.drafter.group_key
+        return ("own lane", id(self), key) if key is not None and self.own_lane else key
+
 
 class Engine:
     """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
-    ``policy.BatchRule``, optional) shrinks drafting as the batch grows."""
+    ``policy.BatchRule``, optional) shrinks drafting as the batch grows. ``isolate_seeded``: each seeded
+    sampling row decodes in a lane of its own, so its tokens are those of decoding it alone; False
+    batches such rows with the others (faster; their stats then say ``reproducible`` False)."""
 
     def __init__(self, target, eos_ids: set[int] | None = None, tokenizer=None, rule: BatchRule | None = None,
-                 compact_slack: int = 32):
+                 compact_slack: int = 32, isolate_seeded: bool = True):
         self.target = target
+        self.isolate_seeded = isolate_seeded
         self.eos_ids = set(eos_ids if eos_ids is not None else target.eos_token_ids())
         self.tokenizer = tokenizer
         self.rule = rule
-        self.kv = target.new_rows(compact_slack)
+        self.kv = RowLanes(lambda: target.new_rows(compact_slack))
         self.rows: list[Request] = []
         self.groups: dict = {}  # group_key -> DraftGroup
         self.last_step_s = 0.0
@@ -157,7 +170,9 @@ class Engine:
                       stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter(), lossy=lossy)
         row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
-            row.stats.reproducible = drafter.reproducible and row.length.reproducible and lossy is None
+            row.stats.reproducible = (drafter.reproducible and row.length.reproducible and lossy is None
+                                      and self.isolate_seeded)
+            row.own_lane = row.stats.reproducible  # what else runs must not change its forwards' numerics
         row.gen = make_generator(sp.seed)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
@@ -171,7 +186,7 @@ class Engine:
     def _prefill(self, rows: list[Request]) -> None:
         t0 = time.perf_counter()
         want = [r.drafter.wants_hidden for r in rows]
-        self.kv.add_rows([r.prompt_ids[:-1] for r in rows], hidden=any(want))
+        self.kv.add_rows([r.prompt_ids[:-1] for r in rows], hidden=any(want), own=[r.own_lane for r in rows])
         for r, w, h in zip(rows, want, self.kv.prefill_hidden):
             r.hidden_prefix = h if w else None
         self.kv.prefill_hidden = []
@@ -179,7 +194,7 @@ class Engine:
         for key, members in _by_group(rows).items():
             if key not in self.groups:
                 self.groups[key] = members[0].drafter.new_group()
-            self.groups[key].join(members, (self.kv, [first + rows.index(m) for m in members]))
+            self.groups[key].join(members, self.kv.locate([first + rows.index(m) for m in members]))
         dt = (time.perf_counter() - t0) / len(rows)
         for r in rows:
             r.prefill_s = dt
@@ -211,6 +226,8 @@ class Engine:
         gone = [self.rows[i] for i in idx]
         for key, members in _by_group(gone).items():
             self.groups[key].leave(members)
+            if members[0].own_lane:  # its row's own group
+                del self.groups[key]
         drop = set(idx)
         self.rows = [r for i, r in enumerate(self.rows) if i not in drop]
 
@@ -247,32 +264,34 @@ class Engine:
     def _shed(self) -> list[Request]:
         """Rows a shared, full cache cannot feed even their pending token this step leave first, the last
         joined first, each with its own error: the others decode on (llama.cpp: rows share n_ctx cells)."""
-        room = self.kv.draft_room()
-        over = 0 if room is None else len(self.rows) - room[1]
-        gone = self.rows[len(self.rows) - over:] if over > 0 else []
+        idx = []
+        for room, members in self.kv.rooms():  # per lane: its cache's room, its rows
+            over = 0 if room is None else len(members) - room[1]
+            idx += members[len(members) - over:] if over > 0 else []
+        gone = [self.rows[r] for r in sorted(idx)]
         for row in gone:
             row.error = ContextLengthError("the model's context (shared by the requests decoding together) is "
                                            "full; retry when fewer requests run")
             self._finish(row, "error")
         if gone:
-            self._drop(list(range(len(self.rows) - len(gone), len(self.rows))))
+            self._drop(sorted(idx))
         return gone
 
     def _fit(self, drafts: list[DraftTree]) -> list[DraftTree]:
-        """Drafts cut to what a shared, bounded cache can take this step (``SequenceRows.draft_room``): the
+        """Drafts cut to what a shared, bounded cache can take this step (each lane's ``draft_room``): the
         free cells beyond the pending tokens and, for token trees, the spare sequence ids. A cut draft keeps
         its first nodes (ancestor-closed), as if its drafter had stopped early, so verification stays exact."""
-        room = self.kv.draft_room()
-        if room is None:
-            return drafts
-        seqs, cells = room[0], room[1] - len(drafts)
-        out = []
-        for d in drafts:
-            d = d.first(max(cells, 0))
-            while d.extra_leaves() > seqs:
-                d = d.first(d.size // 2)
-            seqs, cells = seqs - d.extra_leaves(), cells - d.size
-            out.append(d)
+        out = list(drafts)
+        for room, members in self.kv.rooms():  # each lane's cache bounds its own rows
+            if room is None:
+                continue
+            seqs, cells = room[0], room[1] - len(members)
+            for r in members:
+                d = out[r].first(max(cells, 0))
+                while d.extra_leaves() > seqs:
+                    d = d.first(d.size // 2)
+                seqs, cells = seqs - d.extra_leaves(), cells - d.size
+                out[r] = d
         return out
 
     @staticmethod
@@ -454,8 +473,8 @@ def _by_group(rows: list[Request]) -> dict:
     """group_key -> the rows (in order) whose drafter drafts through that group."""
     out: dict = {}
     for r in rows:
-        if r.drafter.group_key is not None:
-            out.setdefault(r.drafter.group_key, []).append(r)
+        if r.group_key is not None:
+            out.setdefault(r.group_key, []).append(r)
     return out
 
 
@@ -532,14 +551,14 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
 
 def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
                    max_batch: int | None = None, join_every: int = 0,
-                   hook: StepHook | None = None) -> list[GenerationResult]:
+                   isolate_seeded: bool = True, hook: StepHook | None = None) -> list[GenerationResult]:
     """Decode several (prompt_ids, sampling, drafter[, length[, lossy]]) jobs together; results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
-    ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins); ``hook``: a
-    StepHook around the steps."""
+    ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins);
+    ``isolate_seeded``: as ``Engine``'s; ``hook``: a StepHook around the steps."""
     hook = StepHook() if hook is None else hook
-    eng = Engine(target, eos_ids, tokenizer, rule)
+    eng = Engine(target, eos_ids, tokenizer, rule, isolate_seeded=isolate_seeded)
     waiting = list(enumerate(jobs))
     results: dict[int, GenerationResult] = {}
     steps = 0

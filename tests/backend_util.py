@@ -109,7 +109,7 @@ def sample_pairs(target, make_drafter, prompt, sp, n, rows=50):
     for start in range(0, n, rows):
         jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
                 for i in range(start, min(start + rows, n))]
-        for out in generate_batch(target, jobs, eos_ids=set()):
+        for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False):  # seeds only pin the samples
             key = tuple(out.token_ids[:2])
             counts[key] = counts.get(key, 0) + 1
     return counts

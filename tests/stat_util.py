@@ -98,7 +98,8 @@ def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_s
     for start in range(0, n_samples, rows):
         jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}),
                  make_drafter()) for i in range(start, min(start + rows, n_samples))]
-        for out in generate_batch(target, jobs, eos_ids=set(), hook=hook):
+        # seeds only pin the samples
+        for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False, hook=hook):
             counts[tuple(out.token_ids[:n_tokens])] += 1
             made = 0
             for st in out.stats.steps:  # the steps that started before the last counted token

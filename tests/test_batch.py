@@ -134,6 +134,20 @@ def test_sampling_rows_reproducible_by_seed(pair):
     assert a[0].token_ids == b.token_ids and len(a[0].token_ids) == 12  # the seed's batch-1 sample
 
 
+def test_seeded_rows_share_the_forward_when_not_isolated(pair):
+    """``isolate_seeded=False`` batches seeded sampling rows with the others (one lane), and their stats
+    no longer claim the seed pins their tokens whatever else runs."""
+    target, _ = pair
+    sp = SamplingParams(temperature=0.9, seed=3, max_new_tokens=4)
+    for isolate, lanes in [(True, 3), (False, 1)]:
+        eng = Engine(target, eos_ids=set(), isolate_seeded=isolate)
+        rows = [eng.add(p, sp, NoDrafter()) for p in PROMPTS[:3]]
+        assert len(eng.kv.lanes()) == lanes
+        while eng.rows:
+            eng.step()
+        assert [r.stats.reproducible for r in rows] == [isolate] * 3
+
+
 def test_batchkv_empty_prefix_rows(pair):
     target, _ = pair
     kv = target.new_rows()
@@ -353,7 +367,8 @@ def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
     spec = {**ALL_SPECS[name], "exit_layer": 1} if name == "early_exit_tree" else ALL_SPECS[name]
     jobs = [fac.job(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), spec)
             for i in range(NS if name == "prompt_lookup_tree" else NS_MODEL)]
-    out = generate_batch(target, jobs, eos_ids=set(), max_batch=64)  # rows leave raggedly, others join
+    # rows leave raggedly, others join; the seeds only pin the samples: the rows share forwards
+    out = generate_batch(target, jobs, eos_ids=set(), max_batch=64, isolate_seeded=False)
     counts = np.zeros((V6, V6))
     for r in out:
         a, b = r.token_ids[:2]

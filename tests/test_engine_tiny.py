@@ -184,7 +184,8 @@ def test_stop_strings_emit_nothing_past_the_stop(pair):
 def test_draft_tree_rows_match_direct_decoding(pair):
     """After each tree step the draft model's rows (its group's ``SequenceRows``) hold a prefix of the
     request's tokens as if decoded directly: feeding the rest gives the logits of a fresh forward of
-    the whole sequence. Single row, then a row among others (trees drafted together)."""
+    the whole sequence. Single row, then a row among others (greedy: trees drafted together; seeded
+    sampling: the row drafts in a group of its own)."""
     from specdraft.engine import Engine
     from specdraft.models.hf import HFModel
 
@@ -197,7 +198,7 @@ def test_draft_tree_rows_match_direct_decoding(pair):
             row = eng.add(PROMPT, sp, DraftTreeDrafter(draft, spec, V))
             for p in others:
                 eng.add(p, sp, DraftTreeDrafter(draft, spec, V))
-            (group,) = eng.groups.values()
+            group = eng.groups[row.group_key]  # (a seeded sampling row drafts in a group of its own)
             checked = 0
             while row in eng.rows:
                 eng.step()

@@ -95,3 +95,18 @@ def test_doctor_asks_its_check_and_measures_its_paths(toy, monkeypatch):
     monkeypatch.setattr(doctor, "recommend", lambda *a: None)
     doctor.main_doctor(model="toy-model", costs=True)
     assert CHECKED and measured and "toy" in measured[0]
+
+
+def test_the_loop_verifiers_drafters_and_doctor_name_no_backend():
+    """The entry is all anyone reads (docs/design.md, "Adding a backend"): no backend's name is written in
+    the loop, the verifiers, the drafters or doctor (the bench and near_tie_bound do name some; the
+    doc says where)."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(backends.__file__).parent.parent
+    files = [pkg / "engine.py", pkg / "core" / "verify.py", pkg / "commands" / "doctor.py",
+             *sorted((pkg / "drafters").glob("*.py"))]
+    named = [f"{f.relative_to(pkg)}:{n.lineno} {n.value!r}" for f in files for n in ast.walk(ast.parse(f.read_text()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in backends.BACKENDS]
+    assert not named, named

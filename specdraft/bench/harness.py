@@ -29,6 +29,7 @@ from ..drafters import registry as methods
 from ..scale import cluster
 from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
 from ..core.errors import ConfigError, SpecDraftError
+from ..core.extras import needs_extra
 from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
 from ..core.metrics import decode_phase
@@ -348,7 +349,7 @@ def reference_of(name: str, backend: str) -> str:
 
 def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tuple[list, dict]:
     """The runner of each variant; ``decs``: the decoder of each backend the run uses."""
-    from .runners import EngineRunner, HFRunner, LlamaCppRunner, OVGenAIRunner
+    from .runners import EngineRunner, HFRunner, LlamaCppRunner
 
     runners, skipped = [], {}
     dec, hf_dec = decs[opts.backend], decs.get("hf")
@@ -377,13 +378,13 @@ def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tupl
                 gguf_of = (spec or {}).get("model") or _gguf_name(opts.target)
                 runners.append(LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k))
             except (ImportError, SpecDraftError) as e:
-                skipped[name] = f"skipped: {'llama-cpp-python not installed' if isinstance(e, ImportError) else e}"
+                skipped[name] = f"skipped: {needs_extra(name, 'llama', e) if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)
         elif kind.startswith("ov_genai"):
             try:
                 runners.append(_ov_genai_runner(opts, name, kind, spec, threads, dec.eos_ids))
             except (ImportError, SpecDraftError) as e:
-                skipped[name] = f"skipped: {'openvino-genai not installed' if isinstance(e, ImportError) else e}"
+                skipped[name] = f"skipped: {needs_extra(name, 'openvino', e) if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)
     return runners, skipped
 
@@ -665,7 +666,7 @@ def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]
     doc = open_results(out, plan.settings, environment(opts.dtype, threads))
     if opts.ray is not None:
         if run_sharded is None:
-            raise ConfigError("--ray needs the Ray runner: run_bench(opts, scale.shard.run_sharded)")
+            raise ConfigError("--ray needs the Ray runner: run_bench(opts, specdraft.bench.shard.run_sharded)")
         run_sharded(plan, doc, out)
         return doc, opts
     bench = load_bench(plan, threads)

@@ -694,7 +694,7 @@ def _users(f: dataclasses.Field) -> tuple[str, ...] | None:
 
 
 def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f.default_factory() if callable(f.default_factory) else f.default
 
 
 def readers(key: str) -> tuple[str, ...] | None:
@@ -716,7 +716,7 @@ def is_default(key: str, value) -> bool:
 def for_method(d: dict, method) -> dict:
     """Spec dict ``d`` (a server's default, a bench's shared settings) with ``method``: the keys only other
     methods read are left out, so they take their defaults (``method`` would refuse them)."""
-    return {**{k: v for k, v in d.items() if readers(k) is None or method in readers(k)}, "method": method}
+    return {**{k: v for k, v in d.items() if (users := readers(k)) is None or method in users}, "method": method}
 
 
 def unread(d: dict, methods) -> str | None:

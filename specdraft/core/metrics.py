@@ -158,7 +158,7 @@ class GenerationStats:
         return sum(s.verify_s for s in self.steps)
 
     def to_dict(self, per_step: bool = False) -> dict:
-        d = {
+        d: dict[str, object] = {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": len(self.steps),

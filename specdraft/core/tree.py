@@ -119,7 +119,7 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     into it); ``a``'s nodes keep their indices. Deterministic candidates only (no draft_probs)."""
     tokens, parents = a.tokens.tolist(), a.parents.tolist()
     index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
-    where = []  # b's node j -> its index in the merged tree
+    where: list[int] = []  # b's node j -> its index in the merged tree
     for t, p in zip(b.tokens.tolist(), b.parents.tolist()):
         key = (-1 if p < 0 else where[p], t)
         if key not in index:

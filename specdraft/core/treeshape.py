@@ -77,8 +77,10 @@ def best_tree(p: list[float], target_s, draft_s, max_nodes: int = 32, p_next: li
     if p_next is not None:
         p_next = [[max(x, 1e-9) for x in row] for row in p_next]
     value = lambda q: path_value(q, p, p_next)  # noqa: E731
-    heap = [(-value((0,)), (0,))]
-    nodes, total, per_size, width = [], 0.0, [], {}  # width: nodes per depth
+    heap: list[tuple[float, tuple[int, ...]]] = [(-value((0,)), (0,))]
+    nodes: list[tuple[int, ...]] = []
+    total, per_size = 0.0, []
+    width: dict[int, int] = {}  # nodes per depth
     while heap and len(nodes) < max_nodes:
         v, path = heapq.heappop(heap)
         nodes.append(path)

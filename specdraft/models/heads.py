@@ -3,7 +3,7 @@
 Both read the target's *feature*: the last hidden state after the final norm, i.e. the input of
 the LM head (``HFModel`` captures it with a forward hook on the final norm when a drafter asks).
 Both reuse the target's frozen embedding and LM head; only the head's own weights are trained
-(``specdraft train``, specdraft/commands/train.py) and saved.
+(``specdraft train``, specdraft/commands/train/) and saved.
 
 - ``MedusaHeads`` (Medusa-1): K heads, head i = ``n_blocks`` residual blocks h + SiLU(W h) on the
   feature f_t, then the target's LM head; head i predicts the token at offset i + 2 from the
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
-from ..core.homefiles import ANY, NUMBER, Schema, items, nullable, obj, of
+from ..core.homefiles import ANY, NUMBER, Schema, nullable, obj, of
 from ..core.jsonl import read_json_file
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")

@@ -45,11 +45,11 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
+from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
 from .gguf_tensors import GGUFHeadIO
 from .llama_features import FeatureTap
 
-PIN = "llama-cpp-python==0.3.36"  # requirements-llama.txt; built from source by `make setup`
 DEFAULT_CTX = 8192  # KV cells per context (all rows together); SPECDRAFT_LLAMA_CTX overrides
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: rows + spare sequences of token trees
 N_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
@@ -85,8 +85,7 @@ def lib():
     try:
         import llama_cpp
     except ImportError as e:
-        raise ConfigError(f"the llama backend needs {PIN} (`make setup` builds it from source; "
-                          f"or pip install {PIN}): {e}") from e
+        raise ConfigError(needs_extra("the llama backend", "llama", e)) from e
     if not getattr(lib, "ready", False):
         llama_cpp.llama_backend_init()
         llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))

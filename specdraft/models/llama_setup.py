@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.extras import needs_extra
 from .llama_probe import cpu_flags, probe_record
 
 # (variant, CPU flags it needs to be worth trying, feature groups turned off: None = GGML_NATIVE)
@@ -174,7 +175,7 @@ def check_build(r) -> bool:
     try:
         version = md.version("llama_cpp_python")
     except md.PackageNotFoundError:
-        r.problem("llama", "llama-cpp-python is not installed (`make setup` builds it)")
+        r.problem("llama", needs_extra("the llama backend", "llama"))
         return False
     variant = build_variant(cache_root() / "works")
     import llama_cpp

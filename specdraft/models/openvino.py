@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
+from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
 from .gguf_tensors import GGUFHeadIO
 
-PINS = "openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0"  # requirements.txt
 DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
 KEEP = "logits_keep"  # the input added to the graph: how many last fed positions get logits
 BIAS = "attention_bias"  # the input added to the graph: every attention's additive mask
@@ -55,7 +55,7 @@ def runtime():
     try:
         import openvino
     except ImportError as e:
-        raise ConfigError(f"the openvino backend needs {PINS} (`make setup` installs them): {e}") from e
+        raise ConfigError(needs_extra("the openvino backend", "openvino", e)) from e
     return openvino
 
 
@@ -74,7 +74,7 @@ def ir_path(gguf: Path, name: str) -> Path:
     try:
         import openvino_genai
     except ImportError as e:
-        raise ConfigError(f"converting a GGUF file for the openvino backend needs {PINS}: {e}") from e
+        raise ConfigError(needs_extra("converting a GGUF file for the openvino backend", "openvino", e)) from e
     try:
         openvino_genai.LLMPipeline(str(link), "CPU", enable_save_ov_model=True)
     except RuntimeError as e:

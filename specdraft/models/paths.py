@@ -28,7 +28,6 @@ tried entries' "prefill_ms_per_token" and "decode_tokens_per_s" are optional: ol
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys

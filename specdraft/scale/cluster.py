@@ -15,16 +15,12 @@ import platform
 from dataclasses import dataclass
 
 from ..core.errors import ConfigError, SpecDraftError
+from ..core.extras import require_module
 
 
 def require_ray():
-    """The ray module, or a SpecDraftError saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise SpecDraftError("this needs Ray, an optional dependency: run `make setup-ray` (or "
-                             "`pip install -r requirements-ray.txt`)") from None
-    return ray
+    """The ray module, or a ConfigError saying how to install it."""
+    return require_module("ray", "ray", "this option (--ray, --replicas, --ray-address or remote_draft)")
 
 
 def connect(address: str | None = None, num_cpus: int | None = None):

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..api import ModelSettings
+from ..core.extras import require_extra
 from ..models.cost_curve import cpu_name
 from ..core.errors import SpecDraftError
 from ..drafters.flags import add_model_args
@@ -158,14 +159,11 @@ def calibrate_interval(url: str, bodies: list[dict], chunk: int, margin: float) 
 
 
 def main_leak(opts: LeakOptions) -> int:
+    require_extra("leak", "specdraft leak")
     from ..core.prompts import default_dataset
     from ..server.local import serve_in_thread
     from ..server.pacing import StreamPacing
 
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        raise SpecDraftError("specdraft leak needs scikit-learn (pip install -r requirements.txt)") from None
     if opts.per_class < 10:
         raise SpecDraftError(f"--per-class must be >= 10 (5-fold cross-validation), got {opts.per_class}")
     texts = passages(opts.per_class + 2, Path(opts.dataset) if opts.dataset else default_dataset())

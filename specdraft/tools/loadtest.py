@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ..core.errors import SpecDraftError
+from ..core.extras import require_module
 from ..core.metrics import mean_accepted_tokens_from_totals
 from .client import PROMPTS, pct, send
 
@@ -182,7 +183,7 @@ def soak_table(out: dict) -> str:
 
 
 def main_loadtest(opts: LoadtestOptions) -> int:
-    import httpx
+    httpx = require_module("httpx", "server", "specdraft loadtest")
 
     url = check_url(opts.url)
     key = opts.api_key or os.environ.get("SPECDRAFT_API_KEY")

@@ -202,7 +202,7 @@ def _check_resume(opts: TrainOptions) -> None:
 
 def train_main(opts: TrainOptions, ray_builder=None) -> int:
     """``ray_builder(ray options, target)``: data.build_data's stand-in for --ray (bench/shard.py's
-    data_builder, which the CLI passes: the scale package sits above this module)."""
+    data_builder, which the CLI passes: the bench package sits above this module)."""
     opts = check_options(opts)
     return _kinds()[opts.kind].main(opts, opts.resume, ray_builder)
 
@@ -215,7 +215,7 @@ def _heads_main(opts: TrainOptions, resume: bool, ray_builder, setup) -> int:
     from .data import build_data, load_or_build_data
 
     if opts.ray is not None and ray_builder is None:
-        raise ConfigError("--ray needs the Ray data builder: train_main(opts, scale.shard.data_builder)")
+        raise ConfigError("--ray needs the Ray data builder: train_main(opts, specdraft.bench.shard.data_builder)")
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
     dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf")
