@@ -236,7 +236,7 @@ def test_the_trainer_learns_from_served_sequences(target, head_dir):
     cfg = LearnConfig(lr=3e-3, batch_size=2, max_len=40, buffer_tokens=200, seed=1)
     tr = HeadTrainer(head.shape, head.state_dict(), cfg)
     g = torch.Generator().manual_seed(3)
-    for i in range(6):  # a buffer of 200 tokens keeps the last 5 sequences of 40
+    for _ in range(6):  # a buffer of 200 tokens keeps the last 5 sequences of 40
         toks = torch.randint(0, V, (40,), generator=g).tolist()
         feats = torch.randn(39, tr.buffer.width, generator=g)
         tr.buffer.add(served_sequence(toks, 10, feats, target, cfg.max_len))
@@ -360,7 +360,6 @@ def test_the_server_learns_from_the_keys_it_names_and_shows_the_learner(target, 
     import httpx
 
     from server_util import metric_samples, running_server
-
     from test_server_fast import StubTok
 
     served = tiny_llama(vocab=V, hidden=32, layers=4)  # the fixture's weights, with a tokenizer

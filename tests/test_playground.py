@@ -267,7 +267,8 @@ def test_a_learning_server_shows_its_acceptance_curve(browser, tmp_path):
     head = save_eagle3_head(t, tmp_path / "head")
     dec = SpecDecoder(t, learn=LearnConfig(persist=False, window=8))
     dec.learner.spawn = False  # no training process: the test plants the curve
-    with running_server(dec, model_name="tiny", default_spec={"method": "eagle3", "head": str(head), "k": 3}) as (url, _):
+    spec = {"method": "eagle3", "head": str(head), "k": 3}
+    with running_server(dec, model_name="tiny", default_spec=spec) as (url, _):
         dec.learner.guard.curve.extend([(1.0, 0.2), (2.0, 0.5), (3.0, 0.4)])
         dec.learner._status.state = "learning " + HOSTILE_ID
         b.get(url + "/")

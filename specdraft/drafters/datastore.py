@@ -127,7 +127,8 @@ class Datastore:
         self.tokens = concat_docs(docs)
         self.sa = suffix_array(self.tokens, sort_depth)
         self.path, self.sort_depth = None, sort_depth
-        self.meta = {"format": FORMAT, "version": VERSION, "n_tokens": int(self.tokens.shape[0]), "sort_depth": sort_depth}
+        self.meta = {"format": FORMAT, "version": VERSION, "n_tokens": int(self.tokens.shape[0]),
+                     "sort_depth": sort_depth}
         return self
 
     @property

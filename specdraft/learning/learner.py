@@ -112,14 +112,16 @@ class Learner(StepHook):
         """A head the decoder loaded: the first EAGLE-3 one is learned (module doc); others are served as shipped."""
         if self.head is not None:
             if head is not self.head:
-                log.warning("learn: the head %s is served as shipped (this server learns %s)", head_path, self.head_path)
+                log.warning("learn: the head %s is served as shipped (this server learns %s)", head_path,
+                            self.head_path)
             return
         from .store import AdaptedStore, adapted_root, head_fingerprint, store_name
 
         self.head, self.head_path = head, str(head_path)
         head.version = 0
         fp = head_fingerprint(head_path)
-        self.store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp)) if self.cfg.persist else None
+        if self.cfg.persist:
+            self.store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp))
         self._continue_from_store()
         self._status.head = self.head_path
         self._status.state = "learning"
@@ -329,7 +331,8 @@ class Learner(StepHook):
         self._proc = None
 
 
-def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, target, max_len: int) -> ServedSequence | None:
+def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, target,
+                    max_len: int) -> ServedSequence | None:
     """What a finished request teaches (wire.ServedSequence), cut to its last ``max_len`` tokens; None when it
     holds no answer to learn or its drafter never saw its features (cancelled before its first step)."""
     n = len(tokens)

@@ -3,12 +3,16 @@ into its replay buffer, trains a float32 copy of the head, and every ``publish_e
 sends the weights as an update; it waits for the server's verdict on an update before sending the next,
 writes a kept one to the adapted store and goes back to the weights before a rolled back one.
 
-Its cost is bounded twice. Its threads run at nice 19, so the serving engine gets a core whenever it has
-work (the kernel preempts the learner within its scheduling tick, inside any engine step: nice 19 weighs
-15 against nice 0's 1024); ``OMP_WAIT_POLICY=PASSIVE`` (set by the parent) keeps its OpenMP threads from
-spinning on a core while they wait. (SCHED_IDLE would yield even more, but on a machine that other
-processes keep busy it starved the learner outright: no optimizer step in a minute of a test.) And it paces itself: after each piece of work it sleeps until
-its CPU seconds are at most ``budget`` of the machine's CPU seconds since the work began (``Pacer``).
+Its cost is bounded twice:
+
+- its threads run at nice 19 (after its start), so the serving engine gets a core whenever it has work:
+  the kernel preempts the learner within its scheduling tick, inside any engine step (nice 19 weighs 15
+  against nice 0's 1024). ``OMP_WAIT_POLICY=PASSIVE`` (set by the parent) keeps its OpenMP threads from
+  spinning on a core while they wait. SCHED_IDLE would yield even more, but on a machine that other
+  processes keep busy it starved the learner outright: no optimizer step in a minute of a test;
+- it paces itself: after each piece of work it sleeps until its CPU seconds are at most ``budget`` of
+  the machine's CPU seconds since the work began (``Pacer``).
+
 It trains each served token about ``reuse`` times, then waits for more traffic."""
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ class ReplayBuffer:
         return len(self.tokens)
 
     def add(self, seq: ServedSequence) -> None:
-        feats = seq.feats.tensor()
-        if feats.shape[-1] != self.width or feats.shape[0] != seq.n_tokens - 1 or seq.embeds.array.shape[0] != seq.n_tokens:
+        feats, n = seq.feats.tensor(), seq.n_tokens
+        if feats.shape[-1] != self.width or feats.shape[0] != n - 1 or seq.embeds.array.shape[0] != n:
             raise ValueError(f"a served sequence of {seq.n_tokens} tokens came with features {tuple(feats.shape)} and "
                              f"embeddings {seq.embeds.array.shape}; this head reads {self.width} features a position")
         self.tokens.append(torch.from_numpy(seq.tokens).long())

@@ -311,7 +311,8 @@ class ServerSettings:
     the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
     ``open_metrics``) requires it (or, given several, one of them) as a Bearer token. ``learn_keys``: on a
     decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the head; None: every
-    request, which a server with several keys or in fixed stream mode refuses (server/learning.py). ``max_body_bytes``: larger request bodies get a 413.
+    request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
+    ``max_body_bytes``: larger request bodies get a 413.
     ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
     ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.
     ``resources``: {spec field naming a file (config.PATH_FIELDS): {name: path}}, what a request's spec may
