@@ -20,6 +20,7 @@ from .api import ModelSettings
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
+from .learning import LearnConfig
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
@@ -265,9 +266,8 @@ def _serve_settings(a):
             _replica_options(a), a.method_defaulted)
 
 
-def _learn_settings(a, api_key) -> tuple:
+def _learn_settings(a, api_key) -> tuple[LearnConfig | None, tuple[str, ...] | None]:
     """--learn, --learn-budget, --learn-keys checked: (LearnConfig or None, the learning keys or None)."""
-    from .learning import LearnConfig
     from .server.learning import api_keys, tenancy_problem
 
     keys = None if a.learn_keys is None else tuple(k for k in a.learn_keys.split(",") if k)
@@ -278,6 +278,8 @@ def _learn_settings(a, api_key) -> tuple:
         return None, None
     if a.replicas > 1:
         raise SpecDraftError("--learn with --replicas: each replica would learn a head of its own; serve one replica")
+    if keys == ():
+        raise SpecDraftError("--learn-keys names no key; give KEY[,KEY] of the server's --api-key keys")
     problem = tenancy_problem(api_keys(api_key), a.stream_mode != "normal", keys)
     if problem:
         raise SpecDraftError(problem)

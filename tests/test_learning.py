@@ -336,6 +336,7 @@ def test_heads_reset_returns_to_the_shipped_heads(tmp_path, monkeypatch, capsys)
     (["--learn", "--stream-mode", "fixed"], "this server has no --api-key"),
     (["--learn", "--api-key", "a", "--learn-keys", "a,c"], "1 key(s) that are not among"),
     (["--learn", "--replicas", "2"], "each replica would learn a head of its own"),
+    (["--learn", "--api-key", "a", "--api-key", "b", "--learn-keys", ","], "--learn-keys names no key"),
 ])
 def test_serve_refuses_learning_it_cannot_do_as_asked(argv, fragment, capsys):
     assert main(["serve", "--target", "nowhere", *argv]) == 2

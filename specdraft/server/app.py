@@ -422,6 +422,9 @@ def start_learning(decoder, settings: ServerSettings, default_spec: SpecConfig, 
         raise ValueError(problem)
     if default_spec.head is not None and default_spec.method in ("eagle3", "auto"):
         decoder.head(default_spec)
+    elif not (settings.resources or {}).get("head"):
+        log.warning("--learn: this server serves no EAGLE-3 head (--head, --resource head:NAME=DIR); only the "
+                    "suffix drafters' store of recent outputs learns")
     metrics.engine.register(LearnCollector(learner))
 
 
