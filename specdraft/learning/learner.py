@@ -109,7 +109,9 @@ class Learner(StepHook):
 
     # --- binding ----------------------------------------------------------------------------------
     def adopt(self, head, head_path: str) -> None:
-        """A head the decoder loaded: the first EAGLE-3 one is learned (module doc); others are served as shipped."""
+        """A head the decoder loaded: the first EAGLE-3 one is learned (module doc); others are served as shipped.
+        The learner binds to it only once all went well (an adapted head that does not load is an error
+        for this load, and the next load tries again)."""
         if self.head is not None:
             if head is not self.head:
                 log.warning("learn: the head %s is served as shipped (this server learns %s)", head_path,
@@ -117,14 +119,13 @@ class Learner(StepHook):
             return
         from .store import AdaptedStore, adapted_root, head_fingerprint, store_name
 
-        self.head, self.head_path = head, str(head_path)
-        head.version = 0
         fp = head_fingerprint(head_path)
-        if self.cfg.persist:
-            self.store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp))
-        self._continue_from_store()
-        self._status.head = self.head_path
-        self._status.state = "learning"
+        store = AdaptedStore(adapted_root(self.home) / store_name(self.target.name, fp)) if self.cfg.persist else None
+        adapted = self._adapted_state(store, head, head_path)
+        self.head, self.head_path, self.store = head, str(head_path), store
+        head.version = 0
+        if adapted is not None:
+            self._take(adapted)  # no drafter holds the head yet
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of the serving process's state
@@ -134,23 +135,26 @@ class Learner(StepHook):
         if self.spawn:
             self._start_process(ctx, {**getattr(head, "meta", {}), "type": "eagle3", "adapted_from": self.head_path,
                                       "shipped_sha256": fp})
+        self._status.head = self.head_path
+        self._status.state = "learning"  # last: the loop's after_step acts on the head from now on
 
     def drafts_with_head(self, drafter) -> bool:
         """Whether ``drafter`` (or a part of it) drafts with the head this learner changes."""
         return self.head is not None and head_drafter(drafter, self.head) is not None
 
-    def _continue_from_store(self) -> None:
-        ck = self.store.load(self.target.facts.num_layers) if self.store is not None else None
+    def _adapted_state(self, store, head, head_path) -> dict[str, torch.Tensor] | None:
+        """The kept version's weights for ``head`` (logged in one line), or None."""
+        ck = store.load(self.target.facts.num_layers) if store is not None else None
         if ck is None:
-            return
-        if ck.shape != self.head.shape:
+            return None
+        if ck.shape != head.shape:
             log.warning("learn: the adapted head %s has another shape than %s; starting from the shipped head",
-                        self.store.current(), self.head_path)
-            return
-        self._take({k: ck.state[k] for k, _ in self.head.named_parameters()})  # no drafter holds the head yet
-        self._status.adapted = str(self.store.current())
+                        store.current(), head_path)
+            return None
+        self._status.adapted = str(store.current())
         log.warning("learn: continuing from the adapted head %s (`specdraft heads reset` returns to the shipped head "
-                    "%s)", self._status.adapted, self.head_path)
+                    "%s)", self._status.adapted, head_path)
+        return {k: ck.state[k] for k, _ in head.named_parameters()}
 
     def _start_process(self, ctx, meta: dict) -> None:
         from . import process
