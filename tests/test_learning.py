@@ -1,10 +1,12 @@
 """Online learning of the EAGLE-3 head (specdraft/learning): decoding stays lossless while the head's
 weights change under the engine every step (greedy token identity, the first two sampled tokens against
-the exact distribution); a drafter rebuilds its cache after a change; weights are swapped only between
-steps; the rollback guard undoes a planted bad update; an interrupted save never loads; the adapted head
-is continued from at the next start; `specdraft heads reset`; the training path learns; the server's
-tenancy rule, flags and views; and, with the real training process, greedy identity while updates land
-and the process's CPU share within its budget on a busy server. Tiny random models only."""
+the exact distribution); a drafter feeds its context again after a change; weights are swapped only
+between steps; the rollback guard undoes a planted bad update; what a finished request teaches; the
+training path learns; suffix drafters search the outputs served before; seeded samples say they are not
+pinned; an interrupted save never loads; the next start continues from the adapted head; `specdraft heads
+reset`; serve's flags, the tenancy rule and the learner's views; the pacer holds its share; and, with the
+real training process, greedy identity while updates land and its CPU share within the budget on a busy
+loop. Tiny random models only."""
 
 from __future__ import annotations
 
