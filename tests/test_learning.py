@@ -260,11 +260,13 @@ def test_suffix_drafts_from_the_outputs_served_before(target):
     learning = SpecDecoder(target, learn=LearnConfig(persist=False))
     prompt = [35, 62, 11, 50, 55, 28]  # a greedy answer that does not repeat itself (19 drafts accepted vs 1)
     first = learning.generate(prompt, sampling=GREEDY, spec=spec)
+    learning.learner.served.wait()  # its snapshot is built beside the serving loop
     again = learning.generate(prompt, sampling=GREEDY, spec=spec)
     alone = plain.generate(prompt, sampling=GREEDY, spec=spec)
     assert again.token_ids == first.token_ids == alone.token_ids
     assert again.stats.accepted >= 15 and alone.stats.accepted <= 5, (again.stats.accepted, alone.stats.accepted)
     assert learning.learner.status().served_tokens == 2 * (GREEDY.max_new_tokens + 1)
+    learning.learner.served.wait()
     seeded = {"temperature": 1.0, "seed": 3, "max_new_tokens": 4}
     assert learning.generate(prompt, sampling=seeded, spec=spec).stats.reproducible is False
     assert plain.generate(prompt, sampling=seeded, spec=spec).stats.reproducible is True
