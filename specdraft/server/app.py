@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import asyncio
 import hmac
 import json
@@ -16,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..api import ModelSettings
+from ..api import ModelSettings, default_backend
 from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..core.errors import SpecDraftError
 from ..drafters.registry import REGISTRY, method as registered
@@ -641,6 +642,10 @@ def build_server_app(models: ModelSettings, settings: ServerSettings, method_def
     server/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
     can run (SpecDecoder.usable) once the models are loaded."""
     dec = models.load(learn=settings.learn)
+    if (models.backend or default_backend(models.target)) == "auto":
+        print("serve: one path stays loaded for every request, the one --backend auto took above without a "
+              "request's shape (`specdraft generate` and the library weigh each request's prompt and answer "
+              "lengths)", file=sys.stderr, flush=True)
     if method_defaulted:
         settings = replace(settings, default_spec=dec.usable(settings.default_spec))
     return create_app(dec, settings)
