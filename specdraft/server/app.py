@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import sys
 import asyncio
 import hmac
 import json
 import logging
 import os
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
