@@ -99,6 +99,12 @@ def test_the_targets_layer_adds_are_renamed_and_a_foreign_ir_is_refused(tmp_path
         ov_eagle3._main_xml_for_genai(xml)
     with pytest.raises(ConfigError, match="no OpenVINO IR"):
         ov_eagle3._main_xml_for_genai(tmp_path / "missing.xml")
+    stamp = tmp_path / ov_eagle3.STAMP
+    assert ov_eagle3._stamped_source(stamp) is None
+    stamp.write_text("{torn")
+    assert ov_eagle3._stamped_source(stamp) is None  # made again, not a traceback
+    stamp.write_text(json.dumps({"source": "a b"}))
+    assert ov_eagle3._stamped_source(stamp) == "a b"
 
 
 def test_the_bench_runs_ov_genai_eagle3_with_the_specs_head_and_refuses_it_without_one():

@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from ..core.errors import ConfigError
+from ..models.openvino import FEATURE_ADD
 
-MAIN_ADD = re.compile(r'name="model\.layers\.self_attn\.add1\.layer(\d+)"')  # GenAI's GGUF reader's names
+MAIN_ADD = re.compile('name="' + re.escape(FEATURE_ADD.format("")) + r'(\d+)"')  # GenAI's GGUF reader's names
 TOKENIZER_FILES = ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
                    "openvino_detokenizer.bin")
 STAMP = "specdraft_eagle3.json"
@@ -192,7 +193,7 @@ def prepare(head_dir: str | Path, main_xml: Path, out: Path) -> GenAIEagle3Dirs:
     dirs = GenAIEagle3Dirs(out / "main", out / "draft")
     source = _source(head_dir, main_xml)
     stamp = out / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()).get("source") == source:
+    if _stamped_source(stamp) == source:
         return dirs
     text, n_layers = _main_xml_for_genai(main_xml)
     head = _read_head(head_dir, n_layers, _vocab_of(main_xml))
@@ -211,6 +212,14 @@ def prepare(head_dir: str | Path, main_xml: Path, out: Path) -> GenAIEagle3Dirs:
     ov.save_model(draft_ir(head), dirs.draft / "openvino_model.xml")
     stamp.write_text(json.dumps({"source": source}))
     return dirs
+
+
+def _stamped_source(stamp: Path) -> str | None:
+    """What ``stamp`` says the directories were made from; None when absent or unreadable (made again)."""
+    try:
+        return json.loads(stamp.read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def cache_dir_for(head_dir: str | Path, main_xml: Path) -> str:
