@@ -185,8 +185,11 @@ def saver(gen, opts):
 
 
 def main(opts, resume: bool, ray_builder=None) -> int:
+    from ...models.loading import set_threads
+
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
+    set_threads(opts.threads)  # llama.cpp's threads follow torch's
     gen = generation_model(opts)
     shape = resumed_shape(out, gen) if resume else None
     layers = shape.layers if shape is not None else eagle3_layers(gen.num_layers)
