@@ -235,7 +235,7 @@ class SpecDecoder:
             from .drafters.cross_vocab import VocabBridge
 
             self._bridge = VocabBridge(self.target.tokenizer, self.draft.tokenizer, self.target.vocab_size,
-                                       self.draft.vocab_size)
+                                       self.draft.vocab_size, self.draft.device)
         return self._bridge
 
     def draft_model(self) -> HFModel:

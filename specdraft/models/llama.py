@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
@@ -161,6 +162,7 @@ class LlamaModel(GGUFHeadIO):
 
     backend = "llama"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    device = HOST  # its logits and features come back as host arrays, wherever its weights run
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None):
         ll = lib()
@@ -481,7 +483,7 @@ class LlamaRows:
     def _feed(self, items: list, N: int, n_out: int, layers=()) -> tuple[torch.Tensor, np.ndarray | None]:
         """-> (logits [B, n_out, V], the layers' features of the items in order or None)."""
         whole = self.B == 1 and len(items) == N <= N_BATCH  # a single row's feed in one decode
-        out = None if whole else torch.zeros(self.B, n_out, self.V)
+        out = None if whole else torch.zeros(self.B, n_out, self.V, device=HOST)
 
         def take(where: list) -> None:
             nonlocal out
@@ -491,7 +493,8 @@ class LlamaRows:
                 out = torch.from_numpy(src[read[0]:].copy()).view(1, n_out, self.V)
                 return
             src = src if len(read) == len(where) else src[read]
-            out[torch.tensor([where[k][0] for k in read]), torch.tensor([where[k][1] for k in read])] = \
+            rows, cols = [where[k][0] for k in read], [where[k][1] for k in read]
+            out[torch.tensor(rows, device=HOST), torch.tensor(cols, device=HOST)] = \
                 torch.from_numpy(src)
 
         feats = self._decodes(items, layers, take)

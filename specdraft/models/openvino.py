@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
@@ -203,6 +204,7 @@ class OVModel(GGUFHeadIO):
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    device = HOST  # its logits and features come back as host arrays, wherever its weights run
     capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True)
 
     def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
