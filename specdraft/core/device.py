@@ -43,6 +43,12 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def wait(device: torch.device) -> None:
+    """Until ``device`` has done what was queued on it (CUDA runs asynchronously): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def torch_device(name: str, flag: str = "--device") -> torch.device:
     """A device setting resolved for torch. ``auto`` gives CUDA when torch sees a GPU, else the CPU.
     ``cuda`` or ``cuda:N`` must be a device torch sees here; if it is not, the ConfigError names
@@ -56,5 +62,5 @@ def torch_device(name: str, flag: str = "--device") -> torch.device:
     device = torch.device(name)
     if kind == "cuda" and (device.index or 0) >= cuda_count():
         raise ConfigError(f"{flag} {name}: torch sees no such CUDA device here ({cuda_count()} visible); "
-                          "use --device cpu (or auto)")
+                          f"use {flag} cpu (or auto)")
     return device

@@ -94,6 +94,27 @@ def lib():
     return llama_cpp
 
 
+CUDA_BUILD = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python '
+              '(`make setup` builds it for the CPU)')
+
+
+def gpu_offload(device: str, flag: str = "--device") -> bool:
+    """Whether llama.cpp puts every layer on the GPU for the device setting ``device`` (its kind is cpu, cuda
+    or auto: backends.placement checked it): ``auto`` offloads where this llama-cpp-python build can
+    (``llama_supports_gpu_offload``: a CUDA build that finds a GPU), ``cuda`` must. llama.cpp picks its
+    GPUs itself (CUDA_VISIBLE_DEVICES chooses), so ``cuda:N`` is refused."""
+    if device == "cpu":
+        return False
+    if device not in ("auto", "cuda"):
+        raise ConfigError(f"{flag} {device}: the llama backend takes --device cuda (llama.cpp spreads the layers "
+                          "over the GPUs it sees; CUDA_VISIBLE_DEVICES picks them)")
+    can = bool(lib().llama_supports_gpu_offload())
+    if device == "cuda" and not can:
+        raise ConfigError(f"{flag} cuda: this llama-cpp-python cannot offload to a GPU (a CPU-only build, or no "
+                          f"GPU found); for NVIDIA GPUs install a CUDA build: {CUDA_BUILD}")
+    return can
+
+
 def _log_cb(level, text, user_data):
     """Print llama.cpp's errors only (ggml levels: 4 = ERROR, 5 = a continuation of the last line)."""
     if level != 5:
@@ -164,12 +185,16 @@ class LlamaModel(GGUFHeadIO):
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
 
-    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None):
+    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None,
+                 offload: bool = False):
+        """``offload``: every layer on the GPU (``gpu_offload``); else none, whatever the build's default."""
         ll = lib()
         path = Path(path)
         if not path.is_file():
             raise ModelFileError(f"GGUF file {path} not found")
         mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = -1 if offload else 0  # -1: all of them
+        self.offload = offload
         self.extra_bufts = mp.use_extra_bufts = safe_extra_bufts(path, name or path.stem)
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:

@@ -50,15 +50,15 @@ def generation_model(opts):
     llama.cpp where the target has a GGUF file and llama.cpp hands over layers, else transformers)."""
     from ...models.backends import load_model
 
-    if opts.gen_backend != "auto":
-        return load_model(opts.target, "float32", backend=opts.gen_backend)
+    if opts.gen_backend != "auto":  # (the data is made on the CPU; the head trains on --device)
+        return load_model(opts.target, "float32", backend=opts.gen_backend, device="cpu")
     try:
-        m = load_model(opts.target, "float32", backend="llama")
+        m = load_model(opts.target, "float32", backend="llama", device="cpu")
         if m.capabilities.layers:
             return m
     except (SpecDraftError, ImportError, OSError) as e:
         print(f"eagle3: data on transformers ({str(e).splitlines()[0]})", file=sys.stderr)
-    return load_model(opts.target, "float32", backend="hf")
+    return load_model(opts.target, "float32", backend="hf", device="cpu")
 
 
 def data_meta(opts, layers, gen, out: Path) -> dict:
