@@ -78,7 +78,7 @@ def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Te
         return torch.empty(0, dtype=torch.long, device=q.device), q.new_zeros(0, q.shape[-1])
     x = torch.multinomial(q, m, replacement=False, generator=gen)
     qs = q.expand(m, -1).clone()
-    r, c = torch.tril_indices(m, m, -1)
+    r, c = torch.tril_indices(m, m, -1, device=q.device)
     qs[r, x[c]] = 0.0
     return x, qs / qs.sum(-1, keepdim=True)
 
