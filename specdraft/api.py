@@ -400,9 +400,11 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str, devic
     parse_quant(quant)
     check_cpu_kernels(placement("hf", device, "--draft-device"), quant)
     d = load_model(base, dtype, backend="hf", **device_kw(device))
-    d.quantization = quantize_linears(d.model, quant, dense_from=target.model)
+    shares = d.device == target.device  # (the target's dense layers on another device cannot run its prefills)
+    d.quantization = quantize_linears(d.model, quant, dense_from=target.model if shares else None)
     d.name = f"{base}:{quant} (self-draft)"
-    d.prefill_twin = target  # its prefills are the target's dense layers: it may start from the target's cache
+    if shares:  # its prefills are the target's dense layers: it may start from the target's cache
+        d.prefill_twin = target
     d.source = None  # quantized in memory: no other process loads it by a name
     return d
 

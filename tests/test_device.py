@@ -149,7 +149,8 @@ def test_cuda_without_a_gpu_is_a_config_error_naming_the_flag():
 @no_cuda
 def test_the_library_refuses_cuda_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr("specdraft.models.loading.load_hf", lambda *a, **k: pytest.fail("loaded a model"))
-    for kw in ({"device": "cuda"}, {"device": "cuda:0", "backend": "hf"}, {"draft": "smollm2-135m", "draft_device": "cuda"}):
+    for kw in ({"device": "cuda"}, {"device": "cuda:0", "backend": "hf"},
+               {"draft": "smollm2-135m", "draft_device": "cuda"}):
         with pytest.raises(ConfigError, match="CUDA device"):
             SpecDecoder.load("smollm2-135m", **kw)
     with pytest.raises(ConfigError, match="CUDA device"):
@@ -160,7 +161,8 @@ def test_backends_name_the_devices_they_run_on():
     with pytest.raises(ConfigError, match=r"--device cuda: the openvino backend runs on cpu or gpu \(cuda: --backend "
                                           r"hf or llama\)"):
         placement("openvino", "cuda")
-    with pytest.raises(ConfigError, match=r"--device gpu: the hf backend runs on cpu or cuda \(gpu: --backend openvino\)"):
+    with pytest.raises(ConfigError, match=r"--device gpu: the hf backend runs on cpu or cuda \(gpu: --backend "
+                                          r"openvino\)"):
         placement("hf", "gpu")
     assert placement("openvino", "gpu") == "GPU" and placement("openvino", "auto") == "CPU"
 
@@ -188,8 +190,8 @@ def one_error(capsys, args) -> str:
 @pytest.mark.parametrize("args", [
     ["generate", "--device", "cuda", "hi"],
     ["generate", "--backend", "hf", "--device", "cuda:0", "hi"],
-    ["generate", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model", "--draft-device", "cuda",
-     "hi"],
+    ["generate", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model", "--draft-device",
+     "cuda", "hi"],
     ["serve", "--device", "cuda"],
     ["demo", "--device", "cuda"],
     ["costs", "--device", "cuda"],
