@@ -128,8 +128,6 @@ def sampling(s: Settings) -> dict:
     """The first two tokens' joint distribution against the exact one, per drafter, on the device."""
     from conftest import logits_of, tiny_llama
     from head_util import random_eagle3_head
-    from stat_util import fit_pvalue, sample_first_tokens
-
     from specdraft.core.config import SamplingParams, SpecConfig
     from specdraft.core.device import torch_device
     from specdraft.core.sampling import probs_from_logits
@@ -137,6 +135,7 @@ def sampling(s: Settings) -> dict:
     from specdraft.drafters.draft_tree import DraftTreeDrafter
     from specdraft.drafters.eagle3 import Eagle3Drafter
     from specdraft.models.hf import HFModel
+    from stat_util import fit_pvalue, sample_first_tokens
 
     V, prompt, dev = 6, [1, 2, 3, 1, 2], torch_device(s.device)
     on = lambda m: HFModel(m.model.to(dev), None, name=m.name)  # noqa: E731  (HFModel reads its device once)

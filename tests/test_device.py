@@ -30,6 +30,7 @@ from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.engine import Engine
 from specdraft.models.backends import load_model, placement
 from specdraft.models.heads import EagleHead, MedusaHeads
+from test_train_files import one_error  # exit 2 and one line `error: ...`
 
 V = 12
 GREEDY = {"max_new_tokens": 10, "ignore_eos": True}
@@ -174,16 +175,6 @@ def test_a_cpu_only_llama_build_refuses_cuda_naming_the_build_flag():
     with pytest.raises(ConfigError, match=r'cannot offload to a GPU .* CMAKE_ARGS="-DGGML_CUDA=on"'):
         placement("llama", "cuda")
     assert placement("llama", "auto") is False and placement("llama", "cpu") is False
-
-
-def one_error(capsys, args) -> str:
-    """exit 2 and one line ``error: ...`` (no traceback); -> that line."""
-    capsys.readouterr()
-    assert main([str(a) for a in args]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert "Traceback" not in err and len(lines) == 1 and err.rstrip().endswith(lines[0]), err
-    return lines[0]
 
 
 @no_cuda
