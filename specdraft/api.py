@@ -27,6 +27,7 @@ from .core.config import (
 from .engine import GenerationResult, generate
 from .core.errors import ConfigError, TokenizerMismatchError
 from .drafters.registry import method
+from .learning.config import learn_config
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
 from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
@@ -39,8 +40,10 @@ RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at onc
 
 
 class SpecDecoder:
-    def __init__(self, target, draft=None):
-        """``target``, ``draft``: models behind the model interface (models/base.py), any backend."""
+    def __init__(self, target, draft=None, learn=None):
+        """``target``, ``draft``: models behind the model interface (models/base.py), any backend. ``learn``:
+        online learning of the EAGLE-3 head from the requests decoded (specdraft/learning): True, a
+        ``LearnConfig`` or a dict of its fields; None or False: off."""
         self.target = target
         self.draft = draft
         self._bridge = None  # a VocabBridge when the draft's tokenizer differs (drafters/cross_vocab.py)
@@ -62,6 +65,7 @@ class SpecDecoder:
         self.curves_given = False  # set_cost_curves: not measured, not corrected
         self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
         self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
+        self.learner = _learner(target, learn)
 
     def shared(self, key: tuple, make, limit: int | None = CACHE_ENTRIES):
         """The resource under ``key`` (a tuple whose first item names its kind, e.g. ("layer_view", layers)),
@@ -73,12 +77,23 @@ class SpecDecoder:
         """The trained head in ``spec.head``, loaded once per decoder and checked against the target and
         against the head type ``spec.method`` drafts with (auto: its eagle3 arms', ``arms.head_type``)."""
         from .drafters.arms import head_type
-        from .models.heads import load_head
 
         # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
         kind = head_type(spec.method)
-        return self.shared(("head", spec.head, kind),
-                           lambda: load_head(spec.head, self.target, expect_type=kind)[0], limit=None)
+        return self.shared(("head", spec.head, kind), lambda: self._load_head(spec.head, kind), limit=None)
+
+    def _load_head(self, path: str, kind: str):
+        from .models.heads import load_head
+
+        head = load_head(path, self.target, expect_type=kind)[0]
+        if self.learner is not None and kind == "eagle3":
+            self.learner.adopt(head, path)  # the head it learns continues from its adapted version
+        return head
+
+    def served_outputs(self):
+        """The outputs this decoder served lately (``datastore.ServedOutputs``), which its suffix drafters
+        search, when it learns online; else None."""
+        return None if self.learner is None else self.learner.served
 
     def skip_config(self, path: str) -> tuple[int, ...]:
         """The layers the `specdraft tune-skip` file at ``path`` skips, read once per decoder and checked against
@@ -161,6 +176,7 @@ class SpecDecoder:
         shape=None,
         device: str = "auto",
         draft_device: str | None = None,
+        learn=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``dtype``: the dense weights' (None: not given, bfloat16). ``backend``: "hf" (transformers), "llama"
@@ -175,7 +191,9 @@ class SpecDecoder:
         variant) drafts with the target's own weights at lower precision. ``device``: where the target runs
         (core/device.py: auto, cpu, cuda, cuda:N, or gpu for OpenVINO's Intel GPUs; auto is CUDA when torch
         sees a GPU, and ``backend`` auto then takes transformers on it); ``draft_device``: the draft's (None: the
-        target's). A device this machine or the backend cannot give is a ConfigError before anything loads."""
+        target's). A device this machine or the backend cannot give is a ConfigError before anything loads.
+        ``learn``: as in ``SpecDecoder()``."""
+        learn_config(learn)  # checked before anything loads
         set_threads(threads)
         backend = backend or default_backend(target)
         draft_device = draft_device or device
@@ -190,9 +208,8 @@ class SpecDecoder:
             target, backend = path.target(target), path.backend
         else:
             t = load_model(target, dtype, backend=backend, **device_kw(device))
-        if draft is None:
-            return cls(t)
-        return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device))
+        d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
+        return cls(t, d, learn=learn)
 
     def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None,
                    draft_device: str = "auto"):
@@ -212,7 +229,10 @@ class SpecDecoder:
         problem = m.unavailable(self.backend, self.draft is not None)
         if problem:
             raise ConfigError(problem)
-        return m.make(self, spec)
+        d = m.make(self, spec)
+        if self.learner is not None and self.learner.drafts_with_head(d):
+            d.reproducible = False  # its head changes with what the decoder serves (a composite reads its parts')
+        return d
 
     def usable(self, spec: SpecConfig) -> SpecConfig:
         """``spec`` when its drafter can be made here; for a defaulted ``auto`` that cannot (e.g. an unreadable
@@ -295,7 +315,22 @@ class SpecDecoder:
             drafter = self.make_drafter(spec)
         ids = self.encode(prompt, chat=chat)
         return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
-                        on_emit=on_emit, lossy=spec.lossy_rule())
+                        on_emit=on_emit, lossy=spec.lossy_rule(), hook=self.learner)
+
+    def close(self) -> None:
+        """Stops what the decoder runs beside decoding (the online learner's training process)."""
+        if self.learner is not None:
+            self.learner.close()
+
+
+def _learner(target, learn):
+    """The decoder's online learner (specdraft/learning), or None when ``learn`` says off."""
+    cfg = learn_config(learn)
+    if cfg is None:
+        return None
+    from .learning.learner import Learner
+
+    return Learner(target, cfg)
 
 
 def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
@@ -353,12 +388,12 @@ class ModelSettings:
 
         return (self.dtype or DEFAULT_DTYPE) if BACKENDS[backend].uses_dtype else "GGUF weights"
 
-    def load(self, shape=None, **override) -> SpecDecoder:
+    def load(self, shape=None, learn=None, **override) -> SpecDecoder:
         """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the
-        request's, for --backend auto (``SpecDecoder.load``)."""
+        request's, for --backend auto; ``learn``: online learning (both as ``SpecDecoder.load`` takes them)."""
         settings = dataclasses.replace(self, **override)
         settings.check()
-        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape)
+        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape, learn=learn)
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:

@@ -20,6 +20,7 @@ from .api import ModelSettings
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
+from .learning import LearnConfig
 from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
@@ -243,7 +244,7 @@ def _serve_settings(a):
         raise SpecDraftError(f"--max-batch must be >= 1, got {a.max_batch}")
     if a.timeout is not None and a.timeout <= 0:
         raise SpecDraftError(f"--timeout must be > 0 seconds, got {a.timeout}")
-    api_key = a.api_key or os.environ.get("SPECDRAFT_API_KEY") or None
+    api_key = tuple(a.api_key) if a.api_key else os.environ.get("SPECDRAFT_API_KEY") or None
     if not api_key and not _loopback(a.host) and not a.insecure:
         raise SpecDraftError(f"--host {a.host} is reachable from other machines: set --api-key KEY (or "
                              "SPECDRAFT_API_KEY), or pass --insecure to serve it without one")
@@ -265,16 +266,37 @@ def _serve_settings(a):
             _replica_options(a), a.method_defaulted)
 
 
-def _server_settings(a, spec, api_key: str | None, pacing):
+def _learn_settings(a, api_key) -> tuple[LearnConfig | None, tuple[str, ...] | None]:
+    """--learn, --learn-budget, --learn-keys checked: (LearnConfig or None, the learning keys or None)."""
+    from .server.learning import api_keys, tenancy_problem
+
+    keys = None if a.learn_keys is None else tuple(k for k in a.learn_keys.split(",") if k)
+    if not a.learn:
+        given = [f for f, v in (("--learn-budget", a.learn_budget), ("--learn-keys", a.learn_keys)) if v is not None]
+        if given:
+            raise SpecDraftError(f"{' and '.join(given)} set how the server learns; add --learn")
+        return None, None
+    if a.replicas > 1:
+        raise SpecDraftError("--learn with --replicas: each replica would learn a head of its own; serve one replica")
+    if keys == ():
+        raise SpecDraftError("--learn-keys names no key; give KEY[,KEY] of the server's --api-key keys")
+    problem = tenancy_problem(api_keys(api_key), a.stream_mode != "normal", keys)
+    if problem:
+        raise SpecDraftError(problem)
+    return LearnConfig(budget=0.25 if a.learn_budget is None else a.learn_budget), keys
+
+
+def _server_settings(a, spec, api_key, pacing):
     from .server.app import ServerSettings
 
+    learn, learn_keys = _learn_settings(a, api_key)
     return ServerSettings(
         model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue, timeout_s=a.timeout,
         default_max_tokens=a.max_tokens, max_batch=a.max_batch, spec_shrink_at=a.spec_shrink_at,
         spec_off_at=a.spec_off_at, api_key=api_key, open_metrics=a.metrics_open,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
         stream_mode="normal" if a.stream_mode == "normal" else "fixed", resources=parse_resources(a.resource),
-        allowed_hosts=tuple(a.allowed_host) + (a.host,))
+        allowed_hosts=tuple(a.allowed_host) + (a.host,), learn=learn, learn_keys=learn_keys)
 
 
 def _replica_options(a):
@@ -445,8 +467,9 @@ def _add_serve_parser(sub):
     add_spec_args(s)
     s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
     s.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key (or --insecure)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                   "(default: $SPECDRAFT_API_KEY)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeat it for several "
+                        "clients' keys; default: $SPECDRAFT_API_KEY)")
     s.add_argument("--metrics-open", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.add_argument("--port", type=int, default=8000)
@@ -486,6 +509,15 @@ def _add_serve_parser(sub):
                         "repeatable); requests never name paths")
     s.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
                    help="without an API key, a Host header the server answers besides loopback names (repeatable)")
+    s.add_argument("--learn", action="store_true",
+                   help="the EAGLE-3 head learns from the requests it serves (online speculative decoding; "
+                        "docs/guide.md): a training process beside the server, updates kept per target and head "
+                        "under $SPECDRAFT_HOME/adapted (`specdraft heads reset` drops them)")
+    s.add_argument("--learn-budget", type=float, default=None, metavar="SHARE",
+                   help="--learn: the share of the machine's CPU time the training process may use (default 0.25)")
+    s.add_argument("--learn-keys", default=None, metavar="KEY[,KEY]",
+                   help="--learn: learn only from the requests made with these API keys (needed with several "
+                        "--api-key keys or a fixed --stream-mode: docs/server.md)")
     s.add_argument("--log-level", default="warning")
     return s
 

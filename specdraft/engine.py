@@ -20,6 +20,7 @@ forwards, its draft model's and its random stream are those of decoding it alone
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -567,21 +568,36 @@ class _StopChecker:
         return text if cut < 0 else text[:cut]
 
 
+class StepHook:
+    """What a loop over ``Engine.step`` runs around its steps (the online learner, specdraft/learning):
+    each step inside ``stepping()``, then ``after_step(rows still running, rows finished)``, between steps.
+    This one does nothing."""
+
+    def stepping(self):
+        return contextlib.nullcontext()
+
+    def after_step(self, rows: list[Request], finished: list[Request]) -> None:
+        pass
+
+
 # --- entry points -----------------------------------------------------------------------------------
 def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
              tokenizer=None, length: DraftLength | None = None, on_emit=None, on_admit=None,
-             lossy=None) -> GenerationResult:
+             lossy=None, hook: StepHook | None = None) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
     after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
     when the request asks for logprobs); returning True cancels the request (finish_reason
     "cancelled"). ``on_admit(row)`` (optional) sees the row once prefilled: its ``stats.steps`` gains the
-    step's StepRecord before each ``on_emit``."""
+    step's StepRecord before each ``on_emit``. ``hook``: a StepHook around the steps."""
+    hook = StepHook() if hook is None else hook
     eng = Engine(target, eos_ids, tokenizer)
     row = eng.add(prompt_ids, sp, drafter, on_emit, length=length, lossy=lossy)
     if on_admit is not None:
         on_admit(row)
     while eng.rows:
-        eng.step()
+        with hook.stepping():
+            finished = eng.step()
+        hook.after_step(eng.rows, finished)
     if row.error is not None:
         raise row.error
     return row.result
@@ -589,12 +605,13 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
 
 def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
                    max_batch: int | None = None, join_every: int = 0,
-                   isolate_seeded: bool = True) -> list[GenerationResult]:
+                   isolate_seeded: bool = True, hook: StepHook | None = None) -> list[GenerationResult]:
     """Decode several (prompt_ids, sampling, drafter[, length[, lossy]]) jobs together; results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
     ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins);
-    ``isolate_seeded``: as ``Engine``'s."""
+    ``isolate_seeded``: as ``Engine``'s; ``hook``: a StepHook around the steps."""
+    hook = StepHook() if hook is None else hook
     eng = Engine(target, eos_ids, tokenizer, rule, isolate_seeded=isolate_seeded)
     waiting = list(enumerate(jobs))
     results: dict[int, GenerationResult] = {}
@@ -609,7 +626,10 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
             for r in eng.add_many(items):
                 if isinstance(r, Exception):
                     raise r
-        for row in eng.step():
+        with hook.stepping():
+            finished = eng.step()
+        hook.after_step(eng.rows, finished)
+        for row in finished:
             if row.error is not None:
                 raise row.error
             results[row.tag] = row.result

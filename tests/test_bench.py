@@ -262,17 +262,18 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
 
 
 def test_headline_preset_fills_only_the_options_not_given():
-    """Typed at their defaults (--backend hf, --max-new-tokens 128), they were replaced by the preset's."""
+    """Typed at a default (--backend hf, --max-new-tokens 48 beside the preset's 128), an option was replaced
+    by the preset's."""
     from specdraft.bench.harness import BenchOptions, plan_bench
     from specdraft.cli import build_parser, settings_from_args
 
     filled = plan_bench(BenchOptions(preset="headline")).opts
-    assert (filled.backend, filled.max_new_tokens, filled.target) == ("llama", 48, "qwen2.5-coder-1.5b:Q4_0")
-    given = plan_bench(BenchOptions(preset="headline", backend="hf", max_new_tokens=128, target="smollm2-135m")).opts
-    assert (given.backend, given.max_new_tokens, given.target, given.llama_k) == ("hf", 128, "smollm2-135m", "4")
-    a = build_parser().parse_args(["bench", "--preset", "headline", "--backend", "hf", "--max-new-tokens", "128"])
+    assert (filled.backend, filled.max_new_tokens, filled.target) == ("llama", 128, "qwen2.5-coder-1.5b:Q4_0")
+    given = plan_bench(BenchOptions(preset="headline", backend="hf", max_new_tokens=48, target="smollm2-135m")).opts
+    assert (given.backend, given.max_new_tokens, given.target, given.llama_k) == ("hf", 48, "smollm2-135m", "4")
+    a = build_parser().parse_args(["bench", "--preset", "headline", "--backend", "hf", "--max-new-tokens", "48"])
     opts = plan_bench(settings_from_args(BenchOptions, a)).opts
-    assert (opts.backend, opts.max_new_tokens, opts.methods) == ("hf", 128, filled.methods)
+    assert (opts.backend, opts.max_new_tokens, opts.methods) == ("hf", 48, filled.methods)
     plain = plan_bench(BenchOptions(tasks="qa", n_per_task=1, draft="d")).opts  # no preset: the usual defaults
     assert (plain.backend, plain.max_new_tokens, plain.out) == ("hf", 128, "results/bench.json")
 

@@ -86,7 +86,7 @@ LAYERS = [
     ("scale", ["specdraft.scale"]),
     ("drafters", ["specdraft.drafters"]),
     ("engine", ["specdraft.engine"]),
-    ("api", ["specdraft.api", "specdraft"]),
+    ("api", ["specdraft.api", "specdraft.learning", "specdraft"]),
     ("commands", ["specdraft.commands"]),
     ("bench", ["specdraft.bench"]),
     ("server", ["specdraft.server"]),

@@ -250,3 +250,31 @@ def test_fixed_mode_server_streams_plain_text_with_a_note(browser, locked):
         body = {"prompt": "abcabc", "max_tokens": 6, "temperature": 0, "top_p": 1, "spec": _spec_of_page(b)}
         assert shown == httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert shown and not _q(b, "#col-main .t") and _q(b, "#col-main .ntok")[0].text == "6"
+
+
+def test_a_learning_server_shows_its_acceptance_curve(browser, tmp_path):
+    """`serve --learn`: the page draws the learner's acceptance curve (an SVG polyline, no inline style or
+    script) and shows its state as text, whatever it holds; a server that does not learn shows no section."""
+    from conftest import tiny_llama
+    from head_util import save_eagle3_head
+    from specdraft.api import SpecDecoder
+    from specdraft.learning import LearnConfig
+    from test_server_fast import StubTok, tiny_pair
+
+    b = browser
+    t = tiny_llama(vocab=64, hidden=32, layers=4)
+    t.tokenizer = StubTok()
+    head = save_eagle3_head(t, tmp_path / "head")
+    dec = SpecDecoder(t, learn=LearnConfig(persist=False, window=8))
+    dec.learner.spawn = False  # no training process: the test plants the curve
+    spec = {"method": "eagle3", "head": str(head), "k": 3}
+    with running_server(dec, model_name="tiny", default_spec=spec) as (url, _):
+        dec.learner.guard.curve.extend([(1.0, 0.2), (2.0, 0.5), (3.0, 0.4)])
+        dec.learner._status.state = "learning " + HOSTILE_ID
+        b.get(url + "/")
+        wait_until(lambda: _q(b, "#learning")[0].is_displayed(), timeout=30)
+        assert HOSTILE_ID in _q(b, "#learnstate")[0].text and not _q(b, "#learning img")
+        assert len(_q(b, "#learncurve polyline")[0].get_attribute("points").split()) == 3
+    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3}) as (url, _):
+        _tiny_page(b, url)
+        assert not _q(b, "#learning")[0].is_displayed()

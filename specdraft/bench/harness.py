@@ -38,7 +38,7 @@ from ..core import prompts as data
 from .report import read_results, render
 
 BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
-             "ov_genai", "ov_genai_lookup", "ov_genai_draft")
+             "ov_genai", "ov_genai_lookup", "ov_genai_draft", "ov_genai_eagle3")
 # the engine's remote_draft method (the draft in a Ray actor) in turns and drafting while the target verifies
 PAIRS = {"pair_serial": False, "pair_overlap": True}
 WARM_UP = {"id": "warm-up", "prompt": "Say hello in three languages."}  # not one of any preset's prompts
@@ -133,7 +133,8 @@ def add_parser(sub):
     b.add_argument("--pair-threads", type=int, default=1,
                    help="pair_serial / pair_overlap (method remote_draft, the draft in a Ray actor, in turns / "
                         "drafting while the target verifies): threads of the draft's process")
-    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft and ov_genai_draft (a comma "
+    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft, ov_genai_draft and "
+                   "ov_genai_eagle3 (OpenVINO GenAI's EAGLE-3 decoding with the head of --config's spec.head; a comma "
                    "list, likewise)")
     b.add_argument("--methods", default=None,
                    help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
@@ -216,7 +217,9 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     listed = [x.strip() for x in opts.methods.split(",") if x.strip()]
-    _check_read(base, sweeps, [on_backend(m)[1] for m in listed if on_backend(m)[1] in methods.REGISTRY])
+    read_elsewhere = {"head"} if "ov_genai_eagle3" in listed else set()  # the head GenAI's EAGLE-3 decoding runs
+    _check_read({k: v for k, v in base.items() if k not in read_elsewhere}, sweeps,
+                [on_backend(m)[1] for m in listed if on_backend(m)[1] in methods.REGISTRY])
     out = []
     for m in listed:
         b, inner = on_backend(m)
@@ -227,9 +230,10 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             out.append((m, named[m].method, named[m]))
         elif m.startswith(("llama_cpp@", "ov_genai@")):  # plain decoding of another GGUF (e.g. the Q4_K_M file)
             out.append((m, m.split("@", 1)[0], {"model": m.split("@", 1)[1]}))
-        elif m in ("llama_cpp_lookup", "llama_cpp_draft", "ov_genai_lookup", "ov_genai_draft"):
+        elif m in ("llama_cpp_lookup", "llama_cpp_draft", "ov_genai_lookup", "ov_genai_draft", "ov_genai_eagle3"):
             ks = [int(k) for k in str(opts.llama_k if m.endswith("_lookup") else opts.llama_draft_k).split(",")]
-            out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k}) for k in ks]
+            head = {"head": base.get("head")} if m == "ov_genai_eagle3" else {}
+            out += [(m if len(ks) == 1 else f"{m}[k={k}]", m, {"k": k, **head}) for k in ks]
         elif m in PAIRS:
             d = {**base, "method": "remote_draft", "prefetch": PAIRS[m], "remote_threads": opts.pair_threads}
             out.append((m, "remote_draft", SpecConfig.from_dict(for_method(d, "remote_draft"))))
@@ -403,12 +407,31 @@ def _ov_genai_runner(opts: BenchOptions, name: str, kind: str, spec, threads: in
     def ir_dir(model: str) -> str:
         return str(ir_path(resolve_gguf(model)[0], model).parent)
 
-    mode = {"ov_genai": "plain", "ov_genai_lookup": "lookup", "ov_genai_draft": "draft"}[kind]
+    mode = {"ov_genai": "plain", "ov_genai_lookup": "lookup", "ov_genai_draft": "draft",
+            "ov_genai_eagle3": "eagle3"}[kind]
     if mode == "draft" and not opts.draft:
         raise ConfigError("ov_genai_draft needs --draft NAME")
+    main = ir_dir((spec or {}).get("model") or _gguf_name(opts.target))
     draft = ir_dir(opts.draft) if mode == "draft" else None
-    return OVGenAIRunner(name, ir_dir((spec or {}).get("model") or _gguf_name(opts.target)), threads, eos_ids, mode,
-                         draft, (spec or {}).get("k", 4))
+    if mode == "eagle3":
+        main, draft = _ov_genai_eagle3_dirs(opts, (spec or {}).get("head"), main)
+    return OVGenAIRunner(name, main, threads, eos_ids, mode, draft, (spec or {}).get("k", 4))
+
+
+def _ov_genai_eagle3_dirs(opts: BenchOptions, head: str | None, ir_dir: str) -> tuple[str, str]:
+    """OpenVINO GenAI's main and draft directories for the EAGLE-3 ``head`` on the target's IR (bench/ov_eagle3.py)."""
+    from pathlib import Path
+
+    from ..models.catalog import home
+    from .ov_eagle3 import cache_dir_for, prepare
+
+    if not head:
+        raise ConfigError("ov_genai_eagle3 needs an EAGLE-3 head: spec.head in --config")
+    if opts.temperature > 0:
+        raise ConfigError("ov_genai_eagle3: OpenVINO GenAI's EAGLE-3 decoding is greedy only (--temperature 0)")
+    xml = Path(ir_dir) / "openvino_model.xml"
+    dirs = prepare(head, xml, home() / "openvino" / cache_dir_for(head, xml))
+    return str(dirs.main), str(dirs.draft)
 
 
 def _target_on(backend: str, target: str) -> str:

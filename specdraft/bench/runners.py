@@ -194,8 +194,9 @@ class _LlamaModelDraft:
 
 class OVGenAIRunner:
     """OpenVINO GenAI's own decoding of the same GGUF file (the IR the openvino backend converted it to,
-    models/openvino.py): plain (``LLMPipeline``), its prompt lookup (``prompt_lookup=True``) or its
-    speculative decoding with a draft model's IR (``draft_model``), ``k`` tokens drafted per step."""
+    models/openvino.py): plain (``LLMPipeline``), its prompt lookup (``prompt_lookup=True``), its
+    speculative decoding with a draft model's IR (``draft_model``) or its EAGLE-3 decoding (``eagle3``: the
+    directories bench/ov_eagle3.py prepares), ``k`` tokens drafted per step."""
 
     kind = "baseline"
 
@@ -207,7 +208,7 @@ class OVGenAIRunner:
         kw = {"INFERENCE_NUM_THREADS": threads}
         if mode == "lookup":
             kw["prompt_lookup"] = True
-        elif mode == "draft":
+        elif mode in ("draft", "eagle3"):
             kw["draft_model"] = ov_genai.draft_model(draft_dir, "CPU", INFERENCE_NUM_THREADS=threads)
         self.genai = ov_genai
         self.pipe = ov_genai.LLMPipeline(ir_dir, "CPU", **kw)
@@ -222,7 +223,7 @@ class OVGenAIRunner:
             c.rng_seed = sp.seed or 0
         if self.mode == "lookup":
             c.num_assistant_tokens, c.max_ngram_size = self.k, 3
-        elif self.mode == "draft":
+        elif self.mode in ("draft", "eagle3"):
             c.num_assistant_tokens = self.k
         return c
 

@@ -2,11 +2,14 @@
 
     specdraft heads export SRC OUT [--format specforge|vllm|speculators] [--dtype bfloat16]
     specdraft heads info DIR
+    specdraft heads reset [--target NAME]
 
 ``export`` reads a head directory of any of the three formats (models/head_formats.py; ours included) and
 writes it in the one asked: ``specforge`` (the default; SGLang, SpecForge and vLLM read it),
 ``vllm`` (the same tensors, architecture Eagle3LlamaForCausalLM) or ``speculators``. A head stored
-here in int8 is written dequantized, in ``--dtype``.
+here in int8 is written dequantized, in ``--dtype``. ``reset`` removes the heads that online learning
+adapted (``serve --learn``, specdraft/learning/store.py): of the target NAME (its name as served), or all;
+the next start serves the shipped head.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def add_parser(sub):
     i = hs.add_parser("info", help="what an EAGLE-3 head directory holds")
     i.add_argument("dir")
     i.add_argument("--target-layers", type=int, default=None)
+    r = hs.add_parser("reset", help="drop the heads `serve --learn` adapted: the next start serves the shipped head")
+    r.add_argument("--target", default=None, help="only this target's (its name as served; default: every target's)")
     return h
 
 
@@ -62,6 +67,8 @@ def _declared_layers(cfg: dict) -> int | None:
 
 
 def main_heads(a) -> int:
+    if a.heads_cmd == "reset":
+        return _reset(a.target)
     ck = _read(a.src if a.heads_cmd == "export" else a.dir, a.target_layers)
     if a.heads_cmd == "info":
         s = ck.shape
@@ -77,4 +84,16 @@ def main_heads(a) -> int:
     meta = {k: v for k, v in ck.meta.items() if k not in ("storage", "aux_layers")} or None
     head_formats.write(out, ck.shape, ck.state, meta, fmt=a.format, dtype=DTYPES[a.dtype])
     print(f"wrote {out} ({a.format}, {a.dtype})", file=sys.stderr)
+    return 0
+
+
+def _reset(target: str | None) -> int:
+    from ..learning.store import adapted_root, reset
+
+    gone = reset(target)
+    for d in gone:
+        print(f"removed {d}", file=sys.stderr)
+    whose = f"of {target} " if target else ""
+    print(f"{len(gone)} adapted head(s) {whose}removed from {adapted_root()}; the shipped heads serve from the next "
+          "start (a server running now keeps its adapted head in memory until it stops)", file=sys.stderr)
     return 0

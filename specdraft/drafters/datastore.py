@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +120,17 @@ class Datastore:
         self.path, self.meta, self.tokens, self.sa = p, meta, tokens, sa
         self.sort_depth = int(meta.get("sort_depth", 64))
 
+    @classmethod
+    def of_docs(cls, docs, sort_depth: int = 64) -> "Datastore":
+        """A datastore in memory over token documents (``ServedOutputs``' snapshots), searched as one on disk."""
+        self = cls.__new__(cls)
+        self.tokens = concat_docs(docs)
+        self.sa = suffix_array(self.tokens, sort_depth)
+        self.path, self.sort_depth = None, sort_depth
+        self.meta = {"format": FORMAT, "version": VERSION, "n_tokens": int(self.tokens.shape[0]),
+                     "sort_depth": sort_depth}
+        return self
+
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
@@ -160,6 +173,62 @@ class Datastore:
         else:
             idx = np.arange(a, b, dtype=np.int64)
         return lo_m, np.asarray(self.sa[idx], dtype=np.int64) + lo_m - 1
+
+
+class ServedOutputs:
+    """The outputs a decoder served lately (when it learns online: specdraft/learning), for the suffix drafter
+    to draft from as from a datastore: SuffixDecoding's global tree over earlier answers, which pays when
+    requests repeat each other's text (agents, templated answers). Bounded: past ``max_tokens`` the oldest
+    outputs leave. A request's drafter reads the snapshot of when it began. Snapshots are rebuilt in a
+    thread of their own after outputs were added (a suffix array: 44 ms for 65k tokens on a busy 2-core
+    AMD EPYC, 2026-12-05), not on the serving loop, so a request may not see yet an output that finished
+    just before it."""
+
+    def __init__(self, max_tokens: int, sort_depth: int = 64):
+        self.max_tokens, self.sort_depth = max_tokens, sort_depth
+        self.docs: deque[np.ndarray] = deque()
+        self.n_tokens = 0
+        self._snapshot: Datastore | None = None
+        self._stale = False
+        self._builder: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, tokens: list[int]) -> None:
+        doc = np.asarray(tokens, dtype=np.int32)
+        if doc.size < 2:
+            return
+        with self._lock:
+            self.docs.append(doc[-self.max_tokens:])
+            self.n_tokens += len(self.docs[-1]) + 1
+            while self.n_tokens > self.max_tokens + 1 and len(self.docs) > 1:
+                self.n_tokens -= len(self.docs.popleft()) + 1
+            self._stale = True
+            if self._builder is None:
+                self._builder = threading.Thread(target=self._build, name="served-outputs", daemon=True)
+                self._builder.start()
+
+    def _build(self) -> None:
+        while True:
+            with self._lock:
+                docs, self._stale = list(self.docs), False
+            snap = Datastore.of_docs(docs, self.sort_depth)
+            with self._lock:
+                self._snapshot = snap
+                if not self._stale:
+                    self._builder = None
+                    return
+
+    def snapshot(self) -> "Datastore | None":
+        """The latest snapshot (None until one is built)."""
+        with self._lock:
+            return self._snapshot
+
+    def wait(self) -> None:
+        """Until the snapshot holds every output added so far (tests, measurements)."""
+        with self._lock:
+            builder = self._builder
+        if builder is not None:
+            builder.join()
 
 
 def read_corpus(path: str | Path, max_docs: int | None = None) -> list[str]:

@@ -78,10 +78,14 @@ class EagleDrafter(TreeGrower, Drafter):
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.sp, self.gen = sp, generator
         self.feats = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
-        self.cache = self.head.new_cache()
-        self.n_true = 0
+        self._new_cache()
         self._draft = DraftTree.empty()
         self._hidden = None
+
+    def _new_cache(self) -> None:
+        self.cache = self.head.new_cache()
+        self.n_true = 0
+        self._weights = getattr(self.head, "version", 0)  # the online learner counts the head's weight changes
 
     def max_draft_depth(self) -> int:
         return self.max_depth
@@ -111,6 +115,8 @@ class EagleDrafter(TreeGrower, Drafter):
         if k <= 0 or self.feats.shape[0] == 0:
             return self._draft
         assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
+        if getattr(self.head, "version", 0) != self._weights:  # keys and values of older weights: fed again
+            self._new_cache()
         extra = self.cache.get_seq_length() - self.n_true
         if extra > 0:
             self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions

@@ -174,7 +174,9 @@ def _prompt_lookup(dec, spec):
 def _suffix(dec, spec):
     from .suffix import SuffixDrafter
 
-    return SuffixDrafter(spec, dec.datastore(spec.datastore) if spec.datastore else None)
+    served = dec.served_outputs()  # on a decoder that learns online: the outputs it served lately
+    return SuffixDrafter(spec, dec.datastore(spec.datastore) if spec.datastore else None,
+                         None if served is None else served.snapshot())
 
 
 def _token_recycling(dec, spec):

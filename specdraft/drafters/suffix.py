@@ -7,8 +7,9 @@ Two sources, one tree builder:
   tokens only (amortized O(1) per token); the longest earlier-occurring suffix of the text is the
   suffix link of the automaton's last state, and its occurrences are the end positions in that
   state's subtree of the suffix-link tree;
-- optionally, a global datastore: a suffix array over a tokenized corpus
-  (``specdraft.drafters.datastore``), searched by binary search.
+- optionally, global stores: a datastore, a suffix array over a tokenized corpus
+  (``specdraft.drafters.datastore``), searched by binary search; and, on a decoder that learns online,
+  the outputs it served lately (``datastore.ServedOutputs``), searched the same way.
 
 The continuations of (up to ``max_occurrences``) occurrences are merged into a count trie
 (``count_tree``, vectorized over occurrences with numpy); node score = count / occurrences, the
@@ -203,20 +204,28 @@ def continuation_paths(tokens: np.ndarray, ends: np.ndarray, depth: int) -> np.n
 class SuffixDrafter(Drafter):
     name = "suffix"
 
-    def __init__(self, spec: SpecConfig, datastore=None):
+    def __init__(self, spec: SpecConfig, datastore=None, served=None):
+        """``datastore``: a Datastore or None; ``served``: a snapshot of the outputs served lately
+        (``ServedOutputs.snapshot()``) or None. Both are global stores."""
         self.spec = spec
-        self.store = datastore  # a Datastore or None
+        self.stores = [s for s in (datastore, served) if s is not None]
         self.sam = SuffixAutomaton()
         self._buf = np.empty(0, dtype=np.int64)
-        self._g_m, self._g_at = 0, None
+        self._begin_global()
         self.last_source = None  # "local" | "global" | None: which tree the last proposal used
+        if served is not None:
+            self.reproducible = False  # what it drafts depends on what else the decoder served
 
     def max_draft_depth(self) -> int:
         return self.spec.k
 
+    def _begin_global(self) -> None:
+        self._g = [(0, None)] * len(self.stores)  # per store: the last match length and the text length then
+        self._g_m = 0  # the match length of the global tree drafted last
+
     def begin(self, prompt_ids, sp, generator):
         self.sam = SuffixAutomaton()
-        self._g_m, self._g_at = 0, None  # the last global match length and the text length then
+        self._begin_global()
         self._buf = np.empty(max(64, 2 * len(prompt_ids)), dtype=np.int64)
         self._sync([int(t) for t in prompt_ids])
 
@@ -224,7 +233,7 @@ class SuffixDrafter(Drafter):
         n = len(self.sam)
         if len(tokens) < n or (n and tokens[n - 1] != self.sam.tokens[n - 1]):
             self.sam = SuffixAutomaton()  # not a continuation of what we saw: rebuild
-            self._g_m, self._g_at = 0, None
+            self._begin_global()
             n = 0
         new = tokens[n:]
         self.sam.extend_many(new)
@@ -249,33 +258,35 @@ class SuffixDrafter(Drafter):
         paths = continuation_paths(self._buf[: len(self.sam)], ends, depth)
         return count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
 
-    def global_tree(self, tokens: list[int], max_tokens: int):
-        if self.store is None:
-            return None
-        # the match can grow by at most the tokens appended since the last lookup
-        bound = None if self._g_at is None else self._g_m + len(tokens) - self._g_at
-        m, ends = self.store.lookup(tokens, self.spec.max_occurrences, bound)
-        self._g_m, self._g_at = m, len(tokens)
+    def global_tree(self, tokens: list[int], max_tokens: int, i: int = 0):
+        """(the match length in global store i, its tree or None)."""
+        store = self.stores[i]
+        m0, at = self._g[i]  # the match can grow by at most the tokens appended since the last lookup
+        m, ends = store.lookup(tokens, self.spec.max_occurrences, None if at is None else m0 + len(tokens) - at)
+        self._g[i] = (m, len(tokens))
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0 or ends.size == 0:
-            return None
-        paths = continuation_paths(self.store.tokens, ends, depth)
-        return count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
+            return m, None
+        paths = continuation_paths(store.tokens, ends, depth)
+        return m, count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._sync(tokens)
         self.last_source = None
         if min(self.spec.k, max_tokens) <= 0:
             return DraftTree.empty()
+        trees = [("local", self.sam.match_len(), self.local_tree(max_tokens))]
+        trees += [("global", *self.global_tree(tokens, max_tokens, i)) for i in range(len(self.stores))]
         best, best_score = None, 0.0
-        for source, tree in (("local", self.local_tree(max_tokens)), ("global", self.global_tree(tokens, max_tokens))):
+        for source, m, tree in trees:
             if tree is not None and tree[0].size and float(tree[2].sum()) > best_score:
                 best, best_score, self.last_source = tree, float(tree[2].sum()), source
+                self._g_m = m if source == "global" else self._g_m
         if best is None:
             return DraftTree.empty()
         return DraftTree(torch.from_numpy(best[0].copy()), torch.from_numpy(best[1].copy()))
 
     def last_match_len(self) -> int:
-        """The length of the match the last proposal drafted from (the automaton's, or the datastore's)."""
+        """The length of the match the last proposal drafted from (the automaton's, or a global store's)."""
         return self._g_m if self.last_source == "global" else self.sam.match_len()
 

@@ -234,3 +234,27 @@ def ttt_loss(head, embed, F, toks, labels, device, bf16: bool = False) -> tuple[
     return total, accs
 
 
+
+
+def ttt_batch(data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: int):
+    """Right-padded batch of P = L - 1 anchors of the sequences ``idx`` of ``data`` (``tokens[i]`` a long
+    tensor, ``n_prompt[i]``, ``features(i, n)`` its first n feature rows, ``width`` of a row: offline
+    training's data directory, the online learner's replay buffer): features F_t [B, P, 3H]; tokens
+    [B, P + K] (x_{t+1} onwards: step j feeds column t + j); labels [B, P, K] (step j at anchor t: x_{t+j+2}
+    as a draft vocabulary index, -100 off the answer, past the end or outside the draft vocabulary)."""
+    seqs = [(data.tokens[i][:max_len], data.n_prompt[i], i) for i in idx]
+    P = max(len(t) for t, _, _ in seqs) - 1
+    F = torch.zeros(len(seqs), P, data.width)
+    toks = torch.zeros(len(seqs), P + K, dtype=torch.long)
+    labels = torch.full((len(seqs), P, K), -100, dtype=torch.long)
+    for b, (x, n0, i) in enumerate(seqs):
+        T = len(x)
+        F[b, : T - 1] = data.features(i, T - 1)
+        toks[b, : T - 1] = x[1:]
+        t = torch.arange(T - 1)
+        for j in range(K):
+            at = t + j + 2
+            ok = (at < T) & (at >= n0)
+            labels[b, t[ok], j] = t2d_index[x[at[ok]]]
+    return F, toks, labels
+

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..api import ModelSettings
+from ..api import ModelSettings, default_backend
 from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..core.errors import SpecDraftError
 from ..drafters.registry import REGISTRY, method as registered
@@ -24,6 +25,7 @@ from .prometheus import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
 from .batch_worker import BatchWorker
+from .learning import LearnCollector, api_keys, curve_view, health_view, learns_from, tenancy_problem
 from .resources import LOAD_S, load as load_resources
 from .scheduler import Job, QueueFull, shutdown_error
 
@@ -134,18 +136,25 @@ def _unauthorized(message: str) -> JSONResponse:
     return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def key_problem(request: Request, api_key: str) -> str | None:
-    """Why ``request`` does not carry ``Authorization: Bearer <api_key>`` (compared in constant time), or None."""
-    auth = request.headers.get("authorization", "")
-    scheme, _, given = auth.partition(" ")
-    if not auth:
+def request_key(request: Request, api_key) -> str | None:
+    """The key of ``api_key`` (one, or several) that ``request`` carries as ``Authorization: Bearer <key>``
+    (each compared in constant time), or None."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    given = given.strip().encode()
+    hits = [k for k in api_keys(api_key) if hmac.compare_digest(given, k.encode())]  # every key compared
+    return hits[0] if hits else None
+
+
+def key_problem(request: Request, api_key) -> str | None:
+    """Why ``request`` does not carry ``Authorization: Bearer <key>`` of ``api_key`` (one, or several), or None."""
+    if not request.headers.get("authorization", ""):
         return "missing API key: send the header 'Authorization: Bearer <key>'"
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-        return "invalid API key"
-    return None
+    return None if request_key(request, api_key) is not None else "invalid API key"
 
 
-def key_check(api_key: str, open_metrics: bool = False):
+def key_check(api_key, open_metrics: bool = False):
     """An HTTP middleware: every path but /health, the playground's (and /metrics with ``open_metrics``) needs
     ``Authorization: Bearer <api_key>``; otherwise 401 in OpenAI's shape. (/health answers without it,
     but only whether the server is up: see ``health_details``.)"""
@@ -159,12 +168,13 @@ def key_check(api_key: str, open_metrics: bool = False):
         problem = key_problem(request, api_key)
         if problem:
             return _unauthorized(problem)
+        request.state.api_key = request_key(request, api_key)  # whose request it is (--learn-keys)
         return await call_next(request)
 
     return check
 
 
-def health_details(request: Request, api_key: str | None, hidden: bool = False) -> bool:
+def health_details(request: Request, api_key, hidden: bool = False) -> bool:
     """Whether ``request`` may see what moves with each step's accepted drafts (/health's queue, rows and
     cache length; /metrics' engine series). With an API key, only its holders; without one, unless
     ``hidden`` (a server streaming fixed by default hides acceptance from everyone)."""
@@ -300,7 +310,10 @@ class ServerSettings:
 
     ``max_batch``: the rows the worker (BatchWorker) decodes together, 1 = one request at a time; with more,
     the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
-    ``open_metrics``) requires it as a Bearer token. ``max_body_bytes``: larger request bodies get a 413.
+    ``open_metrics``) requires it (or, given several, one of them) as a Bearer token. ``learn_keys``: on a
+    decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the head; None: every
+    request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
+    ``max_body_bytes``: larger request bodies get a 413.
     ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
     ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.
     ``resources``: {spec field naming a file (config.PATH_FIELDS): {name: path}}, what a request's spec may
@@ -315,7 +328,7 @@ class ServerSettings:
     max_batch: int = 1
     spec_shrink_at: int = SPEC_SHRINK_AT
     spec_off_at: int = SPEC_OFF_AT
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     open_metrics: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
     stream_mode: str = "normal"
@@ -323,6 +336,8 @@ class ServerSettings:
     resources: dict | None = None
     allowed_hosts: tuple[str, ...] = ()
     stuck_after_s: float = STUCK_AFTER_S
+    learn: object = None  # a learning.LearnConfig: build_server_app loads the decoder learning with it
+    learn_keys: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -356,7 +371,9 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
     if settings.stream_mode not in STREAM_MODES:
         raise ValueError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {settings.stream_mode!r}")
     pacing = settings.stream_pacing or StreamPacing()
+    default_spec = SpecConfig.from_dict(settings.default_spec)
     metrics = ServerMetrics()
+    start_learning(decoder, settings, default_spec, pacing.locked or settings.stream_mode == "fixed", metrics)
     worker = make_worker(decoder, metrics, settings)
     worker.start()
 
@@ -364,6 +381,8 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
     async def lifespan(app):
         yield
         worker.stop()
+        if decoder.learner is not None:
+            decoder.learner.close()
 
     app = FastAPI(title="specdraft", lifespan=lifespan)
     app.state.draining = False
@@ -372,7 +391,6 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
         app.middleware("http")(key_check(settings.api_key, settings.open_metrics))
     else:
         app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(settings.allowed_hosts)))
-    default_spec = SpecConfig.from_dict(settings.default_spec)
     app.state.worker = worker
     app.state.default_spec = default_spec
     app.state.resources = {k: dict(v) for k, v in (settings.resources or {}).items()}
@@ -385,10 +403,30 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
     app.post("/v1/chat/completions")(chat_completions)
     app.get("/v1/models")(list_models)
     app.get("/v1/specdraft/methods")(list_methods)
+    app.get("/v1/specdraft/learning")(learning)
     add_playground(app)
     app.get("/health")(health)
     app.get("/metrics")(prom)
     return app
+
+
+def start_learning(decoder, settings: ServerSettings, default_spec: SpecConfig, fixed: bool, metrics) -> None:
+    """On a decoder that learns: the tenancy rule checked (server/learning.py), the default spec's head loaded
+    now (the learner starts, from the adapted head when one is kept), the learner's series in /metrics."""
+    learner = getattr(decoder, "learner", None)
+    if learner is None:
+        if settings.learn_keys is not None:
+            raise ValueError("learn_keys is set but the decoder does not learn (SpecDecoder(learn=...))")
+        return
+    problem = tenancy_problem(api_keys(settings.api_key), fixed, settings.learn_keys)
+    if problem:
+        raise ValueError(problem)
+    if default_spec.head is not None and default_spec.method in ("eagle3", "auto"):
+        decoder.head(default_spec)
+    elif not (settings.resources or {}).get("head"):
+        log.warning("--learn: this server serves no EAGLE-3 head (--head, --resource head:NAME=DIR); only the "
+                    "suffix drafters' store of recent outputs learns")
+    metrics.engine.register(LearnCollector(learner))
 
 
 async def _unhandled(request, exc):
@@ -424,7 +462,17 @@ async def health(request: Request):
     if health_details(request, sv.settings.api_key, hidden=fixed_by_default(request)):
         body.update({"model": sv.settings.model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
                      "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
+        if sv.decoder.learner is not None:
+            body["learning"] = health_view(sv.decoder.learner)
     return JSONResponse(body, status_code=200 if state == "ok" else 503)
+
+
+async def learning(request: Request):
+    """The learner's state and acceptance curve (the playground draws it), to whoever sees /health's details."""
+    sv = _serving(request)
+    if not health_details(request, sv.settings.api_key, hidden=fixed_by_default(request)):
+        return {"learning": None}  # a fixed-mode server tells nobody without the key
+    return curve_view(sv.decoder.learner)
 
 
 async def prom(request: Request):
@@ -467,6 +515,7 @@ async def handle(request: Request, chat: bool):
         count(endpoint, "invalid").inc()
         return _error(e)
     job = Job(p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop())
+    job.learn = learns_from(getattr(request.state, "api_key", None), sv.settings.learn_keys)
     try:
         sv.worker.submit(job)
     except QueueFull as e:
@@ -592,7 +641,11 @@ def build_server_app(models: ModelSettings, settings: ServerSettings, method_def
     """Loads the models and returns the FastAPI app of one engine (`specdraft serve`'s, a replica's too:
     server/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
     can run (SpecDecoder.usable) once the models are loaded."""
-    dec = models.load()
+    dec = models.load(learn=settings.learn)
+    if (models.backend or default_backend(models.target)) == "auto":
+        print("serve: one path stays loaded for every request, the one --backend auto took above without a "
+              "request's shape (`specdraft generate` and the library weigh each request's prompt and answer "
+              "lengths)", file=sys.stderr, flush=True)
     if method_defaulted:
         settings = replace(settings, default_spec=dec.usable(settings.default_spec))
     return create_app(dec, settings)

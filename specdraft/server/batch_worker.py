@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
-from ..engine import Engine
+from ..engine import Engine, StepHook
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
 from .scheduler import BaseWorker, log, make_drafter
@@ -28,6 +28,7 @@ class BatchWorker(BaseWorker):
         self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer, rule=rule)
         self._n_rows = 0
         self._taken: list = []  # jobs the loop took from the queue and has not admitted yet
+        self.hook = getattr(decoder, "learner", None) or StepHook()  # the online learner swaps weights between steps
 
     def num_running(self) -> int:
         return self._n_rows
@@ -127,7 +128,8 @@ class BatchWorker(BaseWorker):
             try:
                 t0 = time.perf_counter()
                 self.busy_since = time.monotonic()
-                finished = eng.step()
+                with self.hook.stepping():
+                    finished = eng.step()
                 self.metrics.step_latency.observe(time.perf_counter() - t0)
             except Exception as e:  # a bug in the shared work: fail every running request, start over
                 log.exception("batch step failed")
@@ -143,6 +145,7 @@ class BatchWorker(BaseWorker):
                     continue
                 self.metrics.observe_result(row.result.stats)
                 row.tag.finish(row.result)
+            self.hook.after_step(eng.rows, finished)
             with self.cv:
                 self._n_rows = eng.num_rows
                 self._update_gauges()

@@ -26,6 +26,7 @@ from .app import (
     origin_check,
     read_body,
 )
+from .learning import api_keys
 from .protocol import RequestError
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
@@ -96,7 +97,7 @@ class _Front:
         self.urls, self.api_key, self.max_body_bytes = urls, api_key, max_body_bytes
         self.router = Router(urls)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
-        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.auth = {"Authorization": f"Bearer {api_keys(api_key)[0]}"} if api_key else {}  # the first of several
 
     async def replica_get(self, path: str, headers: dict | None = None) -> list:
         """GET ``path`` of every replica (None where one did not answer), with the front's key unless ``headers``."""

@@ -54,6 +54,27 @@ async function loadMethods() {
   fillKnobs();
 }
 
+async function loadLearning() {
+  // a server that learns online (serve --learn) shows its acceptance curve; every server string is a text node
+  const resp = await fetch("/v1/specdraft/learning", { headers: headers() });
+  const info = resp.ok ? await resp.json() : { learning: false };
+  $("learning").style.display = info.learning ? "block" : "none";
+  if (!info.learning) return;
+  const acc = info.acceptance === null ? "n/a" : Number(info.acceptance).toFixed(3);
+  $("learnstate").textContent = `${info.state} · ${info.updates} updates (${info.kept} kept, ${info.rollbacks} ` +
+    `rolled back) · acceptance ${acc} over the last ${info.window} drafted tokens`;
+  drawCurve(info.curve.map((p) => Number(p.acceptance)));
+}
+
+function drawCurve(ys) {
+  // the page's own polyline (playground.html) gets the points: numbers only, no markup
+  const w = 320, h = 64;
+  const pts = ys.length < 2 ? [] :
+    ys.map((y, i) => `${(i / (ys.length - 1) * w).toFixed(1)},${(h - 2 - y * (h - 4)).toFixed(1)}`);
+  $("learnline").setAttribute("points", pts.join(" "));
+  $("learnwait").style.display = ys.length < 2 ? "" : "none";
+}
+
 function fillSelect(sel, values, preferred) {
   sel.replaceChildren();
   for (const v of values) sel.add(new Option(v, v));
@@ -258,6 +279,7 @@ async function generate() {
     if (plain) jobs.push(run(plain, { method: "plain" }));
     await Promise.all(jobs);
     summarize(main, plain);
+    loadLearning().catch(() => {});
   } catch (e) {
     showError(e.message);
   } finally {
@@ -269,8 +291,8 @@ async function generate() {
 
 $("method").addEventListener("change", fillKnobs);
 $("generate").addEventListener("click", generate);
-$("apikey").addEventListener("change", () => { state.key = $("apikey").value; loadMethods(); });
+$("apikey").addEventListener("change", () => { state.key = $("apikey").value; loadMethods().then(loadLearning); });
 document.addEventListener("keydown", (e) => {
   if ((e.ctrlKey || e.metaKey) && e.key === "Enter") { e.preventDefault(); generate(); }
 });
-loadMethods().catch((e) => showError(e.message));
+loadMethods().then(loadLearning).catch((e) => showError(e.message));

@@ -66,6 +66,7 @@ class Job:
         self.result = None
         self._last_emit = None
         self.steps: list | None = None  # the row's StepRecords (engine), once admitted: each step's is posted
+        self.learn = True  # whether the online learner may learn from this request (server/learning.py)
 
     def admitted(self, row) -> None:
         self.steps = row.stats.steps

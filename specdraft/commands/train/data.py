@@ -49,21 +49,43 @@ def block_columns(target, blocks) -> torch.Tensor:
 
 def decode_stream(target, jobs, rows: int, on_done) -> None:
     """Decode (prompt ids, SamplingParams, drafter, tag) jobs with at most ``rows`` at once, a waiting job
-    joining as soon as a row finishes (so one long answer does not hold a batch of finished ones);
-    ``on_done(tag, prompt ids, result, drafter)`` as each finishes. Jobs may be an iterator."""
+    joining as soon as a row finishes (so one long answer does not hold a batch of finished ones) and
+    there is room in a shared, bounded cache for all it may write (llama.cpp's rows share n_ctx cells);
+    ``on_done(tag, prompt ids, result, drafter)`` as each finishes. Jobs may be an iterator. Seeded rows
+    share the batch's forwards (data needs no batch-invariant samples, and own lanes would cost a
+    forward each)."""
     from ...engine import Engine
 
-    eng = Engine(target, target.eos_token_ids())
+    eng = Engine(target, target.eos_token_ids(), isolate_seeded=False)
     waiting = iter(jobs)
+    held, claimed = None, {}  # a job that waits for room; row -> the cells it may fill
     while True:
-        joining = [job for _, job in zip(range(rows - eng.num_rows), waiting)]
+        joining = []
+        while eng.num_rows + len(joining) < rows:
+            job = held if held is not None else next(waiting, None)
+            held = None
+            if job is None:
+                break
+            room = eng.kv.draft_room()
+            need = len(job[0]) + job[1].max_new_tokens + 1
+            if room is not None and sum(claimed.values()) + need + sum(len(j[0]) + j[1].max_new_tokens + 1
+                                                                       for j in joining) > target.max_context:
+                held = job
+                break
+            joining.append(job)
         if joining:
-            for r in eng.add_many([(ids, sp, d, None, (tag, ids, d)) for ids, sp, d, tag in joining]):
+            for r, (ids, sp, d, tag) in zip(eng.add_many([(ids, sp, d, None, (tag, ids, d)) for ids, sp, d, tag in joining]),
+                                            joining):
                 if isinstance(r, Exception):
                     raise r
+                claimed[r] = len(ids) + sp.max_new_tokens + 1
         if not eng.rows:
-            return
+            if held is None:
+                return
+            raise SpecDraftError(f"a prompt of {len(held[0])} tokens with {held[1].max_new_tokens} new ones does not "
+                                 f"fit {target.name}'s context of {target.max_context} tokens")
         for row in eng.step():
+            claimed.pop(row, None)
             if row.error is not None:
                 raise row.error
             tag, ids, d = row.tag

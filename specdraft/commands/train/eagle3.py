@@ -19,12 +19,12 @@ import torch
 from ...core.device import torch_device
 from ...core.errors import ConfigError, SpecDraftError
 from ...core.jsonl import AppendedJsonl, read_json_file
-from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers, ttt_loss
+from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers, ttt_batch, ttt_loss
 from ...models.heads import target_signature
 from ...models.llama_probe import native_bf16
 from . import eagle3_data as d3
 from .data import draft_vocab
-from .eagle3_ttt import Eagle3Data, ttt_batch
+from .eagle3_ttt import Eagle3Data
 from .loop import Run, fit
 
 EAGLE3_INTERMEDIATE = 2048

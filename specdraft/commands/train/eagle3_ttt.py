@@ -1,5 +1,5 @@
-"""Training an EAGLE-3 head from DIR/data: the sequences with their features (memory-mapped) and the
-batches of the training-time test (its loss: models/eagle3.py's ``ttt_loss``)."""
+"""Training an EAGLE-3 head from DIR/data: the sequences with their features (memory-mapped), read as
+models/eagle3.py's ``ttt_batch`` takes them (the training-time test's batches and loss live beside the head)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class Eagle3Data:
         # copy-on-write: torch wants a writable array; nothing writes to it
         mm = np.memmap(binf, dtype=np.int16, mode="c", shape=(n, width))
         self.feats = torch.from_numpy(mm).view(torch.bfloat16)
+        self.width = width
 
     def __len__(self) -> int:
         return len(self.index)
@@ -44,24 +45,3 @@ class Eagle3Data:
     def features(self, k: int, n: int) -> torch.Tensor:
         r = self.index[k]["row"]
         return self.feats[r: r + n].float()
-
-
-def ttt_batch(data: Eagle3Data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: int):
-    """Right-padded batch of P = L - 1 anchors: features F_t [B, P, 3H]; tokens [B, P + K] (x_{t+1}
-    onwards: step j feeds column t + j); labels [B, P, K] (step j at anchor t: x_{t+j+2} as a draft
-    vocabulary index, -100 off the answer, past the end or outside the draft vocabulary)."""
-    seqs = [(data.tokens[i][:max_len], data.n_prompt[i], i) for i in idx]
-    P = max(len(t) for t, _, _ in seqs) - 1
-    F = torch.zeros(len(seqs), P, data.feats.shape[1])
-    toks = torch.zeros(len(seqs), P + K, dtype=torch.long)
-    labels = torch.full((len(seqs), P, K), -100, dtype=torch.long)
-    for b, (x, n0, i) in enumerate(seqs):
-        T = len(x)
-        F[b, : T - 1] = data.features(i, T - 1)
-        toks[b, : T - 1] = x[1:]
-        t = torch.arange(T - 1)
-        for j in range(K):
-            at = t + j + 2
-            ok = (at < T) & (at >= n0)
-            labels[b, t[ok], j] = t2d_index[x[at[ok]]]
-    return F, toks, labels
