@@ -168,6 +168,22 @@ def test_backends_name_the_devices_they_run_on():
     assert placement("openvino", "gpu") == "GPU" and placement("openvino", "auto") == "CPU"
 
 
+def test_backend_auto_takes_transformers_where_torch_sees_a_cuda_gpu(monkeypatch, tmp_path):
+    """(torch's count of CUDA devices stood in for: nothing runs on a GPU here)"""
+    from specdraft.models import paths
+
+    monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")
+    monkeypatch.setattr(paths, "measure_curves", lambda *a, **k: pytest.fail("measured CPU paths"))
+    monkeypatch.setattr(paths, "cuda_count", lambda: 1)
+    for device in ("auto", "cuda"):
+        assert [str(p) for p, _ in paths.ranked("smollm2-135m", device=device)] == ["hf"]
+    assert paths.allowed_for(None, [], None, "gpu").backends == ("openvino",)
+    assert paths.allowed_for(None, [], None, "cuda").backends == ("hf", "llama")
+    monkeypatch.setattr(paths, "cuda_count", lambda: 0)
+    with pytest.raises(pytest.fail.Exception, match="measured CPU paths"):  # no GPU: auto measures, as before
+        paths.ranked("smollm2-135m", device="auto")
+
+
 def test_a_cpu_only_llama_build_refuses_cuda_naming_the_build_flag():
     llama_cpp = pytest.importorskip("llama_cpp")
     if llama_cpp.llama_supports_gpu_offload():
