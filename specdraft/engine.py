@@ -32,9 +32,8 @@ from .core.errors import ConfigError, ContextLengthError, SpecDraftError
 from .core.metrics import GenerationStats, StepRecord
 from .core.policy import BatchRule, DraftLength
 from .core.processors import RequestProcessor, logprob_entries
-from .core.sampling import NO_TOKEN, make_generator
+from .core.sampling import NO_TOKEN, argmax_last, make_generator
 from .core.tree import DraftTree, feed_mask
-from .core.sampling import argmax_last
 from .core.verify import greedy_tree_path, greedy_verify, lossy_label, sample_verify, verify_tree
 from .drafters.base import StepOutcome
 from .models.lanes import RowLanes
@@ -107,6 +106,15 @@ class Request:
         """The draft group this row drafts in: its drafter's, or one of its own in its own lane."""
         key = self.drafter.group_key
         return ("own lane", id(self), key) if key is not None and self.own_lane else key
+
+
+@dataclass
+class _Decided:
+    """What a verifier decided for ``rows``, still on the logits' device (``Engine._decide_on_device``)."""
+
+    rows: list[int]
+    values: list[torch.Tensor]  # a chain's [accepted counts, next tokens]; [] when its verification failed
+    tree: bool = False  # a greedy tree's: values is [the target's argmax at its fed positions]
 
 
 class Engine:
@@ -406,40 +414,39 @@ class Engine:
             new.append((d.tokens[: len(path)] if chain[r] else d.tokens[path]).tolist() + [t])
         return n_acc, new, keep
 
-    def _decide_on_device(self, rows, drafts, chain: list[bool], logits) -> list[tuple[list[int], list]]:
-        """What the verifiers decide, left on the logits' device: (rows, [accepted counts, next tokens]) for
-        the greedy chains (together) and for each sampled chain (with its row's generator), ([row], [the
-        target's argmax at its fed positions]) for each greedy tree, ([row], []) for a row whose verification
-        failed. Sampled trees are not here: they walk their nodes (verify.rejection_sample_tree)."""
+    def _decide_on_device(self, rows, drafts, chain: list[bool], logits) -> list[_Decided]:
+        """What the verifiers decide, left on the logits' device: the greedy chains' (together), each sampled
+        chain's (with its row's generator) and each greedy tree's argmax. Sampled trees are not here: they
+        walk their nodes (verify.rejection_sample_tree)."""
         dtok = self._draft_tokens(drafts, chain)
         found = []
         greedy = [r for r, row in enumerate(rows) if chain[r] and row.sp.greedy]
         if greedy:
-            found.append((greedy, self._greedy_chains(greedy, drafts, dtok, logits)))
+            found.append(_Decided(greedy, self._greedy_chains(greedy, drafts, dtok, logits)))
         for r, (row, d) in enumerate(zip(rows, drafts)):
             if chain[r] and not row.sp.greedy:
                 q = None if d.draft_probs is None else d.draft_probs[None]
                 out = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1],
                                   row.sp, row.gen, row.lossy, None, False)  # (num_draft, strict)
-                found.append(([r], [] if out is None else list(out)))
+                found.append(_Decided([r], [] if out is None else list(out)))
             elif not chain[r] and row.sp.greedy:
-                found.append(([r], [argmax_last(logits[r, : d.size + 1])]))
+                found.append(_Decided([r], [argmax_last(logits[r, : d.size + 1])], tree=True))
         return found
 
     @staticmethod
-    def _read_decisions(found: list[tuple[list[int], list]], drafts) -> dict[int, tuple[list[int], int]]:
+    def _read_decisions(found: list[_Decided], drafts) -> dict[int, tuple[list[int], int]]:
         """``_decide_on_device``'s tensors read in one go -> per row: (its accepted path's node indices,
         the next token)."""
-        values = _read_once([t for _, ts in found for t in ts])
+        values = _read_once([t for f in found for t in f.values])
         out: dict[int, tuple[list[int], int]] = {}
-        for idx, ts in found:
-            got, values = values[: len(ts)], values[len(ts):]
-            if not ts:
-                out[idx[0]] = ([], 0)
-            elif len(ts) == 1:
-                out[idx[0]] = greedy_tree_path(drafts[idx[0]], torch.tensor(got[0], device=HOST))
+        for f in found:
+            got, values = values[: len(f.values)], values[len(f.values):]
+            if f.tree:
+                out[f.rows[0]] = greedy_tree_path(drafts[f.rows[0]], torch.tensor(got[0], device=HOST))
+            elif not got:  # its verification failed (the row's error is set)
+                out[f.rows[0]] = ([], 0)
             else:
-                out.update((r, (list(range(got[0][j])), got[1][j])) for j, r in enumerate(idx))
+                out.update((r, (list(range(got[0][j])), got[1][j])) for j, r in enumerate(f.rows))
         return out
 
     def _draft_tokens(self, drafts: list[DraftTree], chain: list[bool]) -> torch.Tensor:

@@ -120,6 +120,32 @@ def test_the_verifiers_decisions_are_read_once_per_step(dec, monkeypatch):
     assert set(reads[1:]) == {1}, reads
 
 
+def test_a_sampled_chain_without_a_token_fails_alone_after_the_one_read(dec):
+    """Sampling with nothing to draw (NaN scores) is found in the step's one read, not by a read of its own:
+    that row finishes "error" with sampling's message, the others decode as alone."""
+    from specdraft.core.sampling import NO_TOKEN
+    from specdraft.engine import generate
+
+    sp = {**SAMPLED, "seed": 3}
+    alone = generate(dec.target, dec.make_drafter(SpecConfig(method="draft_model", k=3)), [1, 2, 3], sp, set())
+    eng = Engine(dec.target, eos_ids=set(), isolate_seeded=False)
+    good = eng.add([1, 2, 3], sp, dec.make_drafter(SpecConfig(method="draft_model", k=3)))
+    bad = eng.add([4, 5], SAMPLED, dec.make_drafter(SpecConfig(method="draft_model", k=3)))
+    process = eng._process
+
+    def nan_for_bad(rows, drafts, logits):
+        logits = process(rows, drafts, logits).clone()
+        if bad in rows:
+            logits[rows.index(bad)] = float("nan")
+        return logits
+
+    eng._process = nan_for_bad
+    while eng.rows:
+        eng.step()
+    assert bad.finish == "error" and str(bad.error) == NO_TOKEN
+    assert good.result.token_ids == alone.token_ids
+
+
 def test_a_request_draws_on_the_targets_device(dec):
     eng = Engine(dec.target, eos_ids=set())
     row = eng.add([1, 2, 3], {**SAMPLED, "seed": 1}, dec.make_drafter(SpecConfig(method="plain")))
