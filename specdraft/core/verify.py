@@ -163,7 +163,7 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
         nxt_node = None
         for c in children[slot]:
             x = tokens[c]
-            if tree.draft_probs is None:  # deterministic child: q = one-hot(x)
+            if q_all is None:  # deterministic child: q = one-hot(x)
                 if u[c] < float(p[x]):
                     nxt_node = c
                     break
