@@ -30,7 +30,7 @@ from .drafters.registry import method
 from .learning.config import learn_config
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
-from .models.backends import check_named, load_model, option_needs
+from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
 from .models.views import layer_view
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 
@@ -174,6 +174,8 @@ class SpecDecoder:
         draft_backend: str | None = None,
         backends: tuple[str, ...] | None = None,
         shape=None,
+        device: str = "auto",
+        draft_device: str | None = None,
         learn=None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
@@ -186,27 +188,34 @@ class SpecDecoder:
         prompt where prefill is cheap, a long answer where decoding is), where the paths file holds every
         path's prefill and decoding costs. The draft loads on the target's backend unless ``draft_backend``
         says otherwise. ``draft="self:int4"`` (hf: int8, int4, int4-gN) or ``"self:Q4_0"`` (llama: a registered
-        variant) drafts with the target's own weights at lower precision. ``learn``: as in ``SpecDecoder()``."""
+        variant) drafts with the target's own weights at lower precision. ``device``: where the target runs
+        (core/device.py: auto, cpu, cuda, cuda:N, or gpu for OpenVINO's Intel GPUs; auto is CUDA when torch
+        sees a GPU, and ``backend`` auto then takes transformers on it); ``draft_device``: the draft's (None: the
+        target's). A device this machine or the backend cannot give is a ConfigError before anything loads.
+        ``learn``: as in ``SpecDecoder()``."""
         learn_config(learn)  # checked before anything loads
         set_threads(threads)
         backend = backend or default_backend(target)
+        draft_device = draft_device or device
         needs = option_needs(dtype, draft, draft_layers)
         check_named(backend, draft_backend, draft is not None, [n for n in needs if n.whose == "draft"])
+        check_devices(backend, draft_backend if draft else None, device, draft_device if draft else None)
         if backend == "auto":  # the path measured fastest for this model here (paths.py)
             from .models.paths import allowed_for, load_fastest
 
-            allowed = allowed_for(backends, needs, draft_backend if draft else None)
-            t, path = load_fastest(target, dtype, allowed=allowed, shape=shape)
+            allowed = allowed_for(backends, needs, draft_backend if draft else None, device)
+            t, path = load_fastest(target, dtype, allowed=allowed, shape=shape, **device_kw(device))
             target, backend = path.target(target), path.backend
         else:
-            t = load_model(target, dtype, backend=backend)
-        return cls(t, load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend) if draft else None,
-                   learn=learn)
+            t = load_model(target, dtype, backend=backend, **device_kw(device))
+        d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
+        return cls(t, d, learn=learn)
 
-    def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None):
+    def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None,
+                   draft_device: str = "auto"):
         """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
         return SpecDecoder(self.target, load_draft(self.target, target_name, draft, dtype, None,
-                                                   draft_backend or self.backend))
+                                                   draft_backend or self.backend, draft_device))
 
     @property
     def backend(self) -> str:
@@ -256,7 +265,7 @@ class SpecDecoder:
             from .drafters.cross_vocab import VocabBridge
 
             self._bridge = VocabBridge(self.target.tokenizer, self.draft.tokenizer, self.target.vocab_size,
-                                       self.draft.vocab_size)
+                                       self.draft.vocab_size, self.draft.device)
         return self._bridge
 
     def draft_model(self) -> HFModel:
@@ -351,7 +360,7 @@ def default_backend(target: str) -> str:
 @dataclass(frozen=True)
 class ModelSettings:
     """The models a command loads (the CLI's --target, --draft, --draft-layers, --dtype, --threads,
-    --backend, --draft-backend): ``load()`` is ``SpecDecoder.load`` with them."""
+    --backend, --draft-backend, --device, --draft-device): ``load()`` is ``SpecDecoder.load`` with them."""
     target: str
     draft: str | None = None
     draft_layers: int | None = None
@@ -360,12 +369,18 @@ class ModelSettings:
     backend: str | None = None  # None: default_backend(target)
     draft_backend: str | None = None
     backends: tuple[str, ...] | None = None  # auto chooses among these (the method's), None: any
+    device: str = "auto"  # where the target runs (core/device.py)
+    draft_device: str | None = None  # the draft's (None: --device's)
 
     def check(self) -> None:
         """Before anything loads: an option given that the backend named for it does not honour (--backend
-        llama --dtype float32) is one error; auto chooses among the backends that honour them all."""
+        llama --dtype float32, --backend openvino --device cuda) or a device this machine lacks is one error;
+        auto chooses among the backends that honour them all."""
+        backend = self.backend or default_backend(self.target)
         needs = option_needs(self.dtype, self.draft, self.draft_layers)
-        check_named(self.backend or default_backend(self.target), self.draft_backend, self.draft is not None, needs)
+        check_named(backend, self.draft_backend, self.draft is not None, needs)
+        check_devices(backend, self.draft_backend if self.draft else None, self.device,
+                      (self.draft_device or self.device) if self.draft else None)
 
     def weights(self, backend: str) -> str:
         """The target's weights on ``backend`` (the one it loaded on), in words."""
@@ -394,32 +409,37 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
 
 
-def load_draft(target, target_name: str, draft: str, dtype: str | None, draft_layers: int | None, backend: str):
-    """The draft model ``draft`` names for ``target``: a model, or ``self:QUANT`` (_self_draft)."""
+def load_draft(target, target_name: str, draft: str, dtype: str | None, draft_layers: int | None, backend: str,
+               device: str = "auto"):
+    """The draft model ``draft`` names for ``target``, on ``device``: a model, or ``self:QUANT`` (_self_draft)."""
     if draft.startswith("self:"):  # the target's own weights at lower precision
         if draft_layers is not None:
             raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
                               "the target's layers")
-        return _self_draft(target, target_name, draft[5:], dtype, backend)
-    return load_model(draft, dtype, num_layers=draft_layers, backend=backend)
+        return _self_draft(target, target_name, draft[5:], dtype, backend, device)
+    return load_model(draft, dtype, num_layers=draft_layers, backend=backend, **device_kw(device))
 
 
-def _self_draft(target, target_name: str, quant: str, dtype, backend: str):
+def _self_draft(target, target_name: str, quant: str, dtype, backend: str, device: str = "auto"):
     """``self:int4`` (hf: the target reloaded with int4 linear layers whose prefills use the target's
     own dense layers) or ``self:Q4_0`` (llama: the target's registered GGUF variant)."""
     base = target_name.split(":")[0]
     if backend != "hf":
-        d = load_model(f"{base}:{quant}", dtype, backend=backend)
+        d = load_model(f"{base}:{quant}", dtype, backend=backend, **device_kw(device))
         if target.backend == "hf" and backend == "llama" and d.state_layout is not None:
             d.prefill_twin = target  # its cache starts from the target's prompt cache (models/llama_kv.py)
         return d
+    from .models.backends import check_cpu_kernels
     from .models.lowbit import parse_quant, quantize_linears
 
     parse_quant(quant)
-    d = load_model(base, dtype, backend="hf")
-    d.quantization = quantize_linears(d.model, quant, dense_from=target.model)
+    check_cpu_kernels(placement("hf", device, "--draft-device"), quant)
+    d = load_model(base, dtype, backend="hf", **device_kw(device))
+    shares = d.device == target.device  # (the target's dense layers on another device cannot run its prefills)
+    d.quantization = quantize_linears(d.model, quant, dense_from=target.model if shares else None)
     d.name = f"{base}:{quant} (self-draft)"
-    d.prefill_twin = target  # its prefills are the target's dense layers: it may start from the target's cache
+    if shares:  # its prefills are the target's dense layers: it may start from the target's cache
+        d.prefill_twin = target
     d.source = None  # quantized in memory: no other process loads it by a name
     return d
 

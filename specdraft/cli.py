@@ -559,7 +559,8 @@ def _apply_backend_auto(a) -> None:
     needs = option_needs(a.dtype, None, None)
     check_named(a.backend, None, False, needs)
     if a.backend == "auto":
-        a.target, a.backend = resolve(a.target, a.dtype, allowed=allowed_for(None, needs, None))
+        a.target, a.backend = resolve(a.target, a.dtype, allowed=allowed_for(None, needs, None, a.device),
+                                      device=a.device)
 
 
 def _apply_quantize(a) -> None:

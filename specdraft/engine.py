@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .core.config import SamplingParams
-from .core.errors import ConfigError, ContextLengthError
+from .core.device import HOST
+from .core.errors import ConfigError, ContextLengthError, SpecDraftError
 from .core.metrics import GenerationStats, StepRecord
 from .core.policy import BatchRule, DraftLength
 from .core.processors import RequestProcessor, logprob_entries
-from .core.sampling import make_generator
+from .core.sampling import NO_TOKEN, argmax_last, make_generator
 from .core.tree import DraftTree, feed_mask
-from .core.verify import greedy_verify, lossy_label, sample_verify, verify_tree
+from .core.verify import greedy_tree_path, greedy_verify, lossy_label, sample_verify, verify_tree
 from .drafters.base import StepOutcome
 from .models.lanes import RowLanes
 
@@ -107,6 +108,15 @@ class Request:
         return ("own lane", id(self), key) if key is not None and self.own_lane else key
 
 
+@dataclass
+class _Decided:
+    """What a verifier decided for ``rows``, still on the logits' device (``Engine._decide_on_device``)."""
+
+    rows: list[int]
+    values: list[torch.Tensor]  # a chain's [accepted counts, next tokens]; [] when its verification failed
+    tree: bool = False  # a greedy tree's: values is [the target's argmax at its fed positions]
+
+
 class Engine:
     """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
     ``policy.BatchRule``, optional) shrinks drafting as the batch grows. ``isolate_seeded``: each seeded
@@ -116,6 +126,7 @@ class Engine:
     def __init__(self, target, eos_ids: set[int] | None = None, tokenizer=None, rule: BatchRule | None = None,
                  compact_slack: int = 32, isolate_seeded: bool = True):
         self.target = target
+        self.device = target.device  # where its logits come back: verification and the rows' random streams
         self.isolate_seeded = isolate_seeded
         self.eos_ids = set(eos_ids if eos_ids is not None else target.eos_token_ids())
         self.tokenizer = tokenizer
@@ -173,7 +184,7 @@ class Engine:
             row.stats.reproducible = (drafter.reproducible and row.length.reproducible and lossy is None
                                       and self.isolate_seeded)
             row.own_lane = row.stats.reproducible  # what else runs must not change its forwards' numerics
-        row.gen = make_generator(sp.seed)
+        row.gen = make_generator(sp.seed, self.device)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
         row.processor = RequestProcessor.for_request(sp, prompt_ids, self.target.vocab_size, self.eos_ids,
@@ -365,7 +376,7 @@ class Engine:
                 if row.hidden_prefix is not None:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
                     row.hidden_prefix = None
-            row.seen = (torch.tensor(seqs[r]), logits[r, : drafts[r].size + 1], h)
+            row.seen = (torch.tensor(seqs[r], device=HOST), logits[r, : drafts[r].size + 1], h)
         return logits
 
     def _process(self, rows: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> torch.Tensor:
@@ -384,42 +395,79 @@ class Engine:
 
     def _verify(self, rows, drafts, logits) -> tuple[list[int], list[list[int]], list]:
         """Per row: the number of accepted drafts, the tokens to append (accepted drafts + the next
-        token), and the fed slots the cache keeps. Greedy chains are verified together; sampled chains
-        with the row's own generator; trees per row."""
-        B = len(rows)
-        n_acc, new, keep = [0] * B, [[] for _ in range(B)], [None] * B
+        token), and the fed slots the cache keeps. Greedy chains are verified together, sampled chains
+        with the row's own generator, trees per row; what chains and greedy trees decide is read from the
+        logits' device at once (``_decide_on_device``)."""
         chain = [d.is_chain() for d in drafts]
+        decided = self._read_decisions(self._decide_on_device(rows, drafts, chain, logits), drafts)
+        n_acc, new, keep = [], [], []
+        for r, (row, d) in enumerate(zip(rows, drafts)):
+            if r in decided:
+                path, t = decided[r]
+            else:  # a sampled tree (a row whose verification fails, e.g. on NaN logits, finishes "error")
+                path, t = self._guard([row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen, row.lossy,
+                                      default=([], 0))
+            if t < 0:  # sampling found no token to draw (sampling.sample, strict False)
+                row.error, path, t = row.error or SpecDraftError(NO_TOKEN), [], 0
+            n_acc.append(len(path))
+            keep.append(1 + len(path) if chain[r] else [0] + [1 + i for i in path])
+            new.append((d.tokens[: len(path)] if chain[r] else d.tokens[path]).tolist() + [t])
+        return n_acc, new, keep
+
+    def _decide_on_device(self, rows, drafts, chain: list[bool], logits) -> list[_Decided]:
+        """What the verifiers decide, left on the logits' device: the greedy chains' (together), each sampled
+        chain's (with its row's generator) and each greedy tree's argmax. Sampled trees are not here: they
+        walk their nodes (verify.rejection_sample_tree)."""
+        dtok = self._draft_tokens(drafts, chain)
+        found = []
+        greedy = [r for r, row in enumerate(rows) if chain[r] and row.sp.greedy]
+        if greedy:
+            found.append(_Decided(greedy, self._greedy_chains(greedy, drafts, dtok, logits)))
+        for r, (row, d) in enumerate(zip(rows, drafts)):
+            if chain[r] and not row.sp.greedy:
+                q = None if d.draft_probs is None else d.draft_probs[None]
+                out = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1],
+                                  row.sp, row.gen, row.lossy, None, False)  # (num_draft, strict)
+                found.append(_Decided([r], [] if out is None else list(out)))
+            elif not chain[r] and row.sp.greedy:
+                found.append(_Decided([r], [argmax_last(logits[r, : d.size + 1])], tree=True))
+        return found
+
+    @staticmethod
+    def _read_decisions(found: list[_Decided], drafts) -> dict[int, tuple[list[int], int]]:
+        """``_decide_on_device``'s tensors read in one go -> per row: (its accepted path's node indices,
+        the next token)."""
+        values = _read_once([t for f in found for t in f.values])
+        out: dict[int, tuple[list[int], int]] = {}
+        for f in found:
+            got, values = values[: len(f.values)], values[len(f.values):]
+            if f.tree:
+                out[f.rows[0]] = greedy_tree_path(drafts[f.rows[0]], torch.tensor(got[0], device=HOST))
+            elif not got:  # its verification failed (the row's error is set)
+                out[f.rows[0]] = ([], 0)
+            else:
+                out.update((r, (list(range(got[0][j])), got[1][j])) for j, r in enumerate(f.rows))
+        return out
+
+    def _draft_tokens(self, drafts: list[DraftTree], chain: list[bool]) -> torch.Tensor:
+        """The chains' draft tokens [B, K] (zeros past a chain's end and for trees), sent to the logits'
+        device in one copy."""
         K = max([d.size for d, c in zip(drafts, chain) if c], default=0)
-        dtok = torch.zeros(B, K, dtype=torch.long)
+        dtok = torch.zeros(len(drafts), K, dtype=torch.long, device=HOST)
         for r, d in enumerate(drafts):
             if chain[r] and d.size:
                 dtok[r, : d.size] = d.tokens
-        greedy = [r for r in range(B) if chain[r] and rows[r].sp.greedy]
-        if greedy:
-            g = torch.tensor(greedy, dtype=torch.long)
-            scored = logits[:, : K + 1]  # a view; indexing rows with a tensor copies them element by element
-            if len(greedy) < B:  # (5 ms for one 151k-vocab row on these CPUs; index_select copies whole rows)
-                scored = scored.index_select(0, g)
-            na, nx = greedy_verify(dtok[g], scored, torch.tensor([drafts[r].size for r in greedy]))
-            for j, r in enumerate(greedy):
-                n_acc[r], new[r] = int(na[j]), [int(nx[j])]
-        for r, (row, d) in enumerate(zip(rows, drafts)):
-            if chain[r]:
-                if not row.sp.greedy:
-                    q = None if d.draft_probs is None else d.draft_probs[None]
-                    na, nx = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q,
-                                         logits[r: r + 1, : d.size + 1], row.sp, row.gen, row.lossy,
-                                         default=(torch.zeros(1, dtype=torch.long),) * 2)
-                    n_acc[r], new[r] = int(na[0]), [int(nx[0])]
-                keep[r] = 1 + n_acc[r]
-                new[r] = d.tokens[: n_acc[r]].tolist() + new[r]
-            else:  # (a row whose verification fails, e.g. on NaN logits, finishes "error" in _advance)
-                path, t = self._guard([row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen,
-                                      row.lossy, default=([], 0))
-                n_acc[r] = len(path)
-                keep[r] = [0] + [1 + i for i in path]
-                new[r] = d.tokens[path].tolist() + [t]
-        return n_acc, new, keep
+        return dtok.to(self.device)
+
+    def _greedy_chains(self, greedy: list[int], drafts, dtok: torch.Tensor, logits: torch.Tensor) -> list:
+        """[accepted counts, next tokens] of the greedy chain rows, verified together (on the device)."""
+        K = dtok.shape[1]
+        scored = logits[:, : K + 1]  # a view; indexing rows with a tensor copies them element by element
+        if len(greedy) < len(drafts):  # (5 ms for one 151k-vocab row on these CPUs; index_select copies whole rows)
+            g = torch.tensor(greedy, dtype=torch.long, device=self.device)
+            scored, dtok = scored.index_select(0, g), dtok.index_select(0, g)
+        sizes = torch.tensor([drafts[r].size for r in greedy], device=self.device)
+        return list(greedy_verify(dtok, scored, sizes))
 
     def _advance(self, row: Request, draft: DraftTree, n_acc: int, new: list[int], draft_s: float,
                  step_s: float, logprobs: list | None = None) -> bool:
@@ -461,6 +509,19 @@ def _processed(processor: RequestProcessor, logits: torch.Tensor, history: list[
     if not bool((out > float("-inf")).any(-1).all()):
         raise ConfigError("no token is allowed here: the request's constraints (grammar, min_tokens, logit_bias) "
                           "rule out every token")
+    return out
+
+
+def _read_once(parts: list[torch.Tensor]) -> list[list[int]]:
+    """1-D integer tensors on one device -> their values, as lists, in one read from the device (the
+    step's one wait for it)."""
+    if not parts:
+        return []
+    flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at: at + p.numel()])
+        at += p.numel()
     return out
 
 

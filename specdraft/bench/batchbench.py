@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import SpecDraftError
+from ..drafters.flags import add_device_args
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class BatchBenchOptions:
     no_chat: bool = False
     out: str = "batchbench.json"
     plot: str | None = None
+    device: str = "auto"  # core/device.py
+    draft_device: str | None = None  # None: --device's
 
 
 def add_parser(sub):
@@ -76,6 +79,7 @@ def add_parser(sub):
     p.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     p.add_argument("--out", default="batchbench.json", help="JSON results file (rewritten after every run)")
     p.add_argument("--plot", default=None, help="PNG: tokens/s against batch size, one line per method")
+    add_device_args(p)
     return p
 
 
@@ -247,7 +251,8 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
     if len(rows) < opts.prompts:
         raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {opts.prompts}")
     dec = SpecDecoder.load(opts.target, draft=opts.draft, dtype=opts.dtype, draft_layers=opts.draft_layers,
-                           threads=opts.threads, backend="hf")  # the batched rows of transformers
+                           threads=opts.threads, backend="hf", device=opts.device,
+                           draft_device=opts.draft_device)  # the batched rows of transformers
     prompts = [dec.encode(r["prompt"], chat=not opts.no_chat) for r in rows]
     run = _Runner(dec, specs, sp, policy)
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)

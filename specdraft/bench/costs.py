@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..core.policy import chain_tokens
 from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
 from ..models.paths import PREFILL_TOKENS
-from ..drafters.flags import add_backend_arg, add_draft_backend_arg
+from ..drafters.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class CostsOptions:
     plot: str | None = None
     draft: str | None = None  # NAME[:TYPE] or self:TYPE: its curve beside the target's, and per k what pays
     draft_backend: str | None = None
+    device: str = "auto"  # core/device.py
+    draft_device: str | None = None  # None: --device's
 
 
 def add_parser(sub):
@@ -43,6 +45,7 @@ def add_parser(sub):
                    help="also measure this draft model and print, per k, what a step costs in plain target tokens "
                         "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)")
     add_draft_backend_arg(c)
+    add_device_args(c)
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
     c.add_argument("--context", type=int, default=60)
     c.add_argument("--repeats", type=int, default=5)
@@ -57,10 +60,13 @@ def main_costs(opts: CostsOptions) -> int:
     from ..core.errors import SpecDraftError
     from ..models.backends import DEFAULT_DTYPE, backend
     from ..models.loading import set_threads
-    from ..models.backends import load_model
+    from ..models.backends import load_model, placement
     from ..models.lowbit import parse_quant
 
     threads = set_threads(opts.threads)
+    placement(opts.backend, opts.device)  # before anything loads
+    if opts.draft:
+        placement(opts.draft_backend or opts.backend, opts.draft_device or opts.device, "--draft-device")
     ns = [int(x) for x in opts.tokens.split(",")]
     rows = []
     dtypes = (opts.dtype or DEFAULT_DTYPE).split(",") if backend(opts.backend).uses_dtype else ["gguf"]
@@ -74,7 +80,7 @@ def main_costs(opts: CostsOptions) -> int:
         [(d, q) for d in dtypes for q in quants]
     prefill = {}  # weights -> {prompt tokens: ms}: what a request pays before its first token
     for dtype, q in weights:
-        m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend)
+        m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend, device=opts.device)
         name = f"{opts.backend} {dtype}" + (f" {q}" if q else "")
         for tree in ([False, True] if opts.tree else [False]):
             c = measure_costs(m, ns, opts.context, opts.repeats, tree=tree)
@@ -83,13 +89,15 @@ def main_costs(opts: CostsOptions) -> int:
         del m
     draft = draft_curve(opts, ns, dtypes[0]) if opts.draft else None
     cpu = cpu_name()
-    print(f"{opts.target}, {opts.backend} backend, {threads} threads, {cpu}, {opts.context}-token cached context, "
+    print(f"{opts.target}, {opts.backend} backend, --device {opts.device}, {threads} threads, {cpu}, "
+          f"{opts.context}-token cached context, "
           f"median of {opts.repeats} (ms per forward)", file=sys.stderr)
     if opts.json:
         import json
 
         with open(opts.json, "w") as f:
-            json.dump({"target": opts.target, "backend": opts.backend, "cpu": cpu, "threads": threads,
+            json.dump({"target": opts.target, "backend": opts.backend, "device": opts.device, "cpu": cpu,
+                       "threads": threads,
                        "context": opts.context, "repeats": opts.repeats,
                        "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
                        "prefill": {name: {str(n): ms for n, ms in c.items()} for name, c in prefill.items()},
@@ -117,7 +125,7 @@ def draft_curve(opts: CostsOptions, ns: list[int], dtype: str) -> tuple[str, dic
 
     be = opts.draft_backend or opts.backend
     name = opts.target + ":" + opts.draft[5:] if opts.draft.startswith("self:") else opts.draft  # its own low-bit copy
-    m = load_model(name, dtype, backend=be)
+    m = load_model(name, dtype, backend=be, device=opts.draft_device or opts.device)
     return f"{opts.draft} ({be})", measure_costs(m, ns, opts.context, opts.repeats)
 
 

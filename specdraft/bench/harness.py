@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.flags import add_device_args
 from ..drafters import registry as methods
 from ..scale import cluster
 from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
@@ -70,6 +71,8 @@ class BenchOptions:
     threads: int | None = None
     backend: str | None = None
     draft_backend: str | None = None
+    device: str = "auto"  # core/device.py
+    draft_device: str | None = None  # None: --device's
     reference: str | None = None
     llama_k: str | None = None  # a comma list
     pair_threads: int = 1
@@ -121,6 +124,7 @@ def add_parser(sub):
     b.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
                    help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
                         "transformers copy of the draft")
+    add_device_args(b)
     b.add_argument("--reference", default=None,
                    help="the method speedups are measured against (default plain; e.g. llama_cpp: llama.cpp's plain "
                         "decoding)")
@@ -547,6 +551,7 @@ def plan_bench(opts: BenchOptions) -> Plan:
     settings = {
         "target": opts.target, "draft": opts.draft, "draft_layers": opts.draft_layers, "dtype": opts.dtype,
         "backend": opts.backend, "draft_backend": opts.draft_backend, "reference": opts.reference,
+        **({"device": opts.device, "draft_device": opts.draft_device} if _devices_given(opts) else {}),
         "sampling": sp.to_dict(), "chat": not opts.no_chat, "repeats": opts.repeats,
         "methods": {n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})})
                     for n, k, s in variants},
@@ -555,19 +560,25 @@ def plan_bench(opts: BenchOptions) -> Plan:
     return Plan(opts, sp, schema, variants, rows, opts.draft if uses_draft else None, settings)
 
 
+def _devices_given(opts: BenchOptions) -> bool:
+    """Whether --device / --draft-device were given (results of runs that gave none keep their settings)."""
+    return opts.device != "auto" or opts.draft_device is not None
+
+
 def load_bench(plan: Plan, threads: int) -> Bench:
     """Load the models, make the runners, and warm each runner up once (not recorded)."""
     from ..api import SpecDecoder
 
     opts = plan.opts
+    where = {"device": opts.device, "draft_device": opts.draft_device}
     dec = SpecDecoder.load(opts.target, draft=plan.draft, dtype=opts.dtype, draft_layers=opts.draft_layers, threads=threads,
-                           backend=opts.backend, draft_backend=opts.draft_backend)
+                           backend=opts.backend, draft_backend=opts.draft_backend, **where)
     decs = {opts.backend: dec}
     wanted = _other_backends(plan.variants)
     for b in sorted(set(wanted) - {None, opts.backend}):
         try:
             decs[b] = SpecDecoder.load(_target_on(b, opts.target), draft=plan.draft, dtype=opts.dtype,
-                                       draft_layers=opts.draft_layers, threads=threads, backend=b)
+                                       draft_layers=opts.draft_layers, threads=threads, backend=b, **where)
         except SpecDraftError as e:  # named as what the run asked of that backend, beside --backend's
             them = "it" if len(wanted[b]) == 1 else "them"
             raise ConfigError(f"{', '.join(wanted[b])} run on the {b} backend, which cannot load "
@@ -575,7 +586,9 @@ def load_bench(plan: Plan, threads: int) -> Bench:
     if "hf" in wanted and opts.backend == "hf" and plan.draft and opts.draft_backend not in (None, "hf"):
         from ..models.backends import load_model  # transformers' baselines need a transformers draft
 
-        decs["hf"] = SpecDecoder(dec.target, load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf"))
+        draft = load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf",
+                           device=opts.draft_device or opts.device)
+        decs["hf"] = SpecDecoder(dec.target, draft)
     runners, skipped = make_runners(opts, plan.variants, decs, threads)
     bench = Bench(plan, decs, runners, skipped)
     # warm-up: every method once on a short generation, of a prompt that is not measured (a baseline that

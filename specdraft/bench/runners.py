@@ -72,7 +72,7 @@ class HFRunner:
     @torch.inference_mode()
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         model = self.dec.target.model
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.dec.target.device)
         eos = sorted(self.dec.eos_ids)
         kw = dict(
             max_new_tokens=sp.max_new_tokens,

@@ -93,7 +93,8 @@ class DataWorker:
     def load(self, target: str, threads: int) -> dict:
         from ..api import SpecDecoder
 
-        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads, backend="hf")  # features need transformers
+        # features need transformers; the heads' data is made on the CPU (train's)
+        self.dec = SpecDecoder.load(target, dtype="float32", threads=threads, backend="hf", device="cpu")
         return {**cluster.node_info(), "threads": threads}
 
     def answer(self, chunk: list[list[int]], max_new_tokens: int) -> tuple[str, list[dict]]:

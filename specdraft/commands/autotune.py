@@ -109,6 +109,7 @@ def main_autotune(opts: AutotuneOptions) -> int:
     from ..models.catalog import home
     from ..models.loading import set_threads
 
+    opts = dataclasses.replace(opts, models=on_this_cpu(opts.models))
     threads = set_threads(opts.models.threads)
     rows = _prompts(opts.prompts, opts.n)
     sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
@@ -152,6 +153,16 @@ def main_autotune(opts: AutotuneOptions) -> int:
     print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
           + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
     return 0
+
+
+def on_this_cpu(models: ModelSettings) -> ModelSettings:
+    """The models on the CPU: its files are kept per CPU kind (their picks are what ``auto`` reads on this
+    CPU), so --device auto means cpu here and another device is refused."""
+    for flag, setting in (("--device", models.device), ("--draft-device", models.draft_device)):
+        if setting not in (None, "auto", "cpu"):
+            raise SpecDraftError(f"{flag} {setting}: autotune measures this CPU (its files are kept per CPU kind); "
+                                 "leave the device out or pass cpu")
+    return dataclasses.replace(models, device="cpu", draft_device=None)
 
 
 def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, threads: int) -> AutotuneOptions:
@@ -222,7 +233,8 @@ def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, t
     plain = summarize(run_candidates(base, {"plain": SpecConfig(method="plain")}, ids, sp)["plain"], {})
     tried, best = [], None
     for name in names:
-        dec = base.with_draft(opts.models.target, name, opts.models.dtype, opts.models.draft_backend)
+        dec = base.with_draft(opts.models.target, name, opts.models.dtype, opts.models.draft_backend,
+                              opts.models.draft_device or opts.models.device)
         cands = {f"draft_model[k={k}]": SpecConfig(method="draft_model", k=k) for k in (4, 6)}
         runs = run_candidates(dec, cands, ids, sp)
         top = max(({"draft": name, "config": n, **summarize(r, plain)} for n, r in runs.items()),

@@ -172,7 +172,8 @@ def main_tune_skip(opts: TuneSkipOptions) -> int:
     from ..models.cost_curve import measure_costs
     from ..core.config import SamplingParams, SpecConfig
 
-    dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf")  # skips its layers
+    # skips its layers, timed on this CPU
+    dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf", device="cpu")
     target = dec.target
     L = target.num_layers
     prompts = tuning_prompts(dec, opts.prompts_per_task, opts.dataset)

@@ -30,7 +30,7 @@ def output_terms(target, prompt_ids: list[int], out: list[int], sp) -> dict:
     plp = torch.where(p > 0, p * lp, 0.0)
     H = -plp.sum(-1)
     var = torch.where(p > 0, plp * lp, 0.0).sum(-1) - H * H
-    lx = lp[torch.arange(len(out)), torch.tensor(out)]
+    lx = lp[torch.arange(len(out), device=lp.device), torch.tensor(out, device=lp.device)]
     ok = torch.isfinite(lx)
     return {"fid_sum": float((lx + H)[ok].sum()), "fid_var": float(var[ok].sum()),
             "fid_tokens": int(ok.sum()), "fid_impossible": int((~ok).sum())}

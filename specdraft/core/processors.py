@@ -27,6 +27,7 @@ import json
 
 import torch
 
+from .device import HOST
 from .errors import ConfigError
 from .tree import DraftTree
 
@@ -54,15 +55,16 @@ class TokenConstraint:
 class GrammarConstraint(TokenConstraint):
     """An llguidance matcher: a JSON schema, a regex or a Lark grammar over the model's tokenizer."""
 
-    SHIFTS = torch.arange(32, dtype=torch.int32)
+    SHIFTS = torch.arange(32, dtype=torch.int32, device=HOST)
 
     def __init__(self, matcher, vocab_size: int, eos_ids: set[int]):
         self.m = matcher
         self.V = vocab_size
-        self.bits = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
-        self.eos = torch.tensor(sorted(t for t in eos_ids if t < vocab_size), dtype=torch.long)
+        self.bits = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32, device=HOST)  # llguidance fills it
+        self.eos = torch.tensor(sorted(t for t in eos_ids if t < vocab_size), dtype=torch.long, device=HOST)
 
     def allowed(self) -> torch.Tensor:
+        """On the host (where llguidance writes its bitmask)."""
         import llguidance.torch as lt
 
         lt.fill_next_token_bitmask(self.m, self.bits, 0)
@@ -149,15 +151,15 @@ class RequestProcessor:
         self.sp = sp
         self.prompt_len = prompt_len
         self.V = vocab_size
-        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=HOST)
         self.constraint = constraint
         self.committed = prompt_len
         bad = [t for t in sp.logit_bias if t >= vocab_size]
         if bad:
             raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         if sp.logit_bias:
-            self.bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
-            self.bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32)
+            self.bias_ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=HOST)
+            self.bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=HOST)
 
     @staticmethod
     def for_request(sp, prompt_ids: list[int], vocab_size: int, eos_ids: set[int], tokenizer=None,
@@ -172,14 +174,16 @@ class RequestProcessor:
     # --- the positions of one feed: [after the history] + [after each draft node] -----------------------
     def process(self, logits: torch.Tensor, history: list[int], tree=None) -> torch.Tensor:
         """Processed copy of ``logits`` [m, V]: row 0 follows ``history``, row 1 + i follows node i of
-        ``tree`` (a DraftTree with m - 1 nodes; None when m == 1)."""
+        ``tree`` (a DraftTree with m - 1 nodes; None when m == 1). On the logits' device (the target's, or a
+        draft model's): what the request brings from the host is sent there."""
         sp = self.sp
         x = logits.float().clone()
+        dev = x.device
         parents = [] if tree is None else tree.parents.tolist()
         tokens = [] if tree is None else tree.tokens.tolist()
         if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
-            extra = self._path_counts(parents, tokens, tree)
-            h = torch.tensor(history, dtype=torch.long)
+            extra = self._path_counts(parents, tree, dev)
+            h = torch.tensor(history, dtype=torch.long, device=dev)
             if sp.repetition_penalty != 1.0:
                 seen = (torch.bincount(h, minlength=self.V)[None, : self.V] > 0) | (extra > 0)
                 rp = sp.repetition_penalty
@@ -188,28 +192,29 @@ class RequestProcessor:
                 counts = torch.bincount(h[self.prompt_len:], minlength=self.V)[None, : self.V] + extra
                 x = x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
         if sp.logit_bias:
-            x[:, self.bias_ids] += self.bias
+            x[:, self.bias_ids.to(dev)] += self.bias.to(dev)
         if self.constraint is not None:
             for slot, allowed in self._masks(history, parents, tokens):
-                x[slot].masked_fill_(~allowed, float("-inf"))
+                x[slot].masked_fill_(~allowed.to(dev), float("-inf"))
         if sp.min_tokens:
-            depth = torch.zeros(len(x), dtype=torch.long)
+            depth = torch.zeros(len(x), dtype=torch.long, device=HOST)
             if tree is not None and tree.size:
                 depth[1:] = tree.depths()
-            early = (len(history) - self.prompt_len + depth) < sp.min_tokens
-            eos = _onehot_rows(self.eos, self.V)
+            early = ((len(history) - self.prompt_len + depth) < sp.min_tokens).to(dev)
+            eos = _onehot_rows(self.eos, self.V).to(dev)
             # a grammar whose document is complete allows only EOS: it ends the output before min_tokens
             # (masking EOS there would leave no token at all)
             other = (x.masked_fill(eos, float("-inf")) > float("-inf")).any(-1)
             x[(early & other)[:, None] & eos] = float("-inf")
         return x
 
-    def _path_counts(self, parents: list[int], tokens: list[int], tree) -> torch.Tensor:
-        """[m, V]: how often each token occurs on the path to each position (row 0: none)."""
-        extra = torch.zeros(len(parents) + 1, self.V)
+    def _path_counts(self, parents: list[int], tree, device: torch.device) -> torch.Tensor:
+        """[m, V] on ``device``: how often each token occurs on the path to each position (row 0: none)."""
+        extra = torch.zeros(len(parents) + 1, self.V, device=device)
         if tree is not None and tree.size:
             node, anc = tree.ancestors().nonzero(as_tuple=True)
-            extra.index_put_((node + 1, tree.tokens[anc]), torch.ones(len(node)), accumulate=True)
+            at = ((node + 1).to(device), tree.tokens[anc].to(device))
+            extra.index_put_(at, torch.ones(len(node), device=device), accumulate=True)
         return extra
 
     def _walk(self, history: list[int], parents: list[int], tokens: list[int], masks: bool):
@@ -253,7 +258,7 @@ class RequestProcessor:
         valid, _ = self._walk(history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
         if all(valid):
             return tree
-        return tree.subset(torch.tensor(valid))
+        return tree.subset(torch.tensor(valid, device=HOST))
 
     def extend_forced(self, history: list[int], tree, limit: int):
         """A chain with the tokens the grammar forces after it appended (at most ``limit``): the grammar
@@ -271,7 +276,8 @@ class RequestProcessor:
             return tree
         probs = tree.draft_probs
         if probs is not None:
-            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced), probs.shape[-1]).to(probs.dtype)])
+            forced_q = torch.nn.functional.one_hot(torch.tensor(forced, device=probs.device), probs.shape[-1])
+            probs = torch.cat([probs, forced_q.to(probs.dtype)])
         return DraftTree.chain(tree.tokens.tolist() + forced, probs)
 
     def commit(self, new_tokens: list[int]) -> None:
@@ -284,7 +290,7 @@ class RequestProcessor:
 
 
 def _onehot_rows(ids: torch.Tensor, V: int) -> torch.Tensor:
-    m = torch.zeros(1, V, dtype=torch.bool)
+    m = torch.zeros(1, V, dtype=torch.bool, device=HOST)
     m[0, ids[ids < V]] = True
     return m
 
@@ -294,7 +300,7 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], top: int) -> list[d
     (before temperature / top-k / top-p): per token its logprob and the ``top`` most likely
     alternatives. A token the processing rules out has logprob -9999.0 (OpenAI's floor: JSON has no -inf)."""
     lp = torch.log_softmax(logits.float(), dim=-1).clamp(min=-9999.0)
-    chosen = lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
     if top:
         vals, ids = torch.topk(lp, top, dim=-1)
         alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]

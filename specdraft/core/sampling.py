@@ -52,9 +52,14 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+NO_TOKEN = ("no token can be sampled: the processed distribution is all zero or not finite (constraints that "
+            "rule out every token, or NaN scores)")
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None, strict: bool = True) -> torch.Tensor:
     """One token per row of probs [..., V] (any non-negative weights) -> LongTensor [...]; a row without
-    positive finite weight raises SpecDraftError.
+    positive finite weight raises SpecDraftError (``strict`` False: gives -1 instead, so the caller reads it
+    with its other results and a device is not read here).
 
     Inverse CDF: one uniform per row against the row's running sum. torch.multinomial takes 2.6 ms
     for one draw over Qwen's 151,936 tokens on a 2-core CPU; this takes 0.14 ms. A token of weight 0
@@ -63,19 +68,32 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     flat = probs.reshape(-1, probs.shape[-1]).float()
     cdf = torch.cumsum(flat, dim=-1)
     total = cdf[:, -1:].contiguous()
-    if not bool(((total > 0) & torch.isfinite(total)).all()):  # NaN, inf or all zero: no token to draw
-        from .errors import SpecDraftError  # (searchsorted would return V for NaN, 0 for all zero)
+    drawable = (total > 0) & torch.isfinite(total)  # NaN, inf or all zero: no token to draw
+    if strict and not bool(drawable.all()):  # (searchsorted would return V for NaN, 0 for all zero)
+        from .errors import SpecDraftError
 
-        raise SpecDraftError("no token can be sampled: the processed distribution is all zero or not finite "
-                             "(constraints that rule out every token, or NaN scores)")
-    u = torch.rand(total.shape, generator=generator) * total
+        raise SpecDraftError(NO_TOKEN)
+    u = uniform(total.shape, generator, flat.device) * total
     idx = torch.searchsorted(cdf, u, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # the last token of positive weight
-    return torch.minimum(idx, last).squeeze(-1).reshape(probs.shape[:-1])
+    idx = torch.minimum(idx, last)
+    if not strict:
+        idx = torch.where(drawable, idx, -1)
+    return idx.squeeze(-1).reshape(probs.shape[:-1])
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def uniform(shape, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Uniforms in [0, 1) of ``shape`` on ``device``, drawn from ``generator``'s stream on the generator's own
+    device. A draft model on another device than the target still draws from the request's one stream, so a
+    seed means the same draws wherever its distributions are computed."""
+    at = device if generator is None else generator.device
+    return torch.rand(shape, generator=generator, device=at).to(device)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A request's random stream on ``device`` (the target's: where verification draws). A seed gives the
+    same stream on a given device type; CUDA's stream differs from the CPU's."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:

@@ -5,6 +5,10 @@ of the context, which the target already has as its pending token). Nodes are to
 ordered (parent index < own index). ``draft_probs[i]`` is the draft distribution that node i
 was sampled from (the distribution at its parent), or None for a deterministic drafter, which
 the verifier treats as one-hot.
+
+A tree's tokens and parents live on the host (``device.HOST``: the loop builds feeds and masks from
+them and reads them as lists); ``chain`` takes a drafter's tokens from its device in one copy.
+``draft_probs`` stay where the drafter computed them; verification moves them to the target's device.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .device import HOST
 
 
 @dataclass
@@ -25,31 +31,37 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @staticmethod
+    def of(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        """A tree from its nodes' tokens and parents as lists."""
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=HOST),
+                         torch.tensor(parents, dtype=torch.long, device=HOST), draft_probs)
+
+    @staticmethod
     def chain(tokens: torch.Tensor | list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
-        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        t = torch.as_tensor(tokens, dtype=torch.long, device=HOST).reshape(-1)
         n = t.shape[0]
-        return DraftTree(t, torch.arange(-1, n - 1, dtype=torch.long), draft_probs)
+        return DraftTree(t, torch.arange(-1, n - 1, dtype=torch.long, device=HOST), draft_probs)
 
     @staticmethod
     def empty() -> "DraftTree":
-        return DraftTree.chain(torch.empty(0, dtype=torch.long))
+        return DraftTree.chain(torch.empty(0, dtype=torch.long, device=HOST))
 
     def is_chain(self) -> bool:
         n = self.size
-        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long)))
+        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=torch.long, device=HOST)))
 
     def depths(self) -> torch.Tensor:
         """Depth of each node (1 for children of the root)."""
         d: list[int] = []
         for p in self.parents.tolist():  # nodes are topologically ordered
             d.append(1 if p < 0 else d[p] + 1)
-        return torch.tensor(d, dtype=torch.long)
+        return torch.tensor(d, dtype=torch.long, device=HOST)
 
     # --- tree attention (the target scores a whole tree in one forward) ------------------------
     def ancestors(self) -> torch.Tensor:
         """Bool [n, n]: A[i, j] is True iff node j is node i or one of its ancestors."""
         n = self.size
-        a = torch.eye(n, dtype=torch.bool)
+        a = torch.eye(n, dtype=torch.bool, device=HOST)
         for i, p in enumerate(self.parents.tolist()):  # nodes, not vocabulary: n is small
             if p >= 0:
                 a[i] |= a[p]
@@ -60,17 +72,18 @@ class DraftTree:
         among themselves; each tree node sees the cache, every pending token and its own ancestors.
         0 where attention is allowed, the dtype's minimum elsewhere."""
         q = n_pending + self.size
-        allow = torch.zeros(q, past_len + q, dtype=torch.bool)
+        allow = torch.zeros(q, past_len + q, dtype=torch.bool, device=HOST)
         allow[:, :past_len] = True
-        allow[:n_pending, past_len : past_len + n_pending] = torch.tril(torch.ones(n_pending, n_pending, dtype=torch.bool))
+        causal = torch.tril(torch.ones(n_pending, n_pending, dtype=torch.bool, device=HOST))
+        allow[:n_pending, past_len : past_len + n_pending] = causal
         allow[n_pending:, past_len : past_len + n_pending] = True
         allow[n_pending:, past_len + n_pending :] = self.ancestors()
-        mask = torch.zeros(q, past_len + q, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
+        mask = torch.zeros(q, past_len + q, dtype=dtype, device=HOST).masked_fill(~allow, torch.finfo(dtype).min)
         return mask[None, None]
 
     def position_ids(self, past_len: int, n_pending: int = 1) -> torch.Tensor:
         """(1, n_pending + n): pending tokens at past_len.., node i at (last pending) + depth(i)."""
-        pend = torch.arange(past_len, past_len + n_pending)
+        pend = torch.arange(past_len, past_len + n_pending, device=HOST)
         nodes = past_len + n_pending - 1 + self.depths()
         return torch.cat([pend, nodes])[None]
 
@@ -86,14 +99,14 @@ class DraftTree:
         """Leaves beyond the first (0 for a chain or an empty tree): a token tree's extra sequences on llama.cpp."""
         if self.size == 0:
             return 0
-        has_child = torch.zeros(self.size, dtype=torch.bool)
+        has_child = torch.zeros(self.size, dtype=torch.bool, device=HOST)
         has_child[self.parents[self.parents >= 0]] = True
         return int((~has_child).sum()) - 1
 
     def first(self, n: int) -> "DraftTree":
         """The first ``n`` nodes (topological order keeps every kept node's ancestors): a smaller draft of
         the same candidates, as if the drafter had stopped after them."""
-        return self if n >= self.size else self.subset(torch.arange(self.size) < n)
+        return self if n >= self.size else self.subset(torch.arange(self.size, device=HOST) < n)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for node -1, the root)."""
@@ -108,10 +121,10 @@ def feed_mask(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     """(allow, offsets) for feeding [pending token] + a token tree's nodes: the pending token sees
     itself, node i sees the pending token and its own ancestors (itself included), at depth(i)."""
     n = tree.size
-    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allow = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=HOST)
     allow[:, 0] = True
     allow[1:, 1:] = tree.ancestors()
-    return allow, torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+    return allow, torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), tree.depths()])
 
 
 def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
@@ -127,4 +140,4 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
             tokens.append(t)
             parents.append(key[0])
         where.append(index[key])
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return DraftTree.of(tokens, parents)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import argmax_last, probs_from_logits, sample
+from .device import HOST
+from .sampling import argmax_last, probs_from_logits, sample, uniform
 
 
 def _valid(draft_tokens: torch.Tensor, num_draft: torch.Tensor | None) -> torch.Tensor:
@@ -60,12 +61,14 @@ def rejection_sample(
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
     num_draft: torch.Tensor | None = None,
+    strict: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling for chains (Leviathan et al. 2023; Chen et al. 2023).
 
     Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
     sample the recovered token from norm(max(0, p_i - q_i)); if the whole chain is accepted sample
     the bonus token from p_k. The emitted tokens are then distributed exactly as the target's.
+    ``strict`` False: a row with no token to sample gets next token -1 (``sampling.sample``).
     """
     B, k = draft_tokens.shape
     V = target_probs.shape[-1]
@@ -75,7 +78,7 @@ def rejection_sample(
     if k > 0:
         p_x = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)
-        u = torch.rand(B, k, generator=generator, device=target_probs.device)
+        u = uniform((B, k), generator, target_probs.device)
         n = _prefix_len((u * q_x < p_x) & valid)  # u < p/q without dividing; q_x > 0 for drafted tokens
     else:
         n = torch.zeros(B, dtype=torch.long, device=target_probs.device)
@@ -92,7 +95,7 @@ def rejection_sample(
         dist = torch.where(dist.sum(dim=1, keepdim=True) > 0, dist, p_n)
     else:
         dist = p_n
-    return n, sample(dist, generator)
+    return n, sample(dist, generator, strict)
 
 
 def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
@@ -103,7 +106,11 @@ def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], in
     deepest node whose whole path is correct (the first such node on ties). Returns the path's node
     indices (root to leaf) and the target's argmax after it.
     """
-    argmax = argmax_last(target_logits)
+    return greedy_tree_path(tree, argmax_last(target_logits).to(HOST))
+
+
+def greedy_tree_path(tree, argmax: torch.Tensor) -> tuple[list[int], int]:
+    """``greedy_verify_tree`` from the target's argmax [n + 1] at the fed positions, on the host."""
     if tree.size == 0:
         return [], int(argmax[0])
     path = _deepest_path(tree, tree.tokens == argmax[tree.parents + 1])
@@ -113,6 +120,7 @@ def greedy_verify_tree(tree, target_logits: torch.Tensor) -> tuple[list[int], in
 def _deepest_path(tree, correct: torch.Tensor) -> list[int]:
     """The deepest node whose whole path is ``correct`` (bool [n], per node; the first such node on
     ties), as node indices root to leaf; [] when no child of the root is correct."""
+    correct = correct.to(HOST)
     ok = ~(tree.ancestors() & ~correct[None, :]).any(dim=1)
     score = torch.where(ok, tree.depths(), torch.zeros_like(tree.tokens))
     best = int(score.argmax())
@@ -146,7 +154,8 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
     for i, par in enumerate(tree.parents.tolist()):
         children[par + 1].append(i)
     tokens = tree.tokens.tolist()
-    u = torch.rand(n, generator=generator).tolist() if n else []
+    u = uniform(n, generator, HOST).tolist() if n else []
+    q_all = None if tree.draft_probs is None else tree.draft_probs.to(target_probs.device)
     path: list[int] = []
     p = target_probs[0]
     slot = 0
@@ -154,14 +163,14 @@ def rejection_sample_tree(tree, target_probs: torch.Tensor, generator: torch.Gen
         nxt_node = None
         for c in children[slot]:
             x = tokens[c]
-            if tree.draft_probs is None:  # deterministic child: q = one-hot(x)
+            if q_all is None:  # deterministic child: q = one-hot(x)
                 if u[c] < float(p[x]):
                     nxt_node = c
                     break
                 r = p.clone()  # residual of a point mass: p without x (norm(max(0, p - onehot(x))))
                 r[x] = 0
             else:
-                q = tree.draft_probs[c]
+                q = q_all[c]
                 if u[c] * float(q[x]) < float(p[x]):  # accept w.p. min(1, p(x) / q(x)); q(x) > 0 for drawn x
                     nxt_node = c
                     break
@@ -210,6 +219,7 @@ def typical_verify(
     rule: TypicalAcceptance,
     generator: torch.Generator | None,
     num_draft: torch.Tensor | None = None,
+    strict: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chains, batched: the longest prefix the rule accepts, then a token sampled from the target's
     distribution after it. Same shapes and return as ``rejection_sample`` (draft probabilities are
@@ -218,7 +228,7 @@ def typical_verify(
     ok = rule.accepts(target_probs[:, :k], draft_tokens) & _valid(draft_tokens, num_draft)
     n = _prefix_len(ok)
     rows = torch.arange(B, device=target_probs.device)
-    return n, sample(target_probs[rows, n], generator)
+    return n, sample(target_probs[rows, n], generator, strict)
 
 
 def typical_verify_tree(tree, target_probs: torch.Tensor, rule: TypicalAcceptance,
@@ -227,7 +237,8 @@ def typical_verify_tree(tree, target_probs: torch.Tensor, rule: TypicalAcceptanc
     distribution, then a token sampled from the target after it. Returns (path, next token)."""
     if tree.size == 0:
         return [], int(sample(target_probs[0], generator))
-    path = _deepest_path(tree, rule.accepts(target_probs[tree.parents + 1], tree.tokens))
+    dev = target_probs.device
+    path = _deepest_path(tree, rule.accepts(target_probs[(tree.parents + 1).to(dev)], tree.tokens.to(dev)))
     return path, int(sample(target_probs[path[-1] + 1 if path else 0], generator))
 
 
@@ -240,13 +251,15 @@ def lossy_label(rule: TypicalAcceptance | None, sp) -> str | None:
 
 def sample_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, sp,
                   generator: torch.Generator | None, lossy: TypicalAcceptance | None = None,
-                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_draft: torch.Tensor | None = None, strict: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampling verification of chains from the target's raw logits [B, k + 1, V] (processed here with
-    the request's SamplingParams ``sp``): lossless rejection sampling, or the opt-in lossy rule."""
+    the request's SamplingParams ``sp``): lossless rejection sampling, or the opt-in lossy rule. Draft
+    probabilities made on another device (a draft model's) are moved to the target's."""
     p = probs_from_logits(target_logits, sp)
     if lossy is not None:
-        return typical_verify(draft_tokens, p, lossy, generator, num_draft)
-    return rejection_sample(draft_tokens, draft_probs, p, generator, num_draft)
+        return typical_verify(draft_tokens, p, lossy, generator, num_draft, strict)
+    q = None if draft_probs is None else draft_probs.to(p.device)
+    return rejection_sample(draft_tokens, q, p, generator, num_draft, strict)
 
 
 def verify_tree(tree, target_logits: torch.Tensor, sp, generator: torch.Generator | None,

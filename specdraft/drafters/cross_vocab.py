@@ -28,6 +28,7 @@ import string
 import torch
 
 from ..core.config import SpecConfig
+from ..core.device import HOST
 from ..core.errors import TokenizerMismatchError
 from ..core.sampling import probs_from_logits, sample
 from ..core.tree import DraftTree
@@ -63,17 +64,18 @@ def token_bytes(tok, size: int) -> dict[int, bytes]:
 
 class VocabBridge:
     """Text both ways between the target's and the draft's tokenizers, and the intersection: draft
-    ids whose bytes are exactly one target token (``draft_ids[j]`` is ``target_ids[j]``)."""
+    ids whose bytes are exactly one target token (``draft_ids[j]`` is ``target_ids[j]``), on ``device``: the
+    draft model's, whose logits they index."""
 
-    def __init__(self, target_tok, draft_tok, target_vocab: int, draft_vocab: int):
+    def __init__(self, target_tok, draft_tok, target_vocab: int, draft_vocab: int, device: torch.device = HOST):
         self.t, self.d = target_tok, draft_tok
         index = {}
         for i, b in token_bytes(target_tok, min(target_vocab, len(target_tok))).items():
             index.setdefault(b, i)
         pairs = [(d, index[b]) for d, b in token_bytes(draft_tok, min(draft_vocab, len(draft_tok))).items()
                  if b in index]
-        self.draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
-        self.target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
+        self.draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=device)
+        self.target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
         self.to_draft_id = dict(zip(self.target_ids.tolist(), self.draft_ids.tolist()))
         self._check_round_trip()
 
@@ -159,7 +161,7 @@ class CrossVocabDrafter(Drafter):
                 break
             feed = [d]
         if not self.sp.greedy:
-            return DraftTree.chain(torch.tensor(targets), torch.stack(probs)) if targets else DraftTree.empty()
+            return DraftTree.chain(targets, torch.stack(probs)) if targets else DraftTree.empty()
         return self._as_target_chain(drafted, n_ctx, max_tokens)
 
     def _intersection_q(self, draft_logits: torch.Tensor, history: list[int]) -> torch.Tensor | None:
@@ -185,4 +187,4 @@ class CrossVocabDrafter(Drafter):
             return DraftTree.empty()
         piece = full[len(base):].rstrip("\ufffd")
         ids = self.bridge.target_tokens(piece)[:max_tokens] if piece else []
-        return DraftTree.chain(torch.tensor(ids, dtype=torch.long)) if ids else DraftTree.empty()
+        return DraftTree.chain(ids) if ids else DraftTree.empty()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..core.config import MAX_DRAFT, Int, SpecConfig, param
-from ..core.sampling import argmax_last, probs_from_logits, sample
+from ..core.sampling import argmax_last, probs_from_logits, sample, uniform
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
 from .prompt_lookup import find_candidate
@@ -104,18 +104,12 @@ class DraftModelGroup:
             self._base[id(m)] = len(m.tokens)
         out, probs = self._chains([0 if t else x for x, t in zip(c, tree)])
         trees = self._trees([x if t else 0 for x, t in zip(c, tree)])
+        chains = {i: DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
+                  for i in range(len(self.members)) if out[i]}  # (each chain's tokens read once, to the host)
         for i, m in enumerate(self.members):
-            self._drafted[id(m)] = [int(t) for t in out[i]]  # (a tree row's cache keeps no draft: [])
+            self._drafted[id(m)] = chains[i].tokens.tolist() if i in chains else []  # (a tree row's cache keeps none)
         by_row = {id(m): i for i, m in enumerate(self.members)}
-        drafts = []
-        for r in rows:
-            i = by_row[id(r)]
-            if i in trees:
-                drafts.append(trees[i])
-            else:
-                drafts.append(DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
-                              if out[i] else DraftTree.empty())
-        return drafts
+        return [trees.get(i) or chains.get(i) or DraftTree.empty() for i in (by_row[id(r)] for r in rows)]
 
     def _chains(self, c: list[int]) -> tuple[list[list], list[list]]:
         """Chains of at most c[i] tokens for the rows with c[i] > 0: (draft tokens, their q) per row."""
@@ -250,8 +244,8 @@ def _draw_given(q: torch.Tensor, proposal: int, gen: torch.Generator) -> torch.T
     """One token from q given a deterministic proposal: the proposal with probability q(proposal),
     else a draw from q with the proposal removed, renormalized (marginally exactly q)."""
     qp = float(q[proposal])
-    if float(torch.rand((), generator=gen)) < qp:
-        return torch.tensor(proposal)
+    if float(uniform((), gen, q.device)) < qp:
+        return torch.tensor(proposal, device=q.device)
     rest = q.clone()
     rest[proposal] = 0.0
     return sample(rest / rest.sum(), gen)

@@ -51,6 +51,7 @@ class EagleDrafter(TreeGrower, Drafter):
         needs_head_io(target, f"method {self.name!r}")
         self._check_features(target)
         self.target, self.head, self.spec = target, head, spec
+        self.device = target.device  # of its features, where the head runs (models/heads.load_head)
         if spec.tree == "chain":
             self.max_depth = spec.k
         else:
@@ -76,7 +77,7 @@ class EagleDrafter(TreeGrower, Drafter):
 
     def begin(self, prompt_ids, sp: SamplingParams, generator):
         self.sp, self.gen = sp, generator
-        self.feats = torch.empty(0, self.width, dtype=self.dtype)
+        self.feats = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
         self._new_cache()
         self._draft = DraftTree.empty()
         self._hidden = None
@@ -103,7 +104,7 @@ class EagleDrafter(TreeGrower, Drafter):
         return torch.nn.functional.linear(f, self.w_out)
 
     def _step(self, feats: torch.Tensor, toks: torch.Tensor, start: int) -> torch.Tensor:
-        pos = torch.arange(start, start + feats.shape[0])[None]
+        pos = torch.arange(start, start + feats.shape[0], device=self.device)[None]
         return self.head(feats[None], self.embed(toks[None]), cache=self.cache, position_ids=pos)[0, -1]
 
     @torch.inference_mode()
@@ -119,7 +120,8 @@ class EagleDrafter(TreeGrower, Drafter):
         extra = self.cache.get_seq_length() - self.n_true
         if extra > 0:
             self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
-        f = self._step(self.feats[self.n_true:], torch.tensor(tokens[self.n_true + 1:], dtype=torch.long), self.n_true)
+        fed = torch.tensor(tokens[self.n_true + 1:], dtype=torch.long, device=self.device)
+        f = self._step(self.feats[self.n_true:], fed, self.n_true)
         self.n_true = n - 1
         if self.spec.tree != "chain":
             self._start_tree(self.n_true)
@@ -145,8 +147,9 @@ class EagleDrafter(TreeGrower, Drafter):
         """One head forward for a tree level: node i reads (its parent's predicted feature, embed of its
         token) under the tree mask; logits [len(nodes), V] of its children."""
         mask, pos = self._level_mask(nodes, self.cache.get_seq_length(), self.feats.dtype)
+        mask, pos = mask.to(self.device), pos.to(self.device)  # (built on the host, node by node)
         feats = torch.stack([self._pf[self._par[i]] for i in nodes])
-        toks = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long)
+        toks = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long, device=self.device)
         out = self.head(feats[None], self.embed(toks[None]), cache=self.cache, position_ids=pos, attention_mask=mask)[0]
         for j, i in enumerate(nodes):
             self._pf[i] = out[j]

@@ -33,7 +33,7 @@ class Eagle3Drafter(EagleDrafter):
         super().__init__(target, head, spec)
         H = target.facts.hidden_size
         blocks = target.add_feature_layers(head.layers)
-        self._cols = torch.cat([torch.arange(b * H, (b + 1) * H) for b in blocks])
+        self._cols = torch.cat([torch.arange(b * H, (b + 1) * H, device=self.device) for b in blocks])
         self.width = len(blocks) * H
 
     def _check_features(self, target: TargetModel) -> None:

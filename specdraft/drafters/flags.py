@@ -29,6 +29,18 @@ def add_model_args(p: argparse.ArgumentParser, default_target="qwen2.5-coder-1.5
                         "suffix too, and --draft self:int4 is the target's own weights in int4")
     add_backend_arg(p)
     add_draft_backend_arg(p)
+    add_device_args(p)
+
+
+def add_device_args(p: argparse.ArgumentParser, draft: bool = True):
+    """--device (and --draft-device): where the models run (core/device.py; checked before anything loads)."""
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N|gpu",
+                   help="where the target runs: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N "
+                        "(transformers; llama.cpp offloads every layer with a CUDA build of llama-cpp-python), gpu "
+                        "(OpenVINO's Intel GPU device). Default auto")
+    if draft:
+        p.add_argument("--draft-device", default=None, metavar="DEVICE",
+                       help="where the draft model runs (default: --device's)")
 
 
 def add_draft_backend_arg(p: argparse.ArgumentParser):

@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..core.config import MAX_DRAFT, MAX_NGRAM, MAX_TREE_NODES, Int, SpecConfig, param
 from ..core.tree import DraftTree
@@ -104,7 +103,7 @@ class LookaheadDrafter(Drafter):
         top = self.N - 2
         if W == self.W and all((top, c) in idx for c in range(W)):
             self._top = [idx[(top, c)] for c in range(W)]
-        return DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long))
+        return DraftTree.of(toks, pars)
 
     def max_draft_depth(self) -> int:
         return self.W + self.N - 2  # Jacobi window + verification branch

@@ -75,10 +75,10 @@ def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Te
     distribution each was drawn from: [m] tokens, [m, V] (q without the earlier draws, renormalized)."""
     m = min(m, int((q > 0).sum()))
     if m <= 0:
-        return torch.empty(0, dtype=torch.long), q.new_zeros(0, q.shape[-1])
+        return torch.empty(0, dtype=torch.long, device=q.device), q.new_zeros(0, q.shape[-1])
     x = torch.multinomial(q, m, replacement=False, generator=gen)
     qs = q.expand(m, -1).clone()
-    r, c = torch.tril_indices(m, m, -1)
+    r, c = torch.tril_indices(m, m, -1, device=q.device)
     qs[r, x[c]] = 0.0
     return x, qs / qs.sum(-1, keepdim=True)
 
@@ -127,11 +127,11 @@ class MedusaDrafter(Drafter):
         for c in plan:
             n_kids[c[:-1]] = max(n_kids.get(c[:-1], 0), c[-1] + 1)
         node: dict[tuple[int, ...], int] = {}
-        draws: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        draws: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
         toks, pars, qs = [], [], []
         if greedy:
             width = max(n_kids.values())
-            top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices  # [depth, width]
+            top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices.tolist()  # [depth][width], one read
         else:
             q_all = probs_from_logits(logits, self.sp)
         for c in plan:  # level order: a node's parent is placed before it
@@ -140,22 +140,23 @@ class MedusaDrafter(Drafter):
                 continue  # its parent was not drawn (fewer candidates than planned)
             d = len(c) - 1
             if greedy:
-                if c[-1] >= top.shape[1]:
+                if c[-1] >= len(top[d]):
                     continue
-                tok, q = int(top[d, c[-1]]), None
+                tok, q = top[d][c[-1]], None
             else:
                 if parent not in draws:  # one draw per parent, fresh for each parent
-                    draws[parent] = self.draw_children(q_all[d], n_kids[parent], self.gen)
+                    xs, dists = self.draw_children(q_all[d], n_kids[parent], self.gen)
+                    draws[parent] = (xs.tolist(), dists)
                 xs, dists = draws[parent]
-                if c[-1] >= xs.shape[0]:
+                if c[-1] >= len(xs):
                     continue
-                tok, q = int(xs[c[-1]]), dists[c[-1]]
+                tok, q = xs[c[-1]], dists[c[-1]]
             node[c] = len(toks)
             toks.append(tok)
             pars.append(node[parent] if parent else -1)
             qs.append(q)
         probs = None if greedy or not toks else torch.stack(qs)
-        self._draft = DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long), probs)
+        self._draft = DraftTree.of(toks, pars, probs)
         return self._draft
 
     def observe(self, step) -> None:

@@ -51,7 +51,7 @@ def trie(paths: list[np.ndarray]) -> DraftTree:
                 tokens.append(t)
                 parents.append(parent)
             parent = index[key]
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return DraftTree.of(tokens, parents)
 
 
 class PromptLookupDrafter(Drafter):

@@ -18,15 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import MAX_DRAFT, MAX_RECYCLE_TOPK, MAX_TREE_NODES, IntList, SpecConfig, TreeSize, param
+from ..core.device import HOST
 from ..core.tree import DraftTree
 from .base import Drafter
 
 
 class AdjacencyTable:
-    """The [V, top_k] int32 successor table, shared by the drafters of one SpecDecoder."""
+    """The [V, top_k] int32 successor table, shared by the drafters of one SpecDecoder (on the host: drafts
+    are read from it token by token)."""
 
     def __init__(self, vocab_size: int, top_k: int):
-        self.table = torch.full((vocab_size, top_k), -1, dtype=torch.int32)
+        self.table = torch.full((vocab_size, top_k), -1, dtype=torch.int32, device=HOST)
 
     @property
     def top_k(self) -> int:
@@ -39,7 +41,7 @@ class AdjacencyTable:
     def update(self, row_tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``logits`` [n, V'] (V' may exceed the table's V for padded heads; only ids < V are kept)."""
         V, k = self.table.shape
-        top = torch.topk(logits[:, :V].float(), k, dim=-1).indices.to(torch.int32)
+        top = torch.topk(logits[:, :V].float(), k, dim=-1).indices.to(device=HOST, dtype=torch.int32)
         self.table[row_tokens.long()] = top  # on duplicates the later row wins
 
 
@@ -55,7 +57,8 @@ def static_tree(branching: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[
         levels.append((start, start + len(level)))
         prev = list(range(start, start + len(level)))
         start += len(level)
-    return torch.tensor(parents, dtype=torch.long), torch.tensor(ranks, dtype=torch.long), levels
+    parent_ids = torch.tensor(parents, dtype=torch.long, device=HOST)
+    return parent_ids, torch.tensor(ranks, dtype=torch.long, device=HOST), levels
 
 
 def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
@@ -63,11 +66,11 @@ def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
     token (or an ancestor's) is unknown (-1)."""
     parents, ranks, levels = static_tree(branching)
     n = parents.shape[0]
-    tokens = torch.empty(n, dtype=torch.long)
+    tokens = torch.empty(n, dtype=torch.long, device=HOST)
     for d, (a, b) in enumerate(levels):
-        par_tok = torch.full((b - a,), root, dtype=torch.long) if d == 0 else tokens[parents[a:b]]
+        par_tok = torch.full((b - a,), root, dtype=torch.long, device=HOST) if d == 0 else tokens[parents[a:b]]
         row = table[par_tok.clamp(min=0)].long()  # [nodes at this depth, top_k]: one gather per depth
-        tok = row[torch.arange(b - a), ranks[a:b]]
+        tok = row[torch.arange(b - a, device=HOST), ranks[a:b]]
         tokens[a:b] = torch.where(par_tok >= 0, tok, torch.full_like(tok, -1))
     valid = tokens >= 0  # a -1 parent made its children -1 above, so valid is ancestor-closed
     if bool(valid.all()):

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..core.config import SpecConfig
+from ..core.device import HOST
 from ..core.sampling import probs_from_logits, sample
 from ..core.tree import DraftTree
 
@@ -71,7 +72,7 @@ class TreeGrower:
         if self.sp.greedy:
             lp = torch.log_softmax(logits, -1)
             top = torch.topk(lp, min(m, int(torch.isfinite(lp).sum())))  # never a token the draft cannot make
-            return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
+            return [(t, None, v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
         q = probs_from_logits(logits, self.sp)
         out, cur = [], q
         for _ in range(m):  # without replacement: each child records the distribution it came from
@@ -104,16 +105,16 @@ class TreeGrower:
         into a cache of ``past`` slots: node i sees the context (the first ``_ctx`` slots), its fed
         ancestors and itself, at position ``_ctx - 1 + depth``. Records the slot each node goes to."""
         m = len(nodes)
-        allow = torch.zeros(m, past + m, dtype=torch.bool)
+        allow = torch.zeros(m, past + m, dtype=torch.bool, device=HOST)
         allow[:, : self._ctx] = True
         for j, i in enumerate(nodes):
             for a in self._anc[i][:-1]:
                 allow[j, self._fed[a]] = True
             allow[j, past + j] = True
             self._fed[i] = past + j
-        mask = torch.zeros(m, past + m, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)[None, None]
-        pos = torch.tensor([[self._ctx - 1 + len(self._anc[i]) for i in nodes]])
-        return mask, pos
+        mask = torch.zeros(m, past + m, dtype=dtype, device=HOST).masked_fill(~allow, torch.finfo(dtype).min)
+        pos = torch.tensor([[self._ctx - 1 + len(self._anc[i]) for i in nodes]], device=HOST)
+        return mask[None, None], pos
 
     def _level_feed(self, nodes: list[int]) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor], list[int]]:
         """What a ``SequenceRows`` row whose cache holds the context feeds to score ``nodes`` (one depth):
@@ -122,10 +123,10 @@ class TreeGrower:
         length - 1 + depth), and the fed index of each of ``nodes``. The caller then commits none of it."""
         fed = sorted({a for i in nodes for a in self._anc[i]})
         at = {n: j for j, n in enumerate(fed)}
-        allow = torch.zeros(len(fed), len(fed), dtype=torch.bool)
+        allow = torch.zeros(len(fed), len(fed), dtype=torch.bool, device=HOST)
         for j, n in enumerate(fed):
             allow[j, [at[a] for a in self._anc[n]]] = True
-        offsets = torch.tensor([len(self._anc[n]) - 1 for n in fed], dtype=torch.long)
+        offsets = torch.tensor([len(self._anc[n]) - 1 for n in fed], dtype=torch.long, device=HOST)
         return [self._tok[n] for n in fed], (allow, offsets), [at[i] for i in nodes]
 
     # --- the tree, level by level ------------------------------------------------------------
@@ -185,5 +186,4 @@ class TreeGrower:
         new = {old: j for j, old in enumerate(keep)}
         parents = [new[self._par[i]] if self._par[i] >= 0 else -1 for i in keep]
         probs = None if greedy else torch.stack([self._q[i] for i in keep])
-        return DraftTree(torch.tensor([self._tok[i] for i in keep], dtype=torch.long),
-                         torch.tensor(parents, dtype=torch.long), probs)
+        return DraftTree.of([self._tok[i] for i in keep], parents, probs)

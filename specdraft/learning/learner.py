@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.device import HOST
 from ..drafters.datastore import ServedOutputs
 from ..drafters.eagle3 import Eagle3Drafter
 from ..engine import StepHook
@@ -280,7 +281,7 @@ class Learner(StepHook):
             t = state[k]
             if t.shape != p.shape:
                 raise ValueError(f"the update's {k} has shape {tuple(t.shape)}; the head's is {tuple(p.shape)}")
-            old[k], p.data = p.data, t.to(p.dtype)
+            old[k], p.data = p.data, t.to(device=p.device, dtype=p.dtype)  # (trained on the CPU; the head may not be)
         self.head.version += 1
         return old
 
@@ -343,7 +344,7 @@ def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, targe
     if n - n_prompt < 2 or feats.shape[0] < n - 1:
         return None
     start = max(0, n - max_len)
-    ids = torch.tensor(tokens[start:], dtype=torch.long)
+    ids = torch.tensor(tokens[start:], dtype=torch.long, device=HOST)
     with torch.inference_mode():
         embeds = target.embed(ids)
     return ServedSequence(ids.numpy().copy(), max(0, n_prompt - start), WireTensor.of(feats[start: n - 1]),

@@ -8,9 +8,9 @@ quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
 
 Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here. The entry
 describes the backend: what it offers (token trees, the target's features, layer views: the methods that
-need them read ``offers``), the paths ``--backend auto`` and ``specdraft doctor`` measure on it, and the
-check doctor runs. The CLI's ``--backend`` choices, ``SpecDecoder.load``, the method registry, the paths
-and doctor read this table; nothing else names a backend.
+need them read ``offers``), the devices it runs on (``--device``: core/device.py), the paths ``--backend
+auto`` and ``specdraft doctor`` measure on it, and the check doctor runs. The CLI's ``--backend`` choices,
+``SpecDecoder.load``, the method registry, the paths and doctor read this table; nothing else names a backend.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..core.device import AUTO, device_kind, torch_device
 from ..core.errors import ConfigError
 
 
@@ -39,14 +40,19 @@ class Backend:
     check: Callable | None = None  # (report) -> whether it runs here; doctor's lines on it (report.say / .problem)
     advice: Callable | None = None  # (path, its curve, fastest path, its curve, model) -> doctor's line or None
     optional: bool = False  # a model it cannot take is a note in doctor, not a problem
+    devices: frozenset = frozenset({"cpu"})  # the device kinds it runs on (core/device.device_kind)
+    place: Callable | None = None  # (device setting, flag) -> what its loader takes as 4th argument: where the
+    # weights go (a ConfigError naming the flag when this machine cannot); None: the CPU only, ``load`` takes 3
+    cuda_first: bool = False  # --backend auto takes it where torch sees a CUDA GPU (auto measures CPU paths)
 
     def __post_init__(self):
         assert set(self.offers) <= set(OFFERS), f"backend {self.name!r}: unknown offers {set(self.offers) - set(OFFERS)}"
         assert all(p.partition(":")[0] == self.name for p in self.paths), f"backend {self.name!r}: paths {self.paths}"
 
 
-def _load_hf(name_or_path: str, dtype, num_layers: int | None):
-    """``NAME:int8`` / ``NAME:int4[-gN]`` / ``NAME:w8a8`` loads NAME with low-bit linear layers (lowbit.py)."""
+def _load_hf(name_or_path: str, dtype, num_layers: int | None, device=None):
+    """``NAME:int8`` / ``NAME:int4[-gN]`` / ``NAME:w8a8`` loads NAME with low-bit linear layers (lowbit.py);
+    ``device``: a torch device (``_place_hf``; None: the CPU)."""
     from .loading import load_hf
     from .lowbit import is_quant_suffix, parse_quant, quantize_linears
 
@@ -55,11 +61,35 @@ def _load_hf(name_or_path: str, dtype, num_layers: int | None):
         base, quant = name_or_path, ""
     if quant:
         parse_quant(quant)  # a bad suffix fails before the weights load
-    m = load_hf(base, dtype, num_layers)
+        check_cpu_kernels(device, quant)
+    m = load_hf(base, dtype, num_layers, device=device or "cpu")
     if quant:
         m.quantization = quantize_linears(m.model, quant)
         m.name = f"{m.name}:{quant}"
     return m
+
+
+def check_cpu_kernels(device, quant: str) -> None:
+    """Low-bit linear layers (lowbit.py) are torch CPU kernels: refused on another device before loading."""
+    if device is not None and device.type != "cpu":
+        raise ConfigError(f"{quant} weights run on torch's CPU kernels: load them with --device cpu "
+                          "(--draft-device cpu for a draft)")
+
+
+def _place_hf(device: str, flag: str):
+    return torch_device(device, flag)
+
+
+def _place_llama(device: str, flag: str) -> bool:
+    from .llama import gpu_offload
+
+    return gpu_offload(device, flag)
+
+
+def _place_openvino(device: str, flag: str) -> str:
+    """OpenVINO's device name: GPU (an Intel GPU) for ``gpu``, else CPU (``auto`` included: its GPU device is no
+    CUDA device, and auto means CUDA when torch sees one)."""
+    return "GPU" if device == "gpu" else "CPU"
 
 
 def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
@@ -82,7 +112,7 @@ def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
     return path / gguf, str(path / gguf)
 
 
-def _load_llama(name_or_path: str, dtype, num_layers: int | None):
+def _load_llama(name_or_path: str, dtype, num_layers: int | None, offload: bool = False):
     if num_layers is not None:
         raise ConfigError("--draft-layers (a layer-truncated copy) needs --backend hf")
     from .llama import LlamaModel
@@ -90,17 +120,17 @@ def _load_llama(name_or_path: str, dtype, num_layers: int | None):
 
     path, tok_from = resolve_gguf(name_or_path)
     tok = load_tokenizer(tok_from)
-    return LlamaModel(path, tok, name=name_or_path)
+    return LlamaModel(path, tok, name=name_or_path, offload=offload)
 
 
-def _load_openvino(name_or_path: str, dtype, num_layers: int | None):
+def _load_openvino(name_or_path: str, dtype, num_layers: int | None, ov_device: str = "CPU"):
     if num_layers is not None:
         raise ConfigError("--draft-layers (a layer-truncated copy) needs --backend hf")
     from .loading import load_tokenizer
     from .openvino import OVModel
 
     path, tok_from = resolve_gguf(name_or_path)
-    return OVModel(path, load_tokenizer(tok_from), name=name_or_path)
+    return OVModel(path, load_tokenizer(tok_from), name=name_or_path, ov_device=ov_device)
 
 
 def _check_llama(report) -> bool:
@@ -137,13 +167,15 @@ def _advise_openvino(path, curve, fast, fast_curve, model) -> str:
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
-            offers=frozenset(OFFERS), truncates=True, paths=("hf", "hf:w8a8"), advice=_advise_hf),
+            offers=frozenset(OFFERS), truncates=True, paths=("hf", "hf:w8a8"), advice=_advise_hf,
+            devices=frozenset({"cpu", "cuda"}), place=_place_hf, cuda_first=True),
     Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
-            offers=frozenset({"trees", "layers"}), paths=("llama",), check=_check_llama),
+            offers=frozenset({"trees", "layers"}), paths=("llama",), check=_check_llama,
+            devices=frozenset({"cpu", "cuda"}), place=_place_llama),
     Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
                         "verification, chains and trees", _load_openvino, False,
             offers=frozenset({"trees", "layers"}), paths=("openvino",), check=_check_openvino,
-            advice=_advise_openvino, optional=True),
+            advice=_advise_openvino, optional=True, devices=frozenset({"cpu", "gpu"}), place=_place_openvino),
 ]}
 
 
@@ -208,14 +240,60 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def placement(backend: str, device: str = AUTO, flag: str = "--device"):
+    """Where ``backend``'s loader puts the weights for the device setting ``device`` (``Backend.place``; None for
+    a CPU-only backend); a ConfigError naming ``flag`` when the backend does not run on that kind of device or
+    this machine cannot give it. Checked before anything loads."""
+    b = _named(backend)
+    kind = device_kind(device, flag)
+    if kind != AUTO and kind not in b.devices:
+        raise ConfigError(f"{flag} {device}: the {b.name} backend runs on {' or '.join(sorted(b.devices))} "
+                          f"({kind}: --backend {' or '.join(having(lambda x: kind in x.devices))})")
+    return None if b.place is None else b.place(device, flag)
+
+
+def check_devices(backend: str, draft_backend: str | None, device: str, draft_device: str | None) -> None:
+    """The device settings against the backends named (``placement``), before anything loads; with --backend
+    auto, that some backend gives this machine the device asked (auto chooses among those: paths.allowed_for).
+    ``draft_device`` None: no draft."""
+    for setting, flag, on in ((device, "--device", backend),
+                              (draft_device, "--draft-device", draft_backend or backend)):
+        if setting is not None:
+            placement(on, setting, flag) if on != "auto" else _placed_somewhere(setting, flag)
+
+
+def _placed_somewhere(device: str, flag: str) -> None:
+    """A ConfigError (the first backend's) unless some backend runs on ``device`` here."""
+    kind = device_kind(device, flag)
+    if kind == AUTO:
+        return
+    refused = []
+    for name in having(lambda b: kind in b.devices):
+        try:
+            placement(name, device, flag)
+            return
+        except ConfigError as e:
+            refused.append(e)
+    raise refused[0] if refused else ConfigError(f"{flag} {device}: no backend runs on {kind}")
+
+
+def device_kw(device: str) -> dict:
+    """The ``device`` keyword of ``load_model`` (and of ``paths.load_fastest``) for a setting: none for auto,
+    their default, so that a stand-in for them written without devices (a test's) still fits."""
+    return {} if device == AUTO else {"device": device}
+
+
 def load_model(name_or_path: str, dtype: str | None = DEFAULT_DTYPE, num_layers: int | None = None,
-               backend: str = "hf"):
-    """Load a model and its tokenizer behind the backend named ``backend``: a ``TargetModel`` whose
-    ``source`` holds these arguments (a process of its own loads it again from them: remote_draft).
-    ``dtype`` None: not given (DEFAULT_DTYPE where the backend reads one)."""
+               backend: str = "hf", device: str = AUTO):
+    """Load a model and its tokenizer behind the backend named ``backend``, on ``device`` (a setting:
+    core/device.py; ``placement``): a ``TargetModel`` whose ``source`` holds these arguments (a process of
+    its own loads it again from them: remote_draft). ``dtype`` None: not given (DEFAULT_DTYPE where the
+    backend reads one)."""
     dtype = dtype or DEFAULT_DTYPE
-    m = _named(backend).load(name_or_path, dtype, num_layers)
-    m.source = {"name_or_path": name_or_path, "dtype": dtype, "num_layers": num_layers, "backend": backend}
+    b, where = _named(backend), placement(backend, device)
+    m = b.load(name_or_path, dtype, num_layers) if b.place is None else b.load(name_or_path, dtype, num_layers, where)
+    m.source = {"name_or_path": name_or_path, "dtype": dtype, "num_layers": num_layers, "backend": backend,
+                "device": device}
     return m
 
 

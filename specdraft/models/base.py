@@ -123,6 +123,8 @@ class TargetModel(Protocol):
     tokenizer: object
     backend: str  # its key in models/backends.py ("hf", "llama", "openvino")
     source: dict | None  # load_model's arguments that load it again (another process); None: made in memory
+    device: torch.device  # where its logits and features come back (the host for llama.cpp and OpenVINO, whatever
+    # runs their weights): verification, logits processing and the requests' random streams run there
 
     @property
     def capabilities(self) -> Capabilities: ...

@@ -12,13 +12,14 @@ import time
 
 import torch
 
+from ..core.device import wait
 from ..core.tree import DraftTree, feed_mask
 
 
 def random_tree(n: int, g: torch.Generator):
     """A tree of n nodes with random parents (each node's parent is an earlier node or the root)."""
     parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
-    return DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return DraftTree.of([0] * n, parents)
 
 
 def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tree: bool = False) -> dict[int, float]:
@@ -39,6 +40,7 @@ def measure_costs(model, ns: list[int], context: int = 60, repeats: int = 5, tre
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             rows.forward([x], trees=trees)
+            wait(model.device)
             dt = time.perf_counter() - t0
             rows.commit([0])  # drop what was scored: the next forward sees the same context
             if i:  # the first one warms up
@@ -60,6 +62,7 @@ def measure_prefill(model, ns: list[int], repeats: int = 3) -> dict[int, float]:
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             rows.add_rows([ids])
+            wait(model.device)
             dt = time.perf_counter() - t0
             rows.remove_rows([0])
             if i:  # the first one warms up

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.device import HOST
 from ..core.errors import ModelFileError
 from .base import ModelFacts
 
@@ -119,11 +120,11 @@ class GGUFHeadIO:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``ids`` [..., H], float32."""
-        return _rows(self._gguf_head.embedding, torch.as_tensor(ids))
+        return _rows(self._gguf_head.embedding, torch.as_tensor(ids, device=HOST))
 
     def output_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's rows ``ids`` [n, H] (every row for None: a dequantized copy), float32."""
         head = self._gguf_head.head
         if ids is None:
             return torch.from_numpy(head.all())
-        return _rows(head, torch.as_tensor(ids).reshape(-1))
+        return _rows(head, torch.as_tensor(ids, device=HOST).reshape(-1))

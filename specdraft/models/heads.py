@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.device import HOST
 from ..core.errors import ConfigError
 from ..core.homefiles import ANY, NUMBER, Schema, nullable, obj, of
 from ..core.jsonl import read_json_file
@@ -46,7 +47,7 @@ def target_signature(target) -> dict:
     """What a head must match: architecture facts plus a weight fingerprint of the LM head (a sum over a
     few rows, compared with a relative tolerance so a bf16 or 4-bit copy of the same target passes)."""
     f = target.facts
-    w = target.output_rows(torch.arange(min(64, target.vocab_size)))
+    w = target.output_rows(torch.arange(min(64, target.vocab_size), device=HOST))
     return {"model_type": f.model_type, "hidden_size": f.hidden_size, "vocab_size": f.vocab_size,
             "num_hidden_layers": f.num_layers, "lm_head_fingerprint": float(w.detach().double().abs().sum())}
 
@@ -262,7 +263,7 @@ def head_dtype(target) -> torch.dtype:
 
 def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple[nn.Module, dict]:
     """Load the head in ``path`` for ``target`` (checked to fit it, and to be the model it was trained on
-    where the head records that), frozen, in the target's dtype."""
+    where the head records that), frozen, in the target's dtype, on the device of its features."""
     meta = read_head_config(path, expect_type)
     needs_head_io(target, f"a {meta['type']} head")
     if meta["type"] == "eagle3":
@@ -271,7 +272,7 @@ def load_head(path: str | Path, target, expect_type: str | None = None) -> tuple
         check_signature(meta.get("target_signature", {}), target, str(path), meta.get("target"))
         head = build_head(meta, target)
         load_weights(head, read_head_weights(path), target.vocab_size, str(path))
-    head = head.to(head_dtype(target)).eval()
+    head = head.to(device=target.device, dtype=head_dtype(target)).eval()
     for p in head.parameters():
         p.requires_grad_(False)
     return head, meta

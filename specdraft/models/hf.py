@@ -10,7 +10,9 @@
   row; after verification a row keeps its pending token + accepted drafts (or tree path), the rest
   become holes (masked). Columns no row uses are trimmed; when the holes grow past
   ``compact_slack`` slots the cache is compacted (each row's valid slots gathered to the right,
-  left-padded). A joining row is prefilled on its own and left-padded into the batch.
+  left-padded). A joining row is prefilled on its own and left-padded into the batch. The validity
+  bits and the ids, positions and mask built from them live on the host; each forward sends them to
+  the model's device, where the cache, the logits and the features stay.
 
 This file is the only place that touches transformers' model and cache internals. A model whose
 cache is not one plain full-attention layer per decoder layer (sliding-window or hybrid caches, where
@@ -24,6 +26,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from ..core.device import HOST
 from .base import Capabilities, ModelFacts
 
 
@@ -195,7 +198,7 @@ class HFRows:
         self.model = model
         self.compact_slack = compact_slack
         self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, L]
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=HOST)  # [B, L]: bookkeeping, on the host
         self.lens: list[int] = []
         self._last_n = 0
         self.last_hidden: torch.Tensor | None = None  # [B, N, H] of the last forward(hidden=True)
@@ -231,7 +234,7 @@ class HFRows:
         [len(prefix), H], None for an empty prefix)."""
         new = HFRows(self.model, self.compact_slack)
         new.lens = [0] * len(prefixes)
-        new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool)
+        new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=HOST)
         self.prefill_hidden = [None] * len(prefixes)
         if any(prefixes):
             new.forward(prefixes, keep=1, hidden=hidden)
@@ -253,9 +256,10 @@ class HFRows:
         if not kvs or any(kv is None for kv in kvs):  # nothing cached yet (one-token prompts)
             return self.add_rows([[] for _ in idx])
         new = HFRows(self.model, self.compact_slack)
-        sel = torch.tensor(idx, dtype=torch.long)
-        for i, (k, v) in enumerate(kvs):
-            new.cache.update(k.index_select(0, sel), v.index_select(0, sel), i)
+        sel = torch.tensor(idx, dtype=torch.long, device=HOST)
+        dev, on = self.model.device, sel.to(kvs[0][0].device)
+        for i, (k, v) in enumerate(kvs):  # (to this model's device: a draft may run on another than src's)
+            new.cache.update(k.index_select(0, on).to(dev), v.index_select(0, on).to(dev), i)
         new.valid = src.valid[sel].clone()
         new.lens = [src.lens[i] for i in idx]
         new.trim()
@@ -273,7 +277,8 @@ class HFRows:
             kv = _kv(layer)
             if kv is None:
                 return []
-            out.append(tuple(x[r][:, sel].transpose(0, 1).reshape(len(sel), -1).to(torch.float16).numpy() for x in kv))
+            out.append(tuple(x[r][:, sel.to(x.device)].transpose(0, 1).reshape(len(sel), -1)
+                             .to(device=HOST, dtype=torch.float16).numpy() for x in kv))
         return out
 
     def _append(self, other: "HFRows") -> None:
@@ -297,7 +302,7 @@ class HFRows:
             k = torch.cat([pad(a and a[0], self.B, L), pad(r and r[0], B2, P)], dim=0)
             v = torch.cat([pad(a and a[1], self.B, L), pad(r and r[1], B2, P)], dim=0)
             _set(layer, k, v)
-        valid = torch.zeros(self.B + B2, newL, dtype=torch.bool)
+        valid = torch.zeros(self.B + B2, newL, dtype=torch.bool, device=HOST)
         valid[: self.B, newL - L:] = self.valid
         valid[self.B:, newL - P:] = other.valid
         self.valid = valid
@@ -311,10 +316,10 @@ class HFRows:
         keep = [i for i in range(self.B) if i not in drop]
         if not keep:
             self.cache = DynamicCache(config=self.model.config)
-            self.valid = torch.zeros(0, 0, dtype=torch.bool)
+            self.valid = torch.zeros(0, 0, dtype=torch.bool, device=HOST)
             self.lens = []
             return
-        sel = torch.tensor(keep, dtype=torch.long)
+        sel = torch.tensor(keep, dtype=torch.long, device=HOST)
         self._map(lambda t: t.index_select(0, sel.to(t.device)))
         self.valid = self.valid[sel]
         self.lens = [self.lens[i] for i in keep]
@@ -334,10 +339,10 @@ class HFRows:
         every fed position in ``last_hidden`` [B, N, H] (row r's first len(seqs[r]) are real; the
         model's final-norm hook, switched on for this forward only)."""
         N = max(max(len(s) for s in seqs), 1)
-        ids = torch.zeros(self.B, N, dtype=torch.long)
+        ids = torch.zeros(self.B, N, dtype=torch.long, device=HOST)
         for r, s in enumerate(seqs):
             if s:
-                ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+                ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long, device=HOST)
         mask, pos = self._mask_and_positions(seqs, N, trees)
         dev = self.model.device
         kw = {self.model._cache_kw: self.cache}
@@ -355,7 +360,7 @@ class HFRows:
         if hidden:
             self.last_hidden = m._take_features()
         self._last_n = N
-        self.valid = torch.cat([self.valid, torch.zeros(self.B, N, dtype=torch.bool)], dim=1)
+        self.valid = torch.cat([self.valid, torch.zeros(self.B, N, dtype=torch.bool, device=HOST)], dim=1)
         return out.logits.float()
 
     def _mask_and_positions(self, seqs, N: int, trees) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -363,11 +368,11 @@ class HFRows:
         slot valid, every row feeding a chain of N tokens; a single request's usual step) and the
         position ids [B, N]."""
         B, L = self.B, self.L
-        pos = torch.tensor(self.lens, dtype=torch.long)[:, None] + torch.arange(N)[None, :]
+        pos = torch.tensor(self.lens, dtype=torch.long, device=HOST)[:, None] + torch.arange(N, device=HOST)[None, :]
         has_tree = trees is not None and any(t is not None for t in trees)
         if not has_tree and all(len(s) == N for s in seqs) and bool(self.valid.all()):
             return None, pos
-        local = torch.tril(torch.ones(N, N, dtype=torch.bool))[None].expand(B, N, N)
+        local = torch.tril(torch.ones(N, N, dtype=torch.bool, device=HOST))[None].expand(B, N, N)
         if has_tree:
             local = local.clone()
             for r, t in enumerate(trees):
@@ -378,7 +383,7 @@ class HFRows:
                     pos[r, :m] = self.lens[r] + off
         allow = torch.cat([self.valid[:, None, :].expand(B, N, L), local], dim=2)
         dt = self.model.dtype
-        return torch.zeros(B, 1, N, L + N, dtype=dt).masked_fill(~allow[:, None], torch.finfo(dt).min), pos
+        return torch.zeros(B, 1, N, L + N, dtype=dt, device=HOST).masked_fill(~allow[:, None], torch.finfo(dt).min), pos
 
     @torch.inference_mode()
     def commit(self, keep: list) -> None:
@@ -387,16 +392,16 @@ class HFRows:
         path); the rest become holes."""
         N, L = self._last_n, self.L
         if all(isinstance(x, int) for x in keep):
-            k = torch.tensor(keep, dtype=torch.long)
-            self.valid[:, L - N:] = torch.arange(N)[None, :] < k[:, None]
+            k = torch.tensor(keep, dtype=torch.long, device=HOST)
+            self.valid[:, L - N:] = torch.arange(N, device=HOST)[None, :] < k[:, None]
             self.lens = [a + int(b) for a, b in zip(self.lens, keep)]
         else:
-            new = torch.zeros(self.B, N, dtype=torch.bool)
+            new = torch.zeros(self.B, N, dtype=torch.bool, device=HOST)
             for r, x in enumerate(keep):
                 if isinstance(x, int):
                     new[r, :x] = True
                 elif len(x):
-                    new[r, torch.as_tensor(x, dtype=torch.long)] = True
+                    new[r, torch.as_tensor(x, dtype=torch.long, device=HOST)] = True
             self.valid[:, L - N:] = new
             self.lens = [a + (x if isinstance(x, int) else len(x)) for a, x in zip(self.lens, keep)]
         self.trim()
@@ -432,8 +437,8 @@ class HFRows:
     def compact(self) -> None:
         """Gather each row's valid slots to the right end (left padding); removes every hole."""
         B, L2 = self.B, max(self.lens, default=0)
-        idx = torch.zeros(B, L2, dtype=torch.long)
-        valid = torch.zeros(B, L2, dtype=torch.bool)
+        idx = torch.zeros(B, L2, dtype=torch.long, device=HOST)
+        valid = torch.zeros(B, L2, dtype=torch.bool, device=HOST)
         for r in range(B):
             slots = self.valid[r].nonzero().flatten()
             idx[r, L2 - slots.numel():] = slots

@@ -149,5 +149,5 @@ def _merged(parts: list[tuple[list[int], torch.Tensor]], B: int) -> torch.Tensor
     ref = parts[0][1]
     out = ref.new_zeros(B, N, ref.shape[2])
     for rows, x in parts:
-        out[torch.tensor(rows), : x.shape[1]] = x
+        out[torch.tensor(rows, device=out.device), : x.shape[1]] = x
     return out

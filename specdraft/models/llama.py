@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
@@ -91,6 +92,27 @@ def lib():
         llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
         lib.ready = True
     return llama_cpp
+
+
+CUDA_BUILD = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python '
+              '(`make setup` builds it for the CPU)')
+
+
+def gpu_offload(device: str, flag: str = "--device") -> bool:
+    """Whether llama.cpp puts every layer on the GPU for the device setting ``device`` (its kind is cpu, cuda
+    or auto: backends.placement checked it): ``auto`` offloads where this llama-cpp-python build can
+    (``llama_supports_gpu_offload``: a CUDA build that finds a GPU), ``cuda`` must. llama.cpp picks its
+    GPUs itself (CUDA_VISIBLE_DEVICES chooses), so ``cuda:N`` is refused."""
+    if device == "cpu":
+        return False
+    if device not in ("auto", "cuda"):
+        raise ConfigError(f"{flag} {device}: the llama backend takes --device cuda (llama.cpp spreads the layers "
+                          "over the GPUs it sees; CUDA_VISIBLE_DEVICES picks them)")
+    can = bool(lib().llama_supports_gpu_offload())
+    if device == "cuda" and not can:
+        raise ConfigError(f"{flag} cuda: this llama-cpp-python cannot offload to a GPU (a CPU-only build, or no "
+                          f"GPU found); for NVIDIA GPUs install a CUDA build: {CUDA_BUILD}")
+    return can
 
 
 def _log_cb(level, text, user_data):
@@ -161,13 +183,18 @@ class LlamaModel(GGUFHeadIO):
 
     backend = "llama"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    device = HOST  # its logits and features come back as host arrays, wherever its weights run
 
-    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None):
+    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None,
+                 offload: bool = False):
+        """``offload``: every layer on the GPU (``gpu_offload``); else none, whatever the build's default."""
         ll = lib()
         path = Path(path)
         if not path.is_file():
             raise ModelFileError(f"GGUF file {path} not found")
         mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = -1 if offload else 0  # -1: all of them
+        self.offload = offload
         self.extra_bufts = mp.use_extra_bufts = safe_extra_bufts(path, name or path.stem)
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
@@ -481,7 +508,7 @@ class LlamaRows:
     def _feed(self, items: list, N: int, n_out: int, layers=()) -> tuple[torch.Tensor, np.ndarray | None]:
         """-> (logits [B, n_out, V], the layers' features of the items in order or None)."""
         whole = self.B == 1 and len(items) == N <= N_BATCH  # a single row's feed in one decode
-        out = None if whole else torch.zeros(self.B, n_out, self.V)
+        out = None if whole else torch.zeros(self.B, n_out, self.V, device=HOST)
 
         def take(where: list) -> None:
             nonlocal out
@@ -491,7 +518,8 @@ class LlamaRows:
                 out = torch.from_numpy(src[read[0]:].copy()).view(1, n_out, self.V)
                 return
             src = src if len(read) == len(where) else src[read]
-            out[torch.tensor([where[k][0] for k in read]), torch.tensor([where[k][1] for k in read])] = \
+            rows, cols = [where[k][0] for k in read], [where[k][1] for k in read]
+            out[torch.tensor(rows, device=HOST), torch.tensor(cols, device=HOST)] = \
                 torch.from_numpy(src)
 
         feats = self._decodes(items, layers, take)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
 from .base import Capabilities, padded_features
@@ -203,15 +204,19 @@ class OVModel(GGUFHeadIO):
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    device = HOST  # its logits and features come back as host arrays, wherever its weights run
     capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True)
 
-    def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None):
+    def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None,
+                 ov_device: str = "CPU"):
+        """``ov_device``: OpenVINO's device name (CPU, or GPU: an Intel GPU)."""
         ov = runtime()
         gguf = Path(gguf)
         if not gguf.is_file():
             raise ModelFileError(f"GGUF file {gguf} not found")
         self.name = name or gguf.stem
         self.tokenizer = tokenizer
+        self.ov_device = ov_device
         self.core = ov.Core()
         self.gguf = gguf
         self.ir = ir_path(gguf, self.name)
@@ -231,8 +236,8 @@ class OVModel(GGUFHeadIO):
         return _with_bias_input(_with_keep_input(self.core.read_model(str(self.ir))))
 
     def _compile(self, model):
-        return self.core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": self._threads,
-                                                      "PERFORMANCE_HINT": "LATENCY"})
+        threads = {"INFERENCE_NUM_THREADS": self._threads} if self.ov_device == "CPU" else {}  # (CPU threads)
+        return self.core.compile_model(model, self.ov_device, {**threads, "PERFORMANCE_HINT": "LATENCY"})
 
     def add_feature_layers(self, layers) -> list[int]:
         """As ``HFModel.add_feature_layers``: from now on the model is compiled with the final norm's and

@@ -21,6 +21,11 @@ short prompt with a long answer where decoding is. That needs every candidate pa
 files written before they were measured lack: then the rules above choose, and say so (`specdraft doctor`
 measures them).
 
+Devices: the paths are measured on the CPU. A ``--device`` other than auto keeps the backends that run on
+that kind of device (``Backend.devices``); where torch sees a CUDA GPU and the device is auto or cuda, auto
+takes transformers on it (``Backend.cuda_first``) without measuring: a GPU decodes a dense model faster than
+any CPU path here (not measured by this program: scripts/gpu_check.sh measures the GPU).
+
 The file: ``$SPECDRAFT_HOME/paths/<model>__<cpu key>.json``, {"model", "cpu", "curves": {path: {n: ms}},
 "prefill": {path: {prompt tokens: ms}}, "pick": {"path", "tokens_per_s", "tried": [...]}} ("prefill" and the
 tried entries' "prefill_ms_per_token" and "decode_tokens_per_s" are optional: older files have none).
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import homefiles
+from ..core.device import AUTO, cuda_count, device_kind
 from ..core.errors import ConfigError, SpecDraftError
 from ..core.policy import interpolate
 
@@ -143,7 +149,7 @@ def measure_curves(model: str, paths: list[str], dtype: str | None = None, say=p
         p = ModelPath.parse(text)
         t0 = time.time()
         try:
-            m = load_model(p.target(model), dtype, backend=p.backend)
+            m = load_model(p.target(model), dtype, backend=p.backend, device="cpu")  # this CPU's paths
             measure_costs(m, [1, CURVE_TOKENS[-1]], repeats=1)  # the first forwards of a process pay for kernel set-up
             c = measure_costs(m, list(CURVE_TOKENS), repeats=repeats)
             prefill[text] = measure_prefill(m, list(PREFILL_TOKENS), repeats=repeats)
@@ -264,16 +270,21 @@ class Allowed:
         return " and ".join(self.because) or "is allowed"
 
 
-def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_backend: str | None) -> Allowed:
-    """What ``--backend auto`` may take for the target: the backends the method runs on (None: any) that honour
-    every option given (``backends.option_needs``) which the target's backend answers for: a draft's, when the
-    draft follows the target's backend (``draft_backend`` None: so it does, or there is no draft); --dtype,
-    unless the draft's backend takes it."""
+def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_backend: str | None,
+                device: str = AUTO) -> Allowed:
+    """What ``--backend auto`` may take for the target: the backends the method runs on (None: any) that run on
+    ``device``'s kind and honour every option given (``backends.option_needs``) which the target's backend
+    answers for: a draft's, when the draft follows the target's backend (``draft_backend`` None: so it does,
+    or there is no draft); --dtype, unless the draft's backend takes it."""
     from .backends import BACKENDS
 
     names, because = set(method_backends or BACKENDS), []
     if names != set(BACKENDS):
         because.append("runs this method")
+    kind = device_kind(device)
+    if kind != AUTO:
+        names &= {n for n, b in BACKENDS.items() if kind in b.devices}
+        because.append(f"runs on --device {device}")
     for n in needs:
         drafts_take_it = n.whose == "draft" or (n.whose == "either" and draft_backend in n.backends)
         if draft_backend is not None and drafts_take_it:
@@ -286,9 +297,10 @@ def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_back
 
 
 def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-           shape: RequestShape | None = None) -> list[tuple[ModelPath, str]]:
+           shape: RequestShape | None = None, device: str = AUTO) -> list[tuple[ModelPath, str]]:
     """``--backend auto``'s candidates for ``model``, best first, each with why it ranks there; only paths
-    on ``allowed``'s backends count; with a request's ``shape``, fastest end to end for it first (by_shape)
+    on ``allowed``'s backends count; on a CUDA GPU (``device`` auto or cuda where torch sees one) the backend
+    that runs dense weights there; with a request's ``shape``, fastest end to end for it first (by_shape)
     where every path's costs were kept. Measures the curves when none were kept."""
     from . import catalog
     from .backends import BACKENDS
@@ -300,6 +312,9 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
     names = [b for b in BACKENDS if allowed.backends is None or b in allowed.backends]
     if len(names) == 1:  # nothing to measure: its dense weights (a variant's would not be in --dtype)
         return [(ModelPath(names[0]), f"the only backend that {allowed.reason()}")]
+    gpu = [b for b in names if BACKENDS[b].cuda_first] if device_kind(device) in (AUTO, "cuda") and cuda_count() else []
+    if gpu:  # (the measured paths are CPU paths: module doc)
+        return [(ModelPath(gpu[0]), "torch sees a CUDA GPU: its dense weights run there")]
     doc = read(model)
     out = []
     pick = doc.get("pick")
@@ -329,16 +344,16 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
 
 
 def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-                 shape: RequestShape | None = None):
-    """The model on the best of ``ranked``'s paths (for a request of ``shape``, if given) that loads here ->
-    (model, ModelPath); a path that fails to load (a backend missing on this machine) is said and the next
-    one taken."""
-    from .backends import load_model
+                 shape: RequestShape | None = None, device: str = AUTO):
+    """The model on the best of ``ranked``'s paths (for a request of ``shape``, if given) that loads here, on
+    ``device`` -> (model, ModelPath); a path that fails to load (a backend missing on this machine) is said
+    and the next one taken."""
+    from .backends import device_kw, load_model
 
     say = say or _say
-    for p, why in ranked(model, dtype, say, allowed, shape):
+    for p, why in ranked(model, dtype, say, allowed, shape, device):
         try:
-            m = load_model(p.target(model), dtype, backend=p.backend)
+            m = load_model(p.target(model), dtype, backend=p.backend, **device_kw(device))
         except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
             say(f"backend auto: {p} cannot load here ({e}); taking the next measured path")
             continue
@@ -348,9 +363,9 @@ def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowe
 
 
 def resolve(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-            shape: RequestShape | None = None) -> tuple[str, str]:
+            shape: RequestShape | None = None, device: str = AUTO) -> tuple[str, str]:
     """``--backend auto`` for ``model`` without loading it: -> (the target name to load, its backend)."""
-    p, why = ranked(model, dtype, say, allowed, shape)[0]
+    p, why = ranked(model, dtype, say, allowed, shape, device)[0]
     (say or _say)(
         f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
     return p.target(model), p.backend

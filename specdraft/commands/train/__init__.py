@@ -218,7 +218,7 @@ def _heads_main(opts: TrainOptions, resume: bool, ray_builder, setup) -> int:
         raise ConfigError("--ray needs the Ray data builder: train_main(opts, specdraft.bench.shard.data_builder)")
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
-    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf")
+    dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf", device="cpu")
     target = dec.target
     build = ray_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
     seqs, data_meta = load_or_build_data(dec, out, opts.data, opts.target, opts.max_new_tokens, not opts.no_chat,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...core.device import torch_device
 from ...core.errors import ConfigError, SpecDraftError
 from ...core.jsonl import AppendedJsonl, read_json_file
 from ...models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers, ttt_batch, ttt_loss
@@ -30,22 +31,6 @@ EAGLE3_INTERMEDIATE = 2048
 EAGLE3_DRAFT_VOCAB = 12288
 
 
-def device_of(name: str) -> torch.device:
-    """--device: cpu, cuda, cuda:N (a device torch sees here) or auto (cuda when there is one)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
-        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"--device {name}: torch sees no such CUDA device here "
-                          f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
-    return device
-
-
 def check(opts) -> None:
     if (opts.data is None) == (opts.synth is None):
         raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N")
@@ -57,7 +42,7 @@ def check(opts) -> None:
         raise ConfigError(f"--holdout must be >= 0, got {opts.holdout}")
     if opts.max_len < opts.ttt_steps + 2:
         raise ConfigError(f"--max-len {opts.max_len} leaves no room for {opts.ttt_steps} draft steps")
-    device_of(opts.device)
+    torch_device(opts.device)
 
 
 def generation_model(opts):
@@ -65,15 +50,15 @@ def generation_model(opts):
     llama.cpp where the target has a GGUF file and llama.cpp hands over layers, else transformers)."""
     from ...models.backends import load_model
 
-    if opts.gen_backend != "auto":
-        return load_model(opts.target, "float32", backend=opts.gen_backend)
+    if opts.gen_backend != "auto":  # (the data is made on the CPU; the head trains on --device)
+        return load_model(opts.target, "float32", backend=opts.gen_backend, device="cpu")
     try:
-        m = load_model(opts.target, "float32", backend="llama")
+        m = load_model(opts.target, "float32", backend="llama", device="cpu")
         if m.capabilities.layers:
             return m
     except (SpecDraftError, ImportError, OSError) as e:
         print(f"eagle3: data on transformers ({str(e).splitlines()[0]})", file=sys.stderr)
-    return load_model(opts.target, "float32", backend="hf")
+    return load_model(opts.target, "float32", backend="hf", device="cpu")
 
 
 def data_meta(opts, layers, gen, out: Path) -> dict:
@@ -200,7 +185,7 @@ def main(opts, resume: bool, ray_builder=None) -> int:
         return 0
     data = Eagle3Data(out / "data", len(layers) * gen.facts.hidden_size, opts.holdout)
     head = Eagle3Head(shape) if shape is not None else new_head(gen, data, layers, opts)
-    device = device_of(opts.device)
+    device = torch_device(opts.device)
     bf16 = device.type == "cuda" or native_bf16()
     print(f"eagle3: layers {list(head.layers)}, {head.parameter_count() / 1e6:.1f}M parameters, draft vocabulary "
           f"{head.shape.draft_vocab_size}, {len(data)} sequences ({data.answer_tokens} answer tokens), "
