@@ -267,3 +267,31 @@ def test_hostile_prompt_files_are_one_error_line(tmp_path, tiny_dir, capsys, cas
     assert says in one_error(capsys, ["train", "medusa", "--target", tiny_dir, "--data", f, "-o", tmp_path / "h"])
     f.write_bytes(b'{"prompt": "a \\ud83d\\ude00 pair"}\n')  # an escaped pair is fine
     assert load_prompts(f)[0]["prompt"] == "a \U0001F600 pair"
+
+
+def test_eagle3_train_only_trains_on_the_data_as_it_is(tmp_path, tiny_dir, capsys):
+    """--data-only makes the data (a job of its own), --train-only trains on what DIR/data holds then and
+    makes none; giving it a prompt source is one error line."""
+    data, out = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3]), tmp_path / "head"
+    assert main([str(a) for a in eagle3(tiny_dir, data, out, 2, "--data-only")]) == 0
+    before = {f.name: f.read_bytes() for f in (out / "data").iterdir()}
+    train_only = [str(a) for a in eagle3(tiny_dir, data, out, 2)]
+    i = train_only.index("--data")
+    del train_only[i: i + 2]
+    assert main(train_only + ["--train-only"]) == 0
+    assert json.loads((out / "config.json").read_text())["specdraft"]["step"] == 2
+    assert {f.name: f.read_bytes() for f in (out / "data").iterdir()} == before  # nothing made
+    assert "--train-only trains on -o DIR/data as it is" in one_error(capsys, eagle3(tiny_dir, data, out, 2,
+                                                                                          "--train-only"))
+
+
+def test_eagle3_threads_are_the_threads_asked(tmp_path, tiny_dir):
+    """--threads sets the threads the data and training run on (llama.cpp's follow torch's)."""
+    was = torch.get_num_threads()
+    try:
+        args = [str(a) for a in eagle3(tiny_dir, write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]), tmp_path / "h",
+                                       1, "--data-only")]
+        args[args.index("--threads") + 1] = "2"
+        assert main(args) == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)

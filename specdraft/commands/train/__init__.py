@@ -51,6 +51,7 @@ class TrainOptions:
     storage: str = "bfloat16"  # eagle3: the head file's weights (bfloat16, float32, or our compact int8)
     holdout: int = 50  # eagle3: prompt i with i % holdout == 0 is kept out of training (a held-out split; 0: none)
     data_only: bool = False  # eagle3: make the data, do not train
+    train_only: bool = False  # eagle3: train on DIR/data as it is, make none
     checkpoint_every: int = 50
     resume: bool = False
     no_chat: bool = False
@@ -78,7 +79,7 @@ class Kind:
 
 RAY = ("ray", "ray_workers", "ray_worker_cpus")
 EAGLE3_OWN = ("draft_vocab", "synth", "synth_max_tokens", "gen_backend", "gen_batch", "ttt_steps",
-              "intermediate_size", "max_len", "device", "storage", "holdout", "data_only")
+              "intermediate_size", "max_len", "device", "storage", "holdout", "data_only", "train_only")
 
 
 def _kinds() -> dict[str, Kind]:
@@ -147,6 +148,8 @@ def _add_eagle3_args(t) -> None:
                    help="eagle3: prompt i with i %% N == 0 is kept out of training, for measuring the head on prompts "
                    "of its own kind that it never saw (0: train on all)")
     t.add_argument("--data-only", action="store_true", help="eagle3: make (or extend) the data, do not train")
+    t.add_argument("--train-only", action="store_true",
+                   help="eagle3: train on -o DIR/data as it is (made by an earlier or a running --data-only job)")
 
 
 def _foreign_option(opts: TrainOptions, kinds: dict[str, Kind]) -> str | None:

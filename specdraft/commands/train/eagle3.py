@@ -32,8 +32,11 @@ EAGLE3_DRAFT_VOCAB = 12288
 
 
 def check(opts) -> None:
-    if (opts.data is None) == (opts.synth is None):
-        raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N")
+    if opts.train_only:
+        if opts.data is not None or opts.synth is not None or opts.data_only:
+            raise ConfigError("--train-only trains on -o DIR/data as it is; --data, --synth and --data-only make data")
+    elif (opts.data is None) == (opts.synth is None):
+        raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N (or --train-only)")
     for name in ("synth", "gen_batch", "ttt_steps", "max_len", "synth_max_tokens", "intermediate_size"):
         v = getattr(opts, name)
         if v is not None and v < 1:
@@ -114,6 +117,20 @@ def make_data(opts, gen, layers, out: Path) -> dict:
             "answer_tokens": sum(len(a["tokens"]) - a["n_prompt"] for a in answers), "made": made}
 
 
+def existing_data(opts, layers, out: Path) -> dict:
+    """--train-only: DIR/data's meta, checked to be this target's and these layers' (another job may still
+    be appending to the data; training reads what is there when it starts)."""
+    f = out / "data" / "meta.json"
+    try:
+        meta = read_json_file(f)
+    except ValueError as e:
+        raise SpecDraftError(f"--train-only: {f}: {e} (make the data first: --synth N or --data PROMPTS.jsonl)") from None
+    if not isinstance(meta, dict) or meta.get("target") != opts.target or meta.get("layers") != list(layers):
+        raise ConfigError(f"--train-only: {out}/data was made for target {meta.get('target')!r}, layers "
+                          f"{meta.get('layers')}; this run is for {opts.target!r}, layers {list(layers)}")
+    return meta
+
+
 def encode_all(gen, prompts: list[str], opts) -> list[tuple[int, list[int]]]:
     """(index, token ids) of the prompts that fit the context with their answer (and --max-prompt-tokens)."""
     out = []
@@ -178,8 +195,9 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     gen = generation_model(opts)
     shape = resumed_shape(out, gen) if resume else None
     layers = shape.layers if shape is not None else eagle3_layers(gen.num_layers)
-    meta = make_data(opts, gen, layers, out)
-    print(f"eagle3 data: {meta['n_seqs']} sequences, {meta['answer_tokens']} answer tokens", file=sys.stderr)
+    meta = existing_data(opts, layers, out) if opts.train_only else make_data(opts, gen, layers, out)
+    print(f"eagle3 data: {meta.get('n_seqs', '?')} sequences, {meta.get('answer_tokens', '?')} answer tokens",
+          file=sys.stderr)
     if opts.data_only:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
