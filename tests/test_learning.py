@@ -315,7 +315,7 @@ def test_the_next_start_continues_from_the_adapted_head(target, head_dir, tmp_pa
     adapted = {k: v * 0.5 if v.is_floating_point() else v for k, v in head.state_dict().items()}
     AdaptedStore(root).save(head.shape, adapted, {"type": "eagle3"}, torch.float32)
     learner = Learner(target, LearnConfig(), home=tmp_path, spawn=False)
-    with caplog.at_level(logging.WARNING, logger="specdraft.learn"):
+    with caplog.at_level(logging.WARNING, logger="specdraft.learning"):
         learner.adopt(head, str(head_dir))
     assert torch.equal(head.fc.weight, adapted["fc.weight"])
     assert "continuing from the adapted head" in caplog.text and learner.status().adapted.endswith("000001")

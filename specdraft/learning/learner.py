@@ -36,7 +36,7 @@ from .config import LearnConfig
 from .guard import AcceptanceGuard
 from .wire import Failed, Progress, ServedSequence, Stop, Verdict, Weights, WireTensor
 
-log = logging.getLogger("specdraft.learn")
+log = logging.getLogger("specdraft.learning")
 
 
 @dataclass
