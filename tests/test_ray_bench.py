@@ -127,7 +127,8 @@ def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys
     from specdraft.commands import train
     from specdraft.api import SpecDecoder
 
-    monkeypatch.setattr(train, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker
+    from specdraft.commands.train import data as train_data
+    monkeypatch.setattr(train_data, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker
     prompts = PROMPTS + ["What is 2 + 3?"]
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
