@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import SpecDraftError
-from ..drafters.flags import add_device_args
+from ..commands.flags import add_device_args
 
 
 @dataclass(frozen=True)
