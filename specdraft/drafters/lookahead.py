@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import MAX_DRAFT, MAX_NGRAM, MAX_TREE_NODES, Int, SpecConfig, param
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, trie
 from .base import Drafter
-from .prompt_lookup import trie
 
 
 @dataclass
