@@ -71,7 +71,7 @@ class EagleDrafter(Drafter):
     def embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.embed(toks).to(self.dtype)
 
-    def begin(self, prompt_ids, sp: SamplingParams, generator):
+    def begin(self, prompt_ids, sp: SamplingParams, generator, processor=None):
         self.sp, self.gen = sp, generator
         self.feats = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
         self._new_cache()

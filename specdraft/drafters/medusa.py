@@ -82,7 +82,7 @@ class MedusaDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return self.shape.max_depth
 
-    def begin(self, prompt_ids, sp: SamplingParams, generator):
+    def begin(self, prompt_ids, sp: SamplingParams, generator, processor=None):
         self.sp, self.gen = sp, generator
         self.feat: torch.Tensor | None = None
         self._draft = DraftTree.empty()

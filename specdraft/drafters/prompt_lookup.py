@@ -48,7 +48,7 @@ class PromptLookupDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return self.spec.k
 
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         pass
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
