@@ -87,7 +87,7 @@ def identity(s: Settings, target: str, draft: str, layers, dtype: str, head=None
     """Each method's greedy tokens against plain decoding's, one request at a time and three as a batch."""
     from specdraft.api import SpecDecoder
     from specdraft.core.metrics import near_tie_bound
-    from specdraft.engine import generate_batch
+    from specdraft.engine import Job, generate_batch
 
     dec = SpecDecoder.load(target, draft=draft, draft_layers=layers, dtype=dtype, backend="hf", device=s.device)
     sp = {"max_new_tokens": s.new_tokens, "ignore_eos": True}
@@ -95,7 +95,7 @@ def identity(s: Settings, target: str, draft: str, layers, dtype: str, head=None
     plain = [dec.generate(i, sampling=sp, spec={"method": "plain"}).token_ids for i in ids]
     got = [(name, i, dec.generate(ids[i], sampling=sp, spec=spec).token_ids)
            for name, spec in method_specs(head).items() for i in range(len(ids))]
-    jobs = [(prompt, sp, dec.make_drafter(_spec(method_specs(None)["draft_model"]))) for prompt in ids]
+    jobs = [Job(prompt, sp, dec.make_drafter(_spec(method_specs(None)["draft_model"]))) for prompt in ids]
     got += [("batch_of_3", i, out.token_ids)
             for i, out in enumerate(generate_batch(dec.target, jobs, dec.eos_ids, dec.tokenizer))]
     bound = near_tie_bound(dec.target)

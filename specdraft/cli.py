@@ -21,7 +21,7 @@ from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingPa
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
 from .learning import LearnConfig
-from .drafters.flags import add_model_args, add_sampling_args, add_spec_args
+from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
 

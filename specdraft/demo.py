@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .core import prompts as data
 from .api import ModelSettings
 from .core.config import SamplingParams, SpecConfig
-from .drafters.flags import add_model_args
+from .commands.flags import add_model_args
 from .core.metrics import GenerationStats, near_tie_bound, speedup
 
 

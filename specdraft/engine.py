@@ -21,8 +21,10 @@ forwards, its draft model's and its random stream are those of decoding it alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -34,8 +36,8 @@ from .core.policy import BatchRule, DraftLength
 from .core.processors import RequestProcessor, logprob_entries
 from .core.sampling import NO_TOKEN, argmax_last, make_generator
 from .core.tree import DraftTree, feed_mask
-from .core.verify import greedy_tree_path, greedy_verify, lossy_label, sample_verify, verify_tree
-from .drafters.base import StepOutcome
+from .core.verify import TypicalAcceptance, greedy_tree_path, greedy_verify, lossy_label, sample_verify, verify_tree
+from .drafters.base import Drafter, StepOutcome
 from .models.lanes import RowLanes
 
 
@@ -66,28 +68,51 @@ def check_fits(target, n_prompt: int, sp: SamplingParams) -> None:
         )
 
 
+# on_emit(new_tokens) after every step (on_emit(new_tokens, logprob_entries) when logprobs are asked);
+# returning True cancels the request
+OnEmit = Callable[..., Any]
+
+
+@dataclass
+class Job:
+    """A request to admit (``Engine.add_many``, ``generate_batch``): its prompt, sampling and drafter;
+    ``on_emit`` (streaming, cancelling), ``tag`` (the caller's, kept on its Request), its draft-length policy
+    (None: the drafter's depth every step) and its opt-in lossy rule (``SpecConfig.lossy_rule()``; None:
+    exact verification)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams | dict | None
+    drafter: Drafter
+    _: KW_ONLY
+    on_emit: OnEmit | None = None
+    tag: Any = None
+    length: DraftLength | None = None
+    lossy: TypicalAcceptance | None = None
+
+
 @dataclass(eq=False)  # requests are compared by identity
 class Request:
     """One sequence's state in the loop."""
 
     prompt_ids: list[int]
     sp: SamplingParams
-    drafter: object
-    on_emit: object = None  # on_emit(new_tokens) after every step; returning True cancels
-    tag: object = None
+    drafter: Drafter
+    on_emit: OnEmit | None = None
+    tag: Any = None  # the caller's (Job.tag)
     length: DraftLength = field(default_factory=DraftLength)
     tokens: list[int] = field(default_factory=list)
-    stats: GenerationStats = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
     gen: torch.Generator | None = None
-    eos: set = field(default_factory=set)
+    eos: set[int] = field(default_factory=set)
     stopper: "_StopChecker | None" = None
     finish: str | None = None
     result: GenerationResult | None = None
     t_start: float = 0.0
     prefill_s: float = 0.0
-    lossy: object = None  # the request's opt-in lossy rule (SpecConfig.lossy_rule()); None: exact verification
+    lossy: TypicalAcceptance | None = None  # the request's opt-in lossy rule; None: exact verification
     hidden_prefix: torch.Tensor | None = None  # the prompt's features, for the first observe
-    seen: tuple | None = None  # this step's (fed tokens, logits, features), for the drafter's observe
+    seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # this step's (fed tokens,
+    # logits, features), for the drafter's observe
     processor: RequestProcessor | None = None  # penalties, bias, min_tokens, grammar (None: none asked)
     logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
     error: Exception | None = None  # what failed in this row's own work (its drafter, its processing)
@@ -145,31 +170,36 @@ class Engine:
         return self.kv.L
 
     # --- rows join and leave ----------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], sp, drafter, on_emit=None, tag=None, length: DraftLength | None = None,
-            lossy=None) -> Request:
+    def add(self, prompt_ids: list[int], sp: SamplingParams | dict | None, drafter: Drafter,
+            on_emit: OnEmit | None = None, tag: Any = None, length: DraftLength | None = None,
+            lossy: TypicalAcceptance | None = None) -> Request:
         """Admit a request: validate, prefill its prompt (all but the last token, which is pending).
         ``lossy``: the request's opt-in lossy verification rule (None: exact; core/verify.py)."""
-        return self.add_many([(prompt_ids, sp, drafter, on_emit, tag, length, lossy)])[0]
+        row = self.add_many([Job(prompt_ids, sp, drafter, on_emit=on_emit, tag=tag, length=length, lossy=lossy)])[0]
+        assert isinstance(row, Request)  # (one job: its refusal was raised)
+        return row
 
-    def add_many(self, items: list[tuple]) -> list:
-        """Admit several (prompt_ids, sampling, drafter, on_emit, tag[, length[, lossy]]) at once, prefilled
-        together in one forward. Returns, per item, its Request or the exception that refused it."""
-        rows, out = [], []
-        for item in items:
+    def add_many(self, jobs: list[Job]) -> list[Request | Exception]:
+        """Admit several jobs at once, prefilled together in one forward. Returns, per job, its Request or
+        the exception that refused it (one job alone: that exception is raised)."""
+        rows: list[Request] = []
+        out: list[Request | Exception] = []
+        for job in jobs:
             try:
-                rows.append(self._new_request(*item))
+                rows.append(self._new_request(job))
                 out.append(rows[-1])
-            except Exception as e:  # this item's own setup (its sampling, its drafter's begin): it alone fails
+            except Exception as e:  # this job's own setup (its sampling, its drafter's begin): it alone fails
                 out.append(e)
         if rows:
             self._prefill(rows)
-        if len(items) == 1 and isinstance(out[0], Exception):
+        if len(jobs) == 1 and isinstance(out[0], Exception):
             raise out[0]
         return out
 
-    def _new_request(self, prompt_ids, sp, drafter, on_emit=None, tag=None, length=None, lossy=None) -> Request:
-        sp = SamplingParams.from_dict(sp)
-        prompt_ids = [int(t) for t in prompt_ids]
+    def _new_request(self, job: Job) -> Request:
+        sp = SamplingParams.from_dict(job.sampling)
+        prompt_ids = [int(t) for t in job.prompt_ids]
+        drafter, lossy = job.drafter, job.lossy
         check_fits(self.target, len(prompt_ids), sp)
         if sp.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer")
@@ -177,8 +207,9 @@ class Engine:
         if drafter.wants_hidden and not (caps.hidden or caps.layers):  # a head on the target's features
             raise ConfigError(f"{drafter.name} reads the target's features, which {self.target.name} on the "
                               f"{self.target.backend} backend does not hand over")
-        row = Request(prompt_ids, sp, drafter, on_emit, tag, length or DraftLength(), tokens=list(prompt_ids),
-                      stats=GenerationStats(prompt_tokens=len(prompt_ids)), t_start=time.perf_counter(), lossy=lossy)
+        row = Request(prompt_ids, sp, drafter, job.on_emit, job.tag, job.length or DraftLength(),
+                      tokens=list(prompt_ids), stats=GenerationStats(prompt_tokens=len(prompt_ids)),
+                      t_start=time.perf_counter(), lossy=lossy)
         row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
             row.stats.reproducible = (drafter.reproducible and row.length.reproducible and lossy is None
@@ -190,8 +221,7 @@ class Engine:
         row.processor = RequestProcessor.for_request(sp, prompt_ids, self.target.vocab_size, self.eos_ids,
                                                      self.tokenizer)
         row.logprobs = None if sp.logprobs is None else []
-        drafter.processor = row.processor  # a drafter that samples processes its own logits the same way
-        drafter.begin(prompt_ids, sp, row.gen)
+        drafter.begin(prompt_ids, sp, row.gen, row.processor)  # (a drafter that samples processes its logits so)
         return row
 
     def _prefill(self, rows: list[Request]) -> None:
@@ -588,9 +618,10 @@ class StepHook:
 
 
 # --- entry points -----------------------------------------------------------------------------------
-def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids: set[int] | None = None,
-             tokenizer=None, length: DraftLength | None = None, on_emit=None, on_admit=None,
-             lossy=None, hook: StepHook | None = None) -> GenerationResult:
+def generate(target, drafter: Drafter, prompt_ids: list[int], sp: SamplingParams | dict | None,
+             eos_ids: set[int] | None = None, tokenizer=None, length: DraftLength | None = None,
+             on_emit: OnEmit | None = None, on_admit: Callable[[Request], None] | None = None,
+             lossy: TypicalAcceptance | None = None, hook: StepHook | None = None) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
     after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
     when the request asks for logprobs); returning True cancels the request (finish_reason
@@ -610,10 +641,10 @@ def generate(target, drafter, prompt_ids: list[int], sp: SamplingParams, eos_ids
     return row.result
 
 
-def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
+def generate_batch(target, jobs: list[Job], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
                    max_batch: int | None = None, join_every: int = 0,
                    isolate_seeded: bool = True, hook: StepHook | None = None) -> list[GenerationResult]:
-    """Decode several (prompt_ids, sampling, drafter[, length[, lossy]]) jobs together; results in job order.
+    """Decode several jobs together (their ``tag`` is set to their place here); results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
     ``join_every`` > 0 admits at most one waiting job every that many steps (staggered joins);
@@ -629,8 +660,7 @@ def generate_batch(target, jobs: list[tuple], eos_ids=None, tokenizer=None, rule
             room = min(room, 0 if steps % join_every else 1)
         if room > 0 and waiting:
             admit, waiting = waiting[:room], waiting[room:]
-            items = [(*job[:3], None, i, *job[3:]) for i, job in admit]
-            for r in eng.add_many(items):
+            for r in eng.add_many([dataclasses.replace(job, tag=i) for i, job in admit]):
                 if isinstance(r, Exception):
                     raise r
         with hook.stepping():

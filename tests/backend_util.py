@@ -4,7 +4,7 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 import torch
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import generate, generate_batch
+from specdraft.engine import Job, generate, generate_batch
 from specdraft.core.tree import DraftTree, feed_mask
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
@@ -107,7 +107,7 @@ def sample_pairs(target, make_drafter, prompt, sp, n, rows=50):
     its own drafter from ``make_drafter()`` -> {(a, b): count}."""
     counts = {}
     for start in range(0, n, rows):
-        jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
+        jobs = [Job(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
                 for i in range(start, min(start + rows, n))]
         for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False):  # seeds only pin the samples
             key = tuple(out.token_ids[:2])

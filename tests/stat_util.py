@@ -91,13 +91,13 @@ def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_s
     n_tokens of their first ``n_tokens`` tokens, draft tokens drafted / accepted in the steps that made those
     tokens)."""
     from specdraft.core.config import SamplingParams
-    from specdraft.engine import generate_batch
+    from specdraft.engine import Job, generate_batch
 
     counts = np.zeros((vocab,) * n_tokens)
     drafted = accepted = 0
     for start in range(0, n_samples, rows):
-        jobs = [(prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}),
-                 make_drafter()) for i in range(start, min(start + rows, n_samples))]
+        jobs = [Job(prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}),
+                    make_drafter()) for i in range(start, min(start + rows, n_samples))]
         # seeds only pin the samples
         for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False, hook=hook):
             counts[tuple(out.token_ids[:n_tokens])] += 1

@@ -14,7 +14,7 @@ from specdraft.api import COST_POINTS, SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter, StepOutcome
-from specdraft.engine import generate_batch
+from specdraft.engine import Job, generate_batch
 from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
 from test_engine_tiny import N, PROMPT, V, exact_first_two
@@ -64,10 +64,10 @@ def test_greedy_equals_plain(dec, spec):
 def test_mixed_batch_rows_equal_alone(dec):
     sp = SamplingParams(max_new_tokens=24)
     specs = [SpecConfig.from_dict(s) for s in SPECS] + [SpecConfig(method="draft_model"), SpecConfig(method="plain")]
-    jobs = [(p, sp, dec.make_drafter(s)) for p in PROMPTS for s in specs]
+    jobs = [Job(p, sp, dec.make_drafter(s)) for p in PROMPTS for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=5, join_every=2)
-    for (p, _, _), s, res in zip(jobs, specs * len(PROMPTS), together):
-        assert res.token_ids == dec.generate(p, sp, s).token_ids, s.method
+    for job, s, res in zip(jobs, specs * len(PROMPTS), together):
+        assert res.token_ids == dec.generate(job.prompt_ids, sp, s).token_ids, s.method
 
 
 SAMPLED = [("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram": 1, "max_ngram": 2}),
@@ -274,8 +274,8 @@ def test_seeded_auto_request_does_not_depend_on_other_rows(dec):
     spec = SpecConfig(method="auto")
     alone = dec.generate(PROMPT, sp, spec)
     assert alone.stats.reproducible is True
-    others = [(p, SamplingParams(max_new_tokens=30), dec.make_drafter(spec)) for p in PROMPTS]  # they teach memory
-    together = generate_batch(dec.target, [(PROMPT, sp, dec.make_drafter(spec))] + others, eos_ids=set())
+    others = [Job(p, SamplingParams(max_new_tokens=30), dec.make_drafter(spec)) for p in PROMPTS]  # they teach memory
+    together = generate_batch(dec.target, [Job(PROMPT, sp, dec.make_drafter(spec))] + others, eos_ids=set())
     assert together[0].token_ids == alone.token_ids and together[0].stats.arms == alone.stats.arms
     measured_costs(dec)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from specdraft.engine import Engine, generate, generate_batch
+from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
@@ -44,7 +44,7 @@ METHODS = ["plain", "prompt_lookup", "draft_model"]
 def test_greedy_rows_equal_batch1(pair, method):
     target, draft = pair
     lens = [12, 20, 7, 16, 25, 3, 18, 10]
-    jobs = [(p, SamplingParams(max_new_tokens=n), make(method, draft)) for p, n in zip(PROMPTS, lens)]
+    jobs = [Job(p, SamplingParams(max_new_tokens=n), make(method, draft)) for p, n in zip(PROMPTS, lens)]
     out = generate_batch(target, jobs, eos_ids=set())
     for (p, n), r in zip(zip(PROMPTS, lens), out):
         assert r.token_ids == single(target, draft, method, p, n)
@@ -82,7 +82,7 @@ def test_mixed_methods_join_leave_and_compaction(pair, monkeypatch):
     jobs, refs = [], []
     for i in range(16):
         m, p, n = METHODS[i % 3], PROMPTS[i % len(PROMPTS)], 5 + (7 * i) % 17
-        jobs.append((p, SamplingParams(max_new_tokens=n), make(m, draft, k=1 + i % 4)))
+        jobs.append(Job(p, SamplingParams(max_new_tokens=n), make(m, draft, k=1 + i % 4)))
         refs.append(single(target, draft, m, p, n))
     log = record_steps(monkeypatch)  # the batch's steps only (the references above run the loop too)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=5, join_every=2)
@@ -119,7 +119,7 @@ def test_policy_shrinks_speculation_with_batch_size(pair):
     target, draft = pair
     pol = BatchRule(shrink_at=3, off_at=5)
     assert [pol.cap(b, 4) for b in (1, 2, 3, 4, 5, 9)] == [4, 4, 2, 2, 0, 0]
-    jobs = [(p, SamplingParams(max_new_tokens=8), make("prompt_lookup", draft, k=4)) for p in PROMPTS[:6]]
+    jobs = [Job(p, SamplingParams(max_new_tokens=8), make("prompt_lookup", draft, k=4)) for p in PROMPTS[:6]]
     out = generate_batch(target, jobs, eos_ids=set(), rule=pol)
     assert all(r.stats.drafted == 0 for r in out)  # 6 rows >= off_at: plain steps
     assert [r.token_ids for r in out] == [single(target, draft, "plain", p, 8) for p in PROMPTS[:6]]
@@ -128,8 +128,8 @@ def test_policy_shrinks_speculation_with_batch_size(pair):
 def test_sampling_rows_reproducible_by_seed(pair):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, seed=3, max_new_tokens=12)
-    a = generate_batch(target, [(PROMPTS[0], sp, make("draft_model", draft)),
-                                (PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter())], eos_ids=set())
+    a = generate_batch(target, [Job(PROMPTS[0], sp, make("draft_model", draft)),
+                                Job(PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter())], eos_ids=set())
     b = generate(HFModel(target.model, None), make("draft_model", draft), PROMPTS[0], sp, eos_ids=set())
     assert a[0].token_ids == b.token_ids and len(a[0].token_ids) == 12  # the seed's batch-1 sample
 
@@ -195,7 +195,7 @@ def test_smollm2_greedy_rows_equal_batch1(smol_f32, smol_draft4, smol_plain, met
         return make(method, None, k=4)
 
     refs = [smol_plain[tuple(p)][:n] for p, n in zip(prompts, SMOL_LENS)]
-    jobs = [(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, SMOL_LENS)]
+    jobs = [Job(p, SamplingParams(max_new_tokens=n), mk()) for p, n in zip(prompts, SMOL_LENS)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=3)
     assert [r.token_ids for r in out] == refs
     if method != "plain":
@@ -214,7 +214,7 @@ class BatchDrafters:
 
     def job(self, prompt, sp, spec):
         spec = SpecConfig.from_dict(spec)
-        return (prompt, sp, self.dec.make_drafter(spec), self.dec.draft_length(spec))
+        return Job(prompt, sp, self.dec.make_drafter(spec), length=self.dec.draft_length(spec))
 
 ALL_SPECS = {
     "plain": {"method": "plain"},
@@ -258,9 +258,9 @@ def test_every_drafter_greedy_rows_equal_batch1(quad, name):
     jobs = [fac.job(p, SamplingParams(max_new_tokens=n), ALL_SPECS[name]) for p, n in zip(prompts, lens)]
     jobs.append(fac.job(PROMPTS[4], SamplingParams(max_new_tokens=11), {"method": "plain"}))
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
-    for (p, sp, *_), r in zip(jobs[:-1], out):
-        assert r.token_ids == reference(target, draft, ALL_SPECS[name], p, sp).token_ids
-    assert out[-1].token_ids == reference(target, draft, {"method": "plain"}, PROMPTS[4], jobs[-1][1]).token_ids
+    for job, r in zip(jobs[:-1], out):
+        assert r.token_ids == reference(target, draft, ALL_SPECS[name], job.prompt_ids, job.sampling).token_ids
+    assert out[-1].token_ids == reference(target, draft, {"method": "plain"}, PROMPTS[4], jobs[-1].sampling).token_ids
     if name != "plain":
         assert sum(r.stats.drafted for r in out[:-1]) > 0
     if name in TREE_SPECS:  # token trees really went through the batched tree path
@@ -280,10 +280,11 @@ def test_all_methods_in_one_batch_with_sampling_rows(quad):
         jobs.append(fac.job(p, sp, ALL_SPECS[name]))
         refs.append(reference(target, draft, ALL_SPECS[name], p, sp).token_ids)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=6, join_every=1)
-    for (p, sp, *_), ref, r in zip(jobs, refs, out):
-        assert len(r.token_ids) == sp.max_new_tokens and all(0 <= t < V for t in r.token_ids)
+    for job, ref, r in zip(jobs, refs, out):
+        n = job.sampling.max_new_tokens
+        assert len(r.token_ids) == n and all(0 <= t < V for t in r.token_ids)
         assert r.token_ids == ref
-        assert r.stats.accepted <= r.stats.drafted and r.stats.new_tokens == sp.max_new_tokens
+        assert r.stats.accepted <= r.stats.drafted and r.stats.new_tokens == n
 
 
 def test_draft_trees_batch_across_rows(pair):
@@ -406,8 +407,8 @@ def test_smollm2_every_drafter_rows_equal_batch1(smol_f32, smol_draft4, smol_pla
     names = list(SMOL_SPECS) + ["plain"]
     jobs = [fac.job(prompts[i % 4], SamplingParams(max_new_tokens=16), SMOL_SPECS[n]) for i, n in enumerate(names)]
     out = generate_batch(smol_f32, jobs, eos_ids=set(), max_batch=6, join_every=2)
-    for n, (p, *_), r in zip(names, jobs, out):
-        assert r.token_ids == smol_plain[tuple(p)][:16], n
+    for n, job, r in zip(names, jobs, out):
+        assert r.token_ids == smol_plain[tuple(job.prompt_ids)][:16], n
         if n != "plain":
             assert r.stats.drafted > 0, n
         if n in TREE_SPECS:
@@ -482,9 +483,9 @@ def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
     jobs = [fac.job(p, SamplingParams(max_new_tokens=n), _head_spec(m, head_dirs))
             for m, p, n in zip(names, prompts, lens)]
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
-    for m, (p, sp, *_), r in zip(names, jobs, out):
-        assert r.token_ids == reference(target, draft, _head_spec(m, head_dirs), p, sp).token_ids, m
-        assert r.stats.new_tokens == sp.max_new_tokens
+    for m, job, r in zip(names, jobs, out):
+        assert r.token_ids == reference(target, draft, _head_spec(m, head_dirs), job.prompt_ids, job.sampling).token_ids, m
+        assert r.stats.new_tokens == job.sampling.max_new_tokens
     heads = [r for m, r in zip(names, out) if m == name]
     assert sum(r.stats.drafted for r in heads) > 0 and sum(r.stats.accepted for r in heads) > 0
     if name in ("medusa_tree", "eagle_tree"):  # token trees really went through the batched tree path
@@ -508,7 +509,7 @@ def test_head_rows_mixed_with_sampling_rows(quad, head_dirs):
         jobs.append(fac.job(p, sp, spec))
         refs.append(reference(target, draft, spec, p, sp).token_ids)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=3, join_every=1)
-    for name, (p, sp, *_), ref, r in zip(names, jobs, refs, out):
+    for name, job, ref, r in zip(names, jobs, refs, out):
         assert r.token_ids == ref, name
-        assert len(r.token_ids) == sp.max_new_tokens and r.stats.accepted <= r.stats.drafted
+        assert len(r.token_ids) == job.sampling.max_new_tokens and r.stats.accepted <= r.stats.drafted
     assert all(r.stats.drafted > 0 for n, r in zip(names, out) if n in HEAD_SPECS)

@@ -226,3 +226,28 @@ def test_tiny_temperature_is_greedy(pair):
         out = dec.generate(PROMPT, sampling={**base, "temperature": 1e-39, "seed": 0}, spec=spec)
         assert out.token_ids == greedy, spec
     assert SamplingParams(temperature=1e-39).validate().greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+
+
+def test_a_job_reaches_its_drafter_through_begin_only(pair):
+    """The engine admits typed jobs and hands a drafter its request (sampling, random stream, processor)
+    through ``begin``; it sets no attribute of the drafter."""
+    from specdraft.engine import Engine, Job
+
+    class Watched(NoDrafter):
+        def __setattr__(self, name, value):
+            raise AssertionError(f"the engine set drafter.{name}")
+
+        def begin(self, prompt_ids, sp, generator, processor=None):
+            object.__setattr__(self, "began", (list(prompt_ids), sp, generator, processor))
+
+    eng = Engine(pair[0], eos_ids=set())
+    drafter, plain = Watched(), Watched()
+    sp = SamplingParams(max_new_tokens=3, min_tokens=2)  # a processed request: it has a processor
+    rows = eng.add_many([Job(PROMPT, sp, drafter, tag="a"),
+                         Job(PROMPT, {"temperature": 1.5, "max_new_tokens": 2}, plain, tag="b")])
+    assert [r.tag for r in rows] == ["a", "b"] and rows[0].processor is not None and rows[1].processor is None
+    assert drafter.began == (PROMPT, rows[0].sp, rows[0].gen, rows[0].processor)
+    assert plain.began[3] is None
+    while eng.rows:
+        eng.step()
+    assert [len(r.result.token_ids) for r in rows] == [3, 2]

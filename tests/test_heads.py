@@ -243,17 +243,17 @@ def test_eagle_tree_level_equals_feeding_the_path(tiny_target, shape):
         d.feats = feats
         tree = d.propose(tokens, 10)
         n = len(tokens)
-        fed = [i for i in d._pf if i >= 0]
-        assert int(tree.depths().max()) == 4 and max(len(d._anc[i]) for i in fed) == 3
+        fed, grown = [i for i in d._pf if i >= 0], d._tree  # the tree it grew (a GrowingTree)
+        assert int(tree.depths().max()) == 4 and max(len(grown.paths[i]) for i in fed) == 3
         if shape["tree"] == "static":  # a level of nodes under different parents
-            assert len({d._par[i] for i in fed if len(d._anc[i]) == 3}) == 6
+            assert len({grown.parents[i] for i in fed if len(grown.paths[i]) == 3}) == 6
         with torch.no_grad():
             for i in fed:
                 cache = head.new_cache()
                 f = head(feats[None], embed(torch.tensor(tokens[1:]))[None], cache=cache,
                          position_ids=torch.arange(n - 1)[None])[0, -1]
-                for depth, a in enumerate(d._anc[i], 1):  # the chain's positions: n - 2 + depth
-                    f = head(f[None, None], embed(torch.tensor([[d._tok[a]]])), cache=cache,
+                for depth, a in enumerate(grown.paths[i], 1):  # the chain's positions: n - 2 + depth
+                    f = head(f[None, None], embed(torch.tensor([[grown.tokens[a]]])), cache=cache,
                              position_ids=torch.tensor([[n - 2 + depth]]))[0, -1]
                 torch.testing.assert_close(d._pf[i], f, rtol=1e-4, atol=1e-5)
         tokens, feats = tokens + [5, 1], torch.cat([feats, torch.randn(2, 32, generator=g)])

@@ -287,3 +287,13 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_command_line_parsing_lives_in_the_command_layers():
+    """argparse (the flags) is the commands' and the front ends' business: the layers below them, the
+    drafters included, build typed settings only (their flags live in commands/flags.py)."""
+    below = {m for m in _modules() if layer_of(m) < layer_of("specdraft.commands")}
+    found = sorted(m for m, path in _modules().items() if m in below
+                   for node, _ in _every_import(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+    assert found == ["specdraft.models.llama_setup"]  # the llama.cpp installer's own script entry

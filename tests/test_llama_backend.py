@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import generate, generate_batch
+from specdraft.engine import Job, generate, generate_batch
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
                           exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
 
@@ -170,9 +170,10 @@ def test_draft_model_trees_on_the_backend(smol_gguf, ids, spec):
         steps = out.stats.steps  # (its own GGUF drafts: about a whole path accepted per step)
         assert any(s.depth is not None for s in steps) and out.stats.accepted >= len(steps), (out.stats.accepted, len(steps))
     specs = [tree, tree, SpecConfig(method="draft_model", k=3), SpecConfig(method="plain")]
-    jobs = [(ids[i % 2], sp, d.make_drafter(s)) for i, s in enumerate(specs)]
+    jobs = [Job(ids[i % 2], sp, d.make_drafter(s)) for i, s in enumerate(specs)]
     together = generate_batch(d.target, jobs, eos_ids=set())
-    for (p, _, _), s, res in zip(jobs, specs, together):
+    for job, s, res in zip(jobs, specs, together):
+        p = job.prompt_ids
         check_greedy(smol_gguf, p, refs[ids.index(p)], res.token_ids, f"batch {s.method} {s.tree}")
     assert all(any(st.depth is not None for st in r.stats.steps) for r in together[:2])
 
@@ -180,11 +181,11 @@ def test_draft_model_trees_on_the_backend(smol_gguf, ids, spec):
 def test_batch_rows_equal_plain(dec, ids, plain_refs):
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [SpecConfig(method="suffix"), SpecConfig(method="prompt_lookup"), SpecConfig(method="plain")]
-    jobs = [(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
+    jobs = [Job(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=4, join_every=2)
     refs = [ref[:sp.max_new_tokens] for ref in plain_refs for _ in specs]
-    for (p, _, _), s, ref, res in zip(jobs, specs * len(ids), refs, together):
-        check_greedy(dec.target, p, ref, res.token_ids, f"batch {s.method}")
+    for job, s, ref, res in zip(jobs, specs * len(ids), refs, together):
+        check_greedy(dec.target, job.prompt_ids, ref, res.token_ids, f"batch {s.method}")
 
 
 @pytest.mark.long

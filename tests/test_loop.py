@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_llama
 from specdraft.core.config import SamplingParams
 from specdraft.drafters.base import Drafter, NoDrafter
-from specdraft.engine import Engine, generate, generate_batch
+from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.core.tree import DraftTree
 
 V = 16
@@ -80,7 +80,7 @@ def test_stop_string_wins_when_the_step_also_ends_by_length_or_eos(target, tree)
         assert max(s.emitted for s in one.stats.steps) > 2  # the stop really came inside a multi-token step
         assert (one.token_ids, one.stats.finish_reason, one.text) == (want, "stop", plain.text)
         assert one.stats.new_tokens == len(want)
-        jobs = [(PROMPT, sp, Oracle(ref.token_ids, tree, depth=6)), ([4, 5], SamplingParams(max_new_tokens=9), NoDrafter())]
+        jobs = [Job(PROMPT, sp, Oracle(ref.token_ids, tree, depth=6)), Job([4, 5], SamplingParams(max_new_tokens=9), NoDrafter())]
         batch = generate_batch(target, jobs, eos_ids=eos, tokenizer=CharTok())
         assert (batch[0].token_ids, batch[0].stats.finish_reason) == (want, "stop")
 
@@ -105,9 +105,9 @@ def test_seeded_sample_does_not_depend_on_other_requests(target):
         return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2))
 
     sp = SamplingParams(temperature=1.0, seed=11, max_new_tokens=24)
-    alone = generate_batch(target, [(PROMPT * 3, sp, drafter())], eos_ids=set(), rule=BatchRule(2, 3))[0]
-    others = [([3, 4, 3, 4, 3], SamplingParams(max_new_tokens=30), drafter()) for _ in range(3)]
-    crowded = generate_batch(target, others[:1] + [(PROMPT * 3, sp, drafter())] + others[1:], eos_ids=set(),
+    alone = generate_batch(target, [Job(PROMPT * 3, sp, drafter())], eos_ids=set(), rule=BatchRule(2, 3))[0]
+    others = [Job([3, 4, 3, 4, 3], SamplingParams(max_new_tokens=30), drafter()) for _ in range(3)]
+    crowded = generate_batch(target, others[:1] + [Job(PROMPT * 3, sp, drafter())] + others[1:], eos_ids=set(),
                              rule=BatchRule(2, 3))
     assert crowded[1].token_ids == alone.token_ids and alone.stats.drafted > 0
     assert all(r.stats.drafted == 0 for i, r in enumerate(crowded) if i != 1)  # the rule did act on the others

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.engine import generate_batch
+from specdraft.engine import Job, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.engine import generate
@@ -168,8 +168,8 @@ def test_engines_use_the_rule_only_when_asked(pair):
     assert "lossy" not in exact.stats.to_dict()
     assert lossy.stats.to_dict()["lossy"] == "typical" and lossy.stats.lossy == "typical"
     # the batch engine applies the same rule: a seeded row equals its batch-size-1 run
-    b = generate_batch(target, [(prompt, sp, drafter(draft), None, rule("typical")),
-                                ([5, 6], SamplingParams(max_new_tokens=4), drafter(draft))], eos_ids=set())
+    b = generate_batch(target, [Job(prompt, sp, drafter(draft), lossy=rule("typical")),
+                                Job([5, 6], SamplingParams(max_new_tokens=4), drafter(draft))], eos_ids=set())
     assert b[0].token_ids == lossy.token_ids and b[0].stats.lossy == "typical" and b[1].stats.lossy is None
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import generate, generate_batch
+from specdraft.engine import Job, generate, generate_batch
 
 from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
                           exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
@@ -191,11 +191,11 @@ def test_every_drafter_greedy(dec_with_draft, ids, plain_refs, spec):
 def test_batch_rows_equal_plain(dec, ids, plain_refs):
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     specs = [SpecConfig(method="prompt_lookup"), SpecConfig(method="plain")]
-    jobs = [(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
+    jobs = [Job(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=3, join_every=2)
     refs = [ref[:sp.max_new_tokens] for ref in plain_refs for _ in specs]
-    for (p, _, _), s, ref, res in zip(jobs, specs * len(ids), refs, together):
-        check_greedy(dec.target, p, ref, res.token_ids, f"batch {s.method}")
+    for job, s, ref, res in zip(jobs, specs * len(ids), refs, together):
+        check_greedy(dec.target, job.prompt_ids, ref, res.token_ids, f"batch {s.method}")
 
 
 @pytest.mark.long

@@ -11,7 +11,7 @@ import pytest
 from specdraft.api import SpecDecoder, load_draft
 from specdraft.core.config import SamplingParams
 from specdraft.drafters.remote_draft import PREFETCHED
-from specdraft.engine import generate_batch
+from specdraft.engine import Job, generate_batch
 from specdraft.core.errors import ConfigError
 from specdraft.bench.overlap import model_time
 
@@ -59,7 +59,7 @@ def test_remote_draft_rows_batch(dec):
     lens = [N, 10, 18]
     want = [dec.generate(i, sampling={"max_new_tokens": n}, spec={"method": "plain"}).token_ids for i, n in zip(ids, lens)]
     spec = dec.usable(dec_spec(_spec(True)))
-    jobs = [(i, SamplingParams(max_new_tokens=n), dec.make_drafter(spec)) for i, n in zip(ids, lens)]
+    jobs = [Job(i, SamplingParams(max_new_tokens=n), dec.make_drafter(spec)) for i, n in zip(ids, lens)]
     out = generate_batch(dec.target, jobs, eos_ids=dec.target.eos_token_ids(), join_every=2)
     assert [r.token_ids for r in out] == want
 

@@ -18,7 +18,7 @@ from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter, DraftModelGroup
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import Engine, generate, generate_batch
+from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.core.errors import ConfigError
 from specdraft.core.processors import RequestProcessor, TokenConstraint
 from specdraft.core.sampling import probs_from_logits
@@ -160,7 +160,7 @@ def test_greedy_processed_equals_plain_processed(pair, toy_grammar, method):
     spec = [generate(target, make(), p, sp, eos_ids=set()) for p in prompts]
     assert [r.token_ids for r in spec] == plain
     assert sum(st.accepted for r in spec for st in r.stats.steps) > 0
-    batch = generate_batch(target, [(p, sp, make()) for p in prompts], eos_ids=set())
+    batch = generate_batch(target, [Job(p, sp, make()) for p in prompts], eos_ids=set())
     assert [r.token_ids for r in batch] == plain
 
 
@@ -290,5 +290,5 @@ def test_greedy_processed_heads_and_self_speculation(pair, head_dirs, toy_gramma
     sp = SamplingParams(max_new_tokens=20, regex="toy", **PROC)
     plain = [generate(pair[0], NoDrafter(), p, sp, eos_ids=set()).token_ids for p in prompts]
     assert [generate(pair[0], dec.make_drafter(spec), p, sp, eos_ids=set()).token_ids for p in prompts] == plain
-    batch = generate_batch(pair[0], [(p, sp, dec.make_drafter(spec)) for p in prompts], eos_ids=set())
+    batch = generate_batch(pair[0], [Job(p, sp, dec.make_drafter(spec)) for p in prompts], eos_ids=set())
     assert [r.token_ids for r in batch] == plain

@@ -15,7 +15,7 @@ import torch
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import Engine
+from specdraft.engine import Engine, Job
 
 pytestmark = pytest.mark.slow
 
@@ -49,27 +49,27 @@ def seeded_job(target, method, log):
 
     drafter.observe = spy
     sp = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=NEW, ignore_eos=True)
-    return _ids(target, prompt), sp, drafter
+    return Job(_ids(target, prompt), sp, drafter)
 
 
 def other_job(target, i):
     prompt, n = OTHERS[i]
     drafter = NoDrafter() if i % 2 else PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3))
-    return _ids(target, prompt), SamplingParams(temperature=0.8, max_new_tokens=n, ignore_eos=True), drafter
+    return Job(_ids(target, prompt), SamplingParams(temperature=0.8, max_new_tokens=n, ignore_eos=True), drafter)
 
 
 def _ids(target, text):
     return target.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def decode(target, layout: list[tuple[int, tuple]]) -> list:
+def decode(target, layout: list[tuple[int, Job]]) -> list:
     """Jobs joining at their step (those of one step admitted together, as the server does); -> rows."""
     eng = Engine(target)
     rows: list = [None] * len(layout)
     step = 0
     while any(r is None for r in rows) or eng.rows:
         now = [i for i, (at, _) in enumerate(layout) if at == step]
-        for i, row in zip(now, eng.add_many([(*layout[i][1], None, i) for i in now])):
+        for i, row in zip(now, eng.add_many([layout[i][1] for i in now])):
             rows[i] = row
         eng.step()
         step += 1

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import generate_batch
+from specdraft.engine import Job, generate_batch
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_greedy_constrained_speculation_equals_plain(smol, plain, spec, constrai
     if spec in ("draft_model", "draft_tree", "token_recycling"):
         assert sum(r.stats.accepted for r in got) > 0
     if spec in ("draft_model", "suffix"):  # the batch engine: all prompts together
-        jobs = [(smol.encode(p, chat=True), sp, smol.make_drafter(SPECS[spec])) for p in PROMPTS]
+        jobs = [Job(smol.encode(p, chat=True), sp, smol.make_drafter(SPECS[spec])) for p in PROMPTS]
         batch = generate_batch(smol.target, jobs, smol.eos_ids, smol.tokenizer)
         assert [r.token_ids for r in batch] == ref
 

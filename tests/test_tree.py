@@ -86,7 +86,8 @@ def test_greedy_verify_tree_known_answers():
 def test_prompt_lookup_tree_and_trie():
     import numpy as np
 
-    from specdraft.drafters.prompt_lookup import find_candidates, trie
+    from specdraft.core.tree import trie
+    from specdraft.drafters.prompt_lookup import find_candidates
 
     t = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 5, 6, 8, 1, 2, 3])
     c = find_candidates(t, 1, 3, 3, branches=3)
@@ -94,3 +95,23 @@ def test_prompt_lookup_tree_and_trie():
     tr = trie(c)
     assert tr.tokens.tolist() == [5, 6, 8, 9, 1, 4, 9, 1]
     assert tr.parents.tolist() == [-1, 0, 1, 0, 3, -1, 5, 6]
+
+
+def test_tree_shapes_and_merging():
+    from specdraft.core.tree import TreeShape, accepted_rows, merge_trees, trie
+
+    shape = TreeShape.of("static", 4, branching=[2, 1])
+    assert shape.static and shape.max_depth == 2 and shape.choices == ((0,), (1,), (0, 0), (1, 0))
+    assert shape.children == {(): 2, (0,): 1, (1,): 1}
+    explicit = TreeShape.of("static", 4, choices=[[1], [0], [0, 0], [0]])  # deduplicated, level order
+    assert explicit.choices == ((0,), (1,), (0, 0)) and explicit.children == {(): 2, (0,): 1}
+    dynamic = TreeShape.of("dynamic", 5, budget=10, topk=3)
+    assert not dynamic.static and (dynamic.max_depth, dynamic.budget, dynamic.topk) == (5, 10, 3)
+    # merging two tries is the trie of both sets of paths
+    a, b = trie([[5, 6], [7]]), trie([[5, 8], [7, 1]])
+    both = merge_trees(a, b)
+    assert (both.tokens.tolist(), both.parents.tolist()) == ([5, 6, 7, 8, 1], [-1, 0, -1, 0, 2])
+    assert torch.equal(trie([[5, 6], [7], [5, 8], [7, 1]]).tokens, both.tokens)
+    # the fed rows now verified: the pending token's, then the accepted path's (the tokens pick it)
+    assert accepted_rows(both, 1 + both.size, 2, [7, 1, 9]) == [0, 3, 5]
+    assert accepted_rows(DraftTree.chain([4, 4, 4]), 4, 2, [4, 4, 0]) == [0, 1, 2]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import SpecDraftError
-from ..drafters.flags import add_device_args
+from ..commands.flags import add_device_args
 
 
 @dataclass(frozen=True)
@@ -218,13 +218,13 @@ class _Runner:
 
     def __call__(self, label: str, b: int, n_tokens: int, seqs: list[list[int]]):
         from ..core.config import SamplingParams, SpecConfig
-        from ..engine import generate_batch
+        from ..engine import Job, generate_batch
 
         dec, d = self.dec, self.specs[label]
         s = SamplingParams(**{**self.sp.to_dict(), "max_new_tokens": n_tokens})
         spec = SpecConfig.from_dict(d)
-        jobs = [(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(spec), dec.draft_length(spec),
-                 spec.lossy_rule()) for i, p in enumerate(seqs)]
+        jobs = [Job(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(spec),
+                    length=dec.draft_length(spec), lossy=spec.lossy_rule()) for i, p in enumerate(seqs)]
         t0 = time.perf_counter()
         out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy,
                              max_batch=b)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..core.policy import chain_tokens
 from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
 from ..models.paths import PREFILL_TOKENS
-from ..drafters.flags import add_backend_arg, add_device_args, add_draft_backend_arg
+from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.flags import add_device_args
+from ..commands.flags import add_device_args
 from ..drafters import registry as methods
 from ..scale import cluster
 from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread

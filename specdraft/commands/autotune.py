@@ -25,7 +25,7 @@ from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import SpecDraftError
 from ..core.metrics import FirstToken, decode_phase, tokens_per_second
-from ..drafters.flags import add_model_args
+from .flags import add_model_args
 from ..drafters.registry import method
 
 

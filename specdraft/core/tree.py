@@ -14,6 +14,7 @@ them and reads them as lists); ``chain`` takes a drafter's tokens from its devic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -127,17 +128,112 @@ def feed_mask(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     return allow, torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), tree.depths()])
 
 
+class _NodeIndex:
+    """A tree built node by node where a (parent, token) pair is one node: what inserting paths or
+    another tree's nodes finds there already is shared, not repeated."""
+
+    def __init__(self, tokens: list[int] | None = None, parents: list[int] | None = None):
+        self.tokens, self.parents = list(tokens or []), list(parents or [])
+        self.index = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
+
+    def node(self, parent: int, token: int) -> int:
+        """The index of ``parent``'s child carrying ``token``, added when missing."""
+        key = (parent, token)
+        if key not in self.index:
+            self.index[key] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+        return self.index[key]
+
+    def tree(self) -> DraftTree:
+        return DraftTree.of(self.tokens, self.parents)
+
+
+def trie(paths) -> DraftTree:
+    """Token paths (sequences of token ids from the root's child down) merged into a tree: shared
+    prefixes become shared nodes. Deterministic candidates (no draft_probs)."""
+    nodes = _NodeIndex()
+    for path in paths:
+        parent = -1
+        for t in path.tolist() if hasattr(path, "tolist") else path:
+            parent = nodes.node(parent, int(t))
+    return nodes.tree()
+
+
 def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     """One tree holding both (nodes of ``b`` with the same parent and token as a node of ``a`` merge
     into it); ``a``'s nodes keep their indices. Deterministic candidates only (no draft_probs)."""
-    tokens, parents = a.tokens.tolist(), a.parents.tolist()
-    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    nodes = _NodeIndex(a.tokens.tolist(), a.parents.tolist())
     where: list[int] = []  # b's node j -> its index in the merged tree
     for t, p in zip(b.tokens.tolist(), b.parents.tolist()):
-        key = (-1 if p < 0 else where[p], t)
-        if key not in index:
-            index[key] = len(tokens)
-            tokens.append(t)
-            parents.append(key[0])
-        where.append(index[key])
-    return DraftTree.of(tokens, parents)
+        where.append(nodes.node(-1 if p < 0 else where[p], t))
+    return nodes.tree()
+
+
+def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
+    """Rows of the target's fed positions (pending tokens, then draft nodes) that are now verified
+    context: every pending row, then the accepted path's nodes. Siblings carry distinct tokens, so
+    the accepted tokens identify the path."""
+    n_pend = n_fed - draft.size
+    rows = list(range(n_pend))
+    if n_acc == 0:
+        return rows
+    if draft.is_chain():
+        return rows + [n_pend + i for i in range(n_acc)]
+    parents, toks = draft.parents.tolist(), draft.tokens.tolist()
+    parent = -1
+    for t in emitted[:n_acc]:
+        parent = next(i for i in range(draft.size) if parents[i] == parent and toks[i] == t)
+        rows.append(n_pend + parent)
+    return rows
+
+
+# --- tree shapes: what a drafter that scores one tree level per forward grows --------------------------
+Path = tuple[int, ...]  # a node as the ranks of its ancestors' and its own place among siblings
+
+
+def choices_from_branching(branching: list[int]) -> list[Path]:
+    """[3, 2] -> (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), ... (level order)."""
+    out: list[Path] = []
+    level: list[Path] = [()]
+    for b in branching:
+        level = [p + (r,) for p in level for r in range(b)]
+        out.extend(level)
+    return out
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The tree a drafter grows per step: ``static``, a fixed set of node paths (Medusa's "choices",
+    level order; ``children[path]``: how many children the node at ``path`` gets, () being the root), or
+    dynamic (EAGLE-2: ``topk`` children for each of the ``topk`` most probable frontier nodes, reranked
+    to ``budget``), at most ``max_depth`` deep. A chain is a dynamic shape never grown."""
+
+    static: bool
+    max_depth: int
+    choices: tuple[Path, ...] = ()
+    budget: int = 0
+    topk: int = 0
+
+    @staticmethod
+    def of(tree: str, k: int, choices: list[list[int]] | None = None, branching: list[int] | None = None,
+           budget: int = 0, topk: int = 0) -> "TreeShape":
+        """A spec's shape: ``tree`` "static" takes ``choices`` (or ``branching`` per depth); otherwise
+        ``k`` levels."""
+        if tree != "static":
+            return TreeShape(False, k, budget=budget, topk=topk)
+        paths = [tuple(c) for c in choices] if choices else choices_from_branching(branching or [])
+        ordered = tuple(sorted(set(paths), key=lambda c: (len(c), c)))
+        return TreeShape(True, max(len(c) for c in ordered), ordered, budget, topk)
+
+    @cached_property
+    def children(self) -> dict[Path, int]:
+        return child_counts(self.choices)
+
+
+def child_counts(choices) -> dict[Path, int]:
+    """Per node path (() the root): how many children a static shape's ``choices`` give it."""
+    out: dict[Path, int] = {}
+    for c in choices:
+        out[c[:-1]] = max(out.get(c[:-1], 0), c[-1] + 1)
+    return out

@@ -236,8 +236,8 @@ class AutoDrafter(Composite):
         self.draft_adopts_prompt = draft_adopts_prompt  # the draft's cache starts from the target's prefill
         self.pricing = costs  # begin: costs, or its start-up curves alone for an isolated request
 
-    def begin(self, prompt_ids, sp, generator):
-        super().begin(prompt_ids, sp, generator)
+    def begin(self, prompt_ids, sp, generator, processor=None):
+        super().begin(prompt_ids, sp, generator, processor)
         isolated = sp.seed is not None and not sp.greedy  # its arms may depend on nothing else that runs
         self.pricing = self.costs.as_measured() if isolated else self.costs
         self.ev = {}

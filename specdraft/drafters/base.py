@@ -5,8 +5,8 @@ the tokens so far (``propose``, which returns a DraftTree; a chain is a tree) an
 the step's outcome (``observe``: the target's logits and features of every fed position, the draft the
 target verified, what the verifier kept, what the step cost). The engine owns everything else: the
 verification rule (exact or a request's opt-in lossy rule), the request's processing (penalties, a
-grammar; a drafter that samples reads ``processor`` to process its own logits the same way), the
-cache and the stop conditions. When sampling, a drafter that samples
+grammar; ``begin`` hands a drafter that samples the request's processor, to process its own logits the
+same way), the cache and the stop conditions. When sampling, a drafter that samples
 must sample from ``probs_from_logits`` of its own logits with the request's SamplingParams and return
 those distributions as ``draft_probs``; a deterministic drafter returns ``draft_probs=None`` (one-hot).
 
@@ -18,11 +18,15 @@ group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from ..core.tree import DraftTree
+
+if TYPE_CHECKING:
+    from ..core.config import SamplingParams
+    from ..core.processors import RequestProcessor
 
 
 @dataclass
@@ -51,13 +55,15 @@ class Drafter:
     wants_hidden = False  # observe also gets the target's final-norm features (Medusa, EAGLE)
     group_key = None  # drafters with the same key draft together through one DraftGroup
     reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
-    arm = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
-    processor = None  # the request's RequestProcessor (core/processors.py) or None; set by the engine before begin
+    arm: str | None = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
     reads_fed_positions = False  # observe indexes the fed draft as proposed: the engine must not prune it
     forced_tokens = 16  # under a grammar, append up to this many tokens it forces to a chain (0: never)
 
-    def begin(self, prompt_ids: list[int], sp, generator: torch.Generator) -> None:
-        """A request starts: ``generator`` is the request's own (seeded) random stream."""
+    def begin(self, prompt_ids: list[int], sp: SamplingParams, generator: torch.Generator | None,
+              processor: RequestProcessor | None = None) -> None:
+        """A request starts: ``generator`` is the request's own (seeded) random stream, ``processor`` its
+        processing (penalties, bias, a grammar; None: none asked), which a drafter that samples applies to
+        its own logits."""
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         """Draft continuing ``tokens`` (prompt + output so far), at most ``max_tokens`` deep."""

@@ -49,10 +49,9 @@ class Composite(Drafter):
         return model if model is not None else DraftTree.empty()
 
     # --- the protocol, forwarded to every part ----------------------------------------------------
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         for p in self.parts:
-            p.processor = self.processor
-            p.begin(prompt_ids, sp, generator)
+            p.begin(prompt_ids, sp, generator, processor)
 
     def propose(self, tokens, max_tokens):  # no grouped part (rows with one draft through CompositeGroup)
         return self.combine(self.plan(tokens, max_tokens)[0], None)

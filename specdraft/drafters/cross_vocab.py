@@ -113,8 +113,8 @@ class CrossVocabDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return self.spec.k
 
-    def begin(self, prompt_ids, sp, generator) -> None:
-        self.sp, self.gen = sp, generator
+    def begin(self, prompt_ids, sp, generator, processor=None) -> None:
+        self.sp, self.gen, self.processor = sp, generator, processor
         self.kv = self.model.new_rows()
         self.kv.add_rows([[]])
         self.held: list[int] = []  # the draft tokens in the draft's cache

@@ -10,7 +10,7 @@ verification the cache is cut back to the context + accepted drafts.
 
 Token trees (a row whose spec's ``tree`` is not "chain"; ``drafters/draft_tree.py``): the catch-up
 forward gives each root's logits, then one forward per tree level scores every row's nodes to expand
-(``tree_grower.TreeGrower``: static shapes, dynamic trees): a row feeds those nodes with their
+(``tree_grower.GrowingTree``: static shapes, dynamic trees): a row feeds those nodes with their
 ancestors as a token tree (``SequenceRows.forward(trees=...)``) and keeps none of it, so its cache
 holds exactly the context; the accepted tokens are fed with the next catch-up.
 """
@@ -27,7 +27,7 @@ from ..core.sampling import argmax_last, probs_from_logits, sample, uniform
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
 from .prompt_lookup import find_candidate
-from .tree_grower import TreeGrower
+from .tree_grower import GrowingTree, spec_shape
 
 
 def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
@@ -149,7 +149,7 @@ class DraftModelGroup:
         """Token trees at most c[i] deep for the rows with c[i] > 0 (row index -> tree): one catch-up
         forward for the roots, then one forward per level for every row still growing."""
         kv, R = self.kv, len(self.members)
-        grow = {i: _RowTree(self.members[i]) for i in range(R) if c[i] > 0}
+        grow = {i: _row_tree(self.members[i]) for i in range(R) if c[i] > 0}
         if not grow:
             return {}
         feeds = [m.tokens[kv.lens[i]:] if i in grow else [] for i, m in enumerate(self.members)]
@@ -161,9 +161,9 @@ class DraftModelGroup:
         done: dict[int, DraftTree] = {}
         for i, g in grow.items():
             root = fit_vocab(logits[i, len(feeds[i]) - 1 - (N - keep)], self.target_vocab)
-            _resume(i, g._growth(root, min(g.max_depth, c[i])), None, live, done)
+            _resume(i, g.growth(root, min(g.shape.max_depth, c[i])), None, live, done)
         while live:  # live: row -> (its growth, the nodes it expands now)
-            level = {i: grow[i]._level_feed(nodes) for i, (_, nodes) in live.items()}
+            level = {i: grow[i].level_feed(nodes) for i, (_, nodes) in live.items()}
             seqs = [level[i][0] if i in level else [] for i in range(R)]
             N = max(len(q) for q in seqs)
             keep = N - min(len(level[i][0]) - len(level[i][2]) for i in level)  # the nodes are fed last
@@ -221,13 +221,10 @@ class DraftModelGroup:
         self.kv.trim()
 
 
-class _RowTree(TreeGrower):
-    """A row's token tree being drafted this step (the grower's state, with the row's sampling)."""
-
-    def __init__(self, row):
-        self.spec, self.sp, self.gen, self.processor = row.drafter.spec, row.sp, row.gen, row.processor
-        self._tree_shape(self.spec)
-        self._start_tree(len(row.tokens), row.tokens)
+def _row_tree(row) -> GrowingTree:
+    """A row's token tree to draft this step: the shape of its drafter's spec (a DraftTreeDrafter's, or a
+    composite's whose model part drafts here), its sampling, and its processor reading the row's tokens."""
+    return GrowingTree(spec_shape(row.drafter.spec), row.sp, row.gen, row.processor, len(row.tokens), row.tokens)
 
 
 def _resume(i: int, growth, logits, live: dict, done: dict) -> None:

@@ -6,7 +6,7 @@ A ``DraftTreeDrafter`` is a member of its draft model's ``DraftModelGroup`` (dra
 the same group as the chain drafters of that model: the group drafts a tree for every row whose spec
 asks for one, one tree level of all those rows per forward of the draft model's ``SequenceRows``
 (``forward(seqs, trees=...)``), so model-drafted trees batch across requests and run on any backend
-that implements the model interface. The tree building is ``tree_grower.TreeGrower``, shared with
+that implements the model interface. The tree building is ``tree_grower.GrowingTree``, shared with
 EAGLE, whose head scores the levels instead of a draft model.
 
 Sampling: the children of a node are drawn without replacement from the processed draft
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..core.config import SpecConfig
 from .draft_model import DraftModelDrafter
-from .tree_grower import TreeGrower
+from .tree_grower import spec_shape
 
 
 class DraftTreeDrafter(DraftModelDrafter):
@@ -29,9 +29,7 @@ class DraftTreeDrafter(DraftModelDrafter):
 
     def __init__(self, model, spec: SpecConfig, target_vocab: int):
         super().__init__(model, spec, target_vocab)
-        shape = TreeGrower()
-        shape._tree_shape(spec)
-        self.max_depth = shape.max_depth
+        self.shape = spec_shape(spec)  # what its group grows for this row each step
 
     def max_draft_depth(self) -> int:
-        return self.max_depth
+        return self.shape.max_depth

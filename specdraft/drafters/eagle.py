@@ -13,7 +13,7 @@ is cropped back, every step, to the positions it was fed with true features (``n
 predicted features never stay in it.
 
 Token trees (``tree="dynamic"``, EAGLE-2's dynamic tree, or a ``"static"`` shape): the tree
-building is ``tree_grower.TreeGrower``, shared with the draft-model trees; the head scores one tree
+building is ``tree_grower.GrowingTree``, shared with the draft-model trees; the head scores one tree
 level per forward. Node i's input pair is (predicted feature of its parent, embed(token of node i));
 a depth-1 node's parent feature is the one predicted at the last true position. A depth-d node sits
 at position (n_true - 1 + d), where the chain's d-th draft is fed, and a 4D additive mask lets it see
@@ -33,16 +33,15 @@ import torch
 
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import ConfigError
-from ..models.heads import EagleHead, needs_head_io
-from ..models.base import TargetModel
 from ..core.sampling import probs_from_logits, sample
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, accepted_rows
+from ..models.base import TargetModel
+from ..models.heads import EagleHead, needs_head_io
 from .base import Drafter
-from .tree_grower import TreeGrower
-from .medusa import accepted_rows
+from .tree_grower import GrowingTree, spec_shape
 
 
-class EagleDrafter(TreeGrower, Drafter):
+class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
@@ -52,10 +51,7 @@ class EagleDrafter(TreeGrower, Drafter):
         self._check_features(target)
         self.target, self.head, self.spec = target, head, spec
         self.device = target.device  # of its features, where the head runs (models/heads.load_head)
-        if spec.tree == "chain":
-            self.max_depth = spec.k
-        else:
-            self._tree_shape(spec)
+        self.shape = spec_shape(spec)  # a chain k deep, or the tree it grows
         self.V = target.vocab_size
         self.width = head.hidden  # of the target's features per position, as this head reads them
         self.dtype = next(head.parameters()).dtype  # the head's: features and embeddings are fed in it
@@ -75,7 +71,7 @@ class EagleDrafter(TreeGrower, Drafter):
     def embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.embed(toks).to(self.dtype)
 
-    def begin(self, prompt_ids, sp: SamplingParams, generator):
+    def begin(self, prompt_ids, sp: SamplingParams, generator, processor=None):
         self.sp, self.gen = sp, generator
         self.feats = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
         self._new_cache()
@@ -88,7 +84,7 @@ class EagleDrafter(TreeGrower, Drafter):
         self._weights = getattr(self.head, "version", 0)  # the online learner counts the head's weight changes
 
     def max_draft_depth(self) -> int:
-        return self.max_depth
+        return self.shape.max_depth
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """Draft logits over the full vocabulary [..., V] (float32) for predicted features [..., H]."""
@@ -111,7 +107,7 @@ class EagleDrafter(TreeGrower, Drafter):
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._draft = DraftTree.empty()
         n = len(tokens)
-        k = min(self.max_depth, max_tokens)
+        k = min(self.shape.max_depth, max_tokens)
         if k <= 0 or self.feats.shape[0] == 0:
             return self._draft
         assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
@@ -124,9 +120,9 @@ class EagleDrafter(TreeGrower, Drafter):
         f = self._step(self.feats[self.n_true:], fed, self.n_true)
         self.n_true = n - 1
         if self.spec.tree != "chain":
-            self._start_tree(self.n_true)
+            self._tree = GrowingTree(self.shape, self.sp, self.gen, ctx=self.n_true)
             self._pf = {-1: f}  # predicted feature of each fed node (-1: the last true position)
-            self._draft = self._grow(self.logits(f), k, self._score_level)
+            self._draft = self._tree.grow(self.logits(f), k, self._score_level)
             return self._draft
         out, probs = [], []
         for i in range(k):
@@ -146,10 +142,11 @@ class EagleDrafter(TreeGrower, Drafter):
     def _score_level(self, nodes: list[int]) -> torch.Tensor:
         """One head forward for a tree level: node i reads (its parent's predicted feature, embed of its
         token) under the tree mask; logits [len(nodes), V] of its children."""
-        mask, pos = self._level_mask(nodes, self.cache.get_seq_length(), self.feats.dtype)
+        tree = self._tree
+        mask, pos = tree.level_mask(nodes, self.cache.get_seq_length(), self.feats.dtype)
         mask, pos = mask.to(self.device), pos.to(self.device)  # (built on the host, node by node)
-        feats = torch.stack([self._pf[self._par[i]] for i in nodes])
-        toks = torch.tensor([self._tok[i] for i in nodes], dtype=torch.long, device=self.device)
+        feats = torch.stack([self._pf[tree.parents[i]] for i in nodes])
+        toks = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long, device=self.device)
         out = self.head(feats[None], self.embed(toks[None]), cache=self.cache, position_ids=pos, attention_mask=mask)[0]
         for j, i in enumerate(nodes):
             self._pf[i] = out[j]

@@ -5,7 +5,7 @@ outputs of three target layers (low, middle, high: ``eagle3.eagle3_layers``), wh
 over in the same forward that verifies (``TargetModel.add_feature_layers``: forward hooks on
 transformers, extra outputs of the IR on OpenVINO, the graph callback on llama.cpp). Everything else is the EAGLE drafter's (drafters/eagle.py): the head's own KV
 cache cropped back to the true positions every step, chains, and EAGLE-2's dynamic tree through
-``TreeGrower``. Step 1 of a draft reads the fused target features of the verified pairs; later steps
+``GrowingTree``. Step 1 of a draft reads the fused target features of the verified pairs; later steps
 (a chain's next tokens, a tree's deeper levels) feed the head's own predicted feature back, as the
 head was trained (the training-time test, train.py).
 

@@ -37,8 +37,8 @@ class HybridDrafter(Composite):
         self.min_match, self.merge = min_match, merge
         self._greedy = True
 
-    def begin(self, prompt_ids, sp, generator):
-        super().begin(prompt_ids, sp, generator)
+    def begin(self, prompt_ids, sp, generator, processor=None):
+        super().begin(prompt_ids, sp, generator, processor)
         self._greedy = sp.greedy
 
     def plan(self, tokens, cap):

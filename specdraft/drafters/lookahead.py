@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import MAX_DRAFT, MAX_NGRAM, MAX_TREE_NODES, Int, SpecConfig, param
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, trie
 from .base import Drafter
-from .prompt_lookup import trie
 
 
 @dataclass
@@ -64,7 +63,7 @@ class LookaheadDrafter(Drafter):
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self._top: list[int] = []  # node index of each column's top-level node in the last draft
 
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         rng = np.random.default_rng(0)  # deterministic initial guesses: tokens of the prompt
         p = np.asarray(prompt_ids, dtype=np.int64)
         self.levels = [p[rng.integers(0, p.shape[0], self.W)].tolist() for _ in range(self.N - 1)]

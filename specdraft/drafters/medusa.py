@@ -26,48 +26,27 @@ import torch
 
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import ConfigError
-from ..models.heads import MedusaHeads, needs_head_io
-from ..models.base import TargetModel
 from ..core.sampling import probs_from_logits
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, TreeShape, accepted_rows, child_counts
+from ..models.base import TargetModel
+from ..models.heads import MedusaHeads, needs_head_io
 from .base import Drafter
-from .tree_grower import choices_from_branching
+from .tree_grower import spec_shape
 
 
-def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
-    """Rows of the target's fed positions (pending tokens, then draft nodes) that are now verified
-    context: every pending row, then the accepted path's nodes. Siblings carry distinct tokens, so
-    the accepted tokens identify the path."""
-    n_pend = n_fed - draft.size
-    rows = list(range(n_pend))
-    if n_acc == 0:
-        return rows
-    if draft.is_chain():
-        return rows + [n_pend + i for i in range(n_acc)]
-    parents, toks = draft.parents.tolist(), draft.tokens.tolist()
-    parent = -1
-    for t in emitted[:n_acc]:
-        parent = next(i for i in range(draft.size) if parents[i] == parent and toks[i] == t)
-        rows.append(n_pend + parent)
-    return rows
-
-
-def tree_plan(spec: SpecConfig, n_heads: int, method: str) -> list[tuple[int, ...]]:
-    """The tree shape as Medusa choices, level order."""
+def tree_plan(spec: SpecConfig, n_heads: int, method: str) -> TreeShape:
+    """The tree shape as a static one (Medusa's choices): a chain is the path of top ranks."""
     if spec.tree == "dynamic":
         raise ConfigError(f"method {method!r} drafts a chain or a static tree (tree_choices / tree_branching), "
                           "not tree='dynamic'")
     if spec.tree == "chain":
-        ch = [(0,) * d for d in range(1, min(spec.k, n_heads) + 1)]
-    elif spec.tree_choices:
-        ch = [tuple(c) for c in spec.tree_choices]
+        shape = TreeShape.of("static", spec.k, choices=[[0] * d for d in range(1, min(spec.k, n_heads) + 1)])
     else:
-        ch = choices_from_branching(spec.tree_branching)
-    deep = max(len(c) for c in ch)
-    if deep > n_heads:
-        raise ConfigError(f"the tree is {deep} deep but the Medusa head has {n_heads} heads (one per depth); "
-                          f"use a tree at most {n_heads} deep")
-    return sorted(set(ch), key=lambda c: (len(c), c))
+        shape = spec_shape(spec)
+    if shape.max_depth > n_heads:
+        raise ConfigError(f"the tree is {shape.max_depth} deep but the Medusa head has {n_heads} heads (one per "
+                          f"depth); use a tree at most {n_heads} deep")
+    return shape
 
 
 def children_without_replacement(q: torch.Tensor, m: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +77,12 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.spec = spec
         self.w_out = target.output_rows().to(next(heads.parameters()).dtype)  # the target's LM head
-        self.plan = tree_plan(spec, heads.n_heads, "medusa")
+        self.shape = tree_plan(spec, heads.n_heads, "medusa")
 
     def max_draft_depth(self) -> int:
-        return max(len(c) for c in self.plan)
+        return self.shape.max_depth
 
-    def begin(self, prompt_ids, sp: SamplingParams, generator):
+    def begin(self, prompt_ids, sp: SamplingParams, generator, processor=None):
         self.sp, self.gen = sp, generator
         self.feat: torch.Tensor | None = None
         self._draft = DraftTree.empty()
@@ -119,13 +98,11 @@ class MedusaDrafter(Drafter):
         self._draft = DraftTree.empty()
         if self.feat is None or max_tokens <= 0:
             return self._draft
-        plan = [c for c in self.plan if len(c) <= max_tokens]
+        plan = [c for c in self.shape.choices if len(c) <= max_tokens]
         depth = max(len(c) for c in plan)
         logits = self.head_logits(self.feat, depth)
         greedy = self.sp.greedy
-        n_kids: dict[tuple[int, ...], int] = {}
-        for c in plan:
-            n_kids[c[:-1]] = max(n_kids.get(c[:-1], 0), c[-1] + 1)
+        n_kids = child_counts(plan)
         node: dict[tuple[int, ...], int] = {}
         draws: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
         toks, pars, qs = [], [], []

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..core.config import SpecConfig
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, trie
 from .base import Drafter
 
 
@@ -39,21 +39,6 @@ def find_candidate(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.nda
     return c[0] if c else tokens[:0]
 
 
-def trie(paths: list[np.ndarray]) -> DraftTree:
-    """Merge token paths into a tree (shared prefixes become shared nodes)."""
-    tokens, parents, index = [], [], {}
-    for path in paths:
-        parent = -1
-        for t in path.tolist():
-            key = (parent, t)
-            if key not in index:
-                index[key] = len(tokens)
-                tokens.append(t)
-                parents.append(parent)
-            parent = index[key]
-    return DraftTree.of(tokens, parents)
-
-
 class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
 
@@ -63,7 +48,7 @@ class PromptLookupDrafter(Drafter):
     def max_draft_depth(self) -> int:
         return self.spec.k
 
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         pass
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:

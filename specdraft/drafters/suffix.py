@@ -223,7 +223,7 @@ class SuffixDrafter(Drafter):
         self._g = [(0, None)] * len(self.stores)  # per store: the last match length and the text length then
         self._g_m = 0  # the match length of the global tree drafted last
 
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         self.sam = SuffixAutomaton()
         self._begin_global()
         self._buf = np.empty(max(64, 2 * len(prompt_ids)), dtype=np.int64)

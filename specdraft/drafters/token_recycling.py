@@ -103,7 +103,7 @@ class TokenRecyclingDrafter(Drafter):
             table = AdjacencyTable(vocab_size, top_k)
         self.adj = table
 
-    def begin(self, prompt_ids, sp, generator):
+    def begin(self, prompt_ids, sp, generator, processor=None):
         pass  # the table is recycled across requests (it is the target's own statistics)
 
     def max_draft_depth(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
-from ..engine import Engine, StepHook
+from ..engine import Engine, Job, StepHook
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
 from .scheduler import BaseWorker, log, make_drafter
@@ -52,11 +52,11 @@ class BatchWorker(BaseWorker):
                 return job.on_emit(new, logprobs)
             return on_emit
 
-        items = []
+        items: list[Job] = []  # tagged by the server's job
         for job in jobs:
             try:
-                items.append((job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), wrap(job), job,
-                              self.decoder.draft_length(job.spec), job.spec.lossy_rule()))
+                items.append(Job(job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), on_emit=wrap(job),
+                                 tag=job, length=self.decoder.draft_length(job.spec), lossy=job.spec.lossy_rule()))
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):
                     log.exception("making the drafter of request %s failed", job.id)
@@ -68,13 +68,13 @@ class BatchWorker(BaseWorker):
         except Exception as e:
             log.exception("admitting %d request(s) failed", len(items))
             for it in items:
-                it[4].fail(e)
+                it.tag.fail(e)
             return
         for it, r in zip(items, out):
             if isinstance(r, Exception):
-                it[4].fail(r)
+                it.tag.fail(r)
             else:
-                it[4].admitted(r)
+                it.tag.admitted(r)
 
     def _reset(self, err: Exception) -> None:
         """Fail every running request with ``err`` and start over with an empty batch."""

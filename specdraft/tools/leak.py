@@ -30,7 +30,7 @@ from ..api import ModelSettings
 from ..core.extras import require_extra
 from ..models.cost_curve import cpu_name
 from ..core.errors import SpecDraftError
-from ..drafters.flags import add_model_args
+from ..commands.flags import add_model_args
 
 K_EVENTS = 32  # events per request the features describe (zero-padded)
 CLASSES = ("Repeat the following text word for word.\n\n{p}", "Write a short poem about the following text.\n\n{p}")

@@ -48,7 +48,7 @@ def block_columns(target, blocks) -> torch.Tensor:
 
 
 def decode_stream(target, jobs, rows: int, on_done) -> None:
-    """Decode (prompt ids, SamplingParams, drafter, tag) jobs with at most ``rows`` at once, a waiting job
+    """Decode jobs (``engine.Job``s, each tagged by its caller) with at most ``rows`` at once, a waiting job
     joining as soon as a row finishes (so one long answer does not hold a batch of finished ones) and
     there is room in a shared, bounded cache for all it may write (llama.cpp's rows share n_ctx cells);
     ``on_done(tag, prompt ids, result, drafter)`` as each finishes. Jobs may be an iterator. Seeded rows
@@ -67,29 +67,29 @@ def decode_stream(target, jobs, rows: int, on_done) -> None:
             if job is None:
                 break
             room = eng.kv.draft_room()
-            need = len(job[0]) + job[1].max_new_tokens + 1
-            if room is not None and sum(claimed.values()) + need + sum(len(j[0]) + j[1].max_new_tokens + 1
-                                                                       for j in joining) > target.max_context:
+            if room is not None and sum(claimed.values()) + sum(map(_cells, joining + [job])) > target.max_context:
                 held = job
                 break
             joining.append(job)
-        if joining:
-            for r, (ids, sp, d, tag) in zip(eng.add_many([(ids, sp, d, None, (tag, ids, d)) for ids, sp, d, tag in joining]),
-                                            joining):
-                if isinstance(r, Exception):
-                    raise r
-                claimed[r] = len(ids) + sp.max_new_tokens + 1
+        for r, job in zip(eng.add_many(joining), joining):
+            if isinstance(r, Exception):
+                raise r
+            claimed[r] = _cells(job)
         if not eng.rows:
             if held is None:
                 return
-            raise SpecDraftError(f"a prompt of {len(held[0])} tokens with {held[1].max_new_tokens} new ones does not "
-                                 f"fit {target.name}'s context of {target.max_context} tokens")
+            raise SpecDraftError(f"a prompt of {len(held.prompt_ids)} tokens with {held.sampling.max_new_tokens} new "
+                                 f"ones does not fit {target.name}'s context of {target.max_context} tokens")
         for row in eng.step():
             claimed.pop(row, None)
             if row.error is not None:
                 raise row.error
-            tag, ids, d = row.tag
-            on_done(tag, ids, row.result, d)
+            on_done(row.tag, row.prompt_ids, row.result, row.drafter)
+
+
+def _cells(job) -> int:
+    """The cache cells a job may fill: its prompt, its new tokens and one pending."""
+    return len(job.prompt_ids) + job.sampling.max_new_tokens + 1
 
 
 def recorded(ids: list[int], result, recorder: FeatureRecorder) -> tuple[list[int], torch.Tensor]:
@@ -105,7 +105,9 @@ def decode_recording(target, jobs: list[tuple[list[int], object]], cols: torch.T
     """(prompt ids, SamplingParams) jobs decoded together with plain steps; -> per job (prompt + answer
     tokens, features [len - 1, len(cols)] bf16 of every fed position)."""
     done: dict[int, tuple] = {}
-    decode_stream(target, [(ids, sp, FeatureRecorder(cols), j) for j, (ids, sp) in enumerate(jobs)], len(jobs),
+    from ...engine import Job
+
+    decode_stream(target, [Job(ids, sp, FeatureRecorder(cols), tag=j) for j, (ids, sp) in enumerate(jobs)], len(jobs),
                   lambda j, ids, res, rec: done.__setitem__(j, recorded(ids, res, rec)))
     return [done[j] for j in range(len(jobs))]
 

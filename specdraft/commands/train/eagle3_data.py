@@ -179,6 +179,7 @@ def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: 
     """``want`` distinct prompts written by the target (module doc, stage 1), at most ``rows`` drawn at once,
     each draw logged as it finishes; continues synth.jsonl at the draw after its last."""
     from ...core.config import SamplingParams
+    from ...engine import Job
 
     log = AppendedJsonl(data / "synth.jsonl", need=SYNTH_FIELDS)
     kept = [d["text"] for d in log.rows if d["kept"]]
@@ -196,7 +197,7 @@ def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: 
                                      "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl")
             d = Draw(n, seed)
             sp = SamplingParams(temperature=d.temperature, seed=d.sampling_seed, max_new_tokens=max_tokens)
-            yield prefixes[d.system], sp, NoDrafter(), d
+            yield Job(prefixes[d.system], sp, NoDrafter(), tag=d)
             n += 1
 
     def done(d, ids, result, drafter):
@@ -229,6 +230,8 @@ def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, 
     """Answers and features of every (prompt index, prompt ids) not in answers.jsonl yet (module doc,
     stage 2), shortest prompts first, at most ``rows`` decoding at once; each answer is written as it
     finishes. -> {"tokens": answer tokens made, "seconds": wall time}."""
+    from ...engine import Job
+
     answers = AppendedJsonl(data / "answers.jsonl", need=ANSWER_FIELDS)
     have = {r["i"] for r in answers.rows}
     cols = feature_columns(gen, layers)
@@ -247,7 +250,7 @@ def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, 
         bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")
         bar.update(1)
 
-    jobs = ((ids, answer_sampling(i, max_new_tokens, seed), FeatureRecorder(cols), i) for i, ids in todo)
+    jobs = (Job(ids, answer_sampling(i, max_new_tokens, seed), FeatureRecorder(cols), tag=i) for i, ids in todo)
     decode_stream(gen, jobs, rows, done)
     bar.close()
     return {"tokens": made[0], "seconds": round(time.perf_counter() - t0, 1)}

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import registry as methods
 from ..core.config import LOSSY_RULES
 from ..core.errors import SpecDraftError
+from ..drafters import registry as methods
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -98,7 +98,8 @@ def add_sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less than MIN_P times as likely as the top one")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less than MIN_P times as likely as the top one")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
