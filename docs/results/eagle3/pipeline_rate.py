@@ -23,6 +23,7 @@ from specdraft.commands.train.data import FeatureRecorder, block_columns, decode
 from specdraft.commands.train.eagle3 import encode
 from specdraft.core.config import SamplingParams
 from specdraft.drafters.base import NoDrafter
+from specdraft.engine import Job
 from specdraft.models.backends import load_model
 from specdraft.models.cost_curve import cpu_name
 from specdraft.models.eagle3 import eagle3_layers
@@ -32,7 +33,7 @@ def one_pass(gen, prompts, rows, new, layers) -> tuple[float, int]:
     cols = block_columns(gen, gen.add_feature_layers(layers))
     made = []
     t0 = time.perf_counter()
-    decode_stream(gen, ((ids, SamplingParams(max_new_tokens=new), FeatureRecorder(cols), i) for i, ids in enumerate(prompts)),
+    decode_stream(gen, (Job(ids, SamplingParams(max_new_tokens=new), FeatureRecorder(cols), tag=i) for i, ids in enumerate(prompts)),
                   rows, lambda i, ids, res, rec: made.append(len(res.token_ids)))
     return time.perf_counter() - t0, sum(made)
 
@@ -40,7 +41,7 @@ def one_pass(gen, prompts, rows, new, layers) -> tuple[float, int]:
 def two_passes(gen, dense, prompts, rows, new, layers) -> tuple[float, float, int]:
     done = {}
     t0 = time.perf_counter()
-    decode_stream(gen, ((ids, SamplingParams(max_new_tokens=new), NoDrafter(), i) for i, ids in enumerate(prompts)),
+    decode_stream(gen, (Job(ids, SamplingParams(max_new_tokens=new), NoDrafter(), tag=i) for i, ids in enumerate(prompts)),
                   rows, lambda i, ids, res, d: done.__setitem__(i, ids + res.token_ids))
     t1 = time.perf_counter()
     with torch.inference_mode():
