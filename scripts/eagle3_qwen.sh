@@ -34,6 +34,7 @@ case "${1:-}" in
       --synth "${SYNTH:-6000}" --synth-max-tokens 96 --max-new-tokens 384 --gen-batch 16 ;;
   train)
     RESUME=(); [ -f "$OUT/train_state.pt" ] && RESUME=(--resume)
-    exec "$PY" -m specdraft.cli "${COMMON[@]}" --train-only --steps "${2:?STEPS}" --checkpoint-every 50 "${RESUME[@]}" ;;
+    exec "$PY" -m specdraft.cli "${COMMON[@]}" --train-only --steps "${2:?STEPS}" \
+      --checkpoint-every 50 "${RESUME[@]}" ;;
   *) echo "usage: $0 data | train STEPS" >&2; exit 2 ;;
 esac

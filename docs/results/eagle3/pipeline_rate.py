@@ -33,16 +33,16 @@ def one_pass(gen, prompts, rows, new, layers) -> tuple[float, int]:
     cols = block_columns(gen, gen.add_feature_layers(layers))
     made = []
     t0 = time.perf_counter()
-    decode_stream(gen, (Job(ids, SamplingParams(max_new_tokens=new), FeatureRecorder(cols), tag=i) for i, ids in enumerate(prompts)),
-                  rows, lambda i, ids, res, rec: made.append(len(res.token_ids)))
+    jobs = (Job(ids, SamplingParams(max_new_tokens=new), FeatureRecorder(cols), tag=i) for i, ids in enumerate(prompts))
+    decode_stream(gen, jobs, rows, lambda i, ids, res, rec: made.append(len(res.token_ids)))
     return time.perf_counter() - t0, sum(made)
 
 
 def two_passes(gen, dense, prompts, rows, new, layers) -> tuple[float, float, int]:
     done = {}
     t0 = time.perf_counter()
-    decode_stream(gen, (Job(ids, SamplingParams(max_new_tokens=new), NoDrafter(), tag=i) for i, ids in enumerate(prompts)),
-                  rows, lambda i, ids, res, d: done.__setitem__(i, ids + res.token_ids))
+    jobs = (Job(ids, SamplingParams(max_new_tokens=new), NoDrafter(), tag=i) for i, ids in enumerate(prompts))
+    decode_stream(gen, jobs, rows, lambda i, ids, res, d: done.__setitem__(i, ids + res.token_ids))
     t1 = time.perf_counter()
     with torch.inference_mode():
         for seq in done.values():
