@@ -3,7 +3,7 @@ request, learning on against learning off.
 
     python docs/results/online_learning/run.py --head HEAD_DIR --out docs/results/online_learning/qwen
 
-The requests stream one at a time, greedy, with a chat template: ``--requests`` of the first domain
+The requests stream one at a time (``--idle`` seconds apart), greedy, with a chat template: ``--requests`` of the first domain
 (Spec-Bench's translation prompts by default, cycled, each pass under another instruction so no prompt
 repeats word for word), then ``--second`` of the second domain (math_reasoning), then ``--back`` of the
 first domain again, to check that what the head learned of the second domain did not cost it the first
@@ -62,6 +62,7 @@ def run(a, learn: bool) -> list[dict]:
                            acceptance=s.acceptance, busy_share=s.progress.busy_share)
             rows.append(row)
             print(json.dumps({"learn": learn, **row}), flush=True)
+            time.sleep(a.idle)  # the gap before the next request: the learner trains in idle time
     finally:
         dec.close()
     return rows
@@ -134,6 +135,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=LearnConfig.window)
     ap.add_argument("--modes", default="off,on", help="learning off, on, or both (in that order)")
     ap.add_argument("--rolling", type=int, default=20)
+    ap.add_argument("--idle", type=float, default=0.0, help="seconds between two requests (the learner's time)")
     ap.add_argument("--out", required=True, help="OUT: writes OUT.json and OUT.png")
     a = ap.parse_args()
     runs = {m: run(a, learn=m == "on") for m in a.modes.split(",")}
