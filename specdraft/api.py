@@ -204,10 +204,17 @@ class SpecDecoder:
             from .models.paths import allowed_for, load_fastest
 
             allowed = allowed_for(backends, needs, draft_backend if draft else None, device)
-            t, path = load_fastest(target, dtype, allowed=allowed, shape=shape, **device_kw(device))
-            target, backend = path.target(target), path.backend
-        else:
-            t = load_model(target, dtype, backend=backend, **device_kw(device))
+
+            def draft_on(t, path):  # a path whose backend cannot run the draft is not taken
+                if not draft:
+                    return None
+                return load_draft(t, path.target(target), draft, dtype, draft_layers, draft_backend or path.backend,
+                                  draft_device)
+
+            t, path, d = load_fastest(target, dtype, allowed=allowed, shape=shape, companion=draft_on,
+                                      **device_kw(device))
+            return cls(t, d, learn=learn)
+        t = load_model(target, dtype, backend=backend, **device_kw(device))
         d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
         return cls(t, d, learn=learn)
 

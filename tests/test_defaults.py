@@ -62,12 +62,13 @@ class _Loads:
         monkeypatch.setattr(paths, "load_fastest", self.fastest)
         monkeypatch.setattr(api, "load_model", self.plain)
 
-    def fastest(self, model, dtype=None, say=None, allowed=paths.Allowed(), shape=None):
+    def fastest(self, model, dtype=None, say=None, allowed=paths.Allowed(), shape=None, companion=None):
         self.calls.append(("auto", model, allowed.backends))
         self.allowed.append(allowed)
         self.shape = shape
         names = allowed.backends or tuple(BACKENDS)
-        return tiny_llama(vocab=16), paths.ModelPath("llama" if "llama" in names else names[0])
+        m, p = tiny_llama(vocab=16), paths.ModelPath("llama" if "llama" in names else names[0])
+        return m, p, (companion(m, p) if companion is not None else None)
 
     def plain(self, name, dtype=None, num_layers=None, backend="hf"):
         self.calls.append((backend, name, None))
@@ -115,6 +116,33 @@ def test_backend_auto_takes_the_next_measured_path_when_one_fails_to_load(monkey
     assert "openvino cannot load here (No module named 'openvino'); taking the next measured path" in err
     assert "backend auto: --backend llama --target smollm2-135m: the cheapest one-token forward" in err
     assert paths.ranked("smollm2-135m", allowed=paths.Allowed(("hf",)))[0][0] == paths.ModelPath("hf")  # no measuring
+
+
+def test_backend_auto_takes_the_next_path_when_its_backend_cannot_run_the_draft(monkeypatch, tmp_path, capsys):
+    """A draft loads on the target's backend: a path whose backend cannot load it (OpenVINO and a file with
+    tensor types it cannot read) is passed over for the next, with the draft loaded on that one."""
+    from specdraft.core.errors import ModelFileError
+
+    monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")
+    curve = lambda one: {str(n): one * n for n in paths.CURVE_TOKENS}  # noqa: E731
+    paths.write("smollm2-135m", curves={"openvino": curve(3.0), "llama": curve(4.0)})
+    tried = []
+
+    def load(name, dtype="bfloat16", num_layers=None, backend="hf"):
+        tried.append((backend, name))
+        if backend == "openvino" and name == "the-draft":
+            raise ModelFileError("OpenVINO GenAI cannot read the-draft.gguf: it holds Q5_0 tensors")
+        return tiny_llama(vocab=16)
+
+    monkeypatch.setattr(api, "load_model", load)
+    monkeypatch.setattr("specdraft.models.backends.load_model", load)
+    dec = api.SpecDecoder.load("smollm2-135m", draft="the-draft", backend="auto")
+    assert tried == [("openvino", "smollm2-135m"), ("openvino", "the-draft"), ("llama", "smollm2-135m"),
+                     ("llama", "the-draft")]
+    assert dec.draft is not None
+    err = capsys.readouterr().err
+    assert "openvino cannot run the draft here (OpenVINO GenAI cannot read the-draft.gguf" in err
+    assert "backend auto: --backend llama --target smollm2-135m" in err
 
 
 # --- options the user gave narrow auto's choice; typed against a named backend they are one error ------

@@ -110,6 +110,17 @@ def test_a_wrong_conversion_is_refused():
         load_model("smollm2-135m", backend="openvino")
 
 
+def test_a_file_with_tensor_types_openvino_cannot_read_is_one_clear_error():
+    """Qwen2.5-Coder-0.5B's Q4_K_M file holds Q5_0 tensors, which OpenVINO GenAI's GGUF reader fails on deep
+    inside ("Check 'data != nullptr' failed"): the loader says which types and how to make a copy it reads."""
+    from specdraft.core.errors import ModelFileError
+    from specdraft.models.backends import load_model
+
+    with pytest.raises(ModelFileError, match=r"cannot read .*q4_k_m\.gguf: it holds Q5_0 tensors .*"
+                                             r"models quantize qwen2.5-coder-0.5b --type Q4_0"):
+        load_model(MODEL, backend="openvino")
+
+
 def test_conversion_matches_the_dense_model(smol_ov, dense, ids):
     """OpenVINO's logits over a prompt and 32 plain tokens against the dense float32 copy's (the same
     GGUF dequantized): the same argmax wherever the dense top-2 gap is not a near-tie, and every

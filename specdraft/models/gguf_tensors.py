@@ -56,6 +56,17 @@ class GGUFHead:
     head: QuantRows  # output.weight, or token_embd.weight where the file ties the LM head to the embedding
 
 
+def tensor_types(path: Path) -> set[str]:
+    """The quantization types (``Q4_0``, ``Q6_K``, ``F32``, ...) of the tensors in the GGUF file at ``path``."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ModelFileError(f"cannot read {path} as a GGUF file: {e}") from e
+    return {t.tensor_type.name for t in reader.tensors}
+
+
 def read_head(path: Path) -> GGUFHead:
     """The facts and the two matrices' rows of the GGUF file at ``path`` (the reader itself, with its
     parsed vocabulary, is not kept)."""

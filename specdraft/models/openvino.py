@@ -60,6 +60,24 @@ def runtime():
     return openvino
 
 
+# The tensor types OpenVINO GenAI's GGUF reader converts (2026.4.1); others fail deep inside it ("Check
+# 'data != nullptr' failed ... gguf_tensor_to_f16"), e.g. the Q5_0 tensors of Qwen2.5-Coder-0.5B's Q4_K_M file.
+READABLE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"})
+
+
+def check_readable(gguf: Path, name: str) -> None:
+    """A clear error, before any conversion, for a GGUF file holding tensor types OpenVINO GenAI cannot read."""
+    from .gguf_tensors import tensor_types
+
+    other = sorted(tensor_types(gguf) - READABLE_TYPES)
+    if other:
+        base = name.split(":")[0]
+        raise ModelFileError(
+            f"OpenVINO GenAI cannot read {gguf.name}: it holds {', '.join(other)} tensors (it reads "
+            f"{', '.join(sorted(READABLE_TYPES))}); `specdraft models quantize {base} --type Q4_0` makes a copy "
+            f"it reads ({base}:Q4_0), or use another backend")
+
+
 def ir_path(gguf: Path, name: str) -> Path:
     """The IR OpenVINO GenAI writes for ``gguf`` (converted once, then read from the cache)."""
     from .catalog import home
@@ -68,6 +86,7 @@ def ir_path(gguf: Path, name: str) -> Path:
     xml = d / "openvino_model.xml"
     if xml.exists() and _stamp(d).get("source") == _source(gguf):
         return xml
+    check_readable(gguf, name)
     d.mkdir(parents=True, exist_ok=True)
     link = d / "model.gguf"  # GenAI writes the IR beside the file it reads
     link.unlink(missing_ok=True)

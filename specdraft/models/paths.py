@@ -344,10 +344,12 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
 
 
 def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-                 shape: RequestShape | None = None, device: str = AUTO):
+                 shape: RequestShape | None = None, device: str = AUTO, companion=None):
     """The model on the best of ``ranked``'s paths (for a request of ``shape``, if given) that loads here, on
-    ``device`` -> (model, ModelPath); a path that fails to load (a backend missing on this machine) is said
-    and the next one taken."""
+    ``device`` -> (model, ModelPath); a path that fails to load (a backend missing on this machine, a file
+    its backend cannot read) is said and the next one taken. ``companion(model, path)``, if given, loads
+    what must run beside it on that path (a draft on the target's backend): its failure also moves on to
+    the next path; -> (model, ModelPath, what it returned)."""
     from .backends import device_kw, load_model
 
     say = say or _say
@@ -357,8 +359,13 @@ def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowe
         except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
             say(f"backend auto: {p} cannot load here ({e}); taking the next measured path")
             continue
+        try:
+            beside = companion(m, p) if companion is not None else None
+        except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
+            say(f"backend auto: {p} cannot run the draft here ({e}); taking the next measured path")
+            continue
         say(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
-        return m, p
+        return (m, p) if companion is None else (m, p, beside)
     raise ConfigError(f"--backend auto: none of {model}'s measured paths loads here")
 
 
