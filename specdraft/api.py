@@ -1,11 +1,11 @@
 """The library entry point.
 
-    from specdraft import SpecDecoder, SamplingParams, SpecConfig
-    dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
-    out = dec.generate("Write a haiku about caches.", chat=True,
-                       sampling=SamplingParams(max_new_tokens=64),
-                       spec=SpecConfig(method="draft_model", k=4))
-    print(out.text, out.stats.mat, out.stats.tokens_per_s)
+from specdraft import SpecDecoder, SamplingParams, SpecConfig
+dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+out = dec.generate("Write a haiku about caches.", chat=True,
+                   sampling=SamplingParams(max_new_tokens=64),
+                   spec=SpecConfig(method="draft_model", k=4))
+print(out.text, out.stats.mat, out.stats.tokens_per_s)
 """
 
 from __future__ import annotations
@@ -211,11 +211,19 @@ class SpecDecoder:
         d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
         return cls(t, d, learn=learn)
 
-    def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None,
-                   draft_device: str = "auto"):
+    def with_draft(
+        self,
+        target_name: str,
+        draft: str,
+        dtype: str | None = None,
+        draft_backend: str | None = None,
+        draft_device: str = "auto",
+    ):
         """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
-        return SpecDecoder(self.target, load_draft(self.target, target_name, draft, dtype, None,
-                                                   draft_backend or self.backend, draft_device))
+        return SpecDecoder(
+            self.target,
+            load_draft(self.target, target_name, draft, dtype, None, draft_backend or self.backend, draft_device),
+        )
 
     @property
     def backend(self) -> str:
@@ -264,8 +272,13 @@ class SpecDecoder:
         if self._bridge is None:
             from .drafters.cross_vocab import VocabBridge
 
-            self._bridge = VocabBridge(self.target.tokenizer, self.draft.tokenizer, self.target.vocab_size,
-                                       self.draft.vocab_size, self.draft.device)
+            self._bridge = VocabBridge(
+                self.target.tokenizer,
+                self.draft.tokenizer,
+                self.target.vocab_size,
+                self.draft.vocab_size,
+                self.draft.device,
+            )
         return self._bridge
 
     def draft_model(self) -> HFModel:
@@ -277,8 +290,9 @@ class SpecDecoder:
         """Token Recycling's adjacency table: one per decoder and top_k, recycled across requests."""
         from .drafters.token_recycling import AdjacencyTable
 
-        return self.shared(("recycle_table", top_k), lambda: AdjacencyTable(self.target.vocab_size, top_k),
-                           RECYCLE_TABLES)
+        return self.shared(
+            ("recycle_table", top_k), lambda: AdjacencyTable(self.target.vocab_size, top_k), RECYCLE_TABLES
+        )
 
     def layer_view(self, keep) -> HFModel:
         """The target's layers ``keep`` as a draft (shared weights, cached): early exit or layer skipping."""
@@ -314,8 +328,18 @@ class SpecDecoder:
             spec = SpecConfig.from_dict(spec)
             drafter = self.make_drafter(spec)
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
-                        on_emit=on_emit, lossy=spec.lossy_rule(), hook=self.learner)
+        return generate(
+            self.target,
+            drafter,
+            ids,
+            sp,
+            self.eos_ids,
+            self.tokenizer,
+            self.draft_length(spec),
+            on_emit=on_emit,
+            lossy=spec.lossy_rule(),
+            hook=self.learner,
+        )
 
     def close(self) -> None:
         """Stops what the decoder runs beside decoding (the online learner's training process)."""
@@ -348,7 +372,6 @@ def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
 COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
-
 def default_backend(target: str) -> str:
     """The backend when none is named: a catalog model runs on the path measured fastest here (auto);
     a directory, a file or a NAME:VARIANT on transformers, as named."""
@@ -361,6 +384,7 @@ def default_backend(target: str) -> str:
 class ModelSettings:
     """The models a command loads (the CLI's --target, --draft, --draft-layers, --dtype, --threads,
     --backend, --draft-backend, --device, --draft-device): ``load()`` is ``SpecDecoder.load`` with them."""
+
     target: str
     draft: str | None = None
     draft_layers: int | None = None
@@ -379,8 +403,12 @@ class ModelSettings:
         backend = self.backend or default_backend(self.target)
         needs = option_needs(self.dtype, self.draft, self.draft_layers)
         check_named(backend, self.draft_backend, self.draft is not None, needs)
-        check_devices(backend, self.draft_backend if self.draft else None, self.device,
-                      (self.draft_device or self.device) if self.draft else None)
+        check_devices(
+            backend,
+            self.draft_backend if self.draft else None,
+            self.device,
+            (self.draft_device or self.device) if self.draft else None,
+        )
 
     def weights(self, backend: str) -> str:
         """The target's weights on ``backend`` (the one it loaded on), in words."""
@@ -409,13 +437,21 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
 
 
-def load_draft(target, target_name: str, draft: str, dtype: str | None, draft_layers: int | None, backend: str,
-               device: str = "auto"):
+def load_draft(
+    target,
+    target_name: str,
+    draft: str,
+    dtype: str | None,
+    draft_layers: int | None,
+    backend: str,
+    device: str = "auto",
+):
     """The draft model ``draft`` names for ``target``, on ``device``: a model, or ``self:QUANT`` (_self_draft)."""
     if draft.startswith("self:"):  # the target's own weights at lower precision
         if draft_layers is not None:
-            raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
-                              "the target's layers")
+            raise ConfigError(
+                "--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all the target's layers"
+            )
         return _self_draft(target, target_name, draft[5:], dtype, backend, device)
     return load_model(draft, dtype, num_layers=draft_layers, backend=backend, **device_kw(device))
 
@@ -442,4 +478,3 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str, devic
         d.prefill_twin = target
     d.source = None  # quantized in memory: no other process loads it by a name
     return d
-

@@ -51,8 +51,14 @@ def check_toy(report):
 def toy():
     assert "toy" not in backends.BACKENDS
     backends.BACKENDS["toy"] = backends.Backend(
-        "toy", "a toy: transformers rows under another name", load_toy, uses_dtype=False,
-        offers=frozenset({"trees"}), paths=("toy",), check=check_toy)
+        "toy",
+        "a toy: transformers rows under another name",
+        load_toy,
+        uses_dtype=False,
+        offers=frozenset({"trees"}),
+        paths=("toy",),
+        check=check_toy,
+    )
     try:
         yield backends.BACKENDS["toy"]
     finally:
@@ -105,8 +111,16 @@ def test_the_loop_verifiers_drafters_and_doctor_name_no_backend():
     from pathlib import Path
 
     pkg = Path(backends.__file__).parent.parent
-    files = [pkg / "engine.py", pkg / "core" / "verify.py", pkg / "commands" / "doctor.py",
-             *sorted((pkg / "drafters").glob("*.py"))]
-    named = [f"{f.relative_to(pkg)}:{n.lineno} {n.value!r}" for f in files for n in ast.walk(ast.parse(f.read_text()))
-             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in backends.BACKENDS]
+    files = [
+        pkg / "engine.py",
+        pkg / "core" / "verify.py",
+        pkg / "commands" / "doctor.py",
+        *sorted((pkg / "drafters").glob("*.py")),
+    ]
+    named = [
+        f"{f.relative_to(pkg)}:{n.lineno} {n.value!r}"
+        for f in files
+        for n in ast.walk(ast.parse(f.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in backends.BACKENDS
+    ]
     assert not named, named

@@ -97,8 +97,10 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
 
     key = (id(tokenizer), vocab_size, tuple(sorted(eos_ids)))
     if key not in _LL_TOKENIZERS:
-        _LL_TOKENIZERS[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                                       eos_token=sorted(eos_ids)))
+        _LL_TOKENIZERS[key] = (
+            tokenizer,
+            llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids)),
+        )
     return _LL_TOKENIZERS[key][1]
 
 
@@ -127,8 +129,10 @@ def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> Gramma
     try:
         tok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
     except Exception as e:  # llguidance reads Hugging Face fast tokenizers; anything else cannot be constrained
-        raise ConfigError(f"structured output needs a Hugging Face fast tokenizer; this model's cannot be read "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"structured output needs a Hugging Face fast tokenizer; this model's cannot be read "
+            f"({type(e).__name__}: {e})"
+        ) from None
     err = llguidance.LLMatcher.validate_grammar(g, tok)
     if err and not err.startswith("WARNING"):  # llguidance's message has caret lines: keep the words
         words = [ln.strip() for ln in err.splitlines() if ln.strip() and set(ln.strip()) != {"^"} and "|" not in ln]
@@ -146,8 +150,9 @@ class RequestProcessor:
     consumed; a call's ``history`` may run past it (a drafter's own draft so far), and those tokens
     are consumed for the call and rolled back after it."""
 
-    def __init__(self, sp, prompt_len: int, vocab_size: int, eos_ids: set[int],
-                 constraint: TokenConstraint | None = None):
+    def __init__(
+        self, sp, prompt_len: int, vocab_size: int, eos_ids: set[int], constraint: TokenConstraint | None = None
+    ):
         self.sp = sp
         self.prompt_len = prompt_len
         self.V = vocab_size
@@ -162,8 +167,14 @@ class RequestProcessor:
             self.bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=HOST)
 
     @staticmethod
-    def for_request(sp, prompt_ids: list[int], vocab_size: int, eos_ids: set[int], tokenizer=None,
-                    constraint: TokenConstraint | None = None) -> "RequestProcessor | None":
+    def for_request(
+        sp,
+        prompt_ids: list[int],
+        vocab_size: int,
+        eos_ids: set[int],
+        tokenizer=None,
+        constraint: TokenConstraint | None = None,
+    ) -> "RequestProcessor | None":
         """None when the request needs no processing (the hot path stays as it was)."""
         if not sp.processed and constraint is None:
             return None
@@ -189,7 +200,7 @@ class RequestProcessor:
                 rp = sp.repetition_penalty
                 x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
             if sp.presence_penalty or sp.frequency_penalty:
-                counts = torch.bincount(h[self.prompt_len:], minlength=self.V)[None, : self.V] + extra
+                counts = torch.bincount(h[self.prompt_len :], minlength=self.V)[None, : self.V] + extra
                 x = x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
         if sp.logit_bias:
             x[:, self.bias_ids.to(dev)] += self.bias.to(dev)
@@ -225,7 +236,7 @@ class RequestProcessor:
         c = self.constraint
         valid = [False] * len(parents)
         out: list = []
-        ahead = history[self.committed:]
+        ahead = history[self.committed :]
         n = 0
         while n < len(ahead) and c.push(ahead[n]):
             n += 1
@@ -266,7 +277,7 @@ class RequestProcessor:
         one-hot q, so sampling stays exact)."""
         if self.constraint is None or limit <= 0 or not tree.is_chain():
             return tree
-        c, seq = self.constraint, history[self.committed:] + tree.tokens.tolist()
+        c, seq = self.constraint, history[self.committed :] + tree.tokens.tolist()
         n = 0
         while n < len(seq) and c.push(seq[n]):
             n += 1

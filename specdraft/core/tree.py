@@ -34,8 +34,11 @@ class DraftTree:
     @staticmethod
     def of(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A tree from its nodes' tokens and parents as lists."""
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=HOST),
-                         torch.tensor(parents, dtype=torch.long, device=HOST), draft_probs)
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=HOST),
+            torch.tensor(parents, dtype=torch.long, device=HOST),
+            draft_probs,
+        )
 
     @staticmethod
     def chain(tokens: torch.Tensor | list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
@@ -216,8 +219,14 @@ class TreeShape:
     topk: int = 0
 
     @staticmethod
-    def of(tree: str, k: int, choices: list[list[int]] | None = None, branching: list[int] | None = None,
-           budget: int = 0, topk: int = 0) -> "TreeShape":
+    def of(
+        tree: str,
+        k: int,
+        choices: list[list[int]] | None = None,
+        branching: list[int] | None = None,
+        budget: int = 0,
+        topk: int = 0,
+    ) -> "TreeShape":
         """A spec's shape: ``tree`` "static" takes ``choices`` (or ``branching`` per depth); otherwise
         ``k`` levels."""
         if tree != "static":

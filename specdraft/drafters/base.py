@@ -59,8 +59,13 @@ class Drafter:
     reads_fed_positions = False  # observe indexes the fed draft as proposed: the engine must not prune it
     forced_tokens = 16  # under a grammar, append up to this many tokens it forces to a chain (0: never)
 
-    def begin(self, prompt_ids: list[int], sp: SamplingParams, generator: torch.Generator | None,
-              processor: RequestProcessor | None = None) -> None:
+    def begin(
+        self,
+        prompt_ids: list[int],
+        sp: SamplingParams,
+        generator: torch.Generator | None,
+        processor: RequestProcessor | None = None,
+    ) -> None:
         """A request starts: ``generator`` is the request's own (seeded) random stream, ``processor`` its
         processing (penalties, bias, a grammar; None: none asked), which a drafter that samples applies to
         its own logits."""

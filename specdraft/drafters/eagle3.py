@@ -38,8 +38,10 @@ class Eagle3Drafter(EagleDrafter):
 
     def _check_features(self, target: TargetModel) -> None:
         if not target.capabilities.layers:
-            raise ConfigError(f"method 'eagle3' reads the target's layer outputs, which {target.name} on the "
-                              f"{target.backend} backend does not hand over")
+            raise ConfigError(
+                f"method 'eagle3' reads the target's layer outputs, which {target.name} on the "
+                f"{target.backend} backend does not hand over"
+            )
 
     def _draft_vocab(self, target: TargetModel, head: Eagle3Head) -> None:
         self.ids = head.draft_ids

@@ -48,8 +48,10 @@ def tree_too_large(spec: SpecConfig) -> str | None:
     p = spec.params
     if (p.lookahead_window + p.lookahead_max_ngrams) * (p.lookahead_ngram - 1) <= MAX_TREE_NODES:
         return None
-    return (f"lookahead_window ({p.lookahead_window}) + lookahead_max_ngrams ({p.lookahead_max_ngrams}), times "
-            f"lookahead_ngram - 1 ({p.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes")
+    return (
+        f"lookahead_window ({p.lookahead_window}) + lookahead_max_ngrams ({p.lookahead_max_ngrams}), times "
+        f"lookahead_ngram - 1 ({p.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes"
+    )
 
 
 class LookaheadDrafter(Drafter):
@@ -76,7 +78,7 @@ class LookaheadDrafter(Drafter):
         if rest in lst:
             lst.remove(rest)
         lst.insert(0, rest)
-        del lst[self.G:]
+        del lst[self.G :]
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._top = []
@@ -116,4 +118,3 @@ class LookaheadDrafter(Drafter):
             self.add_ngram(tuple(self.levels[l][c] for l in range(self.N - 1)) + (int(new[c]),))
         self.levels = self.levels[1:] + [new]
         self._top = []
-

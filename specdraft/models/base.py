@@ -89,8 +89,9 @@ class SequenceRows(Protocol):
 
     def remove_rows(self, idx: list[int]) -> None: ...
 
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         """Feed row r ``seqs[r]`` at positions lens[r]..; float32 logits [B, N, V] (N = the longest
         feed; ``keep``: only the last ``keep`` positions). ``trees[r]`` = (allow [n, n] bool,
         offsets [n] long) makes row r's n fed tokens a token tree: token i attends to the row's cache

@@ -1,6 +1,9 @@
-import torch; torch.set_num_threads(2)
+import torch
+
+torch.set_num_threads(2)
 from specdraft.models.backends import load_model
 from specdraft.models.cost_curve import measure_costs
+
 m = load_model("qwen2.5-coder-1.5b:Q4_0", backend="openvino")
 measure_costs(m, [1], repeats=1)
 for rep in (2, 5):

@@ -10,6 +10,7 @@ hf: the Qwen pair in bf16; llama: the Qwen pair's GGUF files; draft_model k=4 an
 A third argument names another target (e.g. qwen2.5-coder-1.5b:Q4_0, the fastest file on an AMX CPU), a
 fourth another draft (openvino reads the 0.5B's Q4_0 file, not its Q4_K_M: qwen2.5-coder-0.5b:Q4_0).
 """
+
 import os
 import sys
 import time
@@ -52,5 +53,8 @@ for method in os.environ.get("METHODS", "draft_model,prompt_lookup").split(","):
         wall = time.perf_counter() - t0
         n = len(r.stats.steps)
         out = wall - inside[0]
-        print(f"{backend} {method}: {n} steps, {1000 * wall / n:.1f} ms/step, engine {1000 * out / n:.2f} ms/step "
-              f"({100 * out / wall:.2f}%)", flush=True)
+        print(
+            f"{backend} {method}: {n} steps, {1000 * wall / n:.1f} ms/step, engine {1000 * out / n:.2f} ms/step "
+            f"({100 * out / wall:.2f}%)",
+            flush=True,
+        )
