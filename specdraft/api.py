@@ -24,16 +24,15 @@ from .core.config import (
     spec_with_default,
     with_method,
 )
-from .engine import GenerationResult, generate
 from .core.errors import ConfigError, TokenizerMismatchError
+from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 from .drafters.registry import method
+from .engine import GenerationResult, generate
 from .learning.config import learn_config
+from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
-from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
 from .models.views import layer_view
-from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
-
 
 CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
 RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at once

@@ -15,13 +15,13 @@ import json
 import os
 import sys
 
-from .drafters import registry as methods
 from .api import ModelSettings
+from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
+from .drafters import registry as methods
 from .learning import LearnConfig
-from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
 
@@ -610,10 +610,9 @@ def _add_serve_parser(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import autotune, doctor, heads, train, tune_skip
     from . import demo
-    from .bench import batchbench, costs, harness
-    from .bench import overlap
+    from .bench import batchbench, costs, harness, overlap
+    from .commands import autotune, doctor, heads, train, tune_skip
     from .tools import leak, loadtest
 
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")

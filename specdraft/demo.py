@@ -7,10 +7,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .core import prompts as data
 from .api import ModelSettings
-from .core.config import SamplingParams, SpecConfig
 from .commands.flags import add_model_args
+from .core import prompts as data
+from .core.config import SamplingParams, SpecConfig
 from .core.metrics import GenerationStats, near_tie_bound, speedup
 
 
@@ -106,7 +106,7 @@ def run_demo(opts: DemoOptions) -> int:
 
 NEXT_STEPS = """
 Next:
-  {py} -m specdraft.cli serve --target smollm2-135m --port 8000   # then open http://127.0.0.1:8000/ (the playground)
-  make bench                                                       # the README's results table, measured on this machine
-  {py} -m specdraft.cli doctor                                     # this CPU, what runs here, the fastest path
-  make test                                                        # the test suite"""
+  {py} -m specdraft.cli serve --target smollm2-135m --port 8000  # then open http://127.0.0.1:8000/ (the playground)
+  make bench                                                      # the README's results table, measured on this machine
+  {py} -m specdraft.cli doctor                                    # this CPU, what runs here, the fastest path
+  make test                                                       # the test suite"""

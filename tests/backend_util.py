@@ -4,8 +4,8 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 import torch
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import Job, generate, generate_batch
 from specdraft.core.tree import DraftTree, feed_mask
+from specdraft.engine import Job, generate, generate_batch
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
 

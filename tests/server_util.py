@@ -6,7 +6,9 @@ import time
 
 import httpx
 
-from specdraft.server.local import free_port, serve_in_thread as running_server  # noqa: F401
+# Re-exported: the server tests import these two from here.
+from specdraft.server.local import free_port  # noqa: F401
+from specdraft.server.local import serve_in_thread as running_server  # noqa: F401
 
 
 def wait_until(pred, timeout=60.0, every=0.05):

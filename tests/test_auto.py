@@ -12,12 +12,12 @@ import torch
 from conftest import tiny_llama
 from specdraft.api import COST_POINTS, SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter, StepOutcome
 from specdraft.engine import Job, generate_batch
-from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
-from test_engine_tiny import N, PROMPT, V, exact_first_two
+from test_engine_tiny import PROMPT, N, V, exact_first_two
 
 SPECS = [
     {"method": "cascade", "k": 3},
@@ -477,7 +477,8 @@ REAL = [
 @pytest.mark.parametrize("spec", REAL, ids=lambda s: "-".join(f"{v}" for v in s.values()))
 def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
     """SmolLM2-135M float32, drafted by its first 4 layers: token-identical to plain decoding."""
-    from test_greedy_real import NEW, PROMPTS as REAL_PROMPTS
+    from test_greedy_real import NEW
+    from test_greedy_real import PROMPTS as REAL_PROMPTS
 
     d = SpecDecoder(smol_f32, smol_draft4)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -491,8 +492,8 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
 
 
 def test_bench_mixed_preset_and_arm_table():
-    from specdraft.core import prompts as data
     from specdraft.bench.report import arm_lines
+    from specdraft.core import prompts as data
 
     rows = data.preset_rows("core18+code_edit")
     assert len(rows) == 27 and rows[-1]["id"] == "edit9" and len({r["id"] for r in rows}) == 27

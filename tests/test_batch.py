@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.policy import BatchRule
+from specdraft.core.tree import feed_mask
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.models.hf import HFModel
-from specdraft.core.policy import BatchRule
-from specdraft.core.tree import feed_mask
 
 V = 16
 PROMPTS = [
@@ -386,9 +386,9 @@ SAMPLING_CASES = [
 
 
 def _exact_first_two(target, sp):
-    from specdraft.core.sampling import probs_from_logits
-
     import numpy as np
+
+    from specdraft.core.sampling import probs_from_logits
 
     p1 = probs_from_logits(logits_of(target, P6)[-1], sp).double()
     joint = np.zeros((V6, V6))

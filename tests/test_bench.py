@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_llama, tiny_model_dir
 from specdraft.bench import runners
 from specdraft.bench.report import aggregate
-from conftest import tiny_llama, tiny_model_dir
 from specdraft.cli import main
 
 
@@ -374,9 +374,9 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
     from specdraft.cli import main
-    from specdraft.models.cost_curve import cpu_name
     from specdraft.core.errors import ModelFileError
     from specdraft.models import quantize
+    from specdraft.models.cost_curve import cpu_name
 
     try:
         quantize.variant_path("qwen2.5-coder-0.5b", "Q4_0")

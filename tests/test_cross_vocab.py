@@ -9,8 +9,8 @@ import torch
 from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
 from specdraft.core.config import SamplingParams
-from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
 from specdraft.core.errors import ConfigError
+from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
 from stat_util import fit_pvalue, sample_first_tokens
 
 TARGET_VOCAB = list("abcdef") + ["gg", "hh"]

@@ -9,13 +9,13 @@ import pytest
 
 from conftest import tiny_llama, tiny_model_dir
 from specdraft import api, cli
-from specdraft.drafters import registry as methods
-from specdraft.models import paths
-from specdraft.models.backends import BACKENDS
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser, models_from_args, spec_from_args
 from specdraft.core.config import SamplingParams, SpecConfig, spec_with_default
 from specdraft.core.errors import ConfigError
+from specdraft.drafters import registry as methods
+from specdraft.models import paths
+from specdraft.models.backends import BACKENDS
 
 
 def test_spec_with_default():

@@ -22,7 +22,8 @@ from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
 from specdraft.models.head_formats import int8_rows
 from stat_util import fit_pvalue, sample_first_tokens
-from test_greedy_real import NEW, PROMPTS as GREEDY_PROMPTS
+from test_greedy_real import NEW
+from test_greedy_real import PROMPTS as GREEDY_PROMPTS
 
 
 # --- the hand-over: the layers' outputs of a verifying forward = output_hidden_states of a plain one -----

@@ -6,13 +6,13 @@ import torch
 
 from conftest import logits_of, tiny_llama
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ContextLengthError
+from specdraft.core.sampling import probs_from_logits
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import generate
-from specdraft.core.errors import ContextLengthError
-from specdraft.core.sampling import probs_from_logits
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
@@ -55,36 +55,41 @@ CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path
 ]
 
 
-@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
-def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
+def drafter_maker(pair, method: str):
+    """-> a callable making a fresh drafter for ``method`` (every sampled run gets its own)."""
     target, draft = pair
     if method == "draft_model":
-        make = lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)  # noqa: E731
-    elif method == "static_tree":
-        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)  # noqa: E731
-    elif method == "dynamic_tree":
-        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)  # noqa: E731
-    elif method == "early_exit":  # the target's first layer drafts (a view over its own weights)
+        return lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)
+    if method == "static_tree":
+        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
+    if method == "dynamic_tree":
+        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+    if method == "early_exit":  # the target's first layer drafts (a view over its own weights)
         from specdraft.models.views import layer_view
 
         view = layer_view(target, [0])
-        make = lambda: DraftModelDrafter(
+        return lambda: DraftModelDrafter(
             view, SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}), V
-        )  # noqa: E731
-    elif method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
+        )
+    if method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
         from specdraft.api import SpecDecoder
 
         tree = dict(tree="dynamic", tree_topk=2, tree_budget=5) if method.endswith("tree") else {}
         spec, dec = SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree), SpecDecoder(target, None)
-        make = lambda: dec.make_drafter(spec)  # noqa: E731
-    elif method == "prompt_lookup_tree":
-        make = lambda: PromptLookupDrafter(
+        return lambda: dec.make_drafter(spec)
+    if method == "prompt_lookup_tree":
+        return lambda: PromptLookupDrafter(
             SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3)
-        )  # noqa: E731
-    elif method == "prompt_lookup":
-        make = lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))  # noqa: E731
-    else:
-        make = NoDrafter
+        )
+    if method == "prompt_lookup":
+        return lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
+    return NoDrafter
+
+
+@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
+def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
+    target = pair[0]
+    make = drafter_maker(pair, method)
     counts, drafted, accepted = sample_first_two(target, make, sp, max_new)
     if method == "plain":
         assert drafted == 0

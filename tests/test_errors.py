@@ -10,8 +10,8 @@ import pytest
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.errors import ConfigError, ModelFileError, TokenizerMismatchError
 from specdraft.models import catalog
-from specdraft.models.loading import check_same_tokenizer
 from specdraft.models.backends import load_model
+from specdraft.models.loading import check_same_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -554,8 +554,8 @@ def use_paths_file(f, raw: bytes) -> str:
     """What --backend auto, doctor and autotune --paths do with the file: it is "read" whole, or "refused" in
     one line naming it; any other exception fails the test."""
     from specdraft.commands import doctor
-    from specdraft.models import paths
     from specdraft.core.errors import ConfigError
+    from specdraft.models import paths
 
     f.write_bytes(raw)
     try:

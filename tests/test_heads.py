@@ -12,10 +12,10 @@ import torch
 from conftest import logits_of, tiny_llama, tiny_model_dir
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.engine import generate
-from specdraft.core.errors import ConfigError
 from specdraft.models.heads import EagleHead, MedusaHeads, load_head
 from stat_util import fit_pvalue, sample_first_tokens
 

@@ -15,8 +15,6 @@ import sys
 import pytest
 import torch
 
-from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import Job, generate, generate_batch
 from backend_util import (
     NEAR_TIE,
     check_greedy,
@@ -29,6 +27,8 @@ from backend_util import (
     sample_pairs,
     single_steps,
 )
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.engine import Job, generate, generate_batch
 
 pytest.importorskip("llama_cpp", reason="the llama backend needs llama-cpp-python (make setup builds it)")
 pytestmark = pytest.mark.slow

@@ -140,12 +140,10 @@ def fake_setup(tmp_path, monkeypatch, gguf, crashing: set[str], clang: bool = Fa
         monkeypatch.setenv(llama_probe.CRASH_HOOK, "all" if wheel.read_text() in crashing else "")
 
     (tmp_path / "wheels").mkdir(exist_ok=True)
-    run = lambda: llama_setup.setup(
-        tmp_path / "venv-marker",
-        build=build,
-        install=install,  # noqa: E731
-        probe_model=lambda: gguf,
-    )
+
+    def run():
+        return llama_setup.setup(tmp_path / "venv-marker", build=build, install=install, probe_model=lambda: gguf)
+
     return run, built, installed
 
 
@@ -197,8 +195,8 @@ def test_cmake_args_name_every_feature(monkeypatch):
 
 @pytest.mark.long
 def test_doctor(gguf, monkeypatch, capsys, tmp_path):
-    from specdraft.models import paths
     from specdraft.cli import main
+    from specdraft.models import paths
 
     monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")  # the curves it keeps
     assert main(["doctor", "--model", "smollm2-135m", "--threads", "1"]) == 0

@@ -6,9 +6,9 @@ import torch
 
 from conftest import tiny_llama
 from specdraft.core.config import SamplingParams
+from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Engine, Job, generate, generate_batch
-from specdraft.core.tree import DraftTree
 
 V = 16
 PROMPT = [1, 2, 3, 1, 2]
@@ -109,9 +109,9 @@ def test_stream_never_emits_past_a_stop(target):
 def test_seeded_sample_does_not_depend_on_other_requests(target):
     """A seeded sampling request gives the same tokens alone and next to 3 other requests, even with a
     batch rule that would shrink drafting at that batch size (seeded rows are exempt)."""
-    from specdraft.drafters.prompt_lookup import PromptLookupDrafter
     from specdraft.core.config import SpecConfig
     from specdraft.core.policy import BatchRule
+    from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
     def drafter():
         return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2))

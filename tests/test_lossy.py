@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.engine import Job, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.draft_model import DraftModelDrafter
-from specdraft.engine import generate
 from specdraft.core.errors import ConfigError
-from specdraft.models.hf import HFModel
 from specdraft.core.sampling import probs_from_logits
 from specdraft.core.tree import DraftTree
 from specdraft.core.verify import TypicalAcceptance, typical_verify, typical_verify_tree
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.engine import Job, generate, generate_batch
+from specdraft.models.hf import HFModel
 from stat_util import emitted_counts, fit_pvalue
 
 V = 6

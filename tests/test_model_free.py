@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import logits_of, tiny_llama
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError, DatastoreError
 from specdraft.drafters import datastore as ds
 from specdraft.drafters.base import NoDrafter, StepOutcome
 from specdraft.drafters.lookahead import LookaheadDrafter
@@ -28,7 +29,6 @@ from specdraft.drafters.suffix import (
 )
 from specdraft.drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter, expand, static_tree
 from specdraft.engine import generate
-from specdraft.core.errors import ConfigError, DatastoreError
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]

@@ -12,9 +12,6 @@ divergence is accepted only at a near-tie of plain decoding (backend_util.NEAR_T
 import pytest
 import torch
 
-from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import Job, generate, generate_batch
-
 from backend_util import (
     NEAR_TIE,
     check_greedy,
@@ -27,6 +24,8 @@ from backend_util import (
     sample_pairs,
     single_steps,
 )
+from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.engine import Job, generate, generate_batch
 
 pytest.importorskip("openvino", reason="the openvino backend needs openvino (make setup installs it)")
 pytestmark = pytest.mark.slow

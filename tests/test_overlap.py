@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from specdraft.api import SpecDecoder, load_draft
+from specdraft.bench.overlap import model_time
 from specdraft.core.config import SamplingParams
+from specdraft.core.errors import ConfigError
 from specdraft.drafters.remote_draft import PREFETCHED
 from specdraft.engine import Job, generate_batch
-from specdraft.core.errors import ConfigError
-from specdraft.bench.overlap import model_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -85,8 +85,8 @@ def test_remote_draft_refusals(dec, smol_f32):
 def test_explain_reads_the_bench_records():
     """The measured decode time is each run's wall time less its prefill (the engine's records); results
     without a prefill time are refused with a message, not a KeyError."""
-    from specdraft.core.errors import SpecDraftError
     from specdraft.bench.overlap import explain
+    from specdraft.core.errors import SpecDraftError
 
     rec = {
         "method": "pair_overlap",

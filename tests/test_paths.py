@@ -7,10 +7,10 @@ from importlib.util import find_spec
 
 import pytest
 
-from specdraft.models import paths
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.core.errors import ConfigError
+from specdraft.models import paths
 
 
 def slow_llama(test):

@@ -14,15 +14,15 @@ import torch
 from conftest import logits_of, tiny_llama
 from specdraft.core import processors
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
+from specdraft.core.processors import RequestProcessor, TokenConstraint
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter, DraftModelGroup
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Job, generate, generate_batch
-from specdraft.core.errors import ConfigError
-from specdraft.core.processors import RequestProcessor, TokenConstraint
-from specdraft.core.sampling import probs_from_logits
-from specdraft.core.tree import DraftTree
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
@@ -162,7 +162,7 @@ def test_greedy_processed_equals_plain_processed(pair, toy_grammar, method):
     prompts = [PROMPT, [0, 1, 2, 3, 4, 5, 0, 1], [5, 5, 4]]
     sp = SamplingParams(max_new_tokens=24, regex="toy", **PROC)
     plain = [generate(target, NoDrafter(), p, sp, eos_ids=set()).token_ids for p in prompts]
-    for out, p in zip(plain, prompts):
+    for out in plain:
         assert all(a != b and (a != 0 or b == 1) for a, b in zip(out, out[1:]))  # the grammar held
     make = drafters(pair)[method]
     spec = [generate(target, make(), p, sp, eos_ids=set()) for p in prompts]

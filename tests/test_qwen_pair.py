@@ -53,7 +53,8 @@ def test_qwen_pair_greedy_matches_plain(qwen, plain_ref):
     for prompt, c in divergences:  # reported in pytest's warnings summary
         warnings.warn(
             f"bf16 {method} diverged from plain on {prompt!r} at token {c['first_divergence']}, "
-            f"target top-2 logit gap {c.get('top2_gap')}"
+            f"target top-2 logit gap {c.get('top2_gap')}",
+            stacklevel=1,  # this test's line: the divergence is the test's finding
         )
     bugs = [d for d in divergences if d[1].get("top2_gap", float("inf")) > NEAR_TIE]
     assert not bugs, f"divergences that are not near-ties: {bugs}"

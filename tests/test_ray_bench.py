@@ -175,9 +175,8 @@ def test_bench_ray_resumes(ray_local, dataset, local_doc, tmp_path, capsys):
 
 # --- train --ray ----------------------------------------------------------------------------------
 def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys):
-    from specdraft.commands import train
     from specdraft.api import SpecDecoder
-
+    from specdraft.commands import train
     from specdraft.commands.train import data as train_data
 
     monkeypatch.setattr(train_data, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker

@@ -15,9 +15,9 @@ from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser
 from specdraft.models.hf import HFModel
 from specdraft.scale.cluster import connect
-from specdraft.server.replicas import start_replicas
 from specdraft.server.front import Router, merge_metrics
 from specdraft.server.local import app_in_thread
+from specdraft.server.replicas import start_replicas
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,13 @@ import pytest
 
 from conftest import tiny_llama
 from server_util import running_server
-from specdraft.drafters import registry as methods
 from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
 from specdraft.core.config import Int, SpecConfig, param
-from specdraft.drafters.base import Drafter
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
+from specdraft.drafters import registry as methods
+from specdraft.drafters.base import Drafter
 
 PROMPT = [1, 2, 3, 3, 3]
 

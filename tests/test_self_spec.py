@@ -13,8 +13,8 @@ from specdraft.models.views import layer_view
 
 @pytest.mark.slow
 def test_views_equal_truncated_and_layer_deleted_models(smol_f32):
-    from specdraft.models.hf import HFModel
     from specdraft.models.backends import load_model
+    from specdraft.models.hf import HFModel
 
     m = smol_f32
     ids = torch.tensor(m.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"])

@@ -11,9 +11,9 @@ from conftest import tiny_llama
 from server_util import health, running_server, wait_until
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.tools.loadtest import check_url, parse_levels
-from specdraft.server.protocol import StepTrace, TextStream
 from specdraft.core.errors import SpecDraftError
+from specdraft.server.protocol import StepTrace, TextStream
+from specdraft.tools.loadtest import check_url, parse_levels
 
 
 class StubTok:

@@ -18,10 +18,10 @@ from server_util import REQUEST_COUNTS, metric_samples, running_server
 from specdraft.api import SpecDecoder, _cached
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.base import NoDrafter
-from specdraft.engine import Engine, generate
 from specdraft.core.errors import SpecDraftError
 from specdraft.core.sampling import sample
+from specdraft.drafters.base import NoDrafter
+from specdraft.engine import Engine, generate
 from specdraft.server.pacing import StreamPacing
 from specdraft.server.scheduler import BaseWorker
 from test_server_fast import StubTok, tiny_pair

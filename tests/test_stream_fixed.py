@@ -15,7 +15,7 @@ from conftest import tiny_llama
 from server_util import running_server
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.server.pacing import StreamPacing, keepalive, pad, paced
+from specdraft.server.pacing import StreamPacing, keepalive, paced, pad
 from test_server_fast import StubTok, tiny_pair
 
 

@@ -63,8 +63,8 @@ def main() -> None:
     sys.path.insert(0, a.before)
     import specdraft
     from specdraft.core import prompts as data
-    from specdraft.models.loading import set_threads
     from specdraft.models.backends import load_model
+    from specdraft.models.loading import set_threads
 
     old = importlib.import_module("specdraft_before")
     old_api = importlib.import_module("specdraft_before.api")

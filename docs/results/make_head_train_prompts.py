@@ -14,5 +14,7 @@ with open(sys.argv[1], "w") as f:
     for r in keep:
         f.write(json.dumps(r) + "\n")
 print(
-    f"{len(keep)} prompts (of {len(rows)}; {len(rows) - len([r for r in rows if r['question_id'] not in BENCH_IDS])} bench prompts excluded) -> {sys.argv[1]}"
+    f"{len(keep)} prompts (of {len(rows)}; "
+    f"{len(rows) - len([r for r in rows if r['question_id'] not in BENCH_IDS])} bench prompts excluded) "
+    f"-> {sys.argv[1]}"
 )

@@ -8,8 +8,8 @@ reports total generated tokens / total wall seconds (prefill included), the spee
 at the same batch size, MAT and acceptance rate (all from specdraft.core.metrics), and, when greedy,
 how many rows equal plain's rows token for token. The batch policy is off unless --policy is given,
 so the raw crossover is what is measured; its defaults (config.SPEC_SHRINK_AT, config.SPEC_OFF_AT) are set from
-``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
-larger measured size.
+``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the
+smallest measured size from which it loses at every larger measured size.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import SpecDraftError
 from ..commands.flags import add_device_args
+from ..core.errors import SpecDraftError
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,8 @@ class _Runner:
 def main_batchbench(opts: BatchBenchOptions) -> int:
     from ..api import SpecDecoder
     from ..core.config import SamplingParams
-    from ..drafters.registry import method
     from ..core.prompts import load_prompts
+    from ..drafters.registry import method
 
     sizes = _ints(opts.batch_sizes, "batch-sizes")
     if opts.prompts < 1 or opts.max_new_tokens < 1 or opts.repeats < 1:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 from ..core.policy import chain_tokens
 from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
 from ..models.paths import PREFILL_TOKENS
-from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,8 @@ def add_parser(sub):
 
 def main_costs(opts: CostsOptions) -> int:
     from ..core.errors import SpecDraftError
-    from ..models.backends import DEFAULT_DTYPE, backend
+    from ..models.backends import DEFAULT_DTYPE, backend, load_model, placement
     from ..models.loading import set_threads
-    from ..models.backends import load_model, placement
     from ..models.lowbit import parse_quant
 
     threads = set_threads(opts.threads)

@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 
 from ..commands.flags import add_device_args
-from ..drafters import registry as methods
-from ..scale import cluster
+from ..core import prompts as data
 from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
 from ..core.errors import ConfigError, SpecDraftError
 from ..core.extras import needs_extra
-from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
 from ..core.metrics import decode_phase
-from ..core import prompts as data
+from ..drafters import registry as methods
+from ..models.backends import BACKENDS
+from ..scale import cluster
 from .report import read_results, render
 
 BASELINES = (
@@ -188,8 +188,8 @@ def add_parser(sub):
     b.add_argument(
         "--methods",
         default=None,
-        help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
-        "METHOD on that backend, beside --backend's, in the same run), or "
+        help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, "
+        "or BACKEND:METHOD (e.g. llama:suffix: METHOD on that backend, beside --backend's, in the same run), or "
         "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
         "e.g. the Q4_K_M file beside a NAME:Q4_0 target)",
     )

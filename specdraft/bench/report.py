@@ -20,7 +20,6 @@ from ..core.metrics import (
 )
 from ..core.prompts import TASKS
 
-
 _COUNT = h.of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)")
 _STEP = h.of(
     lambda v: (
@@ -326,7 +325,8 @@ def markdown(doc: dict, agg: dict) -> str:
     lines = [
         f"### {s['target']}"
         + (f" (draft {s['draft']})" if s.get("draft") else "")
-        + f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
+        + f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, "
+        f"{agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
         f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}"
         + (" (the fastest plain decoder of this run)" if agg.get("fastest_plain") else "")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..commands.train import data as train_data
 from ..commands.train.loop import progress
-from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 from ..scale import cluster
+from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 
 
 # --- bench --------------------------------------------------------------------------------------

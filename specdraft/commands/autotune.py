@@ -19,14 +19,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import homefiles, prompts
 from ..api import ModelSettings
-from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
+from ..core import homefiles, prompts
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import SpecDraftError
 from ..core.metrics import FirstToken, decode_phase, tokens_per_second
-from .flags import add_model_args
+from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
 from ..drafters.registry import method
+from .flags import add_model_args
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,8 @@ def summarize(records: list[dict], base: dict) -> dict:
 
 
 def main_autotune(opts: AutotuneOptions) -> int:
-    from ..models.cost_curve import cpu_name
     from ..models.catalog import home
+    from ..models.cost_curve import cpu_name
     from ..models.loading import set_threads
 
     opts = dataclasses.replace(opts, models=on_this_cpu(opts.models))

@@ -77,9 +77,8 @@ def check_models(r: Report) -> list[str]:
 
 
 def measure(r: Report, model: str, paths: list[str]) -> dict[str, dict[int, float]]:
-    from ..models.paths import CURVE_TOKENS, measure_curves
-
     from ..models.backends import BACKENDS
+    from ..models.paths import CURVE_TOKENS, measure_curves
 
     r.say(
         "costs",

@@ -170,8 +170,8 @@ def main_tune_skip(opts: TuneSkipOptions) -> int:
     from tqdm import tqdm
 
     from ..api import SpecDecoder
-    from ..models.cost_curve import measure_costs
     from ..core.config import SamplingParams, SpecConfig
+    from ..models.cost_curve import measure_costs
 
     # skips its layers, timed on this CPU
     dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf", device="cpu")

@@ -7,8 +7,8 @@ Validation is declarative: each field carries its constraint (``field(metadata={
 small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, ...), one generic loop
 (``_check_fields``) applies them, then a short list of cross-field rules, then the method's own rules,
 read from the method registry: the table ``REGISTRY`` below, which ``specdraft.drafters.registry`` fills (its
-entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
-target, a datastore's vocabulary or a skip config are checked when they are loaded.
+entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type
+and target, a datastore's vocabulary or a skip config are checked when they are loaded.
 
 Each field that only some methods read names them (``used_by``); set for another method it is an error
 naming them. A method registered with parameters of its own (``Method.params``, a dataclass declared with

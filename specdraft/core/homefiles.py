@@ -1,7 +1,7 @@
 """The JSON files this project writes under ``$SPECDRAFT_HOME`` (measured paths, probe verdicts, quantized
-variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn, edited, another
-version's) is one clear error naming the file and its first wrong value, not a traceback wherever a field
-is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
+variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn,
+edited, another version's) is one clear error naming the file and its first wrong value, not a traceback wherever a
+field is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from typing import Iterator
 
 from .errors import SpecDraftError
 
-
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a pair, or alone
 
 

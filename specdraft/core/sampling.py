@@ -6,9 +6,8 @@ distribution a token is sampled from. The verifier's exactness rests on both sid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch

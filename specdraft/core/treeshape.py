@@ -7,8 +7,8 @@ tokens: a static tree drafts one level per forward).
 
 A node whose path from the root takes ranks r1..rd is accepted with probability p[r1] times, for
 each deeper level, the acceptance of rank ri *given the parent's rank* (``p_next``: a draft that
-agreed once tends to keep agreeing; with independence, Sequoia's assumption, p again), and a tree of n nodes is expected to emit
-1 + the sum of those over its nodes. A node's value is at most its parent's and, for decreasing p,
+agreed once tends to keep agreeing; with independence, Sequoia's assumption, p again), and a tree of n nodes is expected
+to emit 1 + the sum of those over its nodes. A node's value is at most its parent's and, for decreasing p,
 at most its left sibling's, so the n most valuable nodes always form a valid tree (prefix-closed,
 ranks contiguous): popping nodes from a heap in value order (pushing a popped node's first child
 and next sibling) yields the best tree of every size n, the optimum of Sequoia's dynamic program

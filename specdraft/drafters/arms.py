@@ -38,8 +38,8 @@ def slug(s: str | None) -> str:
 
 
 def default_path(dec) -> Path:
-    from ..models.cost_curve import cpu_key
     from ..models.catalog import home
+    from ..models.cost_curve import cpu_key
 
     t = dec.target
     d = dec.draft

@@ -149,7 +149,7 @@ class CrossVocabDrafter(Drafter):
             self.kv.commit([len(feed)])
             self.held += feed
             if self.sp.greedy:
-                if not confident(thr, step, lambda: torch.softmax(logits.float(), -1).max()):
+                if not confident(thr, step, lambda lg=logits: torch.softmax(lg.float(), -1).max()):
                     break
                 d = int(logits.argmax())
             else:

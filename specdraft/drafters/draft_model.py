@@ -172,7 +172,7 @@ class DraftModelGroup:
             keep = N - min(len(level[i][0]) - len(level[i][2]) for i in level)  # the nodes are fed last
             logits = kv.forward(seqs, keep=keep, trees=[level[i][1] if i in level else None for i in range(R)])
             kv.commit([0] * R)
-            for i, (tokens, _, at) in level.items():
+            for i, (_, _, at) in level.items():
                 lg = fit_vocab(logits[i, [a - (N - keep) for a in at]], self.target_vocab)
                 _resume(i, live[i][0], lg, live, done)
         return done

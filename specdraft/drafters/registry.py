@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..core.config import ALL_TREES, REGISTRY, SCHEDULES, Int, SpecConfig, param
+from ..core.errors import ConfigError
 from .auto import AutoParams
 from .draft_model import CascadeParams
 from .hybrid import HybridParams
 from .lookahead import LookaheadParams, tree_too_large
 from .remote_draft import RemoteDraftParams
 from .token_recycling import TokenRecyclingParams
-from ..core.errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")

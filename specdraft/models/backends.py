@@ -4,7 +4,8 @@
 (``NAME:int8``, ``NAME:int4``; models/lowbit.py), every method.
 ``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
-``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an attention-bias input replaces its mask).
+``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an
+attention-bias input replaces its mask).
 
 Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here. The entry
 describes the backend: what it offers (token trees, the target's features, layer views: the methods that
@@ -21,7 +22,6 @@ from typing import Callable
 
 from ..core.device import AUTO, device_kind, torch_device
 from ..core.errors import ConfigError
-
 
 DEFAULT_DTYPE = "bfloat16"  # the dense weights' dtype when no --dtype is given
 OFFERS = ("trees", "hidden", "layers", "views")  # token trees scored; final-norm / decoder-layer features handed

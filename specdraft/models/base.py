@@ -57,8 +57,8 @@ class ModelFacts:
 
 def padded_features(rows: list, N: int, width: int | None = None) -> torch.Tensor:
     """Per-row features [n_r, W] (numpy; None: the row fed nothing) -> ``last_hidden`` [B, N, W], zeros
-    past each row's n_r (W: ``width``, else the rows'; numpy: a torch fill of this size wakes torch's OpenMP workers, whose spinning then
-    takes cores from the backend's next forward)."""
+    past each row's n_r (W: ``width``, else the rows'; numpy: a torch fill of this size wakes torch's OpenMP workers,
+    whose spinning then takes cores from the backend's next forward)."""
     W = width if width is not None else max((x.shape[1] for x in rows if x is not None), default=0)
     out = np.zeros((len(rows), N, W), np.float32)
     for r, x in enumerate(rows):

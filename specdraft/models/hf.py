@@ -200,6 +200,16 @@ def _set(layer, k, v):
         layer.is_initialized = True
 
 
+def _left_pad(t, rows: int, have: int, new_len: int, ref: torch.Tensor) -> torch.Tensor:
+    """KV ``t`` [rows, H, have, D] left-padded with zeros to ``new_len`` positions; None: zeros (H, D: ``ref``'s)."""
+    H, D = ref.shape[1], ref.shape[3]
+    if t is None:
+        return ref.new_zeros(rows, H, new_len, D)
+    if new_len > have:
+        return torch.cat([t.new_zeros(rows, H, new_len - have, D), t], dim=2)
+    return t
+
+
 class HFRows:
     """A KV cache of B rows with per-row lengths (``lens``) and holes, over one HFModel's weights."""
 
@@ -308,17 +318,8 @@ class HFRows:
             if a is None and r is None:
                 continue
             ref = (a or r)[0]
-            H, D = ref.shape[1], ref.shape[3]
-
-            def pad(t, rows, have):
-                if t is None:
-                    return ref.new_zeros(rows, H, newL, D)
-                if newL > have:
-                    return torch.cat([t.new_zeros(rows, H, newL - have, D), t], dim=2)
-                return t
-
-            k = torch.cat([pad(a and a[0], self.B, L), pad(r and r[0], B2, P)], dim=0)
-            v = torch.cat([pad(a and a[1], self.B, L), pad(r and r[1], B2, P)], dim=0)
+            k = torch.cat([_left_pad(a and a[0], self.B, L, newL, ref), _left_pad(r and r[0], B2, P, newL, ref)], 0)
+            v = torch.cat([_left_pad(a and a[1], self.B, L, newL, ref), _left_pad(r and r[1], B2, P, newL, ref)], 0)
             _set(layer, k, v)
         valid = torch.zeros(self.B + B2, newL, dtype=torch.bool, device=HOST)
         valid[: self.B, newL - L :] = self.valid

@@ -163,22 +163,24 @@ def fuse_siblings(parent: nn.Module) -> int:
     done = 0
     for names in SIBLINGS:
         lins = [getattr(parent, n, None) for n in names]
-        if not all(isinstance(l, nn.Linear) and l.in_features == lins[0].in_features for l in lins):
+        if not all(isinstance(lin, nn.Linear) and lin.in_features == lins[0].in_features for lin in lins):
             continue
         cat = nn.Linear(
             lins[0].in_features,
-            sum(l.out_features for l in lins),
-            bias=any(l.bias is not None for l in lins),
+            sum(lin.out_features for lin in lins),
+            bias=any(lin.bias is not None for lin in lins),
             dtype=lins[0].weight.dtype,
         )
         with torch.no_grad():
-            cat.weight.copy_(torch.cat([l.weight for l in lins]))
+            cat.weight.copy_(torch.cat([lin.weight for lin in lins]))
             if cat.bias is not None:
-                cat.bias.copy_(torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features) for l in lins]))
+                cat.bias.copy_(
+                    torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in lins])
+                )
         fused, lo = W8A8Linear(cat), 0
-        for n, l in zip(names, lins):
-            setattr(parent, n, W8A8Part(fused, lo, lo + l.out_features, len(names)))
-            lo += l.out_features
+        for n, lin in zip(names, lins):
+            setattr(parent, n, W8A8Part(fused, lo, lo + lin.out_features, len(names)))
+            lo += lin.out_features
         done += len(names)
     return done
 

@@ -10,8 +10,8 @@ A *path* is a backend and the variant of the target's weights it reads: ``hf`` (
 2. else the cost curves ``specdraft doctor`` measured for this model here: the cheapest one-token
    forward. ``auto`` never runs much slower than plain decoding on its path, and without the
    workload's acceptance that floor is all a curve can promise;
-3. else nothing was measured: the curves of each backend's first path (``Backend.paths``) are measured now (about a minute per
-   path, once per model and CPU kind) and kept.
+3. else nothing was measured: the curves of each backend's first path (``Backend.paths``) are measured now (about a
+   minute per path, once per model and CPU kind) and kept.
 
 Given a request's shape (``RequestShape``: its prompt's tokens and the tokens it may generate; the CLI's
 ``generate`` knows both, the library takes ``SpecDecoder.load(..., shape=)``), ``--backend auto`` takes the
@@ -74,8 +74,8 @@ class ModelPath:
 
 
 def file_for(model: str) -> Path:
-    from .cost_curve import cpu_key
     from .catalog import home
+    from .cost_curve import cpu_key
 
     return home() / "paths" / f"{model.replace('/', '-')}__{cpu_key()}.json"
 
@@ -153,8 +153,8 @@ def measure_curves(
     """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
     time), the median of ``repeats``, and ms to prefill prompts of PREFILL_TOKENS; a path that cannot run
     here goes to ``fail(path, message)`` (default: said) and is skipped. Kept in the model's file."""
-    from .cost_curve import measure_costs, measure_prefill
     from .backends import load_model
+    from .cost_curve import measure_costs, measure_prefill
 
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores / 2:  # other processes' threads stall a backend's own (llama.cpp's most)

@@ -1,5 +1,6 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
-/v1/specdraft/methods, /health, /metrics, and the playground page at / (server/playground.html). Request handlers only parse, admit and relay; decoding runs on the worker thread."""
+/v1/specdraft/methods, /health, /metrics, and the playground page at / (server/playground.html). Request handlers only
+parse, admit and relay; decoding runs on the worker thread."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..api import ModelSettings, default_backend
 from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..core.errors import SpecDraftError
-from ..drafters.registry import REGISTRY, method as registered
-from .prometheus import ServerMetrics
-from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
-from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
+from ..drafters.registry import REGISTRY
+from ..drafters.registry import method as registered
 from .batch_worker import BatchWorker
 from .learning import LearnCollector, api_keys, curve_view, health_view, learns_from, tenancy_problem
-from .resources import LOAD_S, load as load_resources
+from .pacing import STREAM_MODES, StreamPacing, keepalive, paced, pad
+from .prometheus import ServerMetrics
+from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
+from .resources import LOAD_S
+from .resources import load as load_resources
 from .scheduler import Job, QueueFull, shutdown_error
 
 log = logging.getLogger("specdraft.server")
@@ -359,10 +362,10 @@ class ServerSettings:
     fields to server.local.serve_in_thread).
 
     ``max_batch``: the rows the worker (BatchWorker) decodes together, 1 = one request at a time; with more,
-    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
-    ``open_metrics``) requires it (or, given several, one of them) as a Bearer token. ``learn_keys``: on a
-    decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the head; None: every
-    request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
+    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``:
+    every endpoint but /health (and /metrics with ``open_metrics``) requires it (or, given several, one of them) as a
+    Bearer token. ``learn_keys``: on a decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the
+    head; None: every request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
     ``max_body_bytes``: larger request bodies get a 413.
     ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
     ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.

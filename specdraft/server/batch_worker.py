@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
-from ..engine import Engine, Job, StepHook
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
+from ..engine import Engine, Job, StepHook
 from .scheduler import BaseWorker, log, make_drafter
 
 

@@ -11,8 +11,8 @@ default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_op
 ``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
 SpecConfig object merged over the server's default), ``stream_mode`` (``"normal"`` or ``"fixed"``,
 server/pacing.py), ``stream_options.include_steps`` (each chunk of a stream gains a ``specdraft`` object:
-the step's draft and acceptance and the origin of every token, see ``StepTrace``). Parameters this server cannot honour get a 400
-naming them rather than being silently ignored.
+the step's draft and acceptance and the origin of every token, see ``StepTrace``). Parameters this server cannot honour
+get a 400 naming them rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from ..core.config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
 from ..core.errors import ConfigError, ContextLengthError, SpecDraftError
-from ..engine import check_fits
 from ..core.processors import RequestProcessor
+from ..engine import check_fits
 from .pacing import STREAM_MODES
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from fastapi import FastAPI
 
 from ..core.errors import SpecDraftError
-from .front import create_front
 from ..scale.cluster import connect
+from .front import create_front
 
 
 class ReplicaServer:

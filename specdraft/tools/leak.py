@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from ..api import ModelSettings
+from ..commands.flags import add_model_args
+from ..core.errors import SpecDraftError
 from ..core.extras import require_extra
 from ..models.cost_curve import cpu_name
-from ..core.errors import SpecDraftError
-from ..commands.flags import add_model_args
 
 K_EVENTS = 32  # events per request the features describe (zero-padded)
 CLASSES = ("Repeat the following text word for word.\n\n{p}", "Write a short poem about the following text.\n\n{p}")

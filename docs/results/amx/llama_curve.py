@@ -7,7 +7,11 @@ Used for the AMX table of docs/benchmarks.md (2026-12-02); `specdraft costs --ba
 same through the engine's interface, with the installed build.
 """
 
-import sys, time, statistics, os
+import os
+import statistics
+import sys
+import time
+
 import llama_cpp as ll
 
 path = sys.argv[1]

@@ -3,18 +3,19 @@ Usage (from the repository root): .venv/bin/python docs/results/bf16_draft05/dra
 self:Q2_K qwen2.5-coder-0.5b:Q4_0 qwen2.5-coder-0.5b   (make the variants first: specdraft models quantize)
 Per draft (llama.cpp): one-token ms, and acceptance / MAT of draft_model k=6 on 12 Spec-Bench prompts, 48 tokens."""
 
-import json, sys
+import json
+import sys
 from pathlib import Path
 
 from specdraft.api import SpecDecoder
+from specdraft.core.prompts import default_dataset
+from specdraft.models.backends import load_model
 from specdraft.models.cost_curve import measure_costs
 from specdraft.models.loading import set_threads
-from specdraft.models.backends import load_model
-from specdraft.core.prompts import default_dataset
 
 set_threads(2)
 target = load_model("qwen2.5-coder-1.5b", "bfloat16")
-qs = [json.loads(l) for l in open(default_dataset())]
+qs = [json.loads(line) for line in open(default_dataset())]
 by_task = {}
 for q in qs:
     by_task.setdefault(q["category"], []).append(q)

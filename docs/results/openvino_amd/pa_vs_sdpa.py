@@ -1,13 +1,18 @@
 """Engine plain on the stateful IR vs OpenVINO GenAI with its PA (paged attention, default) and SDPA
 (stateful) backends: the same prompts interleaved, 64 new tokens, 2 threads, prefix caching off where it applies."""
 
-import time, numpy as np, torch, json
+import time
 
-torch.set_num_threads(2)
-from specdraft.models.backends import load_model
+import numpy as np
+import openvino as ov
+import openvino_genai as g
+import torch
+
 from specdraft.api import SpecDecoder
 from specdraft.core import prompts
-import openvino as ov, openvino_genai as g
+from specdraft.models.backends import load_model
+
+torch.set_num_threads(2)
 
 m = load_model("qwen2.5-coder-1.5b:Q4_0", backend="openvino")
 dec = SpecDecoder(m)
@@ -50,7 +55,7 @@ def run_engine(x):
 for f in (lambda x: run_engine(x), lambda x: run_genai(pipes["PA"], x), lambda x: run_genai(pipes["SDPA"], x)):
     f(ids[0][:20])
 tot = {"engine": [0, 0], "genai PA": [0, 0], "genai SDPA": [0, 0]}
-for rep in range(2):
+for _ in range(2):
     for x in ids:
         for name, f in (
             ("engine", run_engine),

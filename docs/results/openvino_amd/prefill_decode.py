@@ -1,13 +1,19 @@
 """Where the engine's plain decoding on OpenVINO loses to OpenVINO GenAI's: prefill and per-token decode,
 measured apart on the same IR (2 threads)."""
 
-import sys, time, json
-import numpy as np, torch
+import json
+import sys
+import time
+
+import numpy as np
+import openvino as ov
+import openvino_genai as g
+import torch
+
+from specdraft.core import prompts
+from specdraft.models.backends import load_model
 
 torch.set_num_threads(2)
-from specdraft.models.backends import load_model
-from specdraft.core import prompts
-import openvino as ov, openvino_genai as g
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b:Q4_0"
 m = load_model(name, backend="openvino")
@@ -62,7 +68,8 @@ for label, ids0 in (("long", ids_long),):
         pf, ts = engine(ids, 32)
         w, ttft, tpot = genai([2000 + rep] + ids0, 33)
         print(
-            f"{label} ({len(ids)} tok): engine prefill {pf * 1000:.0f} ms + first {ts[0] * 1000:.0f}, decode median {np.median(ts[1:]) * 1000:.1f} ms | "
+            f"{label} ({len(ids)} tok): engine prefill {pf * 1000:.0f} ms + first {ts[0] * 1000:.0f}, "
+            f"decode median {np.median(ts[1:]) * 1000:.1f} ms | "
             f"genai ttft {ttft:.0f} ms, tpot {tpot:.1f} ms, wall {w:.2f}s",
             flush=True,
         )

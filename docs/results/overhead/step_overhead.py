@@ -16,8 +16,8 @@ import sys
 import time
 
 import specdraft
-from specdraft.models.loading import set_threads
 from specdraft.models.backends import load_model
+from specdraft.models.loading import set_threads
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "hf"
 set_threads(2)
@@ -46,7 +46,7 @@ sp = specdraft.SamplingParams(max_new_tokens=48, ignore_eos=True)
 for method in os.environ.get("METHODS", "draft_model,prompt_lookup").split(","):
     spec = specdraft.SpecConfig(method=method, k=4)
     dec.generate(ids[:20], sampling=sp, spec=spec)  # warm-up
-    for rep in range(3):
+    for _ in range(3):
         inside[0] = 0.0
         t0 = time.perf_counter()
         r = dec.generate(ids, sampling=sp, spec=spec)

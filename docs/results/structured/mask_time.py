@@ -4,8 +4,13 @@ Needs xgrammar (not a dependency: pip install xgrammar==0.2.9, which pulls trito
 root: .venv/bin/python docs/results/structured/mask_time.py
 """
 
-import json, time, sys
-import torch
+import json
+import time
+
+import llguidance
+import llguidance.hf
+import llguidance.torch as lt
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
 tok = AutoTokenizer.from_pretrained("/root/.cache/specdraft/dense/qwen2.5-coder-1.5b")
@@ -21,7 +26,6 @@ schema = {
 text = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines", "notes"]})
 ids = tok.encode(text)
 V = 151936
-import xgrammar as xgr
 
 t0 = time.perf_counter()
 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V)
@@ -40,8 +44,6 @@ print("xgrammar mask ms median", sorted(ts)[len(ts) // 2] * 1e3, "max", max(ts) 
 a = time.perf_counter()
 m.rollback(5)
 print("rollback ms", (time.perf_counter() - a) * 1e3)
-import llguidance, llguidance.hf, llguidance.torch as lt
-
 t0 = time.perf_counter()
 lt_tok = llguidance.hf.from_tokenizer(tok, n_vocab=V)
 g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))

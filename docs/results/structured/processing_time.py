@@ -1,13 +1,17 @@
 """Per-step cost of RequestProcessor on the Qwen vocabulary (docs/design.md): compile, mask, process, prune.
 Run from the repo root: .venv/bin/python docs/results/structured/processing_time.py"""
 
-import json, time, torch
+import json
+import time
 
-torch.set_num_threads(2)
+import torch
 from transformers import AutoTokenizer
+
 from specdraft.core.config import SamplingParams
 from specdraft.core.processors import RequestProcessor
 from specdraft.core.tree import DraftTree
+
+torch.set_num_threads(2)
 
 tok = AutoTokenizer.from_pretrained("/root/.cache/specdraft/dense/qwen2.5-coder-1.5b")
 V = 151936

@@ -1,5 +1,8 @@
-import json, sys, time, os, torch
-from specdraft import SpecDecoder, SamplingParams, SpecConfig
+import json
+import sys
+import time
+
+from specdraft import SamplingParams, SpecConfig, SpecDecoder
 from specdraft.core.prompts import default_dataset
 
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="smollm2-135m", dtype="bfloat16", draft_backend="llama")
@@ -25,6 +28,7 @@ for name, spec in cfgs:
         tot["steps"] += s["steps"]
     print(
         name,
-        f"tok/s {tot['tok'] / tot['wall']:.2f} acc {tot['acc'] / max(1, tot['dr']):.2f} mat {(tot['acc'] + tot['steps']) / tot['steps']:.2f}",
+        f"tok/s {tot['tok'] / tot['wall']:.2f} acc {tot['acc'] / max(1, tot['dr']):.2f} "
+        f"mat {(tot['acc'] + tot['steps']) / tot['steps']:.2f}",
         flush=True,
     )

@@ -1,8 +1,15 @@
 """Is a T=1 sampler the target's distribution? For each generated token, d = log p(x) + H(p) has mean 0
 under exact sampling; Z = sum d / sqrt(sum Var(log p)) ~ N(0, 1)."""
 
-import json, sys, time, torch, copy, math
-from specdraft import SpecDecoder, SamplingParams, SpecConfig
+import copy
+import json
+import math
+import sys
+import time
+
+import torch
+
+from specdraft import SamplingParams, SpecConfig, SpecDecoder
 from specdraft.core.prompts import default_dataset
 
 dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="smollm2-135m", dtype="bfloat16", draft_backend="llama")
@@ -60,6 +67,7 @@ for mode in ["plain", "engine", "uad"]:
             V += v
             N += n
     print(
-        f"{mode}: tokens {N}, mean(log p + H) {S / N:+.3f} nats/token, Z = {S / math.sqrt(V):+.2f} ({time.time() - t0:.0f}s)",
+        f"{mode}: tokens {N}, mean(log p + H) {S / N:+.3f} nats/token, "
+        f"Z = {S / math.sqrt(V):+.2f} ({time.time() - t0:.0f}s)",
         flush=True,
     )
