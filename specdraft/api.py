@@ -79,7 +79,10 @@ class SpecDecoder:
 
         # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
         kind = head_type(spec.method)
-        return self.shared(("head", spec.head, kind), lambda: self._load_head(spec.head, kind), limit=None)
+        path = spec.head
+        if path is None:  # SpecConfig refuses a head method without one: only a spec built around it lands here
+            raise ConfigError(f"method {spec.method!r} drafts with a trained head: give head=DIR (--head DIR)")
+        return self.shared(("head", path, kind), lambda: self._load_head(path, kind), limit=None)
 
     def _load_head(self, path: str, kind: str):
         from .models.heads import load_head
@@ -143,8 +146,10 @@ class SpecDecoder:
     def set_cost_curves(self, target: dict[int, float], draft: dict[int, float] | None = None) -> None:
         """Curves given instead of measured ({n: seconds}, e.g. a synthetic one in a test): used as they
         are, and ``auto`` does not correct them from the steps it sees."""
-        self._costs.clear(), self._costs.update(target)
-        self._draft_costs.clear(), self._draft_costs.update(draft or {})
+        self._costs.clear()
+        self._costs.update(target)
+        self._draft_costs.clear()
+        self._draft_costs.update(draft or {})
         self._shared.pop("observed_costs", None)
         self.curves_given = True
 
@@ -321,11 +326,12 @@ class SpecDecoder:
     ) -> GenerationResult:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         sp = SamplingParams.from_dict(sampling)
+        config: SpecConfig
         if spec is None or (isinstance(spec, dict) and "method" not in spec):
-            spec, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
+            config, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
         else:
-            spec = SpecConfig.from_dict(spec)
-            drafter = self.make_drafter(spec)
+            config = SpecConfig.from_dict(spec)
+            drafter = self.make_drafter(config)
         ids = self.encode(prompt, chat=chat)
         return generate(
             self.target,
@@ -334,9 +340,9 @@ class SpecDecoder:
             sp,
             self.eos_ids,
             self.tokenizer,
-            self.draft_length(spec),
+            self.draft_length(config),
             on_emit=on_emit,
-            lossy=spec.lossy_rule(),
+            lossy=config.lossy_rule(),
             hook=self.learner,
         )
 
@@ -356,7 +362,7 @@ def _learner(target, learn):
     return Learner(target, cfg)
 
 
-def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
+def _cached(cache: OrderedDict, key, make, limit: int | None = CACHE_ENTRIES):
     """``cache[key]``, made by ``make()`` when missing; the least recently used entries leave past ``limit``
     (specs come from clients: an unbounded cache would grow with every distinct one); None: no bound."""
     if key in cache:

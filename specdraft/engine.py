@@ -49,7 +49,7 @@ class GenerationResult:
     logprobs: list[dict] | None = None  # per token (SamplingParams.logprobs): processors.logprob_entries
 
     def to_dict(self, per_step: bool = False) -> dict:
-        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
+        out: dict[str, object] = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
         return out
@@ -121,6 +121,13 @@ class Request:
     @property
     def output(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]
+
+    def outcome(self) -> GenerationResult:
+        """A finished row's result; its error raised instead when its own work failed."""
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None  # a row finishes with its result or its error
+        return self.result
 
     @property
     def seeded_sampling(self) -> bool:
@@ -313,7 +320,7 @@ class Engine:
         logits = self._process(rows, drafts, self._score(rows, drafts))
         n_acc, new, keep = self._verify(rows, drafts, logits)
         lps = [
-            None if row.logprobs is None else logprob_entries(logits[r, _slots(keep[r])], new[r], row.sp.logprobs)
+            None if row.sp.logprobs is None else logprob_entries(logits[r, _slots(keep[r])], new[r], row.sp.logprobs)
             for r, row in enumerate(rows)
         ]
         self.kv.commit(keep)
@@ -423,9 +430,12 @@ class Engine:
     def _constrain(row: Request, draft: DraftTree) -> DraftTree:
         """The draft without what the grammar rules out (the target scores none of it), then the tokens
         the grammar forces after it."""
-        d = row.processor.prune(row.tokens, draft)
+        proc = row.processor
+        if proc is None:  # (the caller constrains only rows with a processor)
+            return draft
+        d = proc.prune(row.tokens, draft)
         room = row.sp.max_new_tokens - len(row.output) - 1 - d.size
-        return row.processor.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
+        return proc.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
         """The target's forward over every row's pending token + draft; each drafter observes its own
@@ -438,6 +448,7 @@ class Engine:
         for r, row in enumerate(rows):
             h = None
             if want[r]:  # the positions the row fed; a row's first step also gets its prompt's features
+                assert hidden is not None  # forward(hidden=True) leaves them
                 h = hidden[r, : len(seqs[r])]
                 if row.hidden_prefix is not None:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
@@ -560,6 +571,7 @@ class Engine:
         conditions, the step record, streaming. True when the row finished."""
         if row.error is not None:
             return True
+        assert row.seen is not None  # _score set it this step
         fed, logits, hidden = row.seen
         row.seen = None
         self._guard(
@@ -574,7 +586,7 @@ class Engine:
         row.tokens.extend(new)
         if row.processor is not None:
             self._guard([row], row.processor.commit, new)
-        if logprobs is not None:
+        if logprobs is not None and row.logprobs is not None:  # (both or neither: the request asks for them)
             logprobs = logprobs[: len(new)]
             row.logprobs.extend(logprobs)
         vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
@@ -702,9 +714,7 @@ def generate(
         with hook.stepping():
             finished = eng.step()
         hook.after_step(eng.rows, finished)
-    if row.error is not None:
-        raise row.error
-    return row.result
+    return row.outcome()
 
 
 def generate_batch(
@@ -741,8 +751,6 @@ def generate_batch(
             finished = eng.step()
         hook.after_step(eng.rows, finished)
         for row in finished:
-            if row.error is not None:
-                raise row.error
-            results[row.tag] = row.result
+            results[row.tag] = row.outcome()
         steps += 1
     return [results[i] for i in range(len(jobs))]

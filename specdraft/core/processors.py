@@ -24,12 +24,16 @@ mask, roll back. docs/design.md says why llguidance and not xgrammar (measured).
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
 from .device import HOST
 from .errors import ConfigError
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # defined by its stub, not exported by the package
 
 
 class TokenConstraint:
@@ -106,7 +110,7 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
 
 # JSON is compiled without free whitespace (", " and ": " separators, as json.dumps writes): a model
 # that may emit any whitespace can loop on newlines forever, and one canonical form drafts better.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> GrammarConstraint:
@@ -205,7 +209,7 @@ class RequestProcessor:
         if sp.logit_bias:
             x[:, self.bias_ids.to(dev)] += self.bias.to(dev)
         if self.constraint is not None:
-            for slot, allowed in self._masks(history, parents, tokens):
+            for slot, allowed in self._masks(self.constraint, history, parents, tokens):
                 x[slot].masked_fill_(~allowed.to(dev), float("-inf"))
         if sp.min_tokens:
             depth = torch.zeros(len(x), dtype=torch.long, device=HOST)
@@ -228,12 +232,11 @@ class RequestProcessor:
             extra.index_put_(at, torch.ones(len(node), device=device), accumulate=True)
         return extra
 
-    def _walk(self, history: list[int], parents: list[int], tokens: list[int], masks: bool):
-        """Walk the draft's nodes depth first under the constraint, starting from the state after
+    def _walk(self, c: TokenConstraint, history: list[int], parents: list[int], tokens: list[int], masks: bool):
+        """Walk the draft's nodes depth first under the constraint ``c``, starting from the state after
         ``history``. Returns which nodes are valid (a node is valid when its token is allowed after its
         valid parent) and, with ``masks``, the allowed tokens [V] of every position reached as (slot,
         mask) pairs: positions after an invalid node get none (the verifier never reads them)."""
-        c = self.constraint
         valid = [False] * len(parents)
         out: list = []
         ahead = history[self.committed :]
@@ -244,21 +247,21 @@ class RequestProcessor:
             children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
             for i, p in enumerate(parents):
                 children[p + 1].append(i)
-            self._visit(0, children, tokens, valid, out if masks else None)
+            self._visit(c, 0, children, tokens, valid, out if masks else None)
         c.pop(n)
         return valid, out
 
-    def _visit(self, slot: int, children, tokens, valid, out) -> None:
+    def _visit(self, c: TokenConstraint, slot: int, children, tokens, valid, out) -> None:
         if out is not None:
-            out.append((slot, self.constraint.allowed()))
+            out.append((slot, c.allowed()))
         for i in children[slot]:
-            if self.constraint.push(tokens[i]):
+            if c.push(tokens[i]):
                 valid[i] = True
-                self._visit(i + 1, children, tokens, valid, out)
-                self.constraint.pop(1)
+                self._visit(c, i + 1, children, tokens, valid, out)
+                c.pop(1)
 
-    def _masks(self, history, parents, tokens):
-        return self._walk(history, parents, tokens, masks=True)[1]
+    def _masks(self, c: TokenConstraint, history, parents, tokens):
+        return self._walk(c, history, parents, tokens, masks=True)[1]
 
     # --- the target side's bookkeeping ------------------------------------------------------------
     def prune(self, history: list[int], tree):
@@ -266,7 +269,7 @@ class RequestProcessor:
         the target to score. A chain is cut at its first invalid token."""
         if self.constraint is None or tree.size == 0:
             return tree
-        valid, _ = self._walk(history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
+        valid, _ = self._walk(self.constraint, history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
         if all(valid):
             return tree
         return tree.subset(torch.tensor(valid, device=HOST))

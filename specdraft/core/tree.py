@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import torch
 
@@ -173,7 +174,7 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     return nodes.tree()
 
 
-def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
+def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: Sequence[int]) -> list[int]:
     """Rows of the target's fed positions (pending tokens, then draft nodes) that are now verified
     context: every pending row, then the accepted path's nodes. Siblings carry distinct tokens, so
     the accepted tokens identify the path."""
