@@ -45,22 +45,27 @@ def check_toy(report):
     return True
 
 
+def entered(monkeypatch, entry: backends.Backend) -> backends.Backend:
+    """``entry`` in the backend table for one test (monkeypatch takes it out again)."""
+    assert entry.name not in backends.BACKENDS
+    monkeypatch.setitem(backends.BACKENDS, entry.name, entry)
+    return entry
+
+
 @pytest.fixture
-def toy():
-    assert "toy" not in backends.BACKENDS
-    backends.BACKENDS["toy"] = backends.Backend(
-        "toy",
-        "a toy: transformers rows under another name",
-        load_toy,
-        uses_dtype=False,
-        offers=frozenset({"trees"}),
-        paths=("toy",),
-        check=check_toy,
+def toy(monkeypatch):
+    return entered(
+        monkeypatch,
+        backends.Backend(
+            "toy",
+            "a toy: transformers rows under another name",
+            load_toy,
+            uses_dtype=False,
+            offers=frozenset({"trees"}),
+            paths=("toy",),
+            check=check_toy,
+        ),
     )
-    try:
-        yield backends.BACKENDS["toy"]
-    finally:
-        del backends.BACKENDS["toy"]
 
 
 def test_methods_read_what_it_offers(toy):
@@ -101,22 +106,15 @@ def test_doctor_asks_its_check_and_measures_its_paths(toy, monkeypatch):
     assert CHECKED and measured and "toy" in measured[0]
 
 
+def load_table(name_or_path, dtype, num_layers):
+    return TableModel(name_or_path)
+
+
 @pytest.fixture
-def table_backend():
+def table_backend(monkeypatch):
     """The table model entered as a backend offering token trees and decoder layers' outputs."""
-    assert "table" not in backends.BACKENDS
-    backends.BACKENDS["table"] = backends.Backend(
-        "table",
-        "a table of logits with layer outputs, no transformers",
-        lambda name, dtype, num_layers: TableModel(name),
-        uses_dtype=False,
-        offers=frozenset({"trees", "layers"}),
-        paths=("table",),
-    )
-    try:
-        yield backends.BACKENDS["table"]
-    finally:
-        del backends.BACKENDS["table"]
+    offers = frozenset({"trees", "layers"})
+    return entered(monkeypatch, backends.Backend("table", "a table of logits", load_table, False, offers))
 
 
 def greedy_walk(model: TableModel, prompt: list[int], n: int) -> list[int]:
