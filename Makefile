@@ -25,7 +25,7 @@ $(RAY_STAMP): requirements-ray.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-ray.txt
 	touch $@
 
-# ruff and mypy (requirements-lint.txt), for `make lint`; not part of `make setup`.
+# ruff and mypy (requirements-lint.txt), for `make lint` and `make test`; not part of `make setup`.
 LINT_STAMP := $(VENV)/.specdraft-lint-installed
 setup-lint: $(LINT_STAMP)
 
@@ -49,7 +49,9 @@ setup-browser:
 # Two workers (pytest-xdist), each test file on one of them (module fixtures load once): the tests run
 # on one thread each (tests/conftest.py), so the second core was idle. pytest exits 5 when no test ran.
 # `long` tests (end-to-end runs of paths the others cover piece by piece) are test-long's; CI runs both.
-test: models setup-ray setup-browser
+# `make lint` runs first: seconds, and a lint or type error fails before the long suite starts.
+test: models setup-ray setup-browser setup-lint
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=60 -m "not long"
 
 test-long: models setup-ray setup-browser
@@ -59,7 +61,7 @@ test-fast: setup
 	$(PY) -m pytest -ra -m "not slow"
 
 # ruff check, ruff format --check and mypy on the typed core (pyproject.toml configures each; the same
-# as .pre-commit-config.yaml). All three run and the target fails if any did. Not yet part of `make test`.
+# as .pre-commit-config.yaml). All three run and the target fails if any did. `make test` runs it first.
 lint: setup-lint
 	@rc=0; \
 	$(VENV)/bin/ruff check . || rc=1; \

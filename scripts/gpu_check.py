@@ -42,9 +42,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 SMOL, QWEN, QWEN_DRAFT = "smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           "The three primary colors are",
-           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,"]
+PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "The three primary colors are",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,",
+]
 TREE = {"tree": "dynamic", "k": 4, "tree_topk": 4, "tree_budget": 16}
 
 
@@ -76,8 +78,12 @@ def _default_head() -> str | None:
 
 # --- 1. greedy identity -------------------------------------------------------------------------------------
 def method_specs(head: str | None) -> dict[str, dict]:
-    specs = {"draft_model": {"method": "draft_model", "k": 4}, "draft_model_tree": {"method": "draft_model", **TREE},
-             "prompt_lookup": {"method": "prompt_lookup", "k": 4}, "suffix": {"method": "suffix"}}
+    specs = {
+        "draft_model": {"method": "draft_model", "k": 4},
+        "draft_model_tree": {"method": "draft_model", **TREE},
+        "prompt_lookup": {"method": "prompt_lookup", "k": 4},
+        "suffix": {"method": "suffix"},
+    }
     if head is not None:
         specs["eagle3"] = {"method": "eagle3", "head": head, "k": 4}
     return specs
@@ -93,15 +99,27 @@ def identity(s: Settings, target: str, draft: str, layers, dtype: str, head=None
     sp = {"max_new_tokens": s.new_tokens, "ignore_eos": True}
     ids = [dec.encode(p) for p in s.prompts]
     plain = [dec.generate(i, sampling=sp, spec={"method": "plain"}).token_ids for i in ids]
-    got = [(name, i, dec.generate(ids[i], sampling=sp, spec=spec).token_ids)
-           for name, spec in method_specs(head).items() for i in range(len(ids))]
+    got = [
+        (name, i, dec.generate(ids[i], sampling=sp, spec=spec).token_ids)
+        for name, spec in method_specs(head).items()
+        for i in range(len(ids))
+    ]
     jobs = [Job(prompt, sp, dec.make_drafter(_spec(method_specs(None)["draft_model"]))) for prompt in ids]
-    got += [("batch_of_3", i, out.token_ids)
-            for i, out in enumerate(generate_batch(dec.target, jobs, dec.eos_ids, dec.tokenizer))]
+    got += [
+        ("batch_of_3", i, out.token_ids)
+        for i, out in enumerate(generate_batch(dec.target, jobs, dec.eos_ids, dec.tokenizer))
+    ]
     bound = near_tie_bound(dec.target)
     checks = [checked(dec.target, name, i, ids[i], plain[i], tokens, bound) for name, i, tokens in got]
-    return {"target": target, "draft": draft_label(draft, layers), "dtype": dtype, "device": str(dec.target.device),
-            "near_tie_bound": bound, "checks": checks, "ok": all(c["ok"] for c in checks)}
+    return {
+        "target": target,
+        "draft": draft_label(draft, layers),
+        "dtype": dtype,
+        "device": str(dec.target.device),
+        "near_tie_bound": bound,
+        "checks": checks,
+        "ok": all(c["ok"] for c in checks),
+    }
 
 
 def checked(target, method: str, i: int, ids, plain: list[int], tokens: list[int], bound: float) -> dict:
@@ -145,16 +163,23 @@ def sampling(s: Settings) -> dict:
     p = lambda ctx: probs_from_logits(logits_of(target, ctx)[-1], sp).double().cpu()  # noqa: E731
     p1 = p(prompt)
     exact = np.stack([(p1[a] * p(prompt + [a])).numpy() for a in range(V)])
-    cases = {"draft_model chain": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
-             "draft_model dynamic tree": lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2,
-                                                                                       tree_budget=6), V),
-             "eagle3 chain": lambda: Eagle3Drafter(target, head, SpecConfig(method="eagle3", k=3))}
+    cases = {
+        "draft_model chain": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
+        "draft_model dynamic tree": lambda: DraftTreeDrafter(
+            draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V
+        ),
+        "eagle3 chain": lambda: Eagle3Drafter(target, head, SpecConfig(method="eagle3", k=3)),
+    }
     out = {}
     for name, make in cases.items():
         counts, drafted, accepted = sample_first_tokens(target, make, prompt, sp, 3, 2, s.samples, V, seed0=50_000)
         out[name] = {"p_value": fit_pvalue(counts, exact), "drafted": drafted, "accepted": accepted}
-    return {"device": str(dev), "samples": s.samples, "cases": out,
-            "ok": all(c["p_value"] > 1e-3 and 0 < c["accepted"] < c["drafted"] for c in out.values())}
+    return {
+        "device": str(dev),
+        "samples": s.samples,
+        "cases": out,
+        "ok": all(c["p_value"] > 1e-3 and 0 < c["accepted"] < c["drafted"] for c in out.values()),
+    }
 
 
 # --- 3. bench -----------------------------------------------------------------------------------------------
@@ -166,23 +191,48 @@ def bench(s: Settings, out: Path) -> dict:
     target, draft, layers = s.pair
     methods = ["plain", "draft_model", "suffix"] + (["eagle3"] if s.head else [])
     config = out / "bench_config.json"
-    config.write_text(json.dumps({"variants": {"eagle3": {"method": "eagle3", "head": s.head, "k": 4}}} if s.head
-                                 else {}))
+    config.write_text(
+        json.dumps({"variants": {"eagle3": {"method": "eagle3", "head": s.head, "k": 4}}} if s.head else {})
+    )
     results = out / "bench.json"
     results.unlink(missing_ok=True)  # a fresh run, never a resumed one
-    opts = BenchOptions(target=target, draft=draft, draft_layers=layers, dtype="bfloat16", backend="hf",
-                        device=s.device, methods=",".join(methods), tasks=s.bench_tasks,
-                        n_per_task=s.bench_prompts, max_new_tokens=s.bench_tokens, out=str(results), no_plots=True,
-                        config=str(config))
+    opts = BenchOptions(
+        target=target,
+        draft=draft,
+        draft_layers=layers,
+        dtype="bfloat16",
+        backend="hf",
+        device=s.device,
+        methods=",".join(methods),
+        tasks=s.bench_tasks,
+        n_per_task=s.bench_prompts,
+        max_new_tokens=s.bench_tokens,
+        out=str(results),
+        no_plots=True,
+        config=str(config),
+    )
     doc, _ = run_bench(opts)
     render(doc, results, plots=False)
     agg = aggregate(doc)
-    rows = {m: {k: agg["rows"][m].get(k) for k in ("decode_tokens_per_s", "decode_speedup", "tokens_per_s", "speedup",
-                                                   "mat", "exact")} for m in agg["methods"]}
-    return {"target": target, "draft": draft_label(draft, layers), "dtype": "bfloat16", "device": s.device,
-            "prompts": agg["n_prompts"],
-            "new_tokens": s.bench_tokens, "methods": rows, "results": str(results),
-            "report": str(results.with_name("bench_report.md")), "ok": bool(rows)}
+    rows = {
+        m: {
+            k: agg["rows"][m].get(k)
+            for k in ("decode_tokens_per_s", "decode_speedup", "tokens_per_s", "speedup", "mat", "exact")
+        }
+        for m in agg["methods"]
+    }
+    return {
+        "target": target,
+        "draft": draft_label(draft, layers),
+        "dtype": "bfloat16",
+        "device": s.device,
+        "prompts": agg["n_prompts"],
+        "new_tokens": s.bench_tokens,
+        "methods": rows,
+        "results": str(results),
+        "report": str(results.with_name("bench_report.md")),
+        "ok": bool(rows),
+    }
 
 
 # --- the run ------------------------------------------------------------------------------------------------
@@ -191,18 +241,27 @@ def environment(s: Settings) -> dict:
     from specdraft.models.cost_curve import cpu_name
 
     dev = torch_device(s.device)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-            "cpu": cpu_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": s.smoke}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "smoke": s.smoke,
+    }
 
 
 def sections(s: Settings, out: Path) -> list[tuple[str, object]]:
     target, draft, layers = s.pair
-    todo = [("identity smollm2-135m float32", lambda: identity(s, SMOL, SMOL, 4, "float32")),
-            ("sampling", lambda: sampling(s))]
+    todo = [
+        ("identity smollm2-135m float32", lambda: identity(s, SMOL, SMOL, 4, "float32")),
+        ("sampling", lambda: sampling(s)),
+    ]
     if not s.smoke:
-        todo += [(f"identity {target} {dt}", lambda dt=dt: identity(s, target, draft, layers, dt, s.head))
-                 for dt in s.dtypes]
+        todo += [
+            (f"identity {target} {dt}", lambda dt=dt: identity(s, target, draft, layers, dt, s.head)) for dt in s.dtypes
+        ]
     return todo + [("bench", lambda: bench(s, out))]
 
 
@@ -216,12 +275,18 @@ def run(s: Settings, out: Path) -> dict:
         try:
             report["sections"][name] = fn()
         except Exception as e:  # a failed section is reported; the others still run
-            report["sections"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                        "traceback": traceback.format_exc(limit=8)}
+            report["sections"][name] = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=8),
+            }
         report["sections"][name]["seconds"] = round(time.time() - t0, 1)
         write(report, out)
-        print(f"gpu_check: {name}: ok={report['sections'][name]['ok']} "
-              f"({report['sections'][name]['seconds']} s)", file=sys.stderr, flush=True)
+        print(
+            f"gpu_check: {name}: ok={report['sections'][name]['ok']} ({report['sections'][name]['seconds']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     report["ok"] = all(v["ok"] for v in report["sections"].values())
     write(report, out)
     return report
@@ -234,9 +299,13 @@ def write(report: dict, out: Path) -> None:
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# specdraft GPU check, {env['date'][:10]}", "",
-             f"Device {env['device']} ({env['gpu'] or 'no GPU'}), host CPU {env['cpu']}, torch {env['torch']} "
-             f"(CUDA {env['cuda']}){', smoke run' if env['smoke'] else ''}.", ""]
+    lines = [
+        f"# specdraft GPU check, {env['date'][:10]}",
+        "",
+        f"Device {env['device']} ({env['gpu'] or 'no GPU'}), host CPU {env['cpu']}, torch {env['torch']} "
+        f"(CUDA {env['cuda']}){', smoke run' if env['smoke'] else ''}.",
+        "",
+    ]
     for name, sec in report["sections"].items():
         lines.append(f"## {name}: {'skipped' if sec['ok'] is None else 'ok' if sec['ok'] else 'FAILED'}")
         lines += _section_lines(sec) + [""]
@@ -248,28 +317,46 @@ def _section_lines(sec: dict) -> list[str]:
         return [sec.get("error") or sec["skipped"]]
     if "checks" in sec:
         bad = [c for c in sec["checks"] if not c["exact"]]
-        lines = [f"{sec['target']} with {sec['draft']}, {sec['dtype']} on {sec['device']}: "
-                 f"{len(sec['checks']) - len(bad)} of {len(sec['checks'])} outputs token-identical to plain"]
-        return lines + [f"- {c['method']}, prompt {c['prompt']}: first divergence at token {c['first_divergence']}, "
-                        f"plain's top-2 logit gap {c.get('top2_gap')} ({'under' if c['ok'] else 'OVER'} the "
-                        f"near-tie bound {sec['near_tie_bound']})" for c in bad]
+        lines = [
+            f"{sec['target']} with {sec['draft']}, {sec['dtype']} on {sec['device']}: "
+            f"{len(sec['checks']) - len(bad)} of {len(sec['checks'])} outputs token-identical to plain"
+        ]
+        return lines + [
+            f"- {c['method']}, prompt {c['prompt']}: first divergence at token {c['first_divergence']}, "
+            f"plain's top-2 logit gap {c.get('top2_gap')} ({'under' if c['ok'] else 'OVER'} the "
+            f"near-tie bound {sec['near_tie_bound']})"
+            for c in bad
+        ]
     if "cases" in sec:
-        return [f"- {n}: p = {c['p_value']:.3g} ({c['accepted']} of {c['drafted']} drafts accepted)"
-                for n, c in sec["cases"].items()]
-    lines = [f"{sec['target']} with {sec['draft']}, {sec['dtype']} on {sec['device']}, {sec['prompts']} prompts x "
-             f"{sec['new_tokens']} tokens, interleaved (speedups over plain)", "",
-             "| method | decode tok/s | decode speedup | tok/s | speedup | MAT |", "|---|---|---|---|---|---|"]
+        return [
+            f"- {n}: p = {c['p_value']:.3g} ({c['accepted']} of {c['drafted']} drafts accepted)"
+            for n, c in sec["cases"].items()
+        ]
+    lines = [
+        f"{sec['target']} with {sec['draft']}, {sec['dtype']} on {sec['device']}, {sec['prompts']} prompts x "
+        f"{sec['new_tokens']} tokens, interleaved (speedups over plain)",
+        "",
+        "| method | decode tok/s | decode speedup | tok/s | speedup | MAT |",
+        "|---|---|---|---|---|---|",
+    ]
     f = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-    return lines + [f"| {m} | {f(r['decode_tokens_per_s'])} | {f(r['decode_speedup'])} | {f(r['tokens_per_s'])} | "
-                    f"{f(r['speedup'])} | {f(r['mat'])} |" for m, r in sec["methods"].items()]
+    return lines + [
+        f"| {m} | {f(r['decode_tokens_per_s'])} | {f(r['decode_speedup'])} | {f(r['tokens_per_s'])} | "
+        f"{f(r['speedup'])} | {f(r['mat'])} |"
+        for m, r in sec["methods"].items()
+    ]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     p.add_argument("--device", default="cuda", help="cuda or cuda:N (--smoke: cpu)")
-    p.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head for Qwen2.5-Coder-1.5B (default: "
-                   "$SPECDRAFT_HOME/eagle3/qwen2.5-coder-1.5b/head when it holds one)")
+    p.add_argument(
+        "--eagle3-head",
+        default=None,
+        help="an EAGLE-3 head for Qwen2.5-Coder-1.5B (default: "
+        "$SPECDRAFT_HOME/eagle3/qwen2.5-coder-1.5b/head when it holds one)",
+    )
     p.add_argument("--budget-s", type=float, default=450.0, help="start no section after this many seconds")
     p.add_argument("--smoke", action="store_true", help="on the CPU, tiny settings: the script end to end")
     a = p.parse_args(argv)

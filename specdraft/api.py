@@ -1,11 +1,11 @@
 """The library entry point.
 
-    from specdraft import SpecDecoder, SamplingParams, SpecConfig
-    dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
-    out = dec.generate("Write a haiku about caches.", chat=True,
-                       sampling=SamplingParams(max_new_tokens=64),
-                       spec=SpecConfig(method="draft_model", k=4))
-    print(out.text, out.stats.mat, out.stats.tokens_per_s)
+from specdraft import SpecDecoder, SamplingParams, SpecConfig
+dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+out = dec.generate("Write a haiku about caches.", chat=True,
+                   sampling=SamplingParams(max_new_tokens=64),
+                   spec=SpecConfig(method="draft_model", k=4))
+print(out.text, out.stats.mat, out.stats.tokens_per_s)
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from .core.config import (
     spec_with_default,
     with_method,
 )
-from .engine import GenerationResult, generate
 from .core.errors import ConfigError, TokenizerMismatchError
+from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 from .drafters.registry import method
+from .engine import GenerationResult, generate
 from .learning.config import learn_config
+from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
-from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
 from .models.views import layer_view
-from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
-
 
 CACHE_ENTRIES = 64  # per cache keyed by a request's spec (cost-aware policies, auto's memories, layer views)
 RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at once
@@ -80,7 +79,10 @@ class SpecDecoder:
 
         # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
         kind = head_type(spec.method)
-        return self.shared(("head", spec.head, kind), lambda: self._load_head(spec.head, kind), limit=None)
+        path = spec.head
+        if path is None:  # SpecConfig refuses a head method without one: only a spec built around it lands here
+            raise ConfigError(f"method {spec.method!r} drafts with a trained head: give head=DIR (--head DIR)")
+        return self.shared(("head", path, kind), lambda: self._load_head(path, kind), limit=None)
 
     def _load_head(self, path: str, kind: str):
         from .models.heads import load_head
@@ -144,8 +146,10 @@ class SpecDecoder:
     def set_cost_curves(self, target: dict[int, float], draft: dict[int, float] | None = None) -> None:
         """Curves given instead of measured ({n: seconds}, e.g. a synthetic one in a test): used as they
         are, and ``auto`` does not correct them from the steps it sees."""
-        self._costs.clear(), self._costs.update(target)
-        self._draft_costs.clear(), self._draft_costs.update(draft or {})
+        self._costs.clear()
+        self._costs.update(target)
+        self._draft_costs.clear()
+        self._draft_costs.update(draft or {})
         self._shared.pop("observed_costs", None)
         self.curves_given = True
 
@@ -208,21 +212,31 @@ class SpecDecoder:
             def draft_on(t, path):  # a path whose backend cannot run the draft is not taken
                 if not draft:
                     return None
-                return load_draft(t, path.target(target), draft, dtype, draft_layers, draft_backend or path.backend,
-                                  draft_device)
+                return load_draft(
+                    t, path.target(target), draft, dtype, draft_layers, draft_backend or path.backend, draft_device
+                )
 
-            t, path, d = load_fastest(target, dtype, allowed=allowed, shape=shape, companion=draft_on,
-                                      **device_kw(device))
+            t, path, d = load_fastest(
+                target, dtype, allowed=allowed, shape=shape, companion=draft_on, **device_kw(device)
+            )
             return cls(t, d, learn=learn)
         t = load_model(target, dtype, backend=backend, **device_kw(device))
         d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
         return cls(t, d, learn=learn)
 
-    def with_draft(self, target_name: str, draft: str, dtype: str | None = None, draft_backend: str | None = None,
-                   draft_device: str = "auto"):
+    def with_draft(
+        self,
+        target_name: str,
+        draft: str,
+        dtype: str | None = None,
+        draft_backend: str | None = None,
+        draft_device: str = "auto",
+    ):
         """A decoder over this one's target (not reloaded) and ``draft`` (a name as in ``load``)."""
-        return SpecDecoder(self.target, load_draft(self.target, target_name, draft, dtype, None,
-                                                   draft_backend or self.backend, draft_device))
+        return SpecDecoder(
+            self.target,
+            load_draft(self.target, target_name, draft, dtype, None, draft_backend or self.backend, draft_device),
+        )
 
     @property
     def backend(self) -> str:
@@ -271,8 +285,13 @@ class SpecDecoder:
         if self._bridge is None:
             from .drafters.cross_vocab import VocabBridge
 
-            self._bridge = VocabBridge(self.target.tokenizer, self.draft.tokenizer, self.target.vocab_size,
-                                       self.draft.vocab_size, self.draft.device)
+            self._bridge = VocabBridge(
+                self.target.tokenizer,
+                self.draft.tokenizer,
+                self.target.vocab_size,
+                self.draft.vocab_size,
+                self.draft.device,
+            )
         return self._bridge
 
     def draft_model(self) -> HFModel:
@@ -284,8 +303,9 @@ class SpecDecoder:
         """Token Recycling's adjacency table: one per decoder and top_k, recycled across requests."""
         from .drafters.token_recycling import AdjacencyTable
 
-        return self.shared(("recycle_table", top_k), lambda: AdjacencyTable(self.target.vocab_size, top_k),
-                           RECYCLE_TABLES)
+        return self.shared(
+            ("recycle_table", top_k), lambda: AdjacencyTable(self.target.vocab_size, top_k), RECYCLE_TABLES
+        )
 
     def layer_view(self, keep) -> HFModel:
         """The target's layers ``keep`` as a draft (shared weights, cached): early exit or layer skipping."""
@@ -315,14 +335,25 @@ class SpecDecoder:
     ) -> GenerationResult:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         sp = SamplingParams.from_dict(sampling)
+        config: SpecConfig
         if spec is None or (isinstance(spec, dict) and "method" not in spec):
-            spec, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
+            config, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
         else:
-            spec = SpecConfig.from_dict(spec)
-            drafter = self.make_drafter(spec)
+            config = SpecConfig.from_dict(spec)
+            drafter = self.make_drafter(config)
         ids = self.encode(prompt, chat=chat)
-        return generate(self.target, drafter, ids, sp, self.eos_ids, self.tokenizer, self.draft_length(spec),
-                        on_emit=on_emit, lossy=spec.lossy_rule(), hook=self.learner)
+        return generate(
+            self.target,
+            drafter,
+            ids,
+            sp,
+            self.eos_ids,
+            self.tokenizer,
+            self.draft_length(config),
+            on_emit=on_emit,
+            lossy=config.lossy_rule(),
+            hook=self.learner,
+        )
 
     def close(self) -> None:
         """Stops what the decoder runs beside decoding (the online learner's training process)."""
@@ -340,7 +371,7 @@ def _learner(target, learn):
     return Learner(target, cfg)
 
 
-def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
+def _cached(cache: OrderedDict, key, make, limit: int | None = CACHE_ENTRIES):
     """``cache[key]``, made by ``make()`` when missing; the least recently used entries leave past ``limit``
     (specs come from clients: an unbounded cache would grow with every distinct one); None: no bound."""
     if key in cache:
@@ -355,7 +386,6 @@ def _cached(cache: OrderedDict, key, make, limit: int = CACHE_ENTRIES):
 COST_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
-
 def default_backend(target: str) -> str:
     """The backend when none is named: a catalog model runs on the path measured fastest here (auto);
     a directory, a file or a NAME:VARIANT on transformers, as named."""
@@ -368,6 +398,7 @@ def default_backend(target: str) -> str:
 class ModelSettings:
     """The models a command loads (the CLI's --target, --draft, --draft-layers, --dtype, --threads,
     --backend, --draft-backend, --device, --draft-device): ``load()`` is ``SpecDecoder.load`` with them."""
+
     target: str
     draft: str | None = None
     draft_layers: int | None = None
@@ -386,8 +417,12 @@ class ModelSettings:
         backend = self.backend or default_backend(self.target)
         needs = option_needs(self.dtype, self.draft, self.draft_layers)
         check_named(backend, self.draft_backend, self.draft is not None, needs)
-        check_devices(backend, self.draft_backend if self.draft else None, self.device,
-                      (self.draft_device or self.device) if self.draft else None)
+        check_devices(
+            backend,
+            self.draft_backend if self.draft else None,
+            self.device,
+            (self.draft_device or self.device) if self.draft else None,
+        )
 
     def weights(self, backend: str) -> str:
         """The target's weights on ``backend`` (the one it loaded on), in words."""
@@ -416,13 +451,21 @@ def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:
     return {n: interpolate(measured, n) for n in range(1, n_max + 1)}
 
 
-def load_draft(target, target_name: str, draft: str, dtype: str | None, draft_layers: int | None, backend: str,
-               device: str = "auto"):
+def load_draft(
+    target,
+    target_name: str,
+    draft: str,
+    dtype: str | None,
+    draft_layers: int | None,
+    backend: str,
+    device: str = "auto",
+):
     """The draft model ``draft`` names for ``target``, on ``device``: a model, or ``self:QUANT`` (_self_draft)."""
     if draft.startswith("self:"):  # the target's own weights at lower precision
         if draft_layers is not None:
-            raise ConfigError("--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all "
-                              "the target's layers")
+            raise ConfigError(
+                "--draft-layers truncates a separate draft; a self-draft (self:int4) keeps all the target's layers"
+            )
         return _self_draft(target, target_name, draft[5:], dtype, backend, device)
     return load_model(draft, dtype, num_layers=draft_layers, backend=backend, **device_kw(device))
 
@@ -449,4 +492,3 @@ def _self_draft(target, target_name: str, quant: str, dtype, backend: str, devic
         d.prefill_twin = target
     d.source = None  # quantized in memory: no other process loads it by a name
     return d
-

@@ -15,13 +15,13 @@ import json
 import os
 import sys
 
-from .drafters import registry as methods
 from .api import ModelSettings
+from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
+from .drafters import registry as methods
 from .learning import LearnConfig
-from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .models.paths import RequestShape
 
 
@@ -228,8 +228,10 @@ def cmd_datastore(a) -> int:
 
     store = build_from_jsonl(a.corpus, a.target, a.output, sort_depth=a.sort_depth, max_docs=a.max_docs)
     m = store.meta
-    print(f"datastore {store.path}: {m['n_docs']} documents, {m['n_tokens']} tokens (target {m.get('target')}, "
-          f"sort depth {m['sort_depth']})")
+    print(
+        f"datastore {store.path}: {m['n_docs']} documents, {m['n_tokens']} tokens (target {m.get('target')}, "
+        f"sort depth {m['sort_depth']})"
+    )
     return 0
 
 
@@ -246,8 +248,10 @@ def _serve_settings(a):
         raise SpecDraftError(f"--timeout must be > 0 seconds, got {a.timeout}")
     api_key = tuple(a.api_key) if a.api_key else os.environ.get("SPECDRAFT_API_KEY") or None
     if not api_key and not _loopback(a.host) and not a.insecure:
-        raise SpecDraftError(f"--host {a.host} is reachable from other machines: set --api-key KEY (or "
-                             "SPECDRAFT_API_KEY), or pass --insecure to serve it without one")
+        raise SpecDraftError(
+            f"--host {a.host} is reachable from other machines: set --api-key KEY (or "
+            "SPECDRAFT_API_KEY), or pass --insecure to serve it without one"
+        )
     if a.max_body_mb <= 0:
         raise SpecDraftError(f"--max-body-mb must be > 0, got {a.max_body_mb}")
     if a.drain_timeout < 0:
@@ -258,12 +262,17 @@ def _serve_settings(a):
     from .server.pacing import StreamPacing
 
     try:
-        pacing = StreamPacing(a.stream_chunk, a.stream_interval_ms / 1000, a.stream_pad_bytes,
-                              locked=a.stream_mode == "fixed-only")
+        pacing = StreamPacing(
+            a.stream_chunk, a.stream_interval_ms / 1000, a.stream_pad_bytes, locked=a.stream_mode == "fixed-only"
+        )
     except ValueError as e:
         raise SpecDraftError(f"--stream-*: {e}") from None
-    return (models_from_args(a, _runs_on(spec)), _server_settings(a, spec, api_key, pacing),
-            _replica_options(a), a.method_defaulted)
+    return (
+        models_from_args(a, _runs_on(spec)),
+        _server_settings(a, spec, api_key, pacing),
+        _replica_options(a),
+        a.method_defaulted,
+    )
 
 
 def _learn_settings(a, api_key) -> tuple[LearnConfig | None, tuple[str, ...] | None]:
@@ -291,12 +300,24 @@ def _server_settings(a, spec, api_key, pacing):
 
     learn, learn_keys = _learn_settings(a, api_key)
     return ServerSettings(
-        model_name=a.name or a.target, default_spec=spec, max_queue=a.max_queue, timeout_s=a.timeout,
-        default_max_tokens=a.max_tokens, max_batch=a.max_batch, spec_shrink_at=a.spec_shrink_at,
-        spec_off_at=a.spec_off_at, api_key=api_key, open_metrics=a.metrics_open,
-        max_body_bytes=int(a.max_body_mb * (1 << 20)), stream_pacing=pacing,
-        stream_mode="normal" if a.stream_mode == "normal" else "fixed", resources=parse_resources(a.resource),
-        allowed_hosts=tuple(a.allowed_host) + (a.host,), learn=learn, learn_keys=learn_keys)
+        model_name=a.name or a.target,
+        default_spec=spec,
+        max_queue=a.max_queue,
+        timeout_s=a.timeout,
+        default_max_tokens=a.max_tokens,
+        max_batch=a.max_batch,
+        spec_shrink_at=a.spec_shrink_at,
+        spec_off_at=a.spec_off_at,
+        api_key=api_key,
+        open_metrics=a.metrics_open,
+        max_body_bytes=int(a.max_body_mb * (1 << 20)),
+        stream_pacing=pacing,
+        stream_mode="normal" if a.stream_mode == "normal" else "fixed",
+        resources=parse_resources(a.resource),
+        allowed_hosts=tuple(a.allowed_host) + (a.host,),
+        learn=learn,
+        learn_keys=learn_keys,
+    )
 
 
 def _replica_options(a):
@@ -314,8 +335,9 @@ def parse_resources(items: list[str]) -> dict[str, dict[str, str]]:
         field, _, rest = item.partition(":")
         name, _, path = rest.partition("=")
         if field not in PATH_FIELDS or not name or not path:
-            raise SpecDraftError(f"--resource must be FIELD:NAME=PATH with FIELD one of {', '.join(PATH_FIELDS)}, "
-                                 f"got {item!r}")
+            raise SpecDraftError(
+                f"--resource must be FIELD:NAME=PATH with FIELD one of {', '.join(PATH_FIELDS)}, got {item!r}"
+            )
         out.setdefault(field, {})[name] = path
     from .server.resources import check_all
 
@@ -467,66 +489,130 @@ def _add_serve_parser(sub):
     add_spec_args(s)
     s.add_argument("--name", default=None, help="model name served in /v1/models (default: --target)")
     s.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key (or --insecure)")
-    s.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeat it for several "
-                        "clients' keys; default: $SPECDRAFT_API_KEY)")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeat it for several "
+        "clients' keys; default: $SPECDRAFT_API_KEY)",
+    )
     s.add_argument("--metrics-open", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get HTTP 429")
     s.add_argument("--timeout", type=float, default=None, help="seconds a request may take (queue + decode)")
     s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
-    s.add_argument("--max-batch", type=int, default=1,
-                   help="sequences decoded together (1: one request at a time; >1: continuous batching)")
-    s.add_argument("--spec-shrink-at", type=int, default=SPEC_SHRINK_AT,
-                   help=f"batch size from which draft length is halved (batch scheduler; default {SPEC_SHRINK_AT}, "
-                        "measured with specdraft batchbench)")
-    s.add_argument("--spec-off-at", type=int, default=SPEC_OFF_AT,
-                   help=f"batch size from which speculation is turned off (batch scheduler; default {SPEC_OFF_AT})")
+    s.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="sequences decoded together (1: one request at a time; >1: continuous batching)",
+    )
+    s.add_argument(
+        "--spec-shrink-at",
+        type=int,
+        default=SPEC_SHRINK_AT,
+        help=f"batch size from which draft length is halved (batch scheduler; default {SPEC_SHRINK_AT}, "
+        "measured with specdraft batchbench)",
+    )
+    s.add_argument(
+        "--spec-off-at",
+        type=int,
+        default=SPEC_OFF_AT,
+        help=f"batch size from which speculation is turned off (batch scheduler; default {SPEC_OFF_AT})",
+    )
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get HTTP 413")
-    s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds running requests may take to finish before they are cancelled")
-    s.add_argument("--stream-mode", choices=("normal", "fixed", "fixed-only"), default="normal",
-                   help="streams of requests that name no stream_mode: normal (an event per engine step) or fixed "
-                        "(fixed-size chunks at a steady cadence, hiding what speculation accepted); fixed-only also "
-                        "refuses stream_mode \"normal\" (docs/server.md, 'Speculation side channel')")
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds running requests may take to finish before they are cancelled",
+    )
+    s.add_argument(
+        "--stream-mode",
+        choices=("normal", "fixed", "fixed-only"),
+        default="normal",
+        help="streams of requests that name no stream_mode: normal (an event per engine step) or fixed "
+        "(fixed-size chunks at a steady cadence, hiding what speculation accepted); fixed-only also "
+        "refuses stream_mode \"normal\" (docs/server.md, 'Speculation side channel')",
+    )
     s.add_argument("--stream-chunk", type=int, default=4, help="fixed streams: tokens per event")
-    s.add_argument("--stream-interval-ms", type=float, default=200.0,
-                   help="fixed streams: ms between events; set it at or above chunk / (plain tokens/s) of this "
-                        "server, or decoding time shows through")
-    s.add_argument("--stream-pad-bytes", type=int, default=512,
-                   help="fixed streams: every event is padded to a multiple of this many bytes (0: no padding)")
-    s.add_argument("--replicas", type=int, default=1,
-                   help="engine replicas (Ray actors, each with its own model) behind this one endpoint, routed by "
-                        "fewest running requests (docs/scale.md; needs `make setup-ray`)")
-    s.add_argument("--ray-address", default=None,
-                   help="run the replicas on this Ray cluster (auto, or HOST:PORT of `ray start --head`; default: a "
-                        "local Ray instance)")
-    s.add_argument("--replica-cpus", type=int, default=None,
-                   help="CPUs (torch threads) per replica (default: the cluster's CPUs / --replicas)")
-    s.add_argument("--resource", action="append", default=[], metavar="FIELD:NAME=PATH",
-                   help="a file a request's spec may name by NAME (FIELD: head, datastore, skip_config or autotune; "
-                        "repeatable); requests never name paths")
-    s.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
-                   help="without an API key, a Host header the server answers besides loopback names (repeatable)")
-    s.add_argument("--learn", action="store_true",
-                   help="the EAGLE-3 head learns from the requests it serves (online speculative decoding; "
-                        "docs/guide.md): a training process beside the server, updates kept per target and head "
-                        "under $SPECDRAFT_HOME/adapted (`specdraft heads reset` drops them)")
-    s.add_argument("--learn-budget", type=float, default=None, metavar="SHARE",
-                   help="--learn: the share of the machine's CPU time the training process may use (default 0.25)")
-    s.add_argument("--learn-keys", default=None, metavar="KEY[,KEY]",
-                   help="--learn: learn only from the requests made with these API keys (needed with several "
-                        "--api-key keys or a fixed --stream-mode: docs/server.md)")
+    s.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=200.0,
+        help="fixed streams: ms between events; set it at or above chunk / (plain tokens/s) of this "
+        "server, or decoding time shows through",
+    )
+    s.add_argument(
+        "--stream-pad-bytes",
+        type=int,
+        default=512,
+        help="fixed streams: every event is padded to a multiple of this many bytes (0: no padding)",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas (Ray actors, each with its own model) behind this one endpoint, routed by "
+        "fewest running requests (docs/scale.md; needs `make setup-ray`)",
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="run the replicas on this Ray cluster (auto, or HOST:PORT of `ray start --head`; default: a "
+        "local Ray instance)",
+    )
+    s.add_argument(
+        "--replica-cpus",
+        type=int,
+        default=None,
+        help="CPUs (torch threads) per replica (default: the cluster's CPUs / --replicas)",
+    )
+    s.add_argument(
+        "--resource",
+        action="append",
+        default=[],
+        metavar="FIELD:NAME=PATH",
+        help="a file a request's spec may name by NAME (FIELD: head, datastore, skip_config or autotune; "
+        "repeatable); requests never name paths",
+    )
+    s.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="without an API key, a Host header the server answers besides loopback names (repeatable)",
+    )
+    s.add_argument(
+        "--learn",
+        action="store_true",
+        help="the EAGLE-3 head learns from the requests it serves (online speculative decoding; "
+        "docs/guide.md): a training process beside the server, updates kept per target and head "
+        "under $SPECDRAFT_HOME/adapted (`specdraft heads reset` drops them)",
+    )
+    s.add_argument(
+        "--learn-budget",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="--learn: the share of the machine's CPU time the training process may use (default 0.25)",
+    )
+    s.add_argument(
+        "--learn-keys",
+        default=None,
+        metavar="KEY[,KEY]",
+        help="--learn: learn only from the requests made with these API keys (needed with several "
+        "--api-key keys or a fixed --stream-mode: docs/server.md)",
+    )
     s.add_argument("--log-level", default="warning")
     return s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import autotune, doctor, heads, train, tune_skip
     from . import demo
-    from .bench import batchbench, costs, harness
-    from .bench import overlap
+    from .bench import batchbench, costs, harness, overlap
+    from .commands import autotune, doctor, heads, train, tune_skip
     from .tools import leak, loadtest
 
     p = argparse.ArgumentParser(prog="specdraft", description="lossless speculative decoding")
@@ -559,8 +645,9 @@ def _apply_backend_auto(a) -> None:
     needs = option_needs(a.dtype, None, None)
     check_named(a.backend, None, False, needs)
     if a.backend == "auto":
-        a.target, a.backend = resolve(a.target, a.dtype, allowed=allowed_for(None, needs, None, a.device),
-                                      device=a.device)
+        a.target, a.backend = resolve(
+            a.target, a.dtype, allowed=allowed_for(None, needs, None, a.device), device=a.device
+        )
 
 
 def _apply_quantize(a) -> None:
@@ -570,8 +657,10 @@ def _apply_quantize(a) -> None:
     from .models.lowbit import parse_quant
 
     if a.backend not in (None, "hf"):
-        raise SpecDraftError(f"--quantize is for the hf backend; on {a.backend}, pick a GGUF variant "
-                             "(--target NAME:Q8_0, made by `specdraft models quantize`)")
+        raise SpecDraftError(
+            f"--quantize is for the hf backend; on {a.backend}, pick a GGUF variant "
+            "(--target NAME:Q8_0, made by `specdraft models quantize`)"
+        )
     parse_quant(a.quantize)
     a.target, a.backend = f"{a.target}:{a.quantize}", "hf"
 

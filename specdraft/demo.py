@@ -7,16 +7,17 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .core import prompts as data
 from .api import ModelSettings
-from .core.config import SamplingParams, SpecConfig
 from .commands.flags import add_model_args
+from .core import prompts as data
+from .core.config import SamplingParams, SpecConfig
 from .core.metrics import GenerationStats, near_tie_bound, speedup
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     """``specdraft demo``'s flags."""
+
     models: ModelSettings
     max_new_tokens: int = 64
     n_prompts: int = 3
@@ -94,8 +95,10 @@ def run_demo(opts: DemoOptions) -> int:
     print("\n| method | tok/s | speedup | MAT | acceptance |\n|---|---|---|---|---|")
     for m, t in totals.items():
         rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.2f}"
-        print(f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
-              f"| {t.mat:.2f} | {rate} |")
+        print(
+            f"| {m} | {t.tokens_per_s:.2f} | {speedup(t.new_tokens, t.wall_s, base.new_tokens, base.wall_s):.2f}x "
+            f"| {t.mat:.2f} | {rate} |"
+        )
     print(f"\n(greedy, {opts.max_new_tokens} new tokens, {len(prompts)} prompts, {what} on {dec.backend})")
     print(NEXT_STEPS.format(py=sys.executable))
     return 0
@@ -103,7 +106,7 @@ def run_demo(opts: DemoOptions) -> int:
 
 NEXT_STEPS = """
 Next:
-  {py} -m specdraft.cli serve --target smollm2-135m --port 8000   # then open http://127.0.0.1:8000/ (the playground)
-  make bench                                                       # the README's results table, measured on this machine
-  {py} -m specdraft.cli doctor                                     # this CPU, what runs here, the fastest path
-  make test                                                        # the test suite"""
+  {py} -m specdraft.cli serve --target smollm2-135m --port 8000  # then open http://127.0.0.1:8000/ (the playground)
+  make bench                                                      # the README's results table, measured on this machine
+  {py} -m specdraft.cli doctor                                    # this CPU, what runs here, the fastest path
+  make test                                                       # the test suite"""

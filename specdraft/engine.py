@@ -49,7 +49,7 @@ class GenerationResult:
     logprobs: list[dict] | None = None  # per token (SamplingParams.logprobs): processors.logprob_entries
 
     def to_dict(self, per_step: bool = False) -> dict:
-        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
+        out: dict[str, object] = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(per_step)}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
         return out
@@ -120,7 +120,14 @@ class Request:
 
     @property
     def output(self) -> list[int]:
-        return self.tokens[len(self.prompt_ids):]
+        return self.tokens[len(self.prompt_ids) :]
+
+    def outcome(self) -> GenerationResult:
+        """A finished row's result; its error raised instead when its own work failed."""
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None  # a row finishes with its result or its error
+        return self.result
 
     @property
     def seeded_sampling(self) -> bool:
@@ -148,8 +155,15 @@ class Engine:
     sampling row decodes in a lane of its own, so its tokens are those of decoding it alone; False
     batches such rows with the others (faster; their stats then say ``reproducible`` False)."""
 
-    def __init__(self, target, eos_ids: set[int] | None = None, tokenizer=None, rule: BatchRule | None = None,
-                 compact_slack: int = 32, isolate_seeded: bool = True):
+    def __init__(
+        self,
+        target,
+        eos_ids: set[int] | None = None,
+        tokenizer=None,
+        rule: BatchRule | None = None,
+        compact_slack: int = 32,
+        isolate_seeded: bool = True,
+    ):
         self.target = target
         self.device = target.device  # where its logits come back: verification and the rows' random streams
         self.isolate_seeded = isolate_seeded
@@ -170,9 +184,16 @@ class Engine:
         return self.kv.L
 
     # --- rows join and leave ----------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], sp: SamplingParams | dict | None, drafter: Drafter,
-            on_emit: OnEmit | None = None, tag: Any = None, length: DraftLength | None = None,
-            lossy: TypicalAcceptance | None = None) -> Request:
+    def add(
+        self,
+        prompt_ids: list[int],
+        sp: SamplingParams | dict | None,
+        drafter: Drafter,
+        on_emit: OnEmit | None = None,
+        tag: Any = None,
+        length: DraftLength | None = None,
+        lossy: TypicalAcceptance | None = None,
+    ) -> Request:
         """Admit a request: validate, prefill its prompt (all but the last token, which is pending).
         ``lossy``: the request's opt-in lossy verification rule (None: exact; core/verify.py)."""
         row = self.add_many([Job(prompt_ids, sp, drafter, on_emit=on_emit, tag=tag, length=length, lossy=lossy)])[0]
@@ -205,21 +226,34 @@ class Engine:
             raise ConfigError("stop strings need a tokenizer")
         caps = self.target.capabilities
         if drafter.wants_hidden and not (caps.hidden or caps.layers):  # a head on the target's features
-            raise ConfigError(f"{drafter.name} reads the target's features, which {self.target.name} on the "
-                              f"{self.target.backend} backend does not hand over")
-        row = Request(prompt_ids, sp, drafter, job.on_emit, job.tag, job.length or DraftLength(),
-                      tokens=list(prompt_ids), stats=GenerationStats(prompt_tokens=len(prompt_ids)),
-                      t_start=time.perf_counter(), lossy=lossy)
+            raise ConfigError(
+                f"{drafter.name} reads the target's features, which {self.target.name} on the "
+                f"{self.target.backend} backend does not hand over"
+            )
+        row = Request(
+            prompt_ids,
+            sp,
+            drafter,
+            job.on_emit,
+            job.tag,
+            job.length or DraftLength(),
+            tokens=list(prompt_ids),
+            stats=GenerationStats(prompt_tokens=len(prompt_ids)),
+            t_start=time.perf_counter(),
+            lossy=lossy,
+        )
         row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
-            row.stats.reproducible = (drafter.reproducible and row.length.reproducible and lossy is None
-                                      and self.isolate_seeded)
+            row.stats.reproducible = (
+                drafter.reproducible and row.length.reproducible and lossy is None and self.isolate_seeded
+            )
             row.own_lane = row.stats.reproducible  # what else runs must not change its forwards' numerics
         row.gen = make_generator(sp.seed, self.device)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
-        row.processor = RequestProcessor.for_request(sp, prompt_ids, self.target.vocab_size, self.eos_ids,
-                                                     self.tokenizer)
+        row.processor = RequestProcessor.for_request(
+            sp, prompt_ids, self.target.vocab_size, self.eos_ids, self.tokenizer
+        )
         row.logprobs = None if sp.logprobs is None else []
         drafter.begin(prompt_ids, sp, row.gen, row.processor)  # (a drafter that samples processes its logits so)
         return row
@@ -285,12 +319,15 @@ class Engine:
         t1 = time.perf_counter()
         logits = self._process(rows, drafts, self._score(rows, drafts))
         n_acc, new, keep = self._verify(rows, drafts, logits)
-        lps = [None if row.logprobs is None else logprob_entries(logits[r, _slots(keep[r])], new[r], row.sp.logprobs)
-               for r, row in enumerate(rows)]
+        lps = [
+            None if row.sp.logprobs is None else logprob_entries(logits[r, _slots(keep[r])], new[r], row.sp.logprobs)
+            for r, row in enumerate(rows)
+        ]
         self.kv.commit(keep)
         verify_s = time.perf_counter() - t1
-        ended = [self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s, lps[r])
-                 for r, row in enumerate(rows)]
+        ended = [
+            self._advance(row, drafts[r], n_acc[r], new[r], draft_s[r], verify_s, lps[r]) for r, row in enumerate(rows)
+        ]
         for key, members in _by_group(rows).items():  # after the rows' tokens grew: groups read them
             self._guard(members, self.groups[key].feedback, members, [n_acc[rows.index(m)] for m in members])
         done = [r for r, row in enumerate(rows) if ended[r] or row.error is not None]
@@ -308,11 +345,12 @@ class Engine:
         idx = []
         for room, members in self.kv.rooms():  # per lane: its cache's room, its rows
             over = 0 if room is None else len(members) - room[1]
-            idx += members[len(members) - over:] if over > 0 else []
+            idx += members[len(members) - over :] if over > 0 else []
         gone = [self.rows[r] for r in sorted(idx)]
         for row in gone:
-            row.error = ContextLengthError("the model's context (shared by the requests decoding together) is "
-                                           "full; retry when fewer requests run")
+            row.error = ContextLengthError(
+                "the model's context (shared by the requests decoding together) is full; retry when fewer requests run"
+            )
             self._finish(row, "error")
         if gone:
             self._drop(sorted(idx))
@@ -368,8 +406,13 @@ class Engine:
         for key, members in _by_group(rows).items():
             ta = time.perf_counter()
             idx = [rows.index(m) for m in members]
-            proposed = self._guard(members, self.groups[key].propose, members, [caps[r] for r in idx],
-                                   default=[DraftTree.empty()] * len(idx))
+            proposed = self._guard(
+                members,
+                self.groups[key].propose,
+                members,
+                [caps[r] for r in idx],
+                default=[DraftTree.empty()] * len(idx),
+            )
             for r, d in zip(idx, proposed):
                 drafts[r] = d
             for r in idx:
@@ -387,9 +430,12 @@ class Engine:
     def _constrain(row: Request, draft: DraftTree) -> DraftTree:
         """The draft without what the grammar rules out (the target scores none of it), then the tokens
         the grammar forces after it."""
-        d = row.processor.prune(row.tokens, draft)
+        proc = row.processor
+        if proc is None:  # (the caller constrains only rows with a processor)
+            return draft
+        d = proc.prune(row.tokens, draft)
         room = row.sp.max_new_tokens - len(row.output) - 1 - d.size
-        return row.processor.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
+        return proc.extend_forced(row.tokens, d, min(row.drafter.forced_tokens, room))
 
     def _score(self, rows: list[Request], drafts: list[DraftTree]) -> torch.Tensor:
         """The target's forward over every row's pending token + draft; each drafter observes its own
@@ -402,6 +448,7 @@ class Engine:
         for r, row in enumerate(rows):
             h = None
             if want[r]:  # the positions the row fed; a row's first step also gets its prompt's features
+                assert hidden is not None  # forward(hidden=True) leaves them
                 h = hidden[r, : len(seqs[r])]
                 if row.hidden_prefix is not None:
                     h = torch.cat([row.hidden_prefix.to(h.dtype), h])
@@ -435,8 +482,9 @@ class Engine:
             if r in decided:
                 path, t = decided[r]
             else:  # a sampled tree (a row whose verification fails, e.g. on NaN logits, finishes "error")
-                path, t = self._guard([row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen, row.lossy,
-                                      default=([], 0))
+                path, t = self._guard(
+                    [row], verify_tree, d, logits[r, : d.size + 1], row.sp, row.gen, row.lossy, default=([], 0)
+                )
             if t < 0:  # sampling found no token to draw (sampling.sample, strict False)
                 row.error, path, t = row.error or SpecDraftError(NO_TOKEN), [], 0
             n_acc.append(len(path))
@@ -456,8 +504,18 @@ class Engine:
         for r, (row, d) in enumerate(zip(rows, drafts)):
             if chain[r] and not row.sp.greedy:
                 q = None if d.draft_probs is None else d.draft_probs[None]
-                out = self._guard([row], sample_verify, dtok[r: r + 1, : d.size], q, logits[r: r + 1, : d.size + 1],
-                                  row.sp, row.gen, row.lossy, None, False)  # (num_draft, strict)
+                out = self._guard(
+                    [row],
+                    sample_verify,
+                    dtok[r : r + 1, : d.size],
+                    q,
+                    logits[r : r + 1, : d.size + 1],
+                    row.sp,
+                    row.gen,
+                    row.lossy,
+                    None,
+                    False,
+                )  # (num_draft, strict)
                 found.append(_Decided([r], [] if out is None else list(out)))
             elif not chain[r] and row.sp.greedy:
                 found.append(_Decided([r], [argmax_last(logits[r, : d.size + 1])], tree=True))
@@ -470,7 +528,7 @@ class Engine:
         values = _read_once([t for f in found for t in f.values])
         out: dict[int, tuple[list[int], int]] = {}
         for f in found:
-            got, values = values[: len(f.values)], values[len(f.values):]
+            got, values = values[: len(f.values)], values[len(f.values) :]
             if f.tree:
                 out[f.rows[0]] = greedy_tree_path(drafts[f.rows[0]], torch.tensor(got[0], device=HOST))
             elif not got:  # its verification failed (the row's error is set)
@@ -499,26 +557,36 @@ class Engine:
         sizes = torch.tensor([drafts[r].size for r in greedy], device=self.device)
         return list(greedy_verify(dtok, scored, sizes))
 
-    def _advance(self, row: Request, draft: DraftTree, n_acc: int, new: list[int], draft_s: float,
-                 step_s: float, logprobs: list | None = None) -> bool:
+    def _advance(
+        self,
+        row: Request,
+        draft: DraftTree,
+        n_acc: int,
+        new: list[int],
+        draft_s: float,
+        step_s: float,
+        logprobs: list | None = None,
+    ) -> bool:
         """The end of a row's step (``step_s``: the batch's target-side seconds): feedback, stop
         conditions, the step record, streaming. True when the row finished."""
         if row.error is not None:
             return True
+        assert row.seen is not None  # _score set it this step
         fed, logits, hidden = row.seen
         row.seen = None
-        self._guard([row], row.drafter.observe,
-                    StepOutcome(fed, logits, hidden, draft, n_acc, new, step_s, len(self.rows)))
+        self._guard(
+            [row], row.drafter.observe, StepOutcome(fed, logits, hidden, draft, n_acc, new, step_s, len(self.rows))
+        )
         row.length.observe(draft.size, n_acc, draft_s, step_s, 1 + draft.size)
         new, finish = _cut_at_stop(new, row.eos, row.sp.max_new_tokens - len(row.output))
         if row.stopper is not None:  # a stop string wins over EOS / the length limit it completes before
-            cut, hit = row.stopper.check(row.tokens[len(row.prompt_ids):], new)
+            cut, hit = row.stopper.check(row.tokens[len(row.prompt_ids) :], new)
             if hit:
                 new, finish = cut, "stop"
         row.tokens.extend(new)
         if row.processor is not None:
             self._guard([row], row.processor.commit, new)
-        if logprobs is not None:
+        if logprobs is not None and row.logprobs is not None:  # (both or neither: the request asks for them)
             logprobs = logprobs[: len(new)]
             row.logprobs.extend(logprobs)
         vs = step_s / len(self.rows) + (row.prefill_s if not row.stats.steps else 0.0)
@@ -537,8 +605,9 @@ def _processed(processor: RequestProcessor, logits: torch.Tensor, history: list[
     token 0, sampling would draw from NaN) fails the row with a clear error instead."""
     out = processor.process(logits, history, draft)
     if not bool((out > float("-inf")).any(-1).all()):
-        raise ConfigError("no token is allowed here: the request's constraints (grammar, min_tokens, logit_bias) "
-                          "rule out every token")
+        raise ConfigError(
+            "no token is allowed here: the request's constraints (grammar, min_tokens, logit_bias) rule out every token"
+        )
     return out
 
 
@@ -550,7 +619,7 @@ def _read_once(parts: list[torch.Tensor]) -> list[list[int]]:
     flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
     out, at = [], 0
     for p in parts:
-        out.append(flat[at: at + p.numel()])
+        out.append(flat[at : at + p.numel()])
         at += p.numel()
     return out
 
@@ -618,10 +687,19 @@ class StepHook:
 
 
 # --- entry points -----------------------------------------------------------------------------------
-def generate(target, drafter: Drafter, prompt_ids: list[int], sp: SamplingParams | dict | None,
-             eos_ids: set[int] | None = None, tokenizer=None, length: DraftLength | None = None,
-             on_emit: OnEmit | None = None, on_admit: Callable[[Request], None] | None = None,
-             lossy: TypicalAcceptance | None = None, hook: StepHook | None = None) -> GenerationResult:
+def generate(
+    target,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    sp: SamplingParams | dict | None,
+    eos_ids: set[int] | None = None,
+    tokenizer=None,
+    length: DraftLength | None = None,
+    on_emit: OnEmit | None = None,
+    on_admit: Callable[[Request], None] | None = None,
+    lossy: TypicalAcceptance | None = None,
+    hook: StepHook | None = None,
+) -> GenerationResult:
     """Decode one request: the loop with a batch of one. ``on_emit(new_tokens)`` (optional) is called
     after every step with the tokens appended (for streaming; ``on_emit(new_tokens, logprob_entries)``
     when the request asks for logprobs); returning True cancels the request (finish_reason
@@ -636,14 +714,20 @@ def generate(target, drafter: Drafter, prompt_ids: list[int], sp: SamplingParams
         with hook.stepping():
             finished = eng.step()
         hook.after_step(eng.rows, finished)
-    if row.error is not None:
-        raise row.error
-    return row.result
+    return row.outcome()
 
 
-def generate_batch(target, jobs: list[Job], eos_ids=None, tokenizer=None, rule: BatchRule | None = None,
-                   max_batch: int | None = None, join_every: int = 0,
-                   isolate_seeded: bool = True, hook: StepHook | None = None) -> list[GenerationResult]:
+def generate_batch(
+    target,
+    jobs: list[Job],
+    eos_ids=None,
+    tokenizer=None,
+    rule: BatchRule | None = None,
+    max_batch: int | None = None,
+    join_every: int = 0,
+    isolate_seeded: bool = True,
+    hook: StepHook | None = None,
+) -> list[GenerationResult]:
     """Decode several jobs together (their ``tag`` is set to their place here); results in job order.
 
     ``max_batch`` bounds the rows decoded at once (the rest wait and join as rows leave);
@@ -667,8 +751,6 @@ def generate_batch(target, jobs: list[Job], eos_ids=None, tokenizer=None, rule: 
             finished = eng.step()
         hook.after_step(eng.rows, finished)
         for row in finished:
-            if row.error is not None:
-                raise row.error
-            results[row.tag] = row.result
+            results[row.tag] = row.outcome()
         steps += 1
     return [results[i] for i in range(len(jobs))]

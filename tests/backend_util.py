@@ -4,8 +4,8 @@ near-tie rule for greedy divergences, and the exact two-token distribution for s
 import torch
 
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.engine import Job, generate, generate_batch
 from specdraft.core.tree import DraftTree, feed_mask
+from specdraft.engine import Job, generate, generate_batch
 
 NEAR_TIE = 2.0  # logits; the kernel noise measured on these backends stays under 1.7
 
@@ -93,13 +93,13 @@ def check_wrong_attention_is_caught(t, p):
 
 def exact_two_token_probs(target, prompt, top_k):
     """P(first two tokens) of top-k sampling at T=1, from single-step logits -> {(a, b): p}."""
+
     def dist(logits):
         v, i = torch.topk(logits, top_k)
         return dict(zip(i.tolist(), torch.softmax(v, -1).tolist()))
 
     first = dist(single_steps(target, prompt, [])[-1])
-    return {(a, b): pa * pb for a, pa in first.items()
-            for b, pb in dist(single_steps(target, prompt, [a])[-1]).items()}
+    return {(a, b): pa * pb for a, pa in first.items() for b, pb in dist(single_steps(target, prompt, [a])[-1]).items()}
 
 
 def sample_pairs(target, make_drafter, prompt, sp, n, rows=50):
@@ -107,8 +107,10 @@ def sample_pairs(target, make_drafter, prompt, sp, n, rows=50):
     its own drafter from ``make_drafter()`` -> {(a, b): count}."""
     counts = {}
     for start in range(0, n, rows):
-        jobs = [Job(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
-                for i in range(start, min(start + rows, n))]
+        jobs = [
+            Job(prompt, SamplingParams(**{**sp.to_dict(), "seed": 1000 + i}), make_drafter())
+            for i in range(start, min(start + rows, n))
+        ]
         for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False):  # seeds only pin the samples
             key = tuple(out.token_ids[:2])
             counts[key] = counts.get(key, 0) + 1

@@ -45,9 +45,18 @@ def tiny_llama(vocab=8, seed=0, layers=2, hidden=32, max_pos=256, scale=12.0, no
     from specdraft.models.hf import HFModel
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     m = LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():  # sharper distributions than the default init, so tokens matter
         m.lm_head.weight.mul_(scale)
@@ -84,9 +93,17 @@ def tiny_model_dir(d, layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=2, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(d)
     for f in smol_files().iterdir():  # only its tokenizer files are used
         if f.name.startswith(("tokenizer", "chat_template")):
@@ -152,16 +169,29 @@ def smol_reference(smol_dec):
     from test_greedy_real import NEW, PROMPTS
 
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    return {p: smol_dec.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids
-            for p in PROMPTS}
+    return {p: smol_dec.generate(p, sampling=sp, spec=SpecConfig(method="plain"), chat=True).token_ids for p in PROMPTS}
 
 
 # The longest test files first (measured: `make test`'s durations), so that with two xdist workers taking
 # whole files (--dist loadfile) no long file starts last and leaves one worker alone at the end.
-LONGEST_FIRST = ["test_greedy_real.py", "test_openvino_backend.py", "test_llama_backend.py", "test_auto.py",
-                 "test_heads.py", "test_batch.py", "test_structured_real.py", "test_server.py", "test_tree_stats.py",
-                 "test_processing.py", "test_model_free.py", "test_model_free_real.py", "test_errors.py",
-                 "test_eagle3.py", "test_fuzz.py", "test_engine_tiny.py"]
+LONGEST_FIRST = [
+    "test_greedy_real.py",
+    "test_openvino_backend.py",
+    "test_llama_backend.py",
+    "test_auto.py",
+    "test_heads.py",
+    "test_batch.py",
+    "test_structured_real.py",
+    "test_server.py",
+    "test_tree_stats.py",
+    "test_processing.py",
+    "test_model_free.py",
+    "test_model_free_real.py",
+    "test_errors.py",
+    "test_eagle3.py",
+    "test_fuzz.py",
+    "test_engine_tiny.py",
+]
 
 
 def pytest_collection_modifyitems(session, config, items):

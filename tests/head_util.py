@@ -39,7 +39,7 @@ def train_tiny_heads(target, out, prompts, steps=25, n_heads=3) -> dict:
             i = step % len(seqs)
             s, f, e = seqs[i], feats[i], embs[i]
             if name == "medusa":  # head d at position t predicts x_{t+d+2}
-                loss = sum(cross_entropy(linear(head.heads[d](f[: -d - 2]), W), s[d + 2:]) for d in range(n_heads))
+                loss = sum(cross_entropy(linear(head.heads[d](f[: -d - 2]), W), s[d + 2 :]) for d in range(n_heads))
             else:  # pred[t] ~ f_{t+1}; the LM head on it ~ x_{t+2}
                 pred = head(f[None, :-1], e[None, 1:])[0]
                 loss = smooth_l1_loss(pred[:-1], f[1:-1]) + 0.1 * cross_entropy(linear(pred[:-1], W), s[2:])

@@ -6,7 +6,9 @@ import time
 
 import httpx
 
-from specdraft.server.local import free_port, serve_in_thread as running_server  # noqa: F401
+# Re-exported: the server tests import these two from here.
+from specdraft.server.local import free_port  # noqa: F401
+from specdraft.server.local import serve_in_thread as running_server  # noqa: F401
 
 
 def wait_until(pred, timeout=60.0, every=0.05):
@@ -30,5 +32,8 @@ def metric_samples(text: str) -> dict:
     """A Prometheus exposition as {(sample name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

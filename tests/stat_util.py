@@ -84,8 +84,9 @@ def chi2_pvalue(stat: float, df: int) -> float:
     return 1.0 if df <= 0 else float(stats.chi2.sf(stat, df))
 
 
-def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_samples, vocab, seed0, rows=250,
-                        hook=None):
+def sample_first_tokens(
+    target, make_drafter, prompt, sp, max_new, n_tokens, n_samples, vocab, seed0, rows=250, hook=None
+):
     """Decode ``n_samples`` seeded requests end to end, ``rows`` at a time through the batched loop, each
     with its own drafter from ``make_drafter()`` (``hook``: the loop's engine.StepHook) -> (counts [vocab] *
     n_tokens of their first ``n_tokens`` tokens, draft tokens drafted / accepted in the steps that made those
@@ -96,8 +97,12 @@ def sample_first_tokens(target, make_drafter, prompt, sp, max_new, n_tokens, n_s
     counts = np.zeros((vocab,) * n_tokens)
     drafted = accepted = 0
     for start in range(0, n_samples, rows):
-        jobs = [Job(prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}),
-                    make_drafter()) for i in range(start, min(start + rows, n_samples))]
+        jobs = [
+            Job(
+                prompt, SamplingParams(**{**sp.to_dict(), "seed": seed0 + i, "max_new_tokens": max_new}), make_drafter()
+            )
+            for i in range(start, min(start + rows, n_samples))
+        ]
         # seeds only pin the samples
         for out in generate_batch(target, jobs, eos_ids=set(), isolate_seeded=False, hook=hook):
             counts[tuple(out.token_ids[:n_tokens])] += 1

@@ -12,18 +12,21 @@ import torch
 from conftest import tiny_llama
 from specdraft.api import COST_POINTS, SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter, StepOutcome
 from specdraft.engine import Job, generate_batch
-from specdraft.core.errors import ConfigError
 from stat_util import fit_pvalue, sample_first_tokens
-from test_engine_tiny import N, PROMPT, V, exact_first_two
+from test_engine_tiny import PROMPT, N, V, exact_first_two
 
 SPECS = [
-    {"method": "cascade", "k": 3}, {"method": "cascade", "k": 5, "cascade_k": 2, "min_ngram": 1},
-    {"method": "hybrid", "k": 3}, {"method": "hybrid", "hybrid_merge": True, "hybrid_min_match": 2},
+    {"method": "cascade", "k": 3},
+    {"method": "cascade", "k": 5, "cascade_k": 2, "min_ngram": 1},
+    {"method": "hybrid", "k": 3},
+    {"method": "hybrid", "hybrid_merge": True, "hybrid_min_match": 2},
     {"method": "hybrid", "tree": "static", "tree_branching": [2, 1]},
-    {"method": "auto"}, {"method": "auto", "auto_arms": ["prompt_lookup", "draft_model"]},
+    {"method": "auto"},
+    {"method": "auto", "auto_arms": ["prompt_lookup", "draft_model"]},
 ]
 PROMPTS = [PROMPT, [1, 2, 3, 4, 5, 1, 2, 3], [5, 5, 2, 0, 5, 5, 2]]
 
@@ -70,9 +73,11 @@ def test_mixed_batch_rows_equal_alone(dec):
         assert res.token_ids == dec.generate(job.prompt_ids, sp, s).token_ids, s.method
 
 
-SAMPLED = [("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram": 1, "max_ngram": 2}),
-           ("hybrid", {"method": "hybrid", "k": 3, "hybrid_min_match": 2}),
-           ("auto", {"method": "auto", "hybrid_min_match": 2, "auto_arms": ["hybrid", "draft_model"]})]
+SAMPLED = [
+    ("cascade", {"method": "cascade", "k": 3, "cascade_k": 2, "min_ngram": 1, "max_ngram": 2}),
+    ("hybrid", {"method": "hybrid", "k": 3, "hybrid_min_match": 2}),
+    ("auto", {"method": "auto", "hybrid_min_match": 2, "auto_arms": ["hybrid", "draft_model"]}),
+]
 
 
 @pytest.mark.parametrize("name,spec", SAMPLED, ids=[n for n, _ in SAMPLED])
@@ -96,7 +101,9 @@ def test_broken_cascade_is_detected(dec, monkeypatch):
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     spec = SpecConfig.from_dict(dict(method="cascade", k=3, cascade_k=2, min_ngram=1, max_ngram=2))
     # N // 4 samples (CI time): p = 1e-106 measured at 500 (2026-12-03), against the 1e-3 bound
-    counts, _, _ = sample_first_tokens(dec.target, lambda: dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000)
+    counts, _, _ = sample_first_tokens(
+        dec.target, lambda: dec.make_drafter(spec), PROMPT, sp, 5, 2, N // 4, V, seed0=20_000
+    )
     assert fit_pvalue(counts, exact_first_two(dec.target, sp)) < 1e-3
 
 
@@ -121,7 +128,9 @@ def test_auto_saves_its_exploration_budget_for_an_arm_never_probed(dec):
     from specdraft.drafters.auto import Draw
 
     flat_costs(dec, slope=0.0, draft=0.002)  # a plain step 10 ms; the draft's catch-up of 100 tokens 0.2 s
-    auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "auto_arms": ["prompt_lookup", "suffix", "draft_model"]}))
+    auto = dec.make_drafter(
+        SpecConfig.from_dict({"method": "auto", "auto_arms": ["prompt_lookup", "suffix", "draft_model"]})
+    )
     prompt = [i % V for i in range(100)]
     auto.begin(prompt, SamplingParams(max_new_tokens=1), None)
     names = [a.name for a in auto.arms]
@@ -153,7 +162,9 @@ def test_auto_tries_the_draft_model_in_its_first_request_when_lookups_find_nothi
     curve = {n: 0.28 if n == 1 else 0.21 + 0.008 * n for n in COST_POINTS}
     dec.set_cost_curves(curve, {n: 0.045 * n for n in COST_POINTS})
     dec._arm_memory.clear()
-    auto = dec.make_drafter(SpecConfig.from_dict({"method": "auto", "k": 6, "auto_arms": ["prompt_lookup", "draft_model"]}))
+    auto = dec.make_drafter(
+        SpecConfig.from_dict({"method": "auto", "k": 6, "auto_arms": ["prompt_lookup", "draft_model"]})
+    )
     prompt = list(range(V)) * 7
     auto.begin(prompt, SamplingParams(max_new_tokens=48), None)
     auto.model_seen = len(prompt) - 1  # as when the draft adopts the target's prompt cache
@@ -206,8 +217,14 @@ def simulate_auto(slope: float, alpha: float, steps: int = 128, seed: int = 0) -
         accepted = 0
         while accepted < tree.size and rng.random() < alpha:
             accepted += 1
-        auto.observe(StepOutcome(torch.zeros(tree.size + 1, dtype=torch.long), torch.zeros(tree.size + 1, 1),
-                                 accepted=accepted, emitted=[0] * (accepted + 1)))
+        auto.observe(
+            StepOutcome(
+                torch.zeros(tree.size + 1, dtype=torch.long),
+                torch.zeros(tree.size + 1, 1),
+                accepted=accepted,
+                emitted=[0] * (accepted + 1),
+            )
+        )
         drafted += tree.size > 0
         emitted += accepted + 1
         seconds += interpolate(curve, 1 + tree.size)
@@ -365,8 +382,25 @@ def test_autotune_writes_a_file_auto_reads(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
     model = tiny_model_dir(tmp_path / "tiny")
     out = tmp_path / "tune.json"
-    rc = main(["autotune", "--target", str(model), "--draft", str(model), "--dtype", "float32", "--n", "2",
-               "--max-new-tokens", "6", "--only", "prompt_lookup,draft_model", "-o", str(out)])
+    rc = main(
+        [
+            "autotune",
+            "--target",
+            str(model),
+            "--draft",
+            str(model),
+            "--dtype",
+            "float32",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--only",
+            "prompt_lookup,draft_model",
+            "-o",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["best"]["method"] in ("plain", "prompt_lookup", "draft_model")
@@ -378,8 +412,13 @@ def test_autotune_writes_a_file_auto_reads(tmp_path, monkeypatch, capsys):
     drafter = dec.make_drafter(SpecConfig(method="auto", autotune=str(out)))
     assert [a.name for a in drafter.arms] == ["plain"] + [a["name"] for a in doc["arms"]]
     assert all(a.prior is not None and a.prior.steps > 0 for a in drafter.arms[1:])
-    res = dec.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), SpecConfig(method="auto", autotune=str(out)))
-    assert res.token_ids == dec.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), {"method": "plain"}).token_ids
+    res = dec.generate(
+        [1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), SpecConfig(method="auto", autotune=str(out))
+    )
+    assert (
+        res.token_ids
+        == dec.generate([1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=8), {"method": "plain"}).token_ids
+    )
     rc = main(["generate", "--target", str(model), "--method", "auto", "--config", str(tmp_path / "missing.json"), "x"])
     assert rc == 2 and "error: cannot read --config" in capsys.readouterr().err
 
@@ -395,8 +434,26 @@ def test_autotune_screens_candidate_drafts_and_tunes_the_fastest(tmp_path, monke
     model = tiny_model_dir(tmp_path / "tiny")
     other = tiny_model_dir(tmp_path / "other", layers=1)
     out = tmp_path / "tune.json"
-    rc = main(["autotune", "--target", str(model), "--drafts", f"{model},{other}", "--dtype", "float32", "--n", "2",
-               "--max-new-tokens", "6", "--only", "draft_model", "--no-tree-search", "-o", str(out)])
+    rc = main(
+        [
+            "autotune",
+            "--target",
+            str(model),
+            "--drafts",
+            f"{model},{other}",
+            "--dtype",
+            "float32",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--only",
+            "draft_model",
+            "--no-tree-search",
+            "-o",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     tried = {t["draft"]: t for t in doc["drafts"]["tried"]}
@@ -408,15 +465,20 @@ def test_autotune_screens_candidate_drafts_and_tunes_the_fastest(tmp_path, monke
 
 
 # --- real models --------------------------------------------------------------------------------
-REAL = [{"method": "auto"}, {"method": "hybrid", "k": 3}, {"method": "hybrid", "hybrid_merge": True, "k": 3},
-        {"method": "cascade", "k": 4}]
+REAL = [
+    {"method": "auto"},
+    {"method": "hybrid", "k": 3},
+    {"method": "hybrid", "hybrid_merge": True, "k": 3},
+    {"method": "cascade", "k": 4},
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", REAL, ids=lambda s: "-".join(f"{v}" for v in s.values()))
 def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
     """SmolLM2-135M float32, drafted by its first 4 layers: token-identical to plain decoding."""
-    from test_greedy_real import NEW, PROMPTS as REAL_PROMPTS
+    from test_greedy_real import NEW
+    from test_greedy_real import PROMPTS as REAL_PROMPTS
 
     d = SpecDecoder(smol_f32, smol_draft4)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -430,13 +492,17 @@ def test_greedy_real_smollm2(smol_f32, smol_draft4, smol_reference, spec):
 
 
 def test_bench_mixed_preset_and_arm_table():
-    from specdraft.core import prompts as data
     from specdraft.bench.report import arm_lines
+    from specdraft.core import prompts as data
 
     rows = data.preset_rows("core18+code_edit")
     assert len(rows) == 27 and rows[-1]["id"] == "edit9" and len({r["id"] for r in rows}) == 27
-    doc = {"records": [{"method": "auto", "task": "qa", "arms": {"plain": 3, "draft_model": 1}},
-                       {"method": "auto", "task": "code_edit", "arms": {"suffix": 9}},
-                       {"method": "plain", "task": "qa"}]}
+    doc = {
+        "records": [
+            {"method": "auto", "task": "qa", "arms": {"plain": 3, "draft_model": 1}},
+            {"method": "auto", "task": "code_edit", "arms": {"suffix": 9}},
+            {"method": "plain", "task": "qa"},
+        ]
+    }
     lines = arm_lines(doc, ["qa", "code_edit"])
     assert lines[-1] == "| auto | plain 75%, draft_model 25% | suffix 100% |"

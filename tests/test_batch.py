@@ -5,18 +5,26 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.policy import BatchRule
+from specdraft.core.tree import feed_mask
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine, Job, generate, generate_batch
 from specdraft.models.hf import HFModel
-from specdraft.core.policy import BatchRule
-from specdraft.core.tree import feed_mask
 
 V = 16
-PROMPTS = [[1, 2, 3, 1, 2], [5], [7, 7, 7, 7, 7, 7, 7, 3, 4], [2, 9, 4, 2, 9], [11, 12, 13, 14, 15, 11, 12, 13],
-           [3, 3], [8, 1, 8, 1, 8, 1, 8], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+PROMPTS = [
+    [1, 2, 3, 1, 2],
+    [5],
+    [7, 7, 7, 7, 7, 7, 7, 3, 4],
+    [2, 9, 4, 2, 9],
+    [11, 12, 13, 14, 15, 11, 12, 13],
+    [3, 3],
+    [8, 1, 8, 1, 8, 1, 8],
+    [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +81,9 @@ def assert_ragged(log):
     drafting = [[s for s in recs if s.drafted > 0] for recs in log]
     assert any(len({s.drafted for s in recs}) > 1 for recs in drafting), log
     assert any(len({s.accepted for s in recs}) > 1 for recs in drafting), log
-    assert any(any(s.accepted == s.drafted for s in recs) and any(s.accepted < s.drafted for s in recs)
-               for recs in drafting), log
+    assert any(
+        any(s.accepted == s.drafted for s in recs) and any(s.accepted < s.drafted for s in recs) for recs in drafting
+    ), log
 
 
 def test_mixed_methods_join_leave_and_compaction(pair, monkeypatch):
@@ -96,8 +105,9 @@ def test_engine_step_ragged_and_cancel(pair, monkeypatch):
     target, draft = pair
     log = record_steps(monkeypatch)
     eng = Engine(target, eos_ids=set(), compact_slack=1)
-    rows = [eng.add(p, SamplingParams(max_new_tokens=30), make(m, draft, k=4))
-            for p, m in zip(PROMPTS[:6], METHODS * 2)]
+    rows = [
+        eng.add(p, SamplingParams(max_new_tokens=30), make(m, draft, k=4)) for p, m in zip(PROMPTS[:6], METHODS * 2)
+    ]
     for _ in range(4):
         eng.step()
         assert [len(recs) for recs in log] == [6] * len(log)
@@ -128,8 +138,14 @@ def test_policy_shrinks_speculation_with_batch_size(pair):
 def test_sampling_rows_reproducible_by_seed(pair):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, seed=3, max_new_tokens=12)
-    a = generate_batch(target, [Job(PROMPTS[0], sp, make("draft_model", draft)),
-                                Job(PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter())], eos_ids=set())
+    a = generate_batch(
+        target,
+        [
+            Job(PROMPTS[0], sp, make("draft_model", draft)),
+            Job(PROMPTS[1], SamplingParams(max_new_tokens=5), NoDrafter()),
+        ],
+        eos_ids=set(),
+    )
     b = generate(HFModel(target.model, None), make("draft_model", draft), PROMPTS[0], sp, eos_ids=set())
     assert a[0].token_ids == b.token_ids and len(a[0].token_ids) == 12  # the seed's batch-1 sample
 
@@ -163,9 +179,16 @@ def test_batchkv_empty_prefix_rows(pair):
     assert kv.B == 0 and kv.L == 0
 
 
-SMOL_TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-              "1, 2, 3, 4, 5, 6, 7,", "Once upon a time", "import numpy as np\nimport pandas as pd\nimport",
-              "The quick brown fox jumps over the lazy dog. The quick brown", "Water boils at", "Hello"]
+SMOL_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "1, 2, 3, 4, 5, 6, 7,",
+    "Once upon a time",
+    "import numpy as np\nimport pandas as pd\nimport",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Water boils at",
+    "Hello",
+]
 SMOL_LENS = [24, 16, 30, 12, 20, 28, 8, 18]
 
 
@@ -176,8 +199,10 @@ def smol_plain(smol_f32):
     tok = smol_f32.tokenizer
     prompts = [tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in SMOL_TEXTS]
     t = HFModel(smol_f32.model, tok)
-    return {p: generate(t, NoDrafter(), list(p), SamplingParams(max_new_tokens=30), eos_ids=set()).token_ids
-            for p in prompts}
+    return {
+        p: generate(t, NoDrafter(), list(p), SamplingParams(max_new_tokens=30), eos_ids=set()).token_ids
+        for p in prompts
+    }
 
 
 @pytest.mark.slow
@@ -216,6 +241,7 @@ class BatchDrafters:
         spec = SpecConfig.from_dict(spec)
         return Job(prompt, sp, self.dec.make_drafter(spec), length=self.dec.draft_length(spec))
 
+
 ALL_SPECS = {
     "plain": {"method": "plain"},
     "prompt_lookup": {"method": "prompt_lookup", "k": 3, "max_ngram": 2},
@@ -231,8 +257,16 @@ ALL_SPECS = {
     "layer_skip": {"method": "layer_skip", "skip_layers": [1, 2], "k": 3, "schedule": "heuristic"},
     "layer_skip_tree": {"method": "layer_skip", "skip_layers": [2], "tree": "dynamic", "k": 3, "tree_budget": 5},
 }
-TREE_SPECS = {"prompt_lookup_tree", "draft_static", "draft_dynamic", "suffix", "token_recycling", "lookahead",
-              "early_exit_tree", "layer_skip_tree"}
+TREE_SPECS = {
+    "prompt_lookup_tree",
+    "draft_static",
+    "draft_dynamic",
+    "suffix",
+    "token_recycling",
+    "lookahead",
+    "early_exit_tree",
+    "layer_skip_tree",
+}
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +310,11 @@ def test_all_methods_in_one_batch_with_sampling_rows(quad):
     jobs, refs = [], []
     for i, name in enumerate(ALL_SPECS):
         p, n = PROMPTS[i % len(PROMPTS)], 6 + (5 * i) % 13
-        sp = SamplingParams(max_new_tokens=n) if i % 3 else SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n)
+        sp = (
+            SamplingParams(max_new_tokens=n)
+            if i % 3
+            else SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n)
+        )
         jobs.append(fac.job(p, sp, ALL_SPECS[name]))
         refs.append(reference(target, draft, ALL_SPECS[name], p, sp).token_ids)
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=6, join_every=1)
@@ -339,14 +377,18 @@ def test_batchkv_tree_feed_keeps_only_the_path(pair):
 V6, P6, NS, NS_MODEL = 6, [1, 2, 3, 1, 2], 2000, 1200  # model trees draft per row: fewer samples
 T1 = SamplingParams(temperature=1.0)
 TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
-SAMPLING_CASES = [("draft_static", 4, T1), ("draft_dynamic", 5, TRUNC), ("prompt_lookup_tree", 4, TRUNC),
-                  pytest.param("early_exit_tree", 4, T1, marks=pytest.mark.slow)]
+SAMPLING_CASES = [
+    ("draft_static", 4, T1),
+    ("draft_dynamic", 5, TRUNC),
+    ("prompt_lookup_tree", 4, TRUNC),
+    pytest.param("early_exit_tree", 4, T1, marks=pytest.mark.slow),
+]
 
 
 def _exact_first_two(target, sp):
-    from specdraft.core.sampling import probs_from_logits
-
     import numpy as np
+
+    from specdraft.core.sampling import probs_from_logits
 
     p1 = probs_from_logits(logits_of(target, P6)[-1], sp).double()
     joint = np.zeros((V6, V6))
@@ -356,7 +398,11 @@ def _exact_first_two(target, sp):
     return joint
 
 
-@pytest.mark.parametrize("name,max_new,sp", SAMPLING_CASES, ids=["draft_static-T1", "draft_dynamic-T0.8", "prompt_lookup_tree-T0.8", "early_exit_tree-T1"])
+@pytest.mark.parametrize(
+    "name,max_new,sp",
+    SAMPLING_CASES,
+    ids=["draft_static-T1", "draft_dynamic-T0.8", "prompt_lookup_tree-T0.8", "early_exit_tree-T1"],
+)
 def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
     import numpy as np
 
@@ -366,8 +412,10 @@ def test_tree_rows_in_a_batch_sample_the_target_distribution(name, max_new, sp):
     draft = tiny_llama(vocab=V6, noise_seed=5, noise=0.25)
     fac = BatchDrafters(SpecDecoder(target, draft))
     spec = {**ALL_SPECS[name], "exit_layer": 1} if name == "early_exit_tree" else ALL_SPECS[name]
-    jobs = [fac.job(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), spec)
-            for i in range(NS if name == "prompt_lookup_tree" else NS_MODEL)]
+    jobs = [
+        fac.job(P6, SamplingParams(**{**sp.to_dict(), "seed": 10_000 + i, "max_new_tokens": max_new}), spec)
+        for i in range(NS if name == "prompt_lookup_tree" else NS_MODEL)
+    ]
     # rows leave raggedly, others join; the seeds only pin the samples: the rows share forwards
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=64, isolate_seeded=False)
     counts = np.zeros((V6, V6))
@@ -426,16 +474,43 @@ def test_batchbench_cli_on_a_tiny_model(tmp_path, capsys):
 
     d = tiny_model_dir(tmp_path / "tiny", layers=3)
     ds = tmp_path / "q.jsonl"
-    ds.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Say {c} {i} {c} {i}."]})
-                            for i, c in enumerate(["qa", "writing", "qa"])) + "\n")
+    ds.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"Say {c} {i} {c} {i}."]})
+            for i, c in enumerate(["qa", "writing", "qa"])
+        )
+        + "\n"
+    )
     out, png = tmp_path / "bb.json", tmp_path / "bb.png"
-    args = ["batchbench", "--target", str(d), "--dtype", "float32", "--methods", "prompt_lookup,early_exit",
-            "--exit-layer", "1", "--batch-sizes", "1,2", "--prompts", "3", "--max-new-tokens", "6", "--dataset", str(ds),
-            "--no-chat", "--out", str(out), "--plot", str(png)]
+    args = [
+        "batchbench",
+        "--target",
+        str(d),
+        "--dtype",
+        "float32",
+        "--methods",
+        "prompt_lookup,early_exit",
+        "--exit-layer",
+        "1",
+        "--batch-sizes",
+        "1,2",
+        "--prompts",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--dataset",
+        str(ds),
+        "--no-chat",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+    ]
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert [(r["batch_size"], r["method"]) for r in res["summary"]] == [
-        (b, m) for b in (1, 2) for m in ("plain", "prompt_lookup", "early_exit")]
+        (b, m) for b in (1, 2) for m in ("plain", "prompt_lookup", "early_exit")
+    ]
     for r in res["summary"]:
         assert r["tokens"] == 3 * 6 and r["tokens_per_s"] > 0 and r["mat"] >= 1 and r["greedy_exact_rows"] == "3/3"
         assert (r["speedup_vs_plain"] == 1.0) == (r["method"] == "plain")
@@ -450,7 +525,11 @@ def test_batchbench_cli_on_a_tiny_model(tmp_path, capsys):
 # --- trained heads (Medusa, EAGLE): per-row drafters fed their own rows of the target's features ----
 HEAD_SPECS = {
     "medusa_chain": {"method": "medusa", "k": 3},
-    "medusa_tree": {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]},
+    "medusa_tree": {
+        "method": "medusa",
+        "tree": "static",
+        "tree_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]],
+    },
     "eagle": {"method": "eagle", "k": 3},
     "eagle_tree": {"method": "eagle", "tree": "dynamic", "k": 3, "tree_topk": 2, "tree_budget": 6},
 }
@@ -480,11 +559,14 @@ def test_head_rows_greedy_equal_batch1(quad, head_dirs, name):
     names = [name, "plain", name, "prompt_lookup", name, name, "prompt_lookup", name]
     prompts = [PROMPTS[1]] + PROMPTS[:1] + PROMPTS[2:]
     lens = [14, 9, 20, 12, 17, 11, 15, 19]
-    jobs = [fac.job(p, SamplingParams(max_new_tokens=n), _head_spec(m, head_dirs))
-            for m, p, n in zip(names, prompts, lens)]
+    jobs = [
+        fac.job(p, SamplingParams(max_new_tokens=n), _head_spec(m, head_dirs)) for m, p, n in zip(names, prompts, lens)
+    ]
     out = generate_batch(target, jobs, eos_ids=set(), max_batch=4, join_every=2)
     for m, job, r in zip(names, jobs, out):
-        assert r.token_ids == reference(target, draft, _head_spec(m, head_dirs), job.prompt_ids, job.sampling).token_ids, m
+        assert (
+            r.token_ids == reference(target, draft, _head_spec(m, head_dirs), job.prompt_ids, job.sampling).token_ids
+        ), m
         assert r.stats.new_tokens == job.sampling.max_new_tokens
     heads = [r for m, r in zip(names, out) if m == name]
     assert sum(r.stats.drafted for r in heads) > 0 and sum(r.stats.accepted for r in heads) > 0
@@ -503,8 +585,11 @@ def test_head_rows_mixed_with_sampling_rows(quad, head_dirs):
     jobs, refs = [], []
     for i, name in enumerate(names):
         p, n = PROMPTS[(3 * i) % len(PROMPTS)], 8 + (5 * i) % 11
-        sp = (SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n) if i % 2
-              else SamplingParams(max_new_tokens=n))
+        sp = (
+            SamplingParams(temperature=0.8, top_k=8, seed=i, max_new_tokens=n)
+            if i % 2
+            else SamplingParams(max_new_tokens=n)
+        )
         spec = _head_spec(name, head_dirs)
         jobs.append(fac.job(p, sp, spec))
         refs.append(reference(target, draft, spec, p, sp).token_ids)

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_llama, tiny_model_dir
 from specdraft.bench import runners
 from specdraft.bench.report import aggregate
-from conftest import tiny_llama, tiny_model_dir
 from specdraft.cli import main
 
 
@@ -19,17 +19,37 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture()
 def dataset(tmp_path):
     p = tmp_path / "q.jsonl"
-    rows = [{"question_id": i, "category": c, "turns": [f"Say {c} number {i}. Say {c} number {i}."]}
-            for i, c in enumerate(["summarization", "summarization", "qa", "writing"])]
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"Say {c} number {i}. Say {c} number {i}."]}
+        for i, c in enumerate(["summarization", "summarization", "qa", "writing"])
+    ]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return p
 
 
 def _args(tiny_dir, dataset, out, *extra):
-    return ["bench", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--draft-layers", "1",
-            "--dtype", "float32", "--dataset", str(dataset), "--max-new-tokens", "8",
-            "--methods", "plain,draft_model,prompt_lookup,hf_generate,llama_cpp", "--sweep", "k=1,3",
-            "--out", str(out), *extra]
+    return [
+        "bench",
+        "--target",
+        str(tiny_dir),
+        "--draft",
+        str(tiny_dir),
+        "--draft-layers",
+        "1",
+        "--dtype",
+        "float32",
+        "--dataset",
+        str(dataset),
+        "--max-new-tokens",
+        "8",
+        "--methods",
+        "plain,draft_model,prompt_lookup,hf_generate,llama_cpp",
+        "--sweep",
+        "k=1,3",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeypatch, capsys):
@@ -56,7 +76,9 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
     assert "llama_cpp" in doc["skipped"] or any(r["method"] == "llama_cpp" for r in doc["records"])
     for r in doc["records"]:
         assert r["new_tokens"] == len(r["token_ids"]) and r["wall_s"] > 0
-        assert r["decode_tokens"] == r["new_tokens"] - 1 and r["decode_s"] == pytest.approx(r["wall_s"] - r["first_token_s"])
+        assert r["decode_tokens"] == r["new_tokens"] - 1 and r["decode_s"] == pytest.approx(
+            r["wall_s"] - r["first_token_s"]
+        )
         if r["method"] in ("plain", "draft_model", "prompt_lookup"):  # the engine's runs: their prefill apart
             assert 0 < r["prefill_s"] < r["wall_s"]
         if r["method"] != "plain":
@@ -82,23 +104,53 @@ def test_bench_end_to_end_resume_and_report(tiny_dir, dataset, tmp_path, monkeyp
         assert (tmp_path / f"r{suffix}").stat().st_size > 0
 
 
-OTHER_RUN = {"settings": {"target": "x", "dtype": "float32", "sampling": {"temperature": 0, "top_k": 0, "top_p": 1,
-                                                                        "max_new_tokens": 8}},
-             "environment": {}, "records": []}
+OTHER_RUN = {
+    "settings": {
+        "target": "x",
+        "dtype": "float32",
+        "sampling": {"temperature": 0, "top_k": 0, "top_p": 1, "max_new_tokens": 8},
+    },
+    "environment": {},
+    "records": [],
+}
 
 
 def test_bench_refuses_other_settings(tiny_dir, dataset, tmp_path, capsys):
     out = tmp_path / "r.json"
     out.write_text(json.dumps(OTHER_RUN))
     assert main(_args(tiny_dir, dataset, out)) == 2
-    assert capsys.readouterr().err == f"error: {out} holds results of other settings; pass another --out to start afresh\n"
+    assert (
+        capsys.readouterr().err == f"error: {out} holds results of other settings; pass another --out to start afresh\n"
+    )
 
 
-@pytest.mark.parametrize("content", [b'{"a": 1}', b"[1, 2]", b"\x89PNG\r\n\x1a\n\0\0", b"{not json", b'"text"',
-                                     json.dumps({**OTHER_RUN, "records": [{"method": "plain"}]}).encode(),
-                                     json.dumps({**OTHER_RUN, "records": [{"prompt_id": 1, "task": "qa", "method": "m",
-                                                                          "repeat": 0, "new_tokens": 2, "wall_s": 1,
-                                                                          "steps": [[]]}]}).encode()])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"a": 1}',
+        b"[1, 2]",
+        b"\x89PNG\r\n\x1a\n\0\0",
+        b"{not json",
+        b'"text"',
+        json.dumps({**OTHER_RUN, "records": [{"method": "plain"}]}).encode(),
+        json.dumps(
+            {
+                **OTHER_RUN,
+                "records": [
+                    {
+                        "prompt_id": 1,
+                        "task": "qa",
+                        "method": "m",
+                        "repeat": 0,
+                        "new_tokens": 2,
+                        "wall_s": 1,
+                        "steps": [[]],
+                    }
+                ],
+            }
+        ).encode(),
+    ],
+)
 def test_a_file_that_is_no_results_file_is_one_error_line(tiny_dir, dataset, tmp_path, capsys, content):
     """`bench --out FILE` (which resumes FILE) and `bench report FILE` on another JSON, a list or a binary
     gave a traceback."""
@@ -122,12 +174,28 @@ def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):
 
 
 def test_metric_functions_used_by_report():
-    doc = {"records": [
-        {"prompt_id": "a", "task": "qa", "method": "plain", "repeat": 0, "new_tokens": 10, "wall_s": 10.0,
-         "steps": [[0, 0]] * 10},
-        {"prompt_id": "a", "task": "qa", "method": "draft_model", "repeat": 0, "new_tokens": 10, "wall_s": 4.0,
-         "steps": [[4, 4], [4, 0], [4, 2]]},
-    ]}
+    doc = {
+        "records": [
+            {
+                "prompt_id": "a",
+                "task": "qa",
+                "method": "plain",
+                "repeat": 0,
+                "new_tokens": 10,
+                "wall_s": 10.0,
+                "steps": [[0, 0]] * 10,
+            },
+            {
+                "prompt_id": "a",
+                "task": "qa",
+                "method": "draft_model",
+                "repeat": 0,
+                "new_tokens": 10,
+                "wall_s": 4.0,
+                "steps": [[4, 4], [4, 0], [4, 2]],
+            },
+        ]
+    }
     r = aggregate(doc)["rows"]["draft_model"]
     assert r["speedup"] == 2.5 and r["mat"] == (5 + 1 + 3) / 3 and r["acceptance_rate"] == 6 / 12
     assert r["per_position"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
@@ -135,8 +203,27 @@ def test_metric_functions_used_by_report():
 
 def test_costs_command(tiny_dir, capsys, tmp_path):
     js, png = tmp_path / "c.json", tmp_path / "c.png"
-    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3,8", "--repeats", "1",
-                 "--tree", "--json", str(js), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "costs",
+                "--target",
+                str(tiny_dir),
+                "--dtype",
+                "float32",
+                "--tokens",
+                "1,3,8",
+                "--repeats",
+                "1",
+                "--tree",
+                "--json",
+                str(js),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| backend, weights | 1 tok | 3 tok | 8 tok |" in out
     assert "| hf float32 chain | " in out and "| hf float32 tree | " in out
@@ -145,13 +232,33 @@ def test_costs_command(tiny_dir, capsys, tmp_path):
 
     doc = json.loads(js.read_text())
     assert set(doc["rows"]["hf float32 tree"]) == {"1", "3", "8"} and doc["backend"] == "hf" and doc["cpu"]
-    assert set(doc["prefill"]["hf float32"]) == {"32", "512"} and "hf float32: prefill of 32 / 512 prompt tokens: " in out
+    assert (
+        set(doc["prefill"]["hf float32"]) == {"32", "512"} and "hf float32: prefill of 32 / 512 prompt tokens: " in out
+    )
 
 
 def test_costs_command_with_a_draft(tiny_dir, capsys, tmp_path):
     js = tmp_path / "c.json"
-    assert main(["costs", "--target", str(tiny_dir), "--dtype", "float32", "--tokens", "1,3,8", "--repeats", "1",
-                 "--draft", str(tiny_dir), "--json", str(js)]) == 0
+    assert (
+        main(
+            [
+                "costs",
+                "--target",
+                str(tiny_dir),
+                "--dtype",
+                "float32",
+                "--tokens",
+                "1,3,8",
+                "--repeats",
+                "1",
+                "--draft",
+                str(tiny_dir),
+                "--json",
+                str(js),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| draft " in out and "| k | step ms | plain target tokens it costs |" in out
     assert json.loads(js.read_text())["draft"]["ms"].keys() == {"1", "3", "8"}
@@ -214,15 +321,46 @@ def test_uad_baseline_leaves_the_engine_draft_intact(tiny_dir, dataset, tmp_path
 
     d = tmp_path / "tiny_qwen_tok"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, eos_token_id=151643)).save_pretrained(d)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=151936,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            eos_token_id=151643,
+        )
+    ).save_pretrained(d)
     for f in catalog.pull("qwen2.5-coder-0.5b").iterdir():
         if f.name.startswith(("tokenizer", "vocab", "merges", "chat_template")):
             shutil.copy(f, d / f.name)
     out = tmp_path / "uad.json"
-    assert main(["bench", "--target", str(d), "--draft", str(tiny_dir), "--dtype", "float32", "--dataset",
-                 str(dataset), "--max-new-tokens", "6", "--methods", "plain,draft_model,hf_assisted",
-                 "--temperature", "1", "--no-plots", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--target",
+                str(d),
+                "--draft",
+                str(tiny_dir),
+                "--dtype",
+                "float32",
+                "--dataset",
+                str(dataset),
+                "--max-new-tokens",
+                "6",
+                "--methods",
+                "plain,draft_model,hf_assisted",
+                "--temperature",
+                "1",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     recs = json.loads(out.read_text())["records"]
     assert {r["method"] for r in recs} == {"plain", "draft_model", "hf_assisted"} and len(recs) == 12
 
@@ -236,21 +374,49 @@ def test_headline_preset_runs_end_to_end_and_prints_the_results_row(tmp_path, ca
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
     from specdraft.cli import main
-    from specdraft.models.cost_curve import cpu_name
     from specdraft.core.errors import ModelFileError
     from specdraft.models import quantize
+    from specdraft.models.cost_curve import cpu_name
 
     try:
         quantize.variant_path("qwen2.5-coder-0.5b", "Q4_0")
     except ModelFileError:  # made once per machine, as the openvino tests do
         quantize.quantize("qwen2.5-coder-0.5b", "Q4_0")
     out = tmp_path / "headline.json"
-    assert main(["bench", "--preset", "headline", "--target", "qwen2.5-coder-0.5b:Q4_0", "--tasks", "qa,code_edit", "--n-per-task", "1",
-                 "--max-new-tokens", "4", "--threads", "1", "--no-plots", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "headline",
+                "--target",
+                "qwen2.5-coder-0.5b:Q4_0",
+                "--tasks",
+                "qa,code_edit",
+                "--n-per-task",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--threads",
+                "1",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     methods = {r["method"] for r in doc["records"]}
-    assert methods == {"plain", "llama_cpp", "ov_genai", "llama_cpp_lookup", "auto", "openvino:plain",
-                       "openvino:suffix_k16"}, methods
+    assert methods == {
+        "plain",
+        "llama_cpp",
+        "ov_genai",
+        "llama_cpp_lookup",
+        "auto",
+        "openvino:plain",
+        "openvino:suffix_k16",
+    }, methods
     for r in doc["records"]:  # the real runners' streaming callbacks: the first token within the call
         assert 0 < r["first_token_s"] <= r["wall_s"], r["method"]
     assert len({r["prompt_id"] for r in doc["records"]}) == 2  # a qa prompt of core18, a code edit
@@ -294,5 +460,7 @@ def test_a_backend_beside_the_runs_that_cannot_load_the_target_names_the_methods
     plan = plan_bench(BenchOptions(preset="headline", target="smollm2-135m", tasks="qa", n_per_task=1))
     with pytest.raises(ConfigError) as e:
         load_bench(plan, 1)
-    assert str(e.value) == ("openvino:plain, openvino:suffix_k16 run on the openvino backend, which cannot load "
-                            "smollm2-135m here (OpenVINO converts smollm2-135m wrongly); leave them out of --methods")
+    assert str(e.value) == (
+        "openvino:plain, openvino:suffix_k16 run on the openvino backend, which cannot load "
+        "smollm2-135m here (OpenVINO converts smollm2-135m wrongly); leave them out of --methods"
+    )

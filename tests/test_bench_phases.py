@@ -13,26 +13,50 @@ from specdraft.bench.report import aggregate, headline, markdown
 from specdraft.core.config import SamplingParams, SpecConfig
 
 # (wall s, first-token s) per record, 11 new tokens each: decode tok/s = 10 / (wall - first)
-TIMES = {"llama_cpp": (3.0, 2.0), "ov_genai": (2.5, 1.0), "plain": (3.1, 2.0), "auto": (2.8, 2.0),
-         "openvino:suffix_k16": (2.2, 1.0)}
+TIMES = {
+    "llama_cpp": (3.0, 2.0),
+    "ov_genai": (2.5, 1.0),
+    "plain": (3.1, 2.0),
+    "auto": (2.8, 2.0),
+    "openvino:suffix_k16": (2.2, 1.0),
+}
 
 
 def synthetic_doc(first_token: bool = True) -> dict:
     recs = []
     for pid, task in (("a", "qa"), ("b", "code_edit")):
         for m, (wall, first) in TIMES.items():
-            r = {"prompt_id": pid, "task": task, "method": m, "repeat": 0, "new_tokens": 11, "wall_s": wall,
-                 **({"first_token_s": first} if first_token else {})}
+            r = {
+                "prompt_id": pid,
+                "task": task,
+                "method": m,
+                "repeat": 0,
+                "new_tokens": 11,
+                "wall_s": wall,
+                **({"first_token_s": first} if first_token else {}),
+            }
             if m in ("auto", "openvino:suffix_k16"):
                 r["exact"] = not (m == "openvino:suffix_k16" and pid == "b")
                 r.update({"first_divergence": 3, "top2_gap": 0.01} if not r["exact"] else {})
             recs.append(r)
-    return {"settings": {"reference": "fastest_plain", "target": "t", "backend": "llama", "dtype": "bfloat16",
-                         "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 11},
-                         "methods": {"plain": {"method": "plain"}, "auto": {"method": "auto"},
-                                     "openvino:suffix_k16": {"method": "suffix"}, "llama_cpp": {"baseline": "llama_cpp"},
-                                     "ov_genai": {"baseline": "ov_genai"}}},
-            "environment": {"cpu": "Test CPU (AVX-512)", "date": "2026-12-05T01:02:03+00:00"}, "records": recs}
+    return {
+        "settings": {
+            "reference": "fastest_plain",
+            "target": "t",
+            "backend": "llama",
+            "dtype": "bfloat16",
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 11},
+            "methods": {
+                "plain": {"method": "plain"},
+                "auto": {"method": "auto"},
+                "openvino:suffix_k16": {"method": "suffix"},
+                "llama_cpp": {"baseline": "llama_cpp"},
+                "ov_genai": {"baseline": "ov_genai"},
+            },
+        },
+        "environment": {"cpu": "Test CPU (AVX-512)", "date": "2026-12-05T01:02:03+00:00"},
+        "records": recs,
+    }
 
 
 def test_decode_phase_and_end_to_end_each_over_their_own_fastest_plain_decoder():
@@ -49,12 +73,16 @@ def test_decode_phase_and_end_to_end_each_over_their_own_fastest_plain_decoder()
     assert rows["auto"]["task_decode_speedup"] == {"qa": pytest.approx(1.25), "code_edit": pytest.approx(1.25)}
     assert rows["ov_genai"]["first_token_s"] == pytest.approx(1.0)
     row = headline(doc, agg)
-    assert ("| Test CPU (AVX-512), 2026-12-05 | 2 prompts x 11 new tokens, greedy "
-            "| llama_cpp 10.00, auto 12.50 tok/s | **1.25x** "
-            "| ov_genai 4.40, openvino:suffix_k16 5.00 tok/s | **1.14x** "
-            "| auto 2/2 identical; openvino:suffix_k16 1/2 identical, divergences at top-2 gaps <= 0.010 |") in row
+    assert (
+        "| Test CPU (AVX-512), 2026-12-05 | 2 prompts x 11 new tokens, greedy "
+        "| llama_cpp 10.00, auto 12.50 tok/s | **1.25x** "
+        "| ov_genai 4.40, openvino:suffix_k16 5.00 tok/s | **1.14x** "
+        "| auto 2/2 identical; openvino:suffix_k16 1/2 identical, divergences at top-2 gaps <= 0.010 |"
+    ) in row
     md = markdown(doc, agg)
-    assert "Decode phase (the tokens after the first" in md and "| auto | 1.25x | 1.25x | **1.25x** | 12.50 | 2.00 |" in md
+    assert (
+        "Decode phase (the tokens after the first" in md and "| auto | 1.25x | 1.25x | **1.25x** | 12.50 | 2.00 |" in md
+    )
 
 
 def test_results_without_first_token_times_report_end_to_end_only():
@@ -131,8 +159,12 @@ def _ov_genai(dec):
     return r
 
 
-MAKE = {runners.EngineRunner: _engine, runners.HFRunner: _hf, runners.LlamaCppRunner: _llama_cpp,
-        runners.OVGenAIRunner: _ov_genai}
+MAKE = {
+    runners.EngineRunner: _engine,
+    runners.HFRunner: _hf,
+    runners.LlamaCppRunner: _llama_cpp,
+    runners.OVGenAIRunner: _ov_genai,
+}
 
 
 def test_every_runner_reports_its_first_token_time():

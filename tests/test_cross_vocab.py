@@ -9,8 +9,8 @@ import torch
 from conftest import logits_of, tiny_llama
 from specdraft.api import SpecDecoder
 from specdraft.core.config import SamplingParams
-from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
 from specdraft.core.errors import ConfigError
+from specdraft.drafters.cross_vocab import CrossVocabDrafter, VocabBridge
 from stat_util import fit_pvalue, sample_first_tokens
 
 TARGET_VOCAB = list("abcdef") + ["gg", "hh"]
@@ -64,8 +64,16 @@ def test_bridge_intersection(dec):
     assert sorted(zip(b.draft_ids.tolist(), b.target_ids.tolist())) == [(i, i) for i in range(6)]
 
 
-@pytest.mark.parametrize("extra", [{"k": 1}, {"k": 3}, {"k": 5}, {"k": 5, "confidence_threshold": 0.5},
-                                   {"k": 2, "schedule": "heuristic", "max_k": 8}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"k": 1},
+        {"k": 3},
+        {"k": 5},
+        {"k": 5, "confidence_threshold": 0.5},
+        {"k": 2, "schedule": "heuristic", "max_k": 8},
+    ],
+)
 def test_greedy_is_token_identical(dec, extra):
     """Every draft length (fixed, heuristic) and the confidence rule, which stops mid-draft after
     feeding a token it does not keep."""
@@ -111,11 +119,13 @@ SAMPLED = SamplingParams(temperature=1.0)
 def _unnormalized(orig):
     """Broken: q is the draft's full distribution restricted to the intersection, not renormalized
     (what the draft samples from, through multinomial, is still the renormalized one)."""
+
     def q(self, draft_logits, history):
         full = torch.softmax(draft_logits.float(), -1)
         out = torch.zeros(self.target_vocab)
         out[self.bridge.target_ids] = full[self.bridge.draft_ids]
         return out
+
     return q
 
 
@@ -124,8 +134,9 @@ def test_sampling_follows_the_target(dec, broken, threshold, monkeypatch):
     if broken:
         monkeypatch.setattr(CrossVocabDrafter, "_intersection_q", _unnormalized(CrossVocabDrafter._intersection_q))
     spec = dec_spec(k=3, confidence_threshold=threshold)
-    counts, drafted, accepted = sample_first_tokens(dec.target, lambda: dec.make_drafter(spec), PROMPT, SAMPLED, 4, 2,
-                                                    2000, V, 40_000)
+    counts, drafted, accepted = sample_first_tokens(
+        dec.target, lambda: dec.make_drafter(spec), PROMPT, SAMPLED, 4, 2, 2000, V, 40_000
+    )
     assert 0 < accepted < drafted
     p = fit_pvalue(counts, exact_first_two(dec.target))
     assert (p < 1e-3) if broken else (p > 1e-3), p

@@ -9,13 +9,13 @@ import pytest
 
 from conftest import tiny_llama, tiny_model_dir
 from specdraft import api, cli
-from specdraft.drafters import registry as methods
-from specdraft.models import paths
-from specdraft.models.backends import BACKENDS
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser, models_from_args, spec_from_args
 from specdraft.core.config import SamplingParams, SpecConfig, spec_with_default
 from specdraft.core.errors import ConfigError
+from specdraft.drafters import registry as methods
+from specdraft.models import paths
+from specdraft.models.backends import BACKENDS
 
 
 def test_spec_with_default():
@@ -93,8 +93,12 @@ def test_a_named_backend_or_a_non_catalog_model_is_loaded_as_named(monkeypatch, 
     SpecDecoder.load(str(tmp_path))  # a directory: transformers
     s = build_parser().parse_args(["generate", "--target", "smollm2-135m", "--method", "layer_skip", "x"])
     models_from_args(s, methods.method("layer_skip").backends).load()  # auto among the method's backends
-    assert loads.calls == [("hf", "smollm2-135m", None), ("hf", "smollm2-135m", None), ("hf", str(tmp_path), None),
-                           ("auto", "smollm2-135m", ("hf",))]
+    assert loads.calls == [
+        ("hf", "smollm2-135m", None),
+        ("hf", "smollm2-135m", None),
+        ("hf", str(tmp_path), None),
+        ("auto", "smollm2-135m", ("hf",)),
+    ]
 
 
 def test_backend_auto_takes_the_next_measured_path_when_one_fails_to_load(monkeypatch, tmp_path, capsys):
@@ -137,8 +141,12 @@ def test_backend_auto_takes_the_next_path_when_its_backend_cannot_run_the_draft(
     monkeypatch.setattr(api, "load_model", load)
     monkeypatch.setattr("specdraft.models.backends.load_model", load)
     dec = api.SpecDecoder.load("smollm2-135m", draft="the-draft", backend="auto")
-    assert tried == [("openvino", "smollm2-135m"), ("openvino", "the-draft"), ("llama", "smollm2-135m"),
-                     ("llama", "the-draft")]
+    assert tried == [
+        ("openvino", "smollm2-135m"),
+        ("openvino", "the-draft"),
+        ("llama", "smollm2-135m"),
+        ("llama", "the-draft"),
+    ]
     assert dec.draft is not None
     err = capsys.readouterr().err
     assert "openvino cannot run the draft here (OpenVINO GenAI cannot read the-draft.gguf" in err
@@ -166,15 +174,19 @@ def test_options_only_transformers_honours_make_auto_choose_transformers(monkeyp
     loads = _Loads(monkeypatch)
     monkeypatch.setattr(api, "load_draft", lambda *a: tiny_llama(vocab=16))
     base = ["generate", "--target", "smollm2-135m"]
-    cases = [(["--dtype", "float32", "--method", "plain"], "honours --dtype float32"),
-             (["--draft", "smollm2-135m", "--draft-layers", "10", "--method", "draft_model"], "honours --draft-layers 10"),
-             (["--draft", "self:int4", "--method", "draft_model"], "honours --draft self:int4")]
+    cases = [
+        (["--dtype", "float32", "--method", "plain"], "honours --dtype float32"),
+        (["--draft", "smollm2-135m", "--draft-layers", "10", "--method", "draft_model"], "honours --draft-layers 10"),
+        (["--draft", "self:int4", "--method", "draft_model"], "honours --draft self:int4"),
+    ]
     for extra, because in cases:
         allowed = _auto_choice(loads, base + extra + ["x"])
         assert allowed.backends == ("hf",) and allowed.because == (because,), extra
     assert _auto_choice(loads, ["serve", "--target", "smollm2-135m", "--dtype", "bfloat16"]).backends == ("hf",)
     assert _auto_choice(loads, base + ["--draft", "self:Q4_0", "--method", "draft_model", "x"]).backends == (
-        "llama", "openvino")  # a GGUF variant: the backends that read one
+        "llama",
+        "openvino",
+    )  # a GGUF variant: the backends that read one
     assert _auto_choice(loads, base + ["--method", "plain", "x"]).backends == tuple(BACKENDS)  # nothing given
     SpecDecoder.load("smollm2-135m", dtype="float32")  # the library: the same rule
     assert loads.allowed[-1].backends == ("hf",)
@@ -189,11 +201,13 @@ def test_options_only_transformers_honours_make_auto_choose_transformers(monkeyp
 def test_auto_says_which_option_chose_its_path(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")
     got = []
-    monkeypatch.setattr("specdraft.models.backends.load_model",
-                        lambda name, dtype=None, num_layers=None, backend="hf": got.append((backend, dtype)) or
-                        tiny_llama(vocab=16))
-    a = build_parser().parse_args(["generate", "--target", "smollm2-135m", "--dtype", "float32", "--method", "plain",
-                                   "x"])
+    monkeypatch.setattr(
+        "specdraft.models.backends.load_model",
+        lambda name, dtype=None, num_layers=None, backend="hf": got.append((backend, dtype)) or tiny_llama(vocab=16),
+    )
+    a = build_parser().parse_args(
+        ["generate", "--target", "smollm2-135m", "--dtype", "float32", "--method", "plain", "x"]
+    )
     assert models_from_args(a, methods.method("plain").backends).load().backend == "hf"
     assert got == [("hf", "float32")]  # nothing measured: the one path that honours it
     err = capsys.readouterr().err
@@ -204,18 +218,44 @@ def test_auto_says_which_option_chose_its_path(monkeypatch, tmp_path, capsys):
 
 def test_an_option_against_the_backend_named_is_one_error_line(monkeypatch, capsys):
     loads = _Loads(monkeypatch)
-    cases = [(["--backend", "llama", "--dtype", "float32"],
-              "error: --dtype float32 needs --backend hf; on llama, a GGUF file carries its own weight types"),
-             (["--backend", "llama", "--draft", "smollm2-135m", "--draft-layers", "4", "--method", "draft_model"],
-              "error: --draft-layers 4 needs --backend hf; on llama, only transformers loads a layer-truncated copy"),
-             (["--backend", "openvino", "--draft", "self:int4", "--method", "draft_model"],
-              "error: --draft self:int4 needs --backend hf; on openvino, int4 is a low-bit copy of dense weights"),
-             (["--backend", "hf", "--draft", "x", "--draft-backend", "llama", "--draft-layers", "4", "--method",
-               "draft_model"], "error: --draft-layers 4 needs --draft-backend hf; on llama"),
-             (["--dtype", "float32", "--draft", "self:Q4_0", "--method", "draft_model"],
-              "error: --backend auto: no backend honours --dtype float32 and honours --draft self:Q4_0")]
+    cases = [
+        (
+            ["--backend", "llama", "--dtype", "float32"],
+            "error: --dtype float32 needs --backend hf; on llama, a GGUF file carries its own weight types",
+        ),
+        (
+            ["--backend", "llama", "--draft", "smollm2-135m", "--draft-layers", "4", "--method", "draft_model"],
+            "error: --draft-layers 4 needs --backend hf; on llama, only transformers loads a layer-truncated copy",
+        ),
+        (
+            ["--backend", "openvino", "--draft", "self:int4", "--method", "draft_model"],
+            "error: --draft self:int4 needs --backend hf; on openvino, int4 is a low-bit copy of dense weights",
+        ),
+        (
+            [
+                "--backend",
+                "hf",
+                "--draft",
+                "x",
+                "--draft-backend",
+                "llama",
+                "--draft-layers",
+                "4",
+                "--method",
+                "draft_model",
+            ],
+            "error: --draft-layers 4 needs --draft-backend hf; on llama",
+        ),
+        (
+            ["--dtype", "float32", "--draft", "self:Q4_0", "--method", "draft_model"],
+            "error: --backend auto: no backend honours --dtype float32 and honours --draft self:Q4_0",
+        ),
+    ]
     for extra, want in cases:
-        for cmd in (["generate", "--target", "smollm2-135m", *extra, "x"], ["serve", "--target", "smollm2-135m", *extra]):
+        for cmd in (
+            ["generate", "--target", "smollm2-135m", *extra, "x"],
+            ["serve", "--target", "smollm2-135m", *extra],
+        ):
             assert cli.main(cmd) == 2, cmd
             err = capsys.readouterr().err
             assert err.startswith(want) and err.count("\n") == 1, (cmd, err)
@@ -238,8 +278,10 @@ def _head_dir(d, config: dict):
 def test_a_head_that_cannot_run_under_auto_is_an_error_not_a_fallback(tmp_path, monkeypatch, capsys):
     """It was a warning and a prompt_lookup run (exit 0); the server started without it."""
     medusa = _head_dir(tmp_path / "medusa", {"type": "medusa", "hidden_size": 32, "heads": 2})
-    for cmd in (["generate", "--target", "smollm2-135m", "--head", str(medusa), "x"],
-                ["serve", "--target", "smollm2-135m", "--head", str(medusa)]):
+    for cmd in (
+        ["generate", "--target", "smollm2-135m", "--head", str(medusa), "x"],
+        ["serve", "--target", "smollm2-135m", "--head", str(medusa)],
+    ):
         assert cli.main(cmd) == 2  # before any model loads
         assert capsys.readouterr().err.startswith(f"error: head {medusa} is a medusa head; method 'eagle3' needs")
     wrong = _head_dir(tmp_path / "eagle3", {"architectures": ["LlamaForCausalLMEagle3"]})  # no weights it reads
@@ -251,8 +293,10 @@ def test_a_head_that_cannot_run_under_auto_is_an_error_not_a_fallback(tmp_path, 
     served = []
     monkeypatch.setattr("specdraft.server.graceful.serve", lambda app, *a: served.append(app))
     target = str(tiny_model_dir(tmp_path / "tiny"))
-    for cmd in (["generate", "--target", target, "--head", str(wrong), "--max-new-tokens", "2", "x"],
-                ["serve", "--target", target, "--head", str(wrong)]):
+    for cmd in (
+        ["generate", "--target", target, "--head", str(wrong), "--max-new-tokens", "2", "x"],
+        ["serve", "--target", target, "--head", str(wrong)],
+    ):
         assert cli.main(cmd) == 2, cmd
         err = capsys.readouterr().err  # (after the loaders' progress bars)
         assert err.splitlines()[-1].startswith("error: ") and "prompt_lookup" not in err, err

@@ -51,8 +51,10 @@ def rows(dec):
     made = lambda sp, **kw: (sp, dec.make_drafter(spec(**kw)))  # noqa: E731
     tree = {"tree": "dynamic", "tree_topk": 2, "tree_budget": 6}
     return [
-        made({**GREEDY, "repetition_penalty": 1.3, "logit_bias": {3: 2.0}, "min_tokens": 4, "logprobs": 2},
-             method="draft_model"),
+        made(
+            {**GREEDY, "repetition_penalty": 1.3, "logit_bias": {3: 2.0}, "min_tokens": 4, "logprobs": 2},
+            method="draft_model",
+        ),
         made({**SAMPLED, "seed": 7}, method="draft_model", **tree),  # a seeded row: a lane of its own
         made({**SAMPLED, "presence_penalty": 0.5}, method="draft_model"),
         made(GREEDY, method="early_exit", exit_layer=1, tree="static", tree_branching=[2, 2]),
@@ -153,8 +155,9 @@ def test_a_request_draws_on_the_targets_device(dec):
 
 
 # --- the setting -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,kind", [("auto", "auto"), ("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda"),
-                                       ("gpu", "gpu")])
+@pytest.mark.parametrize(
+    "name,kind", [("auto", "auto"), ("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda"), ("gpu", "gpu")]
+)
 def test_device_kinds(name, kind):
     assert device_kind(name) == kind
 
@@ -167,8 +170,11 @@ def test_a_bad_device_names_the_choices(name):
 
 @no_cuda
 def test_cuda_without_a_gpu_is_a_config_error_naming_the_flag():
-    with pytest.raises(ConfigError, match=r"--draft-device cuda: torch sees no such CUDA device here \(0 visible\); "
-                                          r"use --draft-device cpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--draft-device cuda: torch sees no such CUDA device here \(0 visible\); "
+        r"use --draft-device cpu",
+    ):
         torch_device("cuda", "--draft-device")
     assert torch_device("auto") == torch.device("cpu")
 
@@ -176,8 +182,11 @@ def test_cuda_without_a_gpu_is_a_config_error_naming_the_flag():
 @no_cuda
 def test_the_library_refuses_cuda_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr("specdraft.models.loading.load_hf", lambda *a, **k: pytest.fail("loaded a model"))
-    for kw in ({"device": "cuda"}, {"device": "cuda:0", "backend": "hf"},
-               {"draft": "smollm2-135m", "draft_device": "cuda"}):
+    for kw in (
+        {"device": "cuda"},
+        {"device": "cuda:0", "backend": "hf"},
+        {"draft": "smollm2-135m", "draft_device": "cuda"},
+    ):
         with pytest.raises(ConfigError, match="CUDA device"):
             SpecDecoder.load("smollm2-135m", **kw)
     with pytest.raises(ConfigError, match="CUDA device"):
@@ -185,11 +194,17 @@ def test_the_library_refuses_cuda_before_loading(tmp_path, monkeypatch):
 
 
 def test_backends_name_the_devices_they_run_on():
-    with pytest.raises(ConfigError, match=r"--device cuda: the openvino backend runs on cpu or gpu \(cuda: --backend "
-                                          r"hf or llama\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--device cuda: the openvino backend runs on cpu or gpu \(cuda: --backend "
+        r"hf or llama\)",
+    ):
         placement("openvino", "cuda")
-    with pytest.raises(ConfigError, match=r"--device gpu: the hf backend runs on cpu or cuda \(gpu: --backend "
-                                          r"openvino\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--device gpu: the hf backend runs on cpu or cuda \(gpu: --backend "
+        r"openvino\)",
+    ):
         placement("hf", "gpu")
     assert placement("openvino", "gpu") == "GPU" and placement("openvino", "auto") == "CPU"
 
@@ -220,18 +235,43 @@ def test_a_cpu_only_llama_build_refuses_cuda_naming_the_build_flag():
 
 
 @no_cuda
-@pytest.mark.parametrize("args", [
-    ["generate", "--device", "cuda", "hi"],
-    ["generate", "--backend", "hf", "--device", "cuda:0", "hi"],
-    ["generate", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model", "--draft-device",
-     "cuda", "hi"],
-    ["serve", "--device", "cuda"],
-    ["demo", "--device", "cuda"],
-    ["costs", "--device", "cuda"],
-    ["batchbench", "--target", "smollm2-135m", "--methods", "plain", "--device", "cuda"],
-    ["bench", "--target", "smollm2-135m", "--methods", "plain", "--tasks", "qa", "--n-per-task", "1", "--device",
-     "cuda"],
-], ids=["generate", "generate-hf", "draft-device", "serve", "demo", "costs", "batchbench", "bench"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--device", "cuda", "hi"],
+        ["generate", "--backend", "hf", "--device", "cuda:0", "hi"],
+        [
+            "generate",
+            "--backend",
+            "hf",
+            "--draft",
+            "qwen2.5-coder-0.5b",
+            "--method",
+            "draft_model",
+            "--draft-device",
+            "cuda",
+            "hi",
+        ],
+        ["serve", "--device", "cuda"],
+        ["demo", "--device", "cuda"],
+        ["costs", "--device", "cuda"],
+        ["batchbench", "--target", "smollm2-135m", "--methods", "plain", "--device", "cuda"],
+        [
+            "bench",
+            "--target",
+            "smollm2-135m",
+            "--methods",
+            "plain",
+            "--tasks",
+            "qa",
+            "--n-per-task",
+            "1",
+            "--device",
+            "cuda",
+        ],
+    ],
+    ids=["generate", "generate-hf", "draft-device", "serve", "demo", "costs", "batchbench", "bench"],
+)
 def test_cli_cuda_without_a_gpu_is_one_error_line(capsys, monkeypatch, tmp_path, args):
     monkeypatch.setattr("specdraft.models.loading.load_hf", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.chdir(tmp_path)  # (bench would write its results under results/)
@@ -239,12 +279,16 @@ def test_cli_cuda_without_a_gpu_is_one_error_line(capsys, monkeypatch, tmp_path,
     assert "torch sees no such CUDA device here (0 visible)" in line, line
 
 
-@pytest.mark.parametrize("args,says", [
-    (["generate", "--backend", "openvino", "--device", "cuda", "hi"], "the openvino backend runs on cpu or gpu"),
-    (["generate", "--backend", "hf", "--device", "gpu", "hi"], "the hf backend runs on cpu or cuda"),
-    (["generate", "--device", "tpu", "hi"], "--device must be cpu, cuda, cuda:N or auto"),
-    (["autotune", "--device", "cuda"], "autotune measures this CPU"),
-], ids=["openvino-cuda", "hf-gpu", "unknown", "autotune"])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["generate", "--backend", "openvino", "--device", "cuda", "hi"], "the openvino backend runs on cpu or gpu"),
+        (["generate", "--backend", "hf", "--device", "gpu", "hi"], "the hf backend runs on cpu or cuda"),
+        (["generate", "--device", "tpu", "hi"], "--device must be cpu, cuda, cuda:N or auto"),
+        (["autotune", "--device", "cuda"], "autotune measures this CPU"),
+    ],
+    ids=["openvino-cuda", "hf-gpu", "unknown", "autotune"],
+)
 def test_cli_devices_a_backend_or_command_does_not_run_on(capsys, args, says):
     assert says in one_error(capsys, args)
 
@@ -255,15 +299,34 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_device_cpu_named_works(tiny_dir, capsys):
-    dec = SpecDecoder.load(str(tiny_dir), draft=str(tiny_dir), draft_layers=1, dtype="float32", device="cpu",
-                           draft_device="cpu")
+    dec = SpecDecoder.load(
+        str(tiny_dir), draft=str(tiny_dir), draft_layers=1, dtype="float32", device="cpu", draft_device="cpu"
+    )
     assert dec.target.device == dec.draft.device == torch.device("cpu")
     assert dec.target.source["device"] == "cpu"
     out = dec.generate([1, 2, 3], sampling=GREEDY, spec={"method": "draft_model", "k": 2})
     assert len(out.token_ids) == GREEDY["max_new_tokens"]
     capsys.readouterr()
-    assert main(["generate", "--target", str(tiny_dir), "--device", "cpu", "--method", "plain", "--max-new-tokens", "3",
-                 "--dtype", "float32", "--json", "hi"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir),
+                "--device",
+                "cpu",
+                "--method",
+                "plain",
+                "--max-new-tokens",
+                "3",
+                "--dtype",
+                "float32",
+                "--json",
+                "hi",
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.slow
@@ -277,8 +340,14 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "SPECDRAFT_THREADS": "1", "OUT": str(tmp_path)}
-    done = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--smoke"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--smoke"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["environment"]["device"] == "cpu" and report["environment"]["date"]

@@ -22,7 +22,8 @@ from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape, eagle3_layers
 from specdraft.models.head_formats import int8_rows
 from stat_util import fit_pvalue, sample_first_tokens
-from test_greedy_real import NEW, PROMPTS as GREEDY_PROMPTS
+from test_greedy_real import NEW
+from test_greedy_real import PROMPTS as GREEDY_PROMPTS
 
 
 # --- the hand-over: the layers' outputs of a verifying forward = output_hidden_states of a plain one -----
@@ -48,7 +49,7 @@ def test_hand_over_equals_a_plain_forward(smol_variant, smol_f32, variant):
     blocks = target.add_feature_layers(layers)
     assert blocks == [1 + target.feature_layers.index(i) for i in layers]
     H, cols = target.config.hidden_size, [0] + blocks
-    pick = lambda h: torch.cat([h[..., b * H:(b + 1) * H] for b in cols], -1).float()  # noqa: E731
+    pick = lambda h: torch.cat([h[..., b * H : (b + 1) * H] for b in cols], -1).float()  # noqa: E731
     ids = [1, 504, 3458, 314, 253, 1345, 28, 216, 33]
     rows = target.new_rows()
     rows.add_rows([[]])
@@ -73,9 +74,33 @@ def test_hand_over_equals_a_plain_forward(smol_variant, smol_f32, variant):
 
 # --- a briefly trained head on SmolLM2 through the command (data, training, checkpoints, resume) --------
 def train(out, steps, *extra):
-    args = ["train", "eagle3", "--target", "smollm2-135m", "-o", str(out), "--steps", str(steps), "--threads", "1",
-            "--max-new-tokens", str(NEW), "--gen-backend", "hf", "--intermediate-size", "256", "--draft-vocab", "2048",
-            "--ttt-steps", "3", "--lr", "1e-3", "--checkpoint-every", "6", *map(str, extra)]
+    args = [
+        "train",
+        "eagle3",
+        "--target",
+        "smollm2-135m",
+        "-o",
+        str(out),
+        "--steps",
+        str(steps),
+        "--threads",
+        "1",
+        "--max-new-tokens",
+        str(NEW),
+        "--gen-backend",
+        "hf",
+        "--intermediate-size",
+        "256",
+        "--draft-vocab",
+        "2048",
+        "--ttt-steps",
+        "3",
+        "--lr",
+        "1e-3",
+        "--checkpoint-every",
+        "6",
+        *map(str, extra),
+    ]
     assert main(args) == 0
     return json.loads((out / "config.json").read_text())
 
@@ -117,8 +142,10 @@ def test_greedy_equals_plain_on_smollm2(smol_f32, smol_reference, smol_eagle3):
     head = str(smol_eagle3[0] / "head")
     dec = SpecDecoder(smol_f32)
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    specs = [SpecConfig(method="eagle3", head=head, k=4),
-             SpecConfig(method="eagle3", head=head, tree="dynamic", k=4, tree_topk=3, tree_budget=10)]
+    specs = [
+        SpecConfig(method="eagle3", head=head, k=4),
+        SpecConfig(method="eagle3", head=head, tree="dynamic", k=4, tree_topk=3, tree_budget=10),
+    ]
     for spec, prompts in zip(specs, (GREEDY_PROMPTS[:2], GREEDY_PROMPTS[:1])):
         accepted = 0
         for p in prompts:
@@ -162,6 +189,7 @@ def first_two(target, spec, sp, patch=None):
         if patch is not None:
             patch(d)
         return d
+
     counts, drafted, accepted = sample_first_tokens(target, make, PROMPT, sp, 3, 2, N, V, seed0=30_000)
     assert 0 < accepted < drafted, (accepted, drafted)  # the second token went through verification
     return fit_pvalue(counts, exact_first_two(target, sp))
@@ -186,20 +214,23 @@ def test_unnormalized_draft_vocabulary_q_is_detected(tiny_target, monkeypatch):
         off = torch.isinf(logits)
         top = logits.masked_fill(off, float("-inf")).amax(-1, keepdim=True)
         return real(torch.where(off, top, logits), sp).masked_fill(off, 0.0)
+
     monkeypatch.setattr(eagle_mod, "probs_from_logits", unnormalized)
     assert first_two(tiny_target, CHAIN, T1) < 1e-3
 
 
-def test_skipped_sibling_residual_is_detected(tiny_target):
+def test_skipped_sibling_residual_is_detected(tiny_target, monkeypatch):
     """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
-    def patch(d):
-        real = d._children
+    from specdraft.drafters.tree_grower import GrowingTree
 
-        def broken(logits, m, parent=-1):
-            kids = real(logits, m, parent)
-            return [(t, kids[0][1], lp) for t, _, lp in kids]
-        d._children = broken
-    assert first_two(tiny_target, TREE, T1, patch) < 1e-3
+    real = GrowingTree._children
+
+    def broken(self, logits, m, parent=-1):
+        kids = real(self, logits, m, parent)
+        return [(t, kids[0][1], lp) for t, _, lp in kids]
+
+    monkeypatch.setattr(GrowingTree, "_children", broken)  # the tree each draft grows
+    assert first_two(tiny_target, TREE, T1) < 1e-3
 
 
 # --- the shipped size -----------------------------------------------------------------------------
@@ -237,8 +268,9 @@ def test_openvino_hands_over_the_same_layers(tmp_path):
     ov = load_model(f"{name}:Q4_0", backend="openvino")
     layers = eagle3_layers(ov.num_layers)
     assert ov.add_feature_layers(layers) == [1, 2, 3]
-    ids = ov.tokenizer("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b",
-                       add_special_tokens=False)["input_ids"]
+    ids = ov.tokenizer(
+        "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b", add_special_tokens=False
+    )["input_ids"]
     rows = ov.new_rows()
     rows.add_rows([ids[:9]], hidden=True)
     rows.forward([ids[9:]], hidden=True)
@@ -254,8 +286,8 @@ def test_openvino_hands_over_the_same_layers(tmp_path):
     with torch.inference_mode():
         hs = dense.model.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
     for b, nxt in enumerate([hs[-2][0]] + [hs[i + 1][0] for i in layers]):
-        got, want = whole[:, b * H:(b + 1) * H], ref[:, b * H:(b + 1) * H]
-        assert cos(split[:, b * H:(b + 1) * H], got) > 0.97, b  # measured 0.98 at layer 2, 0.995+ above
+        got, want = whole[:, b * H : (b + 1) * H], ref[:, b * H : (b + 1) * H]
+        assert cos(split[:, b * H : (b + 1) * H], got) > 0.97, b  # measured 0.98 at layer 2, 0.995+ above
         assert cos(got, want) > 0.95 and cos(got, want) > cos(got, nxt) + 0.02, b  # Q4_0 against the Q4_K_M copy
 
 
@@ -269,8 +301,9 @@ def test_auto_drafts_with_the_eagle3_arm(smol_f32, smol_reference, smol_eagle3):
     dec = SpecDecoder(smol_f32)
     dec.set_cost_curves({n: 0.05 + 0.002 * (n - 1) for n in COST_POINTS})  # a flat CPU curve, not measured here
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    spec = SpecConfig.from_dict({"method": "auto", "head": str(smol_eagle3[0] / "head"), "autotune": "off",
-                                 "auto_arms": ["suffix", "eagle3"]})
+    spec = SpecConfig.from_dict(
+        {"method": "auto", "head": str(smol_eagle3[0] / "head"), "autotune": "off", "auto_arms": ["suffix", "eagle3"]}
+    )
     p = GREEDY_PROMPTS[0]
     out = dec.generate(p, sampling=sp, spec=spec, chat=True)
     assert out.token_ids == smol_reference[p]

@@ -6,13 +6,13 @@ import torch
 
 from conftest import logits_of, tiny_llama
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ContextLengthError
+from specdraft.core.sampling import probs_from_logits
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import generate
-from specdraft.core.errors import ContextLengthError
-from specdraft.core.sampling import probs_from_logits
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
@@ -42,38 +42,54 @@ def sample_first_two(target, make_drafter, sp, max_new):
 T1 = SamplingParams(temperature=1.0)
 TRUNC = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
 CASES = [  # max_new 2: the first step drafts 1 token, so accepted -> bonus path; 5: chain positions
-    ("draft_model", 2, T1), ("draft_model", 5, TRUNC), ("prompt_lookup", 3, TRUNC), ("plain", 2, T1),
-    ("prompt_lookup_tree", 4, TRUNC), ("static_tree", 4, T1), ("dynamic_tree", 5, TRUNC), ("early_exit", 5, TRUNC),
-    ("layer_skip", 5, TRUNC), ("layer_skip_tree", 4, T1),
+    ("draft_model", 2, T1),
+    ("draft_model", 5, TRUNC),
+    ("prompt_lookup", 3, TRUNC),
+    ("plain", 2, T1),
+    ("prompt_lookup_tree", 4, TRUNC),
+    ("static_tree", 4, T1),
+    ("dynamic_tree", 5, TRUNC),
+    ("early_exit", 5, TRUNC),
+    ("layer_skip", 5, TRUNC),
+    ("layer_skip_tree", 4, T1),
 ]
 
 
-@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
-def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
+def drafter_maker(pair, method: str):
+    """-> a callable making a fresh drafter for ``method`` (every sampled run gets its own)."""
     target, draft = pair
     if method == "draft_model":
-        make = lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)  # noqa: E731
-    elif method == "static_tree":
-        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)  # noqa: E731
-    elif method == "dynamic_tree":
-        make = lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)  # noqa: E731
-    elif method == "early_exit":  # the target's first layer drafts (a view over its own weights)
+        return lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)
+    if method == "static_tree":
+        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
+    if method == "dynamic_tree":
+        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+    if method == "early_exit":  # the target's first layer drafts (a view over its own weights)
         from specdraft.models.views import layer_view
 
         view = layer_view(target, [0])
-        make = lambda: DraftModelDrafter(view, SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}), V)  # noqa: E731
-    elif method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
+        return lambda: DraftModelDrafter(
+            view, SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}), V
+        )
+    if method.startswith("layer_skip"):  # the target with layer 0 skipped drafts, built as users get it
         from specdraft.api import SpecDecoder
 
         tree = dict(tree="dynamic", tree_topk=2, tree_budget=5) if method.endswith("tree") else {}
         spec, dec = SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree), SpecDecoder(target, None)
-        make = lambda: dec.make_drafter(spec)  # noqa: E731
-    elif method == "prompt_lookup_tree":
-        make = lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3))  # noqa: E731
-    elif method == "prompt_lookup":
-        make = lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))  # noqa: E731
-    else:
-        make = NoDrafter
+        return lambda: dec.make_drafter(spec)
+    if method == "prompt_lookup_tree":
+        return lambda: PromptLookupDrafter(
+            SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3)
+        )
+    if method == "prompt_lookup":
+        return lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
+    return NoDrafter
+
+
+@pytest.mark.parametrize("method,max_new,sp", CASES, ids=[f"{m}-{n}-T{s.temperature}" for m, n, s in CASES])
+def test_sampling_first_two_tokens_match_target(pair, sp, method, max_new):
+    target = pair[0]
+    make = drafter_maker(pair, method)
     counts, drafted, accepted = sample_first_two(target, make, sp, max_new)
     if method == "plain":
         assert drafted == 0
@@ -86,7 +102,11 @@ def test_greedy_matches_plain_and_accepts(pair):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=40)
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
-    for spec in [SpecConfig(k=3), SpecConfig(k=2, schedule="heuristic", max_k=8), SpecConfig(k=4, confidence_threshold=0.5)]:
+    for spec in [
+        SpecConfig(k=3),
+        SpecConfig(k=2, schedule="heuristic", max_k=8),
+        SpecConfig(k=4, confidence_threshold=0.5),
+    ]:
         out = generate(target, DraftModelDrafter(draft, spec, V), PROMPT, sp, eos_ids=set())
         assert out.token_ids == ref.token_ids
         assert out.stats.accepted > 0 and out.stats.drafted > out.stats.accepted
@@ -104,8 +124,13 @@ def test_stop_at_eos_and_max_tokens(pair):
         out = generate(target, drafter, PROMPT, sp, eos_ids={eos})
         assert out.token_ids == ref[: first + 1] and out.stats.finish_reason == "stop"
     for n in [1, 2, 3, 7]:
-        out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4), V), PROMPT,
-                       SamplingParams(max_new_tokens=n), eos_ids=set())
+        out = generate(
+            target,
+            DraftModelDrafter(draft, SpecConfig(k=4), V),
+            PROMPT,
+            SamplingParams(max_new_tokens=n),
+            eos_ids=set(),
+        )
         assert out.token_ids == ref[:n]
 
 
@@ -126,8 +151,14 @@ def test_cost_aware_schedule_is_exact_and_learns(pair):
     pol = CostAwarePolicy(4)
     accepted = 0
     for _ in range(2):
-        out = generate(target, DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V), PROMPT, sp,
-                       eos_ids=set(), length=CostAwareLength(pol))
+        out = generate(
+            target,
+            DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V),
+            PROMPT,
+            sp,
+            eos_ids=set(),
+            length=CostAwareLength(pol),
+        )
         assert out.token_ids == ref
         drafted = [s.drafted for s in out.stats.steps]
         assert all(0 <= d <= 4 for d in drafted) and max(drafted) > 0
@@ -191,8 +222,13 @@ def test_draft_tree_rows_match_direct_decoding(pair):
 
     target, draft = pair
     fresh = HFModel(draft.model)
-    for spec, sp in [(SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
-                    (SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5), SamplingParams(temperature=1.0, seed=3, max_new_tokens=30))]:
+    for spec, sp in [
+        (SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
+        (
+            SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5),
+            SamplingParams(temperature=1.0, seed=3, max_new_tokens=30),
+        ),
+    ]:
         for others in ([], [[2, 3], [4, 1, 0, 5]]):
             eng = Engine(target, eos_ids=set())
             row = eng.add(PROMPT, sp, DraftTreeDrafter(draft, spec, V))
@@ -204,7 +240,7 @@ def test_draft_tree_rows_match_direct_decoding(pair):
                 eng.step()
                 if row in eng.rows:
                     i, kv = group.members.index(row), group.kv
-                    got = kv.forward([row.tokens[kv.lens[j]:] if j == i else [] for j in range(kv.B)], keep=1)[i, -1]
+                    got = kv.forward([row.tokens[kv.lens[j] :] if j == i else [] for j in range(kv.B)], keep=1)[i, -1]
                     kv.commit([0] * kv.B)  # the check's feed is dropped again
                     want = logits_of(fresh, row.tokens)[-1]
                     assert torch.allclose(got, want, atol=1e-4)
@@ -243,8 +279,9 @@ def test_a_job_reaches_its_drafter_through_begin_only(pair):
     eng = Engine(pair[0], eos_ids=set())
     drafter, plain = Watched(), Watched()
     sp = SamplingParams(max_new_tokens=3, min_tokens=2)  # a processed request: it has a processor
-    rows = eng.add_many([Job(PROMPT, sp, drafter, tag="a"),
-                         Job(PROMPT, {"temperature": 1.5, "max_new_tokens": 2}, plain, tag="b")])
+    rows = eng.add_many(
+        [Job(PROMPT, sp, drafter, tag="a"), Job(PROMPT, {"temperature": 1.5, "max_new_tokens": 2}, plain, tag="b")]
+    )
     assert [r.tag for r in rows] == ["a", "b"] and rows[0].processor is not None and rows[1].processor is None
     assert drafter.began == (PROMPT, rows[0].sp, rows[0].gen, rows[0].processor)
     assert plain.began[3] is None

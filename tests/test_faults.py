@@ -47,8 +47,10 @@ def test_a_failing_row_leaves_the_others_exact(pair, where):
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
     alone = [generate(target, NoDrafter(), p, sp, eos_ids=set()).token_ids for p in PROMPTS]
     eng = Engine(target, eos_ids=set())
-    good = [eng.add(PROMPTS[0], sp, DraftModelDrafter(draft, SpecConfig(k=3), V)),
-            eng.add(PROMPTS[2], sp, PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1)))]
+    good = [
+        eng.add(PROMPTS[0], sp, DraftModelDrafter(draft, SpecConfig(k=3), V)),
+        eng.add(PROMPTS[2], sp, PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1))),
+    ]
     bad = eng.add(PROMPTS[1], sp, Faulty(where))
     finished = []
     while eng.rows:

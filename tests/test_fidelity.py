@@ -31,8 +31,9 @@ def z_of(dec, spec, sp_run, sp_score, n=120):
 T1 = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(method="plain"), SpecConfig(method="draft_model", k=3)],
-                         ids=["plain", "draft_model"])
+@pytest.mark.parametrize(
+    "spec", [SpecConfig(method="plain"), SpecConfig(method="draft_model", k=3)], ids=["plain", "draft_model"]
+)
 def test_a_lossless_sampler_scores_near_zero(dec, spec):
     assert abs(z_of(dec, spec, T1, T1)) < 4
 

@@ -29,11 +29,42 @@ from specdraft.core.config import SpecConfig
 from specdraft.drafters.registry import REGISTRY
 from test_server_fast import tiny_pair
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "min_p", "seed", "stop", "stream", "n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
-          "frequency_penalty", "repetition_penalty", "min_tokens", "response_format", "guided_json", "guided_regex",
-          "guided_grammar", "guided_choice", "structured_outputs", "spec", "ignore_eos", "stream_options", "echo",
-          "user", "best_of", "tools", "no_such_field"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "structured_outputs",
+    "spec",
+    "ignore_eos",
+    "stream_options",
+    "echo",
+    "user",
+    "best_of",
+    "tools",
+    "no_such_field",
+]
 # strings that are valid JSON but no Unicode text (lone surrogates, sent as "\ud800" escapes; a generated pair
 # may also make one valid character), and digits int() refuses where a number may come as a string ("²" in
 # logit_bias keys: "²".isdigit() is True)
@@ -41,24 +72,47 @@ SURROGATE_TEXT = st.text(st.characters(categories=["Cs"]) | st.characters(max_co
 DIGIT_LOOKALIKES = st.sampled_from(["²", "٣", "５", "1²", "⑦", "๓", "-²"])
 TEXT = st.one_of(st.text(max_size=12), SURROGATE_TEXT, DIGIT_LOOKALIKES)
 JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([0, 1, 3, -1, 2**31]),
-    st.floats(allow_nan=True, allow_infinity=True), TEXT, st.just(""), st.just("x" * 20_000),
-    st.lists(st.integers(-3, 20), max_size=6), st.lists(TEXT, max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, 3, -1, 2**31]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    TEXT,
+    st.just(""),
+    st.just("x" * 20_000),
+    st.lists(st.integers(-3, 20), max_size=6),
+    st.lists(TEXT, max_size=3),
     st.dictionaries(TEXT, st.one_of(st.integers(), TEXT, st.none()), max_size=3),
-    st.just({"method": "draft_model", "k": 2}), st.just({"type": "json_object"}), st.just([[[[[]]]]]),
+    st.just({"method": "draft_model", "k": 2}),
+    st.just({"type": "json_object"}),
+    st.just([[[[[]]]]]),
 )
-VALID = st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 15), min_size=1, max_size=6),
-                               "max_tokens": st.integers(1, 3)},
-                              optional={"temperature": st.sampled_from([0, 0.5, 1.0]), "stream": st.booleans(),
-                                        "seed": st.integers(0, 9), "logprobs": st.integers(0, 3)})
-BODIES = st.builds(lambda base, extra: {**base, **extra}, VALID, st.dictionaries(st.sampled_from(FIELDS), JUNK, max_size=3))
+VALID = st.fixed_dictionaries(
+    {"prompt": st.lists(st.integers(0, 15), min_size=1, max_size=6), "max_tokens": st.integers(1, 3)},
+    optional={
+        "temperature": st.sampled_from([0, 0.5, 1.0]),
+        "stream": st.booleans(),
+        "seed": st.integers(0, 9),
+        "logprobs": st.integers(0, 3),
+    },
+)
+BODIES = st.builds(
+    lambda base, extra: {**base, **extra}, VALID, st.dictionaries(st.sampled_from(FIELDS), JUNK, max_size=3)
+)
 BODY_LEVEL = ("the request body",)  # errors about the body as a whole name no field
 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
-                        max_queue=64, timeout_s=30, max_batch=4, default_max_tokens=4) as (url, app):
+    with running_server(
+        tiny_pair(),
+        model_name="tiny",
+        default_spec={"method": "prompt_lookup", "k": 2},
+        max_queue=64,
+        timeout_s=30,
+        max_batch=4,
+        default_max_tokens=4,
+    ) as (url, app):
         with httpx.Client(base_url=url, timeout=60, headers={"Content-Type": "application/json"}) as c:
             yield c
 
@@ -97,16 +151,24 @@ def test_fuzz_chat(server, body, content):
 
 # every field that carries text, each with such strings (on top of a valid request: one field at a time, so
 # that the text reaches what reads it: the tokenizer, the grammar compiler, the spec's checks)
-TEXT_FIELDS = {"prompt": TEXT, "stop": TEXT | st.lists(TEXT, max_size=4), "guided_regex": TEXT,
-               "guided_grammar": TEXT, "guided_choice": st.lists(TEXT, min_size=1, max_size=3),
-               "guided_json": st.fixed_dictionaries({"type": st.just("string"), "pattern": TEXT}),
-               "structured_outputs": st.dictionaries(st.sampled_from(["regex", "grammar", "choice"]), TEXT, max_size=1),
-               "response_format": st.fixed_dictionaries({"type": TEXT}),
-               "logit_bias": st.dictionaries(TEXT, st.integers(-100, 100), min_size=1, max_size=2),
-               "model": TEXT, "user": TEXT, "stream_mode": TEXT,
-               "spec": st.fixed_dictionaries({"method": TEXT}) | st.dictionaries(TEXT, st.integers(1, 4), max_size=1)}
+TEXT_FIELDS = {
+    "prompt": TEXT,
+    "stop": TEXT | st.lists(TEXT, max_size=4),
+    "guided_regex": TEXT,
+    "guided_grammar": TEXT,
+    "guided_choice": st.lists(TEXT, min_size=1, max_size=3),
+    "guided_json": st.fixed_dictionaries({"type": st.just("string"), "pattern": TEXT}),
+    "structured_outputs": st.dictionaries(st.sampled_from(["regex", "grammar", "choice"]), TEXT, max_size=1),
+    "response_format": st.fixed_dictionaries({"type": TEXT}),
+    "logit_bias": st.dictionaries(TEXT, st.integers(-100, 100), min_size=1, max_size=2),
+    "model": TEXT,
+    "user": TEXT,
+    "stream_mode": TEXT,
+    "spec": st.fixed_dictionaries({"method": TEXT}) | st.dictionaries(TEXT, st.integers(1, 4), max_size=1),
+}
 TEXT_BODIES = st.sampled_from(sorted(TEXT_FIELDS)).flatmap(
-    lambda f: st.builds(lambda base, v: {**base, f: v}, VALID, TEXT_FIELDS[f]))
+    lambda f: st.builds(lambda base, v: {**base, f: v}, VALID, TEXT_FIELDS[f])
+)
 
 
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -122,13 +184,16 @@ def test_fuzz_reached_decoding():
     assert STATUS["/v1/completions", 200] >= 100, STATUS
 
 
-@pytest.mark.parametrize("raw,status,fragment", [
-    (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
-    (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),
-    (b'{"prompt": [1, 2], "max_tokens": NaN}', 400, "max_tokens"),
-    (b'{"prompt": [1, 2], "temperature": Infinity}', 400, "temperature"),
-    (b"null", 400, "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "raw,status,fragment",
+    [
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),
+        (b'{"prompt": [1, 2], "max_tokens": NaN}', 400, "max_tokens"),
+        (b'{"prompt": [1, 2], "temperature": Infinity}', 400, "temperature"),
+        (b"null", 400, "must be a JSON object"),
+    ],
+)
 def test_hostile_raw_bodies(server, raw, status, fragment):
     for path in ("/v1/completions", "/v1/chat/completions")[: 1 if b"prompt" in raw else 2]:
         r = server.post(path, content=raw)
@@ -150,7 +215,8 @@ def test_size_limits(server):
 # --- the spec object (issue 29) -------------------------------------------------------------------------
 SPEC_FIELDS = [f.name for f in dataclasses.fields(SpecConfig)]
 SPEC_JUNK = st.one_of(
-    JUNK, st.sampled_from([0, 1, 2, 16, 64, 65, 256, 257, 300, 4096, 10**30, -10**30, 1e300]),
+    JUNK,
+    st.sampled_from([0, 1, 2, 16, 64, 65, 256, 257, 300, 4096, 10**30, -(10**30), 1e300]),
     st.sampled_from(["/dev/zero", "/etc/hostname", "/bin/ls", "/no/such/file", ".", "off", "medusa"]),
     st.lists(st.sampled_from([0, 1, 2, 3, 16, 17, 300, 4096]), max_size=5),
     st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=6),
@@ -158,16 +224,25 @@ SPEC_JUNK = st.one_of(
 )
 # valid-looking settings, so that decoding is reached too: the general ones, and each method's own for it (set
 # for another method they are refused, as the junk extras, drawn from every field, still try)
-PLAUSIBLE = {"k": st.integers(1, 8), "schedule": st.sampled_from(["constant", "cost_aware"]),
-             "tree": st.sampled_from(["chain", "static", "dynamic"])}
-PLAUSIBLE_OWN = {"prompt_lookup": {"branches": st.integers(1, 4)},
-                 "token_recycling": {"recycle_branching": st.just([3, 2])},
-                 "lookahead": {"lookahead_window": st.integers(1, 6)}, "early_exit": {"exit_layer": st.integers(1, 2)},
-                 "layer_skip": {"skip_layers": st.just([1])}}
-SPECS = st.sampled_from(list(REGISTRY)).flatmap(lambda m: st.builds(
-    lambda ok, extra: {"method": m, **ok, **extra},
-    st.fixed_dictionaries({}, optional={**PLAUSIBLE, **PLAUSIBLE_OWN.get(m, {})}),
-    st.one_of(st.just({}), st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_JUNK, max_size=4))))
+PLAUSIBLE = {
+    "k": st.integers(1, 8),
+    "schedule": st.sampled_from(["constant", "cost_aware"]),
+    "tree": st.sampled_from(["chain", "static", "dynamic"]),
+}
+PLAUSIBLE_OWN = {
+    "prompt_lookup": {"branches": st.integers(1, 4)},
+    "token_recycling": {"recycle_branching": st.just([3, 2])},
+    "lookahead": {"lookahead_window": st.integers(1, 6)},
+    "early_exit": {"exit_layer": st.integers(1, 2)},
+    "layer_skip": {"skip_layers": st.just([1])},
+}
+SPECS = st.sampled_from(list(REGISTRY)).flatmap(
+    lambda m: st.builds(
+        lambda ok, extra: {"method": m, **ok, **extra},
+        st.fixed_dictionaries({}, optional={**PLAUSIBLE, **PLAUSIBLE_OWN.get(m, {})}),
+        st.one_of(st.just({}), st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_JUNK, max_size=4)),
+    )
+)
 SPEC_STATUS = Counter()
 NORMAL = {"prompt": [1, 2, 3, 1, 2, 3, 1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -175,8 +250,12 @@ NORMAL = {"prompt": [1, 2, 3, 1, 2, 3, 1], "max_tokens": 6, "temperature": 0, "i
 @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(spec=SPECS, max_tokens=st.integers(1, 4), temperature=st.sampled_from([0, 1.0]))
 def test_fuzz_spec(server, spec, max_tokens, temperature):
-    r = server.post("/v1/completions", content=json.dumps({"prompt": [1, 2, 3, 1, 2], "max_tokens": max_tokens,
-                                                           "temperature": temperature, "spec": spec}))
+    r = server.post(
+        "/v1/completions",
+        content=json.dumps(
+            {"prompt": [1, 2, 3, 1, 2], "max_tokens": max_tokens, "temperature": temperature, "spec": spec}
+        ),
+    )
     SPEC_STATUS["alone", r.status_code] += 1
     check(r)
 
@@ -205,8 +284,14 @@ def send_together(client, bodies: dict, timeout: float) -> dict:
 @given(spec=SPECS, stream=st.booleans())
 def test_fuzz_spec_next_to_a_normal_request(server, normal_text, spec, stream):
     """A hostile spec and a normal request sent together (same batch): the normal one decodes exactly as alone."""
-    out = send_together(server, {"hostile": {"prompt": [4, 5, 4, 5], "max_tokens": 4, "spec": spec, "stream": stream,
-                                             "temperature": 0.7}, "normal": NORMAL}, timeout=60)
+    out = send_together(
+        server,
+        {
+            "hostile": {"prompt": [4, 5, 4, 5], "max_tokens": 4, "spec": spec, "stream": stream, "temperature": 0.7},
+            "normal": NORMAL,
+        },
+        timeout=60,
+    )
     SPEC_STATUS["pair", out["hostile"].status_code] += 1
     check(out["hostile"])
     assert out["normal"].status_code == 200 and out["normal"].json()["choices"][0]["text"] == normal_text
@@ -221,13 +306,47 @@ def test_fuzz_spec_reached_decoding():
 
 # every field x every hostile value, each under the method that reads the field, with and without the
 # cost-aware schedule (which timed a (k + 1)-token forward for any k)
-FIELD_METHOD = {"lookahead": "lookahead", "recycle": "token_recycling", "tree_": "draft_model", "branches": "prompt_lookup",
-                "skip_": "layer_skip", "exit_layer": "early_exit", "head": "medusa", "datastore": "suffix",
-                "tree_nodes": "suffix", "max_occurrences": "suffix", "min_token_prob": "suffix",
-                "max_spec_factor": "suffix", "retrieval_k": "hybrid", "hybrid_": "hybrid", "cascade_k": "cascade",
-                "auto_arms": "auto", "autotune": "auto", "confidence_threshold": "draft_model"}
-HOSTILE = [10**30, -1, 0, 65, 300, 4096, 1e300, True, None, "", "x", {}, [4096], [300, 300], [[0]] * 300,
-           "/dev/zero", "/etc/hostname", "/no/such/file", "FIFO"]
+FIELD_METHOD = {
+    "lookahead": "lookahead",
+    "recycle": "token_recycling",
+    "tree_": "draft_model",
+    "branches": "prompt_lookup",
+    "skip_": "layer_skip",
+    "exit_layer": "early_exit",
+    "head": "medusa",
+    "datastore": "suffix",
+    "tree_nodes": "suffix",
+    "max_occurrences": "suffix",
+    "min_token_prob": "suffix",
+    "max_spec_factor": "suffix",
+    "retrieval_k": "hybrid",
+    "hybrid_": "hybrid",
+    "cascade_k": "cascade",
+    "auto_arms": "auto",
+    "autotune": "auto",
+    "confidence_threshold": "draft_model",
+}
+HOSTILE = [
+    10**30,
+    -1,
+    0,
+    65,
+    300,
+    4096,
+    1e300,
+    True,
+    None,
+    "",
+    "x",
+    {},
+    [4096],
+    [300, 300],
+    [[0]] * 300,
+    "/dev/zero",
+    "/etc/hostname",
+    "/no/such/file",
+    "FIFO",
+]
 
 
 def test_spec_field_sweep(server, tmp_path):
@@ -239,8 +358,9 @@ def test_spec_field_sweep(server, tmp_path):
             value = str(fifo) if value == "FIFO" else value
             for extra in ({}, {"schedule": "cost_aware"}, {"tree": "dynamic"}):
                 spec = {"method": method, **extra, field: value}
-                r = server.post("/v1/completions", content=json.dumps({"prompt": [1, 2, 3, 1, 2], "max_tokens": 2,
-                                                                       "spec": spec}))
+                r = server.post(
+                    "/v1/completions", content=json.dumps({"prompt": [1, 2, 3, 1, 2], "max_tokens": 2, "spec": spec})
+                )
                 SPEC_STATUS["sweep", r.status_code] += 1
                 check(r)
     assert SPEC_STATUS["sweep", 200] >= 40 and SPEC_STATUS["sweep", 400] >= 1000, SPEC_STATUS
@@ -248,20 +368,35 @@ def test_spec_field_sweep(server, tmp_path):
 
 
 DEAD_ENDS = st.fixed_dictionaries(
-    {"guided_choice": st.sampled_from([["yes", "no"], ["a"], ["maybe", "yes"]]), "min_tokens": st.integers(0, 6),
-     "max_tokens": st.integers(1, 6), "temperature": st.sampled_from([0, 0.7, 1.5])},
-    optional={"logit_bias": st.sampled_from([{"2": -100}, {"2": 100}, {"²": 5}]), "seed": st.integers(0, 3),
-              "spec": st.sampled_from([{"method": "prompt_lookup"}, {"method": "suffix"}, {"method": "lookahead"},
-                                       {"method": "token_recycling"}]),
-              "ignore_eos": st.booleans(), "stream": st.booleans()})
+    {
+        "guided_choice": st.sampled_from([["yes", "no"], ["a"], ["maybe", "yes"]]),
+        "min_tokens": st.integers(0, 6),
+        "max_tokens": st.integers(1, 6),
+        "temperature": st.sampled_from([0, 0.7, 1.5]),
+    },
+    optional={
+        "logit_bias": st.sampled_from([{"2": -100}, {"2": 100}, {"²": 5}]),
+        "seed": st.integers(0, 3),
+        "spec": st.sampled_from(
+            [{"method": "prompt_lookup"}, {"method": "suffix"}, {"method": "lookahead"}, {"method": "token_recycling"}]
+        ),
+        "ignore_eos": st.booleans(),
+        "stream": st.booleans(),
+    },
+)
 
 
 @pytest.fixture(scope="module")
 def smol_server(smol_f32):
     from specdraft.api import SpecDecoder
 
-    with running_server(SpecDecoder(smol_f32, None), model_name="smol", max_batch=4, timeout_s=120,
-                        default_spec={"method": "prompt_lookup"}) as (url, app):
+    with running_server(
+        SpecDecoder(smol_f32, None),
+        model_name="smol",
+        max_batch=4,
+        timeout_s=120,
+        default_spec={"method": "prompt_lookup"},
+    ) as (url, app):
         with httpx.Client(base_url=url, timeout=120, headers={"Content-Type": "application/json"}) as c:
             normal = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
             want = c.post("/v1/completions", json=normal).json()["choices"][0]["text"]
@@ -282,12 +417,23 @@ def test_fuzz_dead_end_constraints_on_smol(smol_server, body):
 
 # --- the fixed-mode /metrics observer ---------------------------------------------------------------------
 VICTIMS = st.fixed_dictionaries(
-    {"prompt": st.one_of(st.lists(st.integers(0, 15), min_size=1, max_size=12),
-                         st.integers(1, 4).map(lambda n: [1, 2, 3] * n)),
-     "max_tokens": st.integers(1, 10), "temperature": st.sampled_from([0, 0.8])},
-    optional={"stream": st.booleans(), "ignore_eos": st.booleans(), "seed": st.integers(0, 3),
-              "spec": st.sampled_from([{"method": m} for m in ("prompt_lookup", "draft_model", "suffix", "plain",
-                                                               "lookahead")] + [{"method": "draft_model", "k": 6}])})
+    {
+        "prompt": st.one_of(
+            st.lists(st.integers(0, 15), min_size=1, max_size=12), st.integers(1, 4).map(lambda n: [1, 2, 3] * n)
+        ),
+        "max_tokens": st.integers(1, 10),
+        "temperature": st.sampled_from([0, 0.8]),
+    },
+    optional={
+        "stream": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "seed": st.integers(0, 3),
+        "spec": st.sampled_from(
+            [{"method": m} for m in ("prompt_lookup", "draft_model", "suffix", "plain", "lookahead")]
+            + [{"method": "draft_model", "k": 6}]
+        ),
+    },
+)
 METRICS_STATUS = Counter()
 
 
@@ -296,8 +442,9 @@ def fixed_only():
     from specdraft.server.pacing import StreamPacing
 
     pacing = StreamPacing(chunk_tokens=3, interval_s=0.01, pad_bytes=0, locked=True)
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4},
-                        stream_pacing=pacing) as (url, app):
+    with running_server(
+        tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4}, stream_pacing=pacing
+    ) as (url, app):
         with httpx.Client(base_url=url, timeout=60, headers={"Content-Type": "application/json"}) as c:
             yield c
 
@@ -318,23 +465,61 @@ def test_fuzz_fixed_mode_metrics_observer(fixed_only, body):
 
 # --- the files kept under $SPECDRAFT_HOME: wrong shapes and bytes ------------------------------------------
 CURVE = {"1": 9.0, "4": 9.5, "8": 10.0, "16": 12.0}
-VALID_PATHS = {"model": "smollm2-135m", "cpu": "x", "curves": {"hf": CURVE, "llama:Q4_0": {**CURVE, "1": 4.0}},
-               "prefill": {"hf": {"32": 50.0, "512": 600.0}, "llama:Q4_0": {"32": 40.0, "512": 500.0}},
-               "pick": {"path": "llama", "tokens_per_s": 30.0, "tried": [
-                   {"path": "llama", "tokens_per_s": 30.0, "decode_tokens_per_s": 31.0, "prefill_ms_per_token": 1.5}],
-                        "prompts": ["a"], "sampling": {"temperature": 0.0}}}
-SLOTS = [(), ("model",), ("curves",), ("curves", "hf"), ("curves", "hf", "1"), ("curves", "hf", "8"), ("curves", "hf", "²"),
-         ("curves", "llama:Q4_0"), ("curves", "gpu"), ("extra",), ("pick",), ("pick", "path"), ("pick", "tokens_per_s"),
-         ("pick", "tried"), ("pick", "tried", 0), ("pick", "sampling"), ("prefill",), ("prefill", "hf"),
-         ("prefill", "hf", "32"), ("prefill", "gpu"), ("pick", "tried", 0, "decode_tokens_per_s"),
-         ("pick", "tried", 0, "prefill_ms_per_token"), ("pick", "tried", 0, "path")]
+VALID_PATHS = {
+    "model": "smollm2-135m",
+    "cpu": "x",
+    "curves": {"hf": CURVE, "llama:Q4_0": {**CURVE, "1": 4.0}},
+    "prefill": {"hf": {"32": 50.0, "512": 600.0}, "llama:Q4_0": {"32": 40.0, "512": 500.0}},
+    "pick": {
+        "path": "llama",
+        "tokens_per_s": 30.0,
+        "tried": [{"path": "llama", "tokens_per_s": 30.0, "decode_tokens_per_s": 31.0, "prefill_ms_per_token": 1.5}],
+        "prompts": ["a"],
+        "sampling": {"temperature": 0.0},
+    },
+}
+SLOTS = [
+    (),
+    ("model",),
+    ("curves",),
+    ("curves", "hf"),
+    ("curves", "hf", "1"),
+    ("curves", "hf", "8"),
+    ("curves", "hf", "²"),
+    ("curves", "llama:Q4_0"),
+    ("curves", "gpu"),
+    ("extra",),
+    ("pick",),
+    ("pick", "path"),
+    ("pick", "tokens_per_s"),
+    ("pick", "tried"),
+    ("pick", "tried", 0),
+    ("pick", "sampling"),
+    ("prefill",),
+    ("prefill", "hf"),
+    ("prefill", "hf", "32"),
+    ("prefill", "gpu"),
+    ("pick", "tried", 0, "decode_tokens_per_s"),
+    ("pick", "tried", 0, "prefill_ms_per_token"),
+    ("pick", "tried", 0, "path"),
+]
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=6)
     | st.sampled_from(["hf", "llama:Q4_0", "gpu:fast", "1", ""]),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(
-        st.sampled_from(["1", "4", "8", "16", "²", "¹", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3), c,
-        max_size=4),
-    max_leaves=10)
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["1", "4", "8", "16", "²", "¹", "one", "hf", "path", "tokens_per_s"]) | st.text(max_size=3),
+            c,
+            max_size=4,
+        )
+    ),
+    max_leaves=10,
+)
 DELETE = object()
 HOME_STATUS = Counter()
 
@@ -369,8 +554,8 @@ def use_paths_file(f, raw: bytes) -> str:
     """What --backend auto, doctor and autotune --paths do with the file: it is "read" whole, or "refused" in
     one line naming it; any other exception fails the test."""
     from specdraft.commands import doctor
-    from specdraft.models import paths
     from specdraft.core.errors import ConfigError
+    from specdraft.models import paths
 
     f.write_bytes(raw)
     try:
@@ -398,6 +583,7 @@ def test_fuzz_paths_file_shapes(paths_file, slot, value):
 
 class _Planted:
     """A pickle that runs a shell command when it is loaded: no file under the home is unpickled."""
+
     def __reduce__(self):
         return os.system, (f"touch {PLANTED_MARKER}",)
 
@@ -415,10 +601,14 @@ def _torch_saved(obj) -> bytes:
 PLANTED_MARKER = os.path.join(tempfile.gettempdir(), f"specdraft-fuzz-planted-{os.getpid()}")
 PICKLES = [pickle.dumps(_Planted()), _torch_saved(_Planted())]
 VALID_BYTES = json.dumps(VALID_PATHS).encode()
-RAW = st.one_of(st.sampled_from(PICKLES), st.binary(max_size=64),
-                st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
-                st.tuples(st.integers(0, len(VALID_BYTES) - 1), st.binary(min_size=1, max_size=3)).map(
-                    lambda t: VALID_BYTES[:t[0]] + t[1] + VALID_BYTES[t[0] + len(t[1]):]))
+RAW = st.one_of(
+    st.sampled_from(PICKLES),
+    st.binary(max_size=64),
+    st.integers(0, len(VALID_BYTES)).map(lambda n: VALID_BYTES[:n]),
+    st.tuples(st.integers(0, len(VALID_BYTES) - 1), st.binary(min_size=1, max_size=3)).map(
+        lambda t: VALID_BYTES[: t[0]] + t[1] + VALID_BYTES[t[0] + len(t[1]) :]
+    ),
+)
 
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))

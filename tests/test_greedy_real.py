@@ -40,16 +40,33 @@ def test_plain_equals_transformers_generate(smol, reference):
     model = smol.target.model
     for p in PROMPTS[:2]:
         ids = torch.tensor([smol.encode(p, chat=True)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-        assert out[0, ids.shape[1]:].tolist() == reference[p]
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        assert out[0, ids.shape[1] :].tolist() == reference[p]
 
 
 DRAFTS = {  # id: (draft dtype, draft layers, spec)
     "truncated-20": ("float32", 20, SpecConfig(method="draft_model", k=2)),
     "bf16-copy": ("bfloat16", None, SpecConfig(method="draft_model", k=4, schedule="heuristic", max_k=8)),
-    "truncated-20-static-tree": ("float32", 20, SpecConfig(method="draft_model", tree="static", tree_branching=[3, 2, 1])),
-    "truncated-20-dynamic-tree": ("float32", 20, SpecConfig(method="draft_model", tree="dynamic", k=4, tree_topk=3, tree_budget=12)),
+    "truncated-20-static-tree": (
+        "float32",
+        20,
+        SpecConfig(method="draft_model", tree="static", tree_branching=[3, 2, 1]),
+    ),
+    "truncated-20-dynamic-tree": (
+        "float32",
+        20,
+        SpecConfig(method="draft_model", tree="dynamic", k=4, tree_topk=3, tree_budget=12),
+    ),
 }  # (a static tree given as tree_choices: Medusa's, tests/test_heads.py; trees in a batch: tests/test_batch.py)
 
 
@@ -100,8 +117,9 @@ def test_prompt_lookup_tree_greedy_exact(smol, reference):
 SELF = {
     "early_exit-24": SpecConfig.from_dict({"method": "early_exit", "exit_layer": 24, "k": 3}),
     "layer_skip-6": SpecConfig(method="layer_skip", skip_layers=[5, 9, 13, 17, 21, 25], k=3),
-    "layer_skip-6-dynamic-tree": SpecConfig(method="layer_skip", skip_layers=[5, 9, 13, 17, 21, 25], tree="dynamic",
-                                            k=3, tree_topk=2, tree_budget=8),
+    "layer_skip-6-dynamic-tree": SpecConfig(
+        method="layer_skip", skip_layers=[5, 9, 13, 17, 21, 25], tree="dynamic", k=3, tree_topk=2, tree_budget=8
+    ),
 }
 
 
@@ -147,8 +165,10 @@ def test_two_level_draft_on_the_targets_own_gguf_greedy_exact(smol_f32, smol_ggu
     sp = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     accepted = drafted = 0
     for p in (PROMPTS[1], PROMPTS[-2]):
-        for spec in (SpecConfig.from_dict({"method": "cascade", "k": 5, "cascade_k": 3}),
-                     SpecConfig(method="draft_model", k=5)):
+        for spec in (
+            SpecConfig.from_dict({"method": "cascade", "k": 5, "cascade_k": 3}),
+            SpecConfig(method="draft_model", k=5),
+        ):
             out = dec.generate(p, sampling=sp, spec=spec, chat=True)
             assert out.token_ids == reference[p], f"{spec.method} diverged on {p!r}"
             accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted

@@ -40,7 +40,7 @@ def reference_checkpoint(d, head, fmt):
     s = head.shape
     st = {k: v.clone() for k, v in head.state_dict().items()}
     if fmt == "speculators":
-        st = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in st.items()}
+        st = {("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in st.items()}
         st["embed_tokens.weight"] = torch.zeros(s.vocab_size, s.hidden_size)  # a copy of the target's: ignored
     if fmt == "vllm":
         st = {("model." + k if not k.startswith("lm_head") else k): v for k, v in st.items()}
@@ -71,8 +71,11 @@ def test_each_format_loads_and_decodes_losslessly(tmp_path, target, head, fmt):
     dec = SpecDecoder(target)
     ref = plain(target)
     for tree in ("chain", "dynamic"):
-        out = dec.generate(PROMPT, sampling=SamplingParams(max_new_tokens=12),
-                           spec=SpecConfig(method="eagle3", head=str(d), k=3, tree=tree))
+        out = dec.generate(
+            PROMPT,
+            sampling=SamplingParams(max_new_tokens=12),
+            spec=SpecConfig(method="eagle3", head=str(d), k=3, tree=tree),
+        )
         assert out.token_ids == ref.token_ids, (fmt, tree)
         assert sum(s.drafted for s in out.stats.steps) > 0
 
@@ -110,6 +113,7 @@ def test_pytorch_model_bin_loads_without_running_code(tmp_path, target, head):
     class Planted:
         def __reduce__(self):
             return os.system, (f"touch {tmp_path / 'ran'}",)
+
     torch.save({"fc.weight": Planted()}, d / "pytorch_model.bin")
     with pytest.raises(ConfigError, match="cannot be read"):
         load_head(d, target, expect_type="eagle3")
@@ -117,14 +121,19 @@ def test_pytorch_model_bin_loads_without_running_code(tmp_path, target, head):
 
 
 DAMAGE = {
-    "a tensor of the wrong shape": (lambda st, cfg: st.update({"fc.weight": st["fc.weight"][:, :-1]}),
-                                    "fc.weight has shape"),
+    "a tensor of the wrong shape": (
+        lambda st, cfg: st.update({"fc.weight": st["fc.weight"][:, :-1]}),
+        "fc.weight has shape",
+    ),
     "a tensor missing": (lambda st, cfg: st.pop("norm.weight"), "lacks norm.weight"),
-    "a hidden size the target lacks": (lambda st, cfg: (cfg.update(target_hidden_size=48),
-                                                        st.update({"fc.weight": torch.zeros(32, 144)})),
-                                       "target hidden size 48"),
-    "aux layers past the target": (lambda st, cfg: cfg.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9]),
-                                   "does not have"),
+    "a hidden size the target lacks": (
+        lambda st, cfg: (cfg.update(target_hidden_size=48), st.update({"fc.weight": torch.zeros(32, 144)})),
+        "target hidden size 48",
+    ),
+    "aux layers past the target": (
+        lambda st, cfg: cfg.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9]),
+        "does not have",
+    ),
     "draft ids past the vocabulary": (lambda st, cfg: st.update({"d2t": st["d2t"] + V}), "outside the target"),
     "an unknown tensor": (lambda st, cfg: st.update({"midlayer.extra": torch.zeros(2)}), "does not know"),
 }

@@ -24,8 +24,10 @@ H = 576
 LAYERS = [2, 15, 30]  # hidden-states indices: early, middle and the last decoder layer (a case of its own)
 LAYER_NOISE = 0.02  # of a layer's largest magnitude (module doc)
 DENSE_COSINE = 0.99  # measured: see the module doc
-TEXT = ("def fibonacci(n):\n    # the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):\n"
-        "        a, b = b, a + b")
+TEXT = (
+    "def fibonacci(n):\n    # the n-th Fibonacci number\n    a, b = 0, 1\n    for _ in range(n):\n"
+    "        a, b = b, a + b"
+)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,8 @@ def test_layers_match_the_dense_model(tapped, smol_f32, ids):
         hs = smol_f32.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
         seen = []
         hook = smol_f32.model.model.layers[-1].register_forward_hook(
-            lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+            lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o)
+        )
         try:
             smol_f32.model(torch.tensor([ids]))
         finally:
@@ -159,7 +162,7 @@ def test_layers_match_the_dense_model(tapped, smol_f32, ids):
     last = seen[0][0]
     for b, i in enumerate(LAYERS):
         ref = hs[i][0] if i < len(hs) - 1 else last
-        cos = torch.nn.functional.cosine_similarity(got[:, b * H:(b + 1) * H], ref, dim=-1)
+        cos = torch.nn.functional.cosine_similarity(got[:, b * H : (b + 1) * H], ref, dim=-1)
         print(f"layer output {i}: cosine min {float(cos.min()):.5f}, median {float(cos.median()):.5f}")
         assert float(cos.min()) > DENSE_COSINE, f"layer output {i}"
 

@@ -12,15 +12,21 @@ import torch
 from conftest import logits_of, tiny_llama, tiny_model_dir
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.engine import generate
-from specdraft.core.errors import ConfigError
 from specdraft.models.heads import EagleHead, MedusaHeads, load_head
 from stat_util import fit_pvalue, sample_first_tokens
 
-PROMPTS = ["Tell me about cats.", "Write a haiku about rain.", "What is 2 + 3?", "Name three colors.",
-           "Explain gravity briefly.", "Translate 'hello' to French."]
+PROMPTS = [
+    "Tell me about cats.",
+    "Write a haiku about rain.",
+    "What is 2 + 3?",
+    "Name three colors.",
+    "Explain gravity briefly.",
+    "Translate 'hello' to French.",
+]
 
 
 def write_prompts(path, prompts=PROMPTS):
@@ -29,8 +35,21 @@ def write_prompts(path, prompts=PROMPTS):
 
 
 def train(kind, target, data, out, steps, *extra):
-    args = ["train", kind, "--target", str(target), "--data", str(data), "-o", str(out), "--steps", str(steps),
-            "--threads", "1", *map(str, extra)]
+    args = [
+        "train",
+        kind,
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "-o",
+        str(out),
+        "--steps",
+        str(steps),
+        "--threads",
+        "1",
+        *map(str, extra),
+    ]
     assert main(args) == 0
     return json.loads((out / "config.json").read_text())
 
@@ -41,8 +60,13 @@ def tiny_dir(tmp_path_factory):
 
 
 # --- training, checkpoints, resume, reload ---------------------------------------------------------
-@pytest.mark.parametrize("kind,extra", [("medusa", ["--batch-size", 16, "--heads", 2, "--lr", 1e-2]),
-                                        ("eagle", ["--batch-size", 1, "--lr", 3e-3, "--draft-vocab", 300])])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("medusa", ["--batch-size", 16, "--heads", 2, "--lr", 1e-2]),
+        ("eagle", ["--batch-size", 1, "--lr", 3e-3, "--draft-vocab", 300]),
+    ],
+)
 def test_train_lowers_loss_resumes_and_reloads(tmp_path, tiny_dir, kind, extra):
     data = write_prompts(tmp_path / "p.jsonl")
     common = ["--max-new-tokens", 12, "--checkpoint-every", 3, *extra]
@@ -111,16 +135,32 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
         SpecConfig(method="prompt_lookup", head=str(hd)).validate()
     with pytest.raises(ConfigError, match="is a medusa head; method 'eagle' needs an? eagle head"):
         dec.generate([1, 2, 3], spec=SpecConfig(method="eagle", head=str(hd)))
-    assert main(["generate", "--target", str(tiny_dir), "--dtype", "float32", "--method", "layer_skip",
-                 "--head", str(hd), "hi"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(tiny_dir),
+                "--dtype",
+                "float32",
+                "--method",
+                "layer_skip",
+                "--head",
+                str(hd),
+                "hi",
+            ]
+        )
+        == 2
+    )
     assert "medusa, eagle, eagle3 and auto only" in capsys.readouterr().err
     assert main(["generate", "--target", "no-such-model", "--method", "eagle", "--head", str(hd), "hi"]) == 2
     assert "is a medusa head; method 'eagle' needs a" in capsys.readouterr().err  # before loading the model
 
     other = load_model(str(tiny_model_dir(tmp_path / "three_layers", layers=3)), "float32")
     trained_for = re.escape(repr(str(tiny_dir)))  # the target the head's config records
-    with pytest.raises(ConfigError, match=f"num_hidden_layers=2 \\(target {trained_for}\\); this target has "
-                                          "num_hidden_layers=3"):
+    with pytest.raises(
+        ConfigError, match=f"num_hidden_layers=2 \\(target {trained_for}\\); this target has num_hidden_layers=3"
+    ):
         load_head(hd, other, "medusa")
     same_shape = load_model(str(tiny_dir), "float32")
     with torch.no_grad():
@@ -128,7 +168,9 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     with pytest.raises(ConfigError, match=f"trained for target {trained_for}, whose LM head weights differ"):
         load_head(hd, same_shape, "medusa")
     with pytest.raises(ConfigError, match="tree is 3 deep but the Medusa head has 2 heads"):
-        MedusaDrafter(same_shape, MedusaHeads(32, 2), SpecConfig(method="medusa", tree="static", tree_branching=[1, 1, 1]))
+        MedusaDrafter(
+            same_shape, MedusaHeads(32, 2), SpecConfig(method="medusa", tree="static", tree_branching=[1, 1, 1])
+        )
 
 
 # --- sampling exactness through the engine (tiny model, first two tokens vs the exact joint) -------
@@ -193,8 +235,15 @@ def broken_topk_as_sampled(q, m, gen):
 
 
 CHOICES = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-CASES = [("medusa_tree", 4, TRUNC), ("medusa_chain", 3, T1), ("eagle", 4, T1), ("eagle_reduced_vocab", 4, TRUNC),
-         ("eagle_tree", 4, T1), ("eagle_tree", 4, TRUNC), ("eagle_tree_reduced_vocab", 4, TRUNC)]
+CASES = [
+    ("medusa_tree", 4, TRUNC),
+    ("medusa_chain", 3, T1),
+    ("eagle", 4, T1),
+    ("eagle_reduced_vocab", 4, TRUNC),
+    ("eagle_tree", 4, T1),
+    ("eagle_tree", 4, TRUNC),
+    ("eagle_tree_reduced_vocab", 4, TRUNC),
+]
 EAGLE_TREE = dict(tree="dynamic", tree_topk=2, tree_budget=5)
 
 
@@ -214,6 +263,7 @@ def factory(target, method, patch=None):
         if patch is not None:
             patch(d)
         return d
+
     return make
 
 
@@ -226,8 +276,11 @@ def test_sampling_first_three_tokens_match_target(tiny_target, method, max_new, 
 
 
 # --- EAGLE token trees on the tiny model: the tree mask and positions, greedy exactness ---------------
-@pytest.mark.parametrize("shape", [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=40),
-                                  dict(tree="static", tree_branching=[3, 2, 2, 1])], ids=["dynamic", "static"])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=40), dict(tree="static", tree_branching=[3, 2, 2, 1])],
+    ids=["dynamic", "static"],
+)
 def test_eagle_tree_level_equals_feeding_the_path(tiny_target, shape):
     """Every tree node's predicted feature (one head forward per tree level, 4D tree mask over the head's
     cache) equals feeding the true pairs and then the node's path one pair at a time with a causal
@@ -250,17 +303,28 @@ def test_eagle_tree_level_equals_feeding_the_path(tiny_target, shape):
         with torch.no_grad():
             for i in fed:
                 cache = head.new_cache()
-                f = head(feats[None], embed(torch.tensor(tokens[1:]))[None], cache=cache,
-                         position_ids=torch.arange(n - 1)[None])[0, -1]
+                f = head(
+                    feats[None],
+                    embed(torch.tensor(tokens[1:]))[None],
+                    cache=cache,
+                    position_ids=torch.arange(n - 1)[None],
+                )[0, -1]
                 for depth, a in enumerate(grown.paths[i], 1):  # the chain's positions: n - 2 + depth
-                    f = head(f[None, None], embed(torch.tensor([[grown.tokens[a]]])), cache=cache,
-                             position_ids=torch.tensor([[n - 2 + depth]]))[0, -1]
+                    f = head(
+                        f[None, None],
+                        embed(torch.tensor([[grown.tokens[a]]])),
+                        cache=cache,
+                        position_ids=torch.tensor([[n - 2 + depth]]),
+                    )[0, -1]
                 torch.testing.assert_close(d._pf[i], f, rtol=1e-4, atol=1e-5)
         tokens, feats = tokens + [5, 1], torch.cat([feats, torch.randn(2, 32, generator=g)])
 
 
-@pytest.mark.parametrize("tree", [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=8),
-                                  dict(tree="static", tree_branching=[3, 2, 1])], ids=["dynamic", "static"])
+@pytest.mark.parametrize(
+    "tree",
+    [dict(tree="dynamic", k=4, tree_topk=3, tree_budget=8), dict(tree="static", tree_branching=[3, 2, 1])],
+    ids=["dynamic", "static"],
+)
 @pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
 def test_eagle_tree_greedy_equals_plain(tiny_target, tree, reduced):
     from specdraft.drafters.base import NoDrafter
@@ -284,17 +348,18 @@ def test_broken_medusa_variant_is_detected(tiny_target):
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
 
 
-def test_broken_eagle_tree_variant_is_detected(tiny_target):
+def test_broken_eagle_tree_variant_is_detected(tiny_target, monkeypatch):
     """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
-    def patch(drafter):
-        real = drafter._children
+    from specdraft.drafters.tree_grower import GrowingTree
 
-        def broken(logits, m, parent=-1):
-            kids = real(logits, m, parent)
-            return [(t, kids[0][1], lp) for t, _, lp in kids]
-        drafter._children = broken
+    real = GrowingTree._children
 
-    make = factory(tiny_target, "eagle_tree", patch)
+    def broken(self, logits, m, parent=-1):
+        kids = real(self, logits, m, parent)
+        return [(t, kids[0][1], lp) for t, _, lp in kids]
+
+    monkeypatch.setattr(GrowingTree, "_children", broken)  # the tree each draft grows
+    make = factory(tiny_target, "eagle_tree")
     counts, drafted, _ = sample_first_three(tiny_target, make, TRUNC, 4, n=3 * N)  # a subtle bug: more samples
     assert drafted > 0
     assert fit_pvalue(counts, exact_first_three(tiny_target, TRUNC)) < 1e-3
@@ -306,13 +371,43 @@ def smol_heads(tmp_path_factory):
     d = tmp_path_factory.mktemp("smol_heads")
     data = write_prompts(d / "p.jsonl")
     medusa, eagle = d / "medusa", d / "eagle"
-    train("medusa", "smollm2-135m", data, medusa, 30, "--max-new-tokens", 32, "--batch-size", 64, "--heads", 3,
-          "--lr", 3e-3, "--checkpoint-every", 30)
+    train(
+        "medusa",
+        "smollm2-135m",
+        data,
+        medusa,
+        30,
+        "--max-new-tokens",
+        32,
+        "--batch-size",
+        64,
+        "--heads",
+        3,
+        "--lr",
+        3e-3,
+        "--checkpoint-every",
+        30,
+    )
     medusa.joinpath("data.pt").rename(d / "data.pt")
     eagle.mkdir()
     shutil.copy(d / "data.pt", eagle / "data.pt")
-    train("eagle", "smollm2-135m", data, eagle, 30, "--max-new-tokens", 32, "--batch-size", 2, "--lr", 1e-3,
-          "--checkpoint-every", 30, "--draft-vocab", 4096)
+    train(
+        "eagle",
+        "smollm2-135m",
+        data,
+        eagle,
+        30,
+        "--max-new-tokens",
+        32,
+        "--batch-size",
+        2,
+        "--lr",
+        1e-3,
+        "--checkpoint-every",
+        30,
+        "--draft-vocab",
+        4096,
+    )
     return medusa, eagle
 
 
@@ -326,11 +421,14 @@ def test_greedy_exact_on_smollm2(smol_f32, smol_heads):
     medusa, eagle = smol_heads
     dec = SpecDecoder(smol_f32)
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    specs = {"medusa_chain": SpecConfig(method="medusa", head=str(medusa), k=3),
-             "medusa_tree": SpecConfig(method="medusa", head=str(medusa), tree="static",
-                                       tree_choices=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]),
-             "eagle": SpecConfig(method="eagle", head=str(eagle), k=3),
-             "eagle_tree": SpecConfig(method="eagle", head=str(eagle), tree="dynamic", k=3, tree_topk=2, tree_budget=6)}
+    specs = {
+        "medusa_chain": SpecConfig(method="medusa", head=str(medusa), k=3),
+        "medusa_tree": SpecConfig(
+            method="medusa", head=str(medusa), tree="static", tree_choices=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+        ),
+        "eagle": SpecConfig(method="eagle", head=str(eagle), k=3),
+        "eagle_tree": SpecConfig(method="eagle", head=str(eagle), tree="dynamic", k=3, tree_topk=2, tree_budget=6),
+    }
     accepted = {m: 0 for m in specs}
     for p in GREEDY_PROMPTS:
         ref = dec.generate(p, sampling=sp, spec=SpecConfig(method="plain")).token_ids

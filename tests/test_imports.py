@@ -151,8 +151,13 @@ def full_graph() -> dict[str, set[str]]:
 
 
 def upward_edges() -> list[str]:
-    return sorted({f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
-                   for a, b, _ in import_edges() if layer_of(b) > layer_of(a)})
+    return sorted(
+        {
+            f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+            for a, b, _ in import_edges()
+            if layer_of(b) > layer_of(a)
+        }
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -193,7 +198,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if color[n] == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if color[n] == 0:
                 c = visit(n)
                 if c:
@@ -247,10 +252,15 @@ def test_no_new_import_cycles():
 
 
 def test_the_checker_sees_imports_in_functions_and_skips_type_only_ones():
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
-                     "def f():\n    g = lambda: __import__('x')\n    import b\nimport c\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+        "def f():\n    g = lambda: __import__('x')\n    import b\nimport c\n"
+    )
     assert sorted((n.names[0].name, in_fn) for n, in_fn in _every_import(tree)) == [
-        ("TYPE_CHECKING", False), ("b", True), ("c", False)]
+        ("TYPE_CHECKING", False),
+        ("b", True),
+        ("c", False),
+    ]
     assert cycles({"a": {"b"}, "b": {"a", "c"}, "c": set()}) == [{"a", "b"}]
     assert layer_of("specdraft.drafters.suffix") == layer_of("specdraft.drafters") < layer_of("specdraft.engine")
     assert layer_of("specdraft.unlisted") == -1
@@ -260,9 +270,16 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module first (no other specdraft module loaded before it), in one fresh interpreter:
     sys.modules is cleared of specdraft between imports, so a module that only works when imported
     after another one (a cycle resolved by luck of order) fails here."""
-    skip = {"specdraft.server.app", "specdraft.server.batch_worker", "specdraft.server.front",
-            "specdraft.server.scheduler", "specdraft.server.prometheus", "specdraft.server.protocol",
-            "specdraft.server", "specdraft.server.replicas"}
+    skip = {
+        "specdraft.server.app",
+        "specdraft.server.batch_worker",
+        "specdraft.server.front",
+        "specdraft.server.scheduler",
+        "specdraft.server.prometheus",
+        "specdraft.server.protocol",
+        "specdraft.server",
+        "specdraft.server.replicas",
+    }
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -293,7 +310,11 @@ def test_command_line_parsing_lives_in_the_command_layers():
     """argparse (the flags) is the commands' and the front ends' business: the layers below them, the
     drafters included, build typed settings only (their flags live in commands/flags.py)."""
     below = {m for m in _modules() if layer_of(m) < layer_of("specdraft.commands")}
-    found = sorted(m for m, path in _modules().items() if m in below
-                   for node, _ in _every_import(ast.parse(path.read_text()))
-                   if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+    found = sorted(
+        m
+        for m, path in _modules().items()
+        if m in below
+        for node, _ in _every_import(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names)
+    )
     assert found == ["specdraft.models.llama_setup"]  # the llama.cpp installer's own script entry

@@ -93,8 +93,9 @@ def test_sampling_first_two_tokens_exact_while_the_head_changes_every_step():
     tiny = tiny_llama(vocab=6, hidden=32, layers=4)
     head = random_eagle3_head(tiny, DRAFT_IDS)
     hook = Perturb(head, scale=0.3)
-    counts, drafted, accepted = sample_first_tokens(tiny, lambda: Eagle3Drafter(tiny, head, CHAIN), PROMPT, TRUNC, 3,
-                                                    2, 1200, 6, seed0=31_000, hook=hook)
+    counts, drafted, accepted = sample_first_tokens(
+        tiny, lambda: Eagle3Drafter(tiny, head, CHAIN), PROMPT, TRUNC, 3, 2, 1200, 6, seed0=31_000, hook=hook
+    )
     assert 0 < accepted < drafted and hook.steps > 3
     assert fit_pvalue(counts, exact_first_two(tiny, TRUNC)) > 1e-3
 
@@ -109,6 +110,7 @@ def drafts_by_length(target, head, prompt, hook):
         tree = real(tokens, max_tokens)
         seen[len(tokens)] = tree.tokens.tolist()
         return tree
+
     d.propose = propose
     generate(target, d, prompt, GREEDY, eos_ids=set(), hook=hook)
     return seen
@@ -118,8 +120,11 @@ def test_a_drafter_feeds_its_context_again_after_the_weights_change(target):
     """After a change, a running request drafts as a request started with the new weights would: its head
     cache of the old weights' keys and values is rebuilt (before, the old cache stayed)."""
     head = random_eagle3_head(target, torch.arange(V))
-    new = {k: v + 0.3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in
-           head.state_dict().items() if v.is_floating_point()}
+    new = {
+        k: v + 0.3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+        for k, v in head.state_dict().items()
+        if v.is_floating_point()
+    }
 
     class ChangeOnce(StepHook):  # after the third step: the drafter's cache holds positions of the old weights
         steps = 0
@@ -147,8 +152,12 @@ def test_seeded_samples_of_a_learning_head_say_they_are_not_pinned(target, head_
     learning.set_cost_curves({n: 0.01 * n for n in range(1, 40)})  # auto's: given, not measured
     for spec in ({"method": "eagle3", "head": str(head_dir)}, {"method": "auto", "head": str(head_dir)}):
         assert learning.generate(PROMPTS[0], sampling=seeded, spec=spec).stats.reproducible is False
-        assert SpecDecoder(target).generate(PROMPTS[0], sampling=seeded,
-                                            spec={**spec, "method": "eagle3"}).stats.reproducible is True
+        assert (
+            SpecDecoder(target)
+            .generate(PROMPTS[0], sampling=seeded, spec={**spec, "method": "eagle3"})
+            .stats.reproducible
+            is True
+        )
 
 
 # --- the learner between steps ------------------------------------------------------------------------
@@ -179,6 +188,7 @@ def test_weights_are_swapped_only_between_steps(target, head_dir):
         unchanged.append(torch.equal(head.fc.weight, w))
         updated.append(torch.equal(w, before + 1.0))
         return real(tokens, max_tokens)
+
     d.propose = propose
     out = generate(target, d, PROMPTS[0], GREEDY, eos_ids=set(), hook=learner)
     assert all(unchanged) and updated[0] is False and all(updated[1:]) and learner.status().updates == 1
@@ -294,6 +304,7 @@ def test_an_interrupted_save_never_loads(target, head_dir, tmp_path, monkeypatch
         real_write(out, shape, st, *a, **kw)
         (out / "config.json").unlink()
         raise KeyboardInterrupt
+
     monkeypatch.setattr(head_formats, "write", crash_after_the_weights)
     with pytest.raises(KeyboardInterrupt):
         store.save(head.shape, bumped, {"type": "eagle3"}, torch.float32)
@@ -333,15 +344,18 @@ def test_heads_reset_returns_to_the_shipped_heads(tmp_path, monkeypatch, capsys)
 
 
 # --- the server ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv,fragment", [
-    (["--learn-budget", "0.5"], "--learn-budget set how the server learns; add --learn"),
-    (["--learn", "--learn-budget", "0"], "budget (--learn-budget) must be a share of the CPU in (0, 1]"),
-    (["--learn", "--api-key", "a", "--api-key", "b"], "with several API keys, --learn learns only from"),
-    (["--learn", "--stream-mode", "fixed"], "this server has no --api-key"),
-    (["--learn", "--api-key", "a", "--learn-keys", "a,c"], "1 key(s) that are not among"),
-    (["--learn", "--replicas", "2"], "each replica would learn a head of its own"),
-    (["--learn", "--api-key", "a", "--api-key", "b", "--learn-keys", ","], "--learn-keys names no key"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--learn-budget", "0.5"], "--learn-budget set how the server learns; add --learn"),
+        (["--learn", "--learn-budget", "0"], "budget (--learn-budget) must be a share of the CPU in (0, 1]"),
+        (["--learn", "--api-key", "a", "--api-key", "b"], "with several API keys, --learn learns only from"),
+        (["--learn", "--stream-mode", "fixed"], "this server has no --api-key"),
+        (["--learn", "--api-key", "a", "--learn-keys", "a,c"], "1 key(s) that are not among"),
+        (["--learn", "--replicas", "2"], "each replica would learn a head of its own"),
+        (["--learn", "--api-key", "a", "--api-key", "b", "--learn-keys", ","], "--learn-keys names no key"),
+    ],
+)
 def test_serve_refuses_learning_it_cannot_do_as_asked(argv, fragment, capsys):
     assert main(["serve", "--target", "nowhere", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -371,15 +385,28 @@ def test_the_server_learns_from_the_keys_it_names_and_shows_the_learner(target, 
     served.tokenizer = StubTok()
     dec = SpecDecoder(served, learn=LearnConfig(persist=False, window=8))
     dec.learner.spawn = False
-    with running_server(dec, model_name="tiny", default_spec={"method": "eagle3", "head": str(head_dir), "k": 3},
-                        api_key=("teach", "other"), learn_keys=("teach",)) as (url, _):
+    with running_server(
+        dec,
+        model_name="tiny",
+        default_spec={"method": "eagle3", "head": str(head_dir), "k": 3},
+        api_key=("teach", "other"),
+        learn_keys=("teach",),
+    ) as (url, _):
         assert dec.learner.status().state == "learning"  # the default spec's head was loaded at start
         for key in ("teach", "other", "other"):
-            r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                           json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                url + "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+                json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
-        assert httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer nope"},
-                          json={"prompt": [1], "max_tokens": 1}).status_code == 401
+        assert (
+            httpx.post(
+                url + "/v1/completions", headers={"Authorization": "Bearer nope"}, json={"prompt": [1], "max_tokens": 1}
+            ).status_code
+            == 401
+        )
         auth = {"Authorization": "Bearer other"}
         health = httpx.get(url + "/health", headers=auth).json()["learning"]
         assert health["sequences_sent"] == 1 and health["state"] == "learning"
@@ -418,8 +445,9 @@ def test_learning_while_serving_is_lossless_and_stays_within_its_budget(target, 
 
     monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
     budget = 0.25
-    cfg = LearnConfig(budget=budget, publish_every=2, window=8, max_drop=1.0, batch_size=2, max_len=64,
-                      buffer_tokens=1024, reuse=1000)
+    cfg = LearnConfig(
+        budget=budget, publish_every=2, window=8, max_drop=1.0, batch_size=2, max_len=64, buffer_tokens=1024, reuse=1000
+    )
     dec = SpecDecoder(target, learn=cfg)
     spec = {"method": "eagle3", "head": str(head_dir), "k": 3}
     try:
@@ -442,7 +470,16 @@ def test_learning_while_serving_is_lossless_and_stays_within_its_budget(target, 
         share = (sum(proc.cpu_times()[:2]) - measured[1]) / (wall * len(os.sched_getaffinity(0)))
         assert share <= budget * 1.2 + 0.02, (share, wall, s.progress)
         assert s.progress.saved_path and (tmp_path / "adapted").is_dir()
-        print(json.dumps({"cpu_share": round(share, 3), "measured_s": round(wall, 1), "requests": i,
-                          "updates": s.updates, "steps": s.progress.steps}))
+        print(
+            json.dumps(
+                {
+                    "cpu_share": round(share, 3),
+                    "measured_s": round(wall, 1),
+                    "requests": i,
+                    "updates": s.updates,
+                    "steps": s.progress.steps,
+                }
+            )
+        )
     finally:
         dec.close()

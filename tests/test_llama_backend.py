@@ -15,16 +15,28 @@ import sys
 import pytest
 import torch
 
+from backend_util import (
+    NEAR_TIE,
+    check_greedy,
+    check_tree_nodes_and_accepted_path,
+    check_wrong_attention_is_caught,
+    exact_two_token_probs,
+    plain_outputs,
+    plain_tokens,
+    pvalue,
+    sample_pairs,
+    single_steps,
+)
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import Job, generate, generate_batch
-from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
-                          exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("llama_cpp", reason="the llama backend needs llama-cpp-python (make setup builds it)")
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["Write a Python function that reverses a linked list, then explain it.",
-           "Summarize: the cat sat on the mat. The cat sat on the mat again, and then the cat slept."]
+PROMPTS = [
+    "Write a Python function that reverses a linked list, then explain it.",
+    "Summarize: the cat sat on the mat. The cat sat on the mat again, and then the cat slept.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +94,13 @@ def test_rollback_and_rows(smol_gguf, ids):
 # one drafter of each kind of step the backend scores: a model-free chain (with the cost-aware schedule's
 # plain steps), model-free trees, a draft model's chain, auto's switching; lookahead, hybrid and cascade
 # compose these steps (their float32 exactness on SmolLM2: tests/test_model_free_real.py, tests/test_auto.py)
-SPECS = [{"method": "prompt_lookup", "schedule": "cost_aware"}, {"method": "suffix"}, {"method": "token_recycling"},
-         {"method": "draft_model", "k": 4}, {"method": "auto"}]
+SPECS = [
+    {"method": "prompt_lookup", "schedule": "cost_aware"},
+    {"method": "suffix"},
+    {"method": "token_recycling"},
+    {"method": "draft_model", "k": 4},
+    {"method": "auto"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +148,13 @@ def test_every_drafter_greedy(dec_with_draft, ids, plain_refs, spec):
     d = dec_with_draft
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for p, ref in zip(ids, plain_refs):
-        out = generate(d.target, d.make_drafter(SpecConfig.from_dict(spec)), p, sp, length=d.draft_length(SpecConfig.from_dict(spec)))
+        out = generate(
+            d.target,
+            d.make_drafter(SpecConfig.from_dict(spec)),
+            p,
+            sp,
+            length=d.draft_length(SpecConfig.from_dict(spec)),
+        )
         check_greedy(d.target, p, ref, out.token_ids, spec["method"])
         if spec["method"] == "draft_model":
             assert out.stats.acceptance_rate > 0.5
@@ -149,8 +172,10 @@ def test_gguf_draft_on_the_same_backend(smol_gguf, ids):
     assert out.stats.acceptance_rate > 0.9
 
 
-DRAFT_TREES = [{"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
-               {"method": "draft_model", "tree": "dynamic", "k": 4, "tree_topk": 2, "tree_budget": 8}]
+DRAFT_TREES = [
+    {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
+    {"method": "draft_model", "tree": "dynamic", "k": 4, "tree_topk": 2, "tree_budget": 8},
+]
 
 
 @pytest.mark.parametrize("spec", DRAFT_TREES, ids=lambda s: s["tree"])
@@ -168,7 +193,10 @@ def test_draft_model_trees_on_the_backend(smol_gguf, ids, spec):
         out = generate(d.target, d.make_drafter(tree), p, sp, eos_ids=set())
         check_greedy(smol_gguf, p, ref, out.token_ids, f"{spec['tree']} tree")
         steps = out.stats.steps  # (its own GGUF drafts: about a whole path accepted per step)
-        assert any(s.depth is not None for s in steps) and out.stats.accepted >= len(steps), (out.stats.accepted, len(steps))
+        assert any(s.depth is not None for s in steps) and out.stats.accepted >= len(steps), (
+            out.stats.accepted,
+            len(steps),
+        )
     specs = [tree, tree, SpecConfig(method="draft_model", k=3), SpecConfig(method="plain")]
     jobs = [Job(ids[i % 2], sp, d.make_drafter(s)) for i, s in enumerate(specs)]
     together = generate_batch(d.target, jobs, eos_ids=set())
@@ -183,7 +211,7 @@ def test_batch_rows_equal_plain(dec, ids, plain_refs):
     specs = [SpecConfig(method="suffix"), SpecConfig(method="prompt_lookup"), SpecConfig(method="plain")]
     jobs = [Job(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=4, join_every=2)
-    refs = [ref[:sp.max_new_tokens] for ref in plain_refs for _ in specs]
+    refs = [ref[: sp.max_new_tokens] for ref in plain_refs for _ in specs]
     for job, s, ref, res in zip(jobs, specs * len(ids), refs, together):
         check_greedy(dec.target, job.prompt_ids, ref, res.token_ids, f"batch {s.method}")
 
@@ -206,14 +234,21 @@ def test_sampling_end_to_end(dec_with_draft):
     p = pvalue(sample_pairs(d.target, lambda: d.make_drafter(spec), prompt, sp, n, rows=1), probs)
     assert p > 1e-3, f"draft_model: p = {p:.2e}"
     cold = SamplingParams(temperature=0.3, top_k=3, max_new_tokens=2)
-    assert pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, n, 1), probs) < 1e-3
+    assert (
+        pvalue(sample_pairs(d.target, lambda: d.make_drafter(SpecConfig(method="plain")), prompt, cold, n, 1), probs)
+        < 1e-3
+    )
 
 
 def test_refused_methods_and_options(dec):
     from specdraft.core.errors import ConfigError
 
-    for spec in [{"method": "medusa", "head": "x"}, {"method": "eagle", "head": "x"},
-                 {"method": "layer_skip", "skip_layers": [1]}, {"method": "early_exit", "exit_layer": 2}]:
+    for spec in [
+        {"method": "medusa", "head": "x"},
+        {"method": "eagle", "head": "x"},
+        {"method": "layer_skip", "skip_layers": [1]},
+        {"method": "early_exit", "exit_layer": 2},
+    ]:
         with pytest.raises(ConfigError, match=f"method '{spec['method']}' is not available on the llama backend"):
             dec.make_drafter(SpecConfig.from_dict(spec))
 
@@ -223,8 +258,9 @@ def test_context_overflow(dec):
 
     n = dec.target.max_context
     with pytest.raises(ContextLengthError, match=f"context of {n} tokens"):
-        generate(dec.target, dec.make_drafter(SpecConfig(method="plain")), [1] * (n - 4),
-                 SamplingParams(max_new_tokens=8))
+        generate(
+            dec.target, dec.make_drafter(SpecConfig(method="plain")), [1] * (n - 4), SamplingParams(max_new_tokens=8)
+        )
 
 
 def run_cli(*args):
@@ -233,8 +269,19 @@ def run_cli(*args):
 
 @pytest.mark.long
 def test_cli_generate_and_errors(tmp_path):
-    r = run_cli("generate", "--backend", "llama", "--target", "smollm2-135m", "--method", "suffix",
-                "--max-new-tokens", "8", "--json", "Say hello.")
+    r = run_cli(
+        "generate",
+        "--backend",
+        "llama",
+        "--target",
+        "smollm2-135m",
+        "--method",
+        "suffix",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "Say hello.",
+    )
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["token_ids"]) == 8
     bad = tmp_path / "broken.gguf"
@@ -242,8 +289,10 @@ def test_cli_generate_and_errors(tmp_path):
     cases = [
         (["--target", str(bad)], "broken.gguf"),
         (["--target", "smollm2-135m", "--method", "medusa", "--head", "h"], "not available on the llama backend"),
-        (["--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "cascade"],
-         "drafts chains through text"),
+        (
+            ["--target", "smollm2-135m", "--draft", "qwen2.5-coder-0.5b", "--method", "cascade"],
+            "drafts chains through text",
+        ),
         (["--target", str(tmp_path)], "the llama backend loads .gguf files"),
     ]
     for args, msg in cases:
@@ -256,8 +305,20 @@ def test_cli_generate_and_errors(tmp_path):
 
 def test_costs_command(tmp_path):
     out = tmp_path / "costs.json"
-    r = run_cli("costs", "--backend", "llama", "--target", "smollm2-135m", "--tokens", "1,4", "--repeats", "1",
-                "--tree", "--json", str(out))
+    r = run_cli(
+        "costs",
+        "--backend",
+        "llama",
+        "--target",
+        "smollm2-135m",
+        "--tokens",
+        "1,4",
+        "--repeats",
+        "1",
+        "--tree",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["backend"] == "llama" and set(doc["rows"]) == {"llama gguf chain", "llama gguf tree"}
@@ -309,8 +370,10 @@ def test_server_on_the_backend(dec):
 
     from server_util import running_server
 
-    with running_server(dec, default_spec={"method": "suffix"}, max_batch=2,
-                        resources={"head": {"x": "/no/head"}}) as (url, _):  # a head the operator named "x"
+    with running_server(dec, default_spec={"method": "suffix"}, max_batch=2, resources={"head": {"x": "/no/head"}}) as (
+        url,
+        _,
+    ):  # a head the operator named "x"
         body = {"model": "smol", "prompt": "Count: one, two, three,", "max_tokens": 8, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

@@ -68,8 +68,20 @@ def test_nothing_works_is_one_error_line(gguf, fresh_probe_cache, monkeypatch, c
     from specdraft.cli import main
 
     monkeypatch.setenv(llama_probe.CRASH_HOOK, "all")
-    rc = main(["generate", "--backend", "llama", "--target", "smollm2-135m", "--method", "prompt_lookup",
-               "--max-new-tokens", "4", "hi"])
+    rc = main(
+        [
+            "generate",
+            "--backend",
+            "llama",
+            "--target",
+            "smollm2-135m",
+            "--method",
+            "prompt_lookup",
+            "--max-new-tokens",
+            "4",
+            "hi",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: llama.cpp cannot decode multi-token batches")
     assert "killed by SIGSEGV at a batch of 2 tokens with its default buffers" in err[0]
@@ -88,7 +100,8 @@ def test_a_file_llama_cpp_cannot_load_is_its_own_error_and_never_kept(fresh_prob
     with pytest.raises(ModelFileError, match="llama.cpp cannot load broken from .*broken.gguf .a probe exited"):
         llama.LlamaModel(broken, name="broken")
     assert not fresh_probe_cache.exists() or llama_probe._key(broken) not in llama_probe._seen(
-        fresh_probe_cache / f"{llama_probe.build_id()}.json")
+        fresh_probe_cache / f"{llama_probe.build_id()}.json"
+    )
 
 
 def test_a_server_serves_with_the_fallback(gguf, fresh_probe_cache, monkeypatch):
@@ -127,8 +140,10 @@ def fake_setup(tmp_path, monkeypatch, gguf, crashing: set[str], clang: bool = Fa
         monkeypatch.setenv(llama_probe.CRASH_HOOK, "all" if wheel.read_text() in crashing else "")
 
     (tmp_path / "wheels").mkdir(exist_ok=True)
-    run = lambda: llama_setup.setup(tmp_path / "venv-marker", build=build, install=install,  # noqa: E731
-                                    probe_model=lambda: gguf)
+
+    def run():
+        return llama_setup.setup(tmp_path / "venv-marker", build=build, install=install, probe_model=lambda: gguf)
+
     return run, built, installed
 
 
@@ -137,8 +152,10 @@ def test_setup_rebuilds_without_amx_and_remembers(gguf, tmp_path, monkeypatch, c
     assert run() == "no-amx"
     assert built == [("native", None), ("no-amx", {"amx"})]
     err = capsys.readouterr().err
-    assert ("llama.cpp's native build crashed on this CPU (a probe killed by SIGSEGV at a batch of 2 tokens); "
-            "trying the next build (without AMX)") in err
+    assert (
+        "llama.cpp's native build crashed on this CPU (a probe killed by SIGSEGV at a batch of 2 tokens); "
+        "trying the next build (without AMX)"
+    ) in err
     assert "llama.cpp (no-amx build) decoded batches of 1, 2, 8, 32 tokens on SmolLM2" in err
     assert run() == "no-amx" and len(built) == 2  # the venv has it: nothing to do
     (tmp_path / "venv-marker").unlink()  # a new venv on this CPU: the working wheel, no build, no native
@@ -152,8 +169,9 @@ def test_setup_builds_amx_with_clang_where_clang_is_installed(gguf, tmp_path, mo
 
 
 def test_setup_fails_clearly_when_nothing_decodes(gguf, tmp_path, monkeypatch):
-    run, built, _ = fake_setup(tmp_path, monkeypatch, gguf, crashing={"native", "amx-clang", "no-amx", "no-avx512"},
-                               clang=True)
+    run, built, _ = fake_setup(
+        tmp_path, monkeypatch, gguf, crashing={"native", "amx-clang", "no-amx", "no-avx512"}, clang=True
+    )
     with pytest.raises(SystemExit, match="no llama.cpp build decodes multi-token batches on this CPU"):
         run()
     assert [b[0] for b in built] == ["native", "amx-clang", "no-amx", "no-avx512"]
@@ -163,15 +181,22 @@ def test_cmake_args_name_every_feature(monkeypatch):
     monkeypatch.setattr(llama_setup, "cpu_flags", lambda: ["avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"])
     assert llama_setup.cmake_args(None).startswith("-DGGML_NATIVE=ON")
     no_amx = llama_setup.cmake_args({"amx"}).split()
-    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
-            "-DGGML_AVX512_VNNI=OFF"} <= set(no_amx)
-    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF"} <= set(llama_setup.cmake_args({"amx", "avx512"}).split())
+    assert {
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX512=ON",
+        "-DGGML_AVX512_BF16=ON",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+    } <= set(no_amx)
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF"} <= set(
+        llama_setup.cmake_args({"amx", "avx512"}).split()
+    )
 
 
 @pytest.mark.long
 def test_doctor(gguf, monkeypatch, capsys, tmp_path):
-    from specdraft.models import paths
     from specdraft.cli import main
+    from specdraft.models import paths
 
     monkeypatch.setattr(paths, "file_for", lambda model: tmp_path / f"{model}.json")  # the curves it keeps
     assert main(["doctor", "--model", "smollm2-135m", "--threads", "1"]) == 0

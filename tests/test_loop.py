@@ -6,9 +6,9 @@ import torch
 
 from conftest import tiny_llama
 from specdraft.core.config import SamplingParams
+from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Engine, Job, generate, generate_batch
-from specdraft.core.tree import DraftTree
 
 V = 16
 PROMPT = [1, 2, 3, 1, 2]
@@ -40,7 +40,7 @@ class Oracle(Drafter):
 
     def propose(self, tokens, max_tokens):
         i = len(tokens) - len(PROMPT)
-        chain = self.ref[i: i + max_tokens]
+        chain = self.ref[i : i + max_tokens]
         if not chain:
             return DraftTree.empty()
         if not self.tree:
@@ -59,12 +59,14 @@ def _stop_cases(ref):
     exactly on the last allowed token, one token before the length limit, and in the same step as an
     EOS token right after it."""
     text, j = ref.text, 4
-    stop = text[j - 1: j + 1]
+    stop = text[j - 1 : j + 1]
     assert text.find(stop) == j - 1 and ref.token_ids[j + 1] not in ref.token_ids[: j + 1]
     want = ref.token_ids[: j + 1]
-    return [(SamplingParams(max_new_tokens=j + 1, stop=[stop]), set(), want),
-            (SamplingParams(max_new_tokens=j + 2, stop=[stop]), set(), want),
-            (SamplingParams(max_new_tokens=j + 4, stop=[stop]), {ref.token_ids[j + 1]}, want)]
+    return [
+        (SamplingParams(max_new_tokens=j + 1, stop=[stop]), set(), want),
+        (SamplingParams(max_new_tokens=j + 2, stop=[stop]), set(), want),
+        (SamplingParams(max_new_tokens=j + 4, stop=[stop]), {ref.token_ids[j + 1]}, want),
+    ]
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -80,7 +82,10 @@ def test_stop_string_wins_when_the_step_also_ends_by_length_or_eos(target, tree)
         assert max(s.emitted for s in one.stats.steps) > 2  # the stop really came inside a multi-token step
         assert (one.token_ids, one.stats.finish_reason, one.text) == (want, "stop", plain.text)
         assert one.stats.new_tokens == len(want)
-        jobs = [Job(PROMPT, sp, Oracle(ref.token_ids, tree, depth=6)), Job([4, 5], SamplingParams(max_new_tokens=9), NoDrafter())]
+        jobs = [
+            Job(PROMPT, sp, Oracle(ref.token_ids, tree, depth=6)),
+            Job([4, 5], SamplingParams(max_new_tokens=9), NoDrafter()),
+        ]
         batch = generate_batch(target, jobs, eos_ids=eos, tokenizer=CharTok())
         assert (batch[0].token_ids, batch[0].stats.finish_reason) == (want, "stop")
 
@@ -89,17 +94,24 @@ def test_stream_never_emits_past_a_stop(target):
     ref = _reference(target)
     sp, eos, want = _stop_cases(ref)[1]
     seen = []
-    generate(target, Oracle(ref.token_ids, depth=6), PROMPT, sp, eos_ids=eos, tokenizer=CharTok(),
-             on_emit=lambda new: seen.extend(new))
+    generate(
+        target,
+        Oracle(ref.token_ids, depth=6),
+        PROMPT,
+        sp,
+        eos_ids=eos,
+        tokenizer=CharTok(),
+        on_emit=lambda new: seen.extend(new),
+    )
     assert seen == want
 
 
 def test_seeded_sample_does_not_depend_on_other_requests(target):
     """A seeded sampling request gives the same tokens alone and next to 3 other requests, even with a
     batch rule that would shrink drafting at that batch size (seeded rows are exempt)."""
-    from specdraft.drafters.prompt_lookup import PromptLookupDrafter
     from specdraft.core.config import SpecConfig
     from specdraft.core.policy import BatchRule
+    from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
     def drafter():
         return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2))
@@ -107,8 +119,9 @@ def test_seeded_sample_does_not_depend_on_other_requests(target):
     sp = SamplingParams(temperature=1.0, seed=11, max_new_tokens=24)
     alone = generate_batch(target, [Job(PROMPT * 3, sp, drafter())], eos_ids=set(), rule=BatchRule(2, 3))[0]
     others = [Job([3, 4, 3, 4, 3], SamplingParams(max_new_tokens=30), drafter()) for _ in range(3)]
-    crowded = generate_batch(target, others[:1] + [Job(PROMPT * 3, sp, drafter())] + others[1:], eos_ids=set(),
-                             rule=BatchRule(2, 3))
+    crowded = generate_batch(
+        target, others[:1] + [Job(PROMPT * 3, sp, drafter())] + others[1:], eos_ids=set(), rule=BatchRule(2, 3)
+    )
     assert crowded[1].token_ids == alone.token_ids and alone.stats.drafted > 0
     assert all(r.stats.drafted == 0 for i, r in enumerate(crowded) if i != 1)  # the rule did act on the others
     assert alone.stats.reproducible is True
@@ -120,9 +133,15 @@ def test_reproducible_flag_names_what_cannot_promise_it(target):
     dec = SpecDecoder(target, None)
     sp = {"temperature": 0.7, "seed": 1, "max_new_tokens": 4}
     assert dec.generate(PROMPT, sampling=sp, spec={"method": "token_recycling"}).stats.reproducible is False
-    assert dec.generate(PROMPT, sampling=sp, spec={"method": "prompt_lookup", "schedule": "cost_aware"}).stats.reproducible is False
+    assert (
+        dec.generate(PROMPT, sampling=sp, spec={"method": "prompt_lookup", "schedule": "cost_aware"}).stats.reproducible
+        is False
+    )
     assert dec.generate(PROMPT, sampling=sp, spec={"method": "suffix"}).stats.to_dict()["reproducible"] is True
-    assert "reproducible" not in dec.generate(PROMPT, sampling={"max_new_tokens": 4}, spec={"method": "suffix"}).stats.to_dict()
+    assert (
+        "reproducible"
+        not in dec.generate(PROMPT, sampling={"max_new_tokens": 4}, spec={"method": "suffix"}).stats.to_dict()
+    )
 
 
 def test_engine_rows_are_any_target_model(target):
@@ -140,7 +159,14 @@ def test_sliding_window_models_are_refused():
     from specdraft.core.errors import ConfigError
     from specdraft.models.hf import HFModel
 
-    cfg = MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, sliding_window=8)
+    cfg = MistralConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
     with pytest.raises(ConfigError, match="sliding-window or hybrid"):
         HFModel(MistralForCausalLM(cfg))

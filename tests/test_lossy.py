@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from specdraft.engine import Job, generate_batch
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.draft_model import DraftModelDrafter
-from specdraft.engine import generate
 from specdraft.core.errors import ConfigError
-from specdraft.models.hf import HFModel
 from specdraft.core.sampling import probs_from_logits
 from specdraft.core.tree import DraftTree
 from specdraft.core.verify import TypicalAcceptance, typical_verify, typical_verify_tree
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.engine import Job, generate, generate_batch
+from specdraft.models.hf import HFModel
 from stat_util import emitted_counts, fit_pvalue
 
 V = 6
@@ -34,7 +33,9 @@ def test_threshold_and_known_answers():
     peaked = torch.tensor([0.97, 0.01, 0.01, 0.01] + [0.0] * 11)  # entropy 0.17
     rule = TypicalAcceptance(epsilon=0.09, delta=0.3)
     ent = [-(x[x > 0] * x[x > 0].log()).sum() for x in (flat.double(), peaked.double())]
-    assert torch.allclose(rule.threshold(torch.stack([flat, peaked])), torch.tensor([0.3 * float(torch.exp(-ent[0])), 0.09]))
+    assert torch.allclose(
+        rule.threshold(torch.stack([flat, peaked])), torch.tensor([0.3 * float(torch.exp(-ent[0])), 0.09])
+    )
     assert rule.accepts(flat, torch.tensor(1))  # 0.05 > 0.3 e^-H = 0.026 (delta binds)
     assert not TypicalAcceptance(epsilon=0.09, delta=0.8).accepts(flat, torch.tensor(1))  # 0.05 < 0.068
     assert TypicalAcceptance(epsilon=0.04, delta=0.8).accepts(flat, torch.tensor(1))  # 0.05 > 0.04 (epsilon binds)
@@ -55,11 +56,15 @@ def test_threshold_and_known_answers():
 def test_tree_takes_the_deepest_accepted_path():
     # root children: a=1 (accepted), b=0 (accepted); under a: 2 (rejected); under b: 3 (accepted)
     tree = DraftTree(torch.tensor([1, 0, 2, 3]), torch.tensor([-1, -1, 0, 1]))
-    rows = torch.tensor([[0.4, 0.4, 0.1, 0.1],    # root
-                         [0.0, 0.0, 0.01, 0.99],  # after node 0 (token 1): 2 is rejected
-                         [0.0, 0.0, 0.2, 0.8],    # after node 1 (token 0): 3 accepted
-                         [1.0, 0.0, 0.0, 0.0],    # after node 2
-                         [0.0, 0.0, 1.0, 0.0]])   # after node 3: the next token is 2
+    rows = torch.tensor(
+        [
+            [0.4, 0.4, 0.1, 0.1],  # root
+            [0.0, 0.0, 0.01, 0.99],  # after node 0 (token 1): 2 is rejected
+            [0.0, 0.0, 0.2, 0.8],  # after node 1 (token 0): 3 accepted
+            [1.0, 0.0, 0.0, 0.0],  # after node 2
+            [0.0, 0.0, 1.0, 0.0],
+        ]
+    )  # after node 3: the next token is 2
     path, nxt = typical_verify_tree(tree, rows, TypicalAcceptance(), None)
     assert path == [1, 3] and nxt == 2
     # a chain as a tree agrees with the chain verifier
@@ -123,8 +128,11 @@ def simulate(sp, k, seed=0):
     return counts, predicted(Pn, Qn, acc, k), exact, acc
 
 
-CONFIGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
-           SamplingParams(temperature=1.3, top_p=0.8)]
+CONFIGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+]
 
 
 @pytest.mark.parametrize("sp", CONFIGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
@@ -168,8 +176,14 @@ def test_engines_use_the_rule_only_when_asked(pair):
     assert "lossy" not in exact.stats.to_dict()
     assert lossy.stats.to_dict()["lossy"] == "typical" and lossy.stats.lossy == "typical"
     # the batch engine applies the same rule: a seeded row equals its batch-size-1 run
-    b = generate_batch(target, [Job(prompt, sp, drafter(draft), lossy=rule("typical")),
-                                Job([5, 6], SamplingParams(max_new_tokens=4), drafter(draft))], eos_ids=set())
+    b = generate_batch(
+        target,
+        [
+            Job(prompt, sp, drafter(draft), lossy=rule("typical")),
+            Job([5, 6], SamplingParams(max_new_tokens=4), drafter(draft)),
+        ],
+        eos_ids=set(),
+    )
     assert b[0].token_ids == lossy.token_ids and b[0].stats.lossy == "typical" and b[1].stats.lossy is None
 
 
@@ -197,8 +211,9 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="typical_delta must be a finite number >= 0"):
         SpecConfig(lossy="typical", typical_delta=-1).validate()
     assert SpecConfig().lossy_rule() is None
-    assert SpecConfig.from_dict({"method": "prompt_lookup", "lossy": "typical", "typical_epsilon": 0.2}).lossy_rule() \
-        == TypicalAcceptance(0.2, 0.3)
+    assert SpecConfig.from_dict(
+        {"method": "prompt_lookup", "lossy": "typical", "typical_epsilon": 0.2}
+    ).lossy_rule() == TypicalAcceptance(0.2, 0.3)
 
 
 def test_cli_flag(capsys):
@@ -214,8 +229,12 @@ def test_lossy_results_are_marked_in_report_and_server_usage():
     from specdraft.core.metrics import GenerationStats
     from specdraft.server.protocol import usage
 
-    doc = {"settings": {"methods": {"medusa": {"method": "medusa"}, "medusa_typ": {"method": "medusa", "lossy": "typical"}},
-                        "sampling": {"temperature": 0.7}}}
+    doc = {
+        "settings": {
+            "methods": {"medusa": {"method": "medusa"}, "medusa_typ": {"method": "medusa", "lossy": "typical"}},
+            "sampling": {"temperature": 0.7},
+        }
+    }
     assert label(doc, "medusa") == "medusa" and label(doc, "medusa_typ") == "medusa_typ (LOSSY: typical)"
     doc["settings"]["sampling"]["temperature"] = 0.0  # greedy: the rule does not act
     assert label(doc, "medusa_typ") == "medusa_typ"

@@ -75,8 +75,10 @@ def test_quantized_self_draft_is_lossless(kind):
     t = tiny_llama(vocab=64, hidden=64)
     dec = SpecDecoder(t, quantized(t, kind))
     ids = [1, 5, 9, 3, 7]
-    for sp in ({"max_new_tokens": 40, "ignore_eos": True},
-               {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 3}):
+    for sp in (
+        {"max_new_tokens": 40, "ignore_eos": True},
+        {"max_new_tokens": 40, "ignore_eos": True, "temperature": 1.0, "seed": 3},
+    ):
         plain = dec.generate(ids, sampling=sp, spec={"method": "plain"})
         spec = dec.generate(ids, sampling=sp, spec={"method": "draft_model", "k": 4})
         if "temperature" not in sp:
@@ -112,7 +114,9 @@ def test_a_self_draft_starts_from_the_targets_prefill():
 
     fed = []
     forward = d.model.forward
-    d.model.forward = lambda *a, **k: fed.append((k.get("input_ids", a[0] if a else None)).shape[-1]) or forward(*a, **k)
+    d.model.forward = lambda *a, **k: (
+        fed.append((k.get("input_ids", a[0] if a else None)).shape[-1]) or forward(*a, **k)
+    )
     dec = SpecDecoder(t, d)
     sp = {"max_new_tokens": 24, "ignore_eos": True}
     plain = dec.generate(prompts[0], sampling=sp, spec={"method": "plain"}).token_ids
@@ -131,11 +135,14 @@ def test_quantized_target_equals_its_own_plain():
         assert dec.generate(ids, sampling=sp, spec=spec).token_ids == plain
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["generate", "x", "--quantize", "int3"], "error: unknown weight quantization 'int3' on the hf backend"),
-    (["generate", "x", "--quantize", "int8", "--backend", "llama"], "error: --quantize is for the hf backend"),
-    (["costs", "--quantizations", "int4-g7"], "error: the int4 group size must be one of 32, 64, 128, 256, got 7"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["generate", "x", "--quantize", "int3"], "error: unknown weight quantization 'int3' on the hf backend"),
+        (["generate", "x", "--quantize", "int8", "--backend", "llama"], "error: --quantize is for the hf backend"),
+        (["costs", "--quantizations", "int4-g7"], "error: the int4 group size must be one of 32, 64, 128, 256, got 7"),
+    ],
+)
 def test_quantize_argument_errors(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -168,7 +175,7 @@ def test_w8a8_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     q = W8A8Linear(nn.Linear(256, 96, bias=False))
     x = torch.randn(16, 256) * torch.logspace(-2, 2, 16)[:, None]  # rows of very different scales
-    alone = torch.cat([q(x[i:i + 1]) for i in range(16)])
+    alone = torch.cat([q(x[i : i + 1]) for i in range(16)])
     assert torch.equal(q(x), alone)
 
 

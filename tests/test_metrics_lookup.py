@@ -2,7 +2,6 @@
 
 import numpy as np
 
-from specdraft.drafters.prompt_lookup import find_candidate
 from specdraft.core.metrics import (
     GenerationStats,
     StepRecord,
@@ -11,6 +10,7 @@ from specdraft.core.metrics import (
     per_position_acceptance,
     speedup,
 )
+from specdraft.drafters.prompt_lookup import find_candidate
 
 
 def test_metrics_known_answers():

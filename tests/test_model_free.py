@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import logits_of, tiny_llama
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError, DatastoreError
 from specdraft.drafters import datastore as ds
 from specdraft.drafters.base import NoDrafter, StepOutcome
 from specdraft.drafters.lookahead import LookaheadDrafter
@@ -28,15 +29,14 @@ from specdraft.drafters.suffix import (
 )
 from specdraft.drafters.token_recycling import AdjacencyTable, TokenRecyclingDrafter, expand, static_tree
 from specdraft.engine import generate
-from specdraft.core.errors import ConfigError, DatastoreError
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
 
 
 def brute_end_positions(tokens, m):
-    suf = tokens[len(tokens) - m:]
-    return [e for e in range(m - 1, len(tokens) - 1) if tokens[e - m + 1: e + 1] == suf]
+    suf = tokens[len(tokens) - m :]
+    return [e for e in range(m - 1, len(tokens) - 1) if tokens[e - m + 1 : e + 1] == suf]
 
 
 # --- suffix automaton ---------------------------------------------------------------------------
@@ -99,18 +99,20 @@ def test_continuation_paths_stop_at_separator_and_end():
 def brute_lookup(flat, ctx, depth):
     m = 0
     for L in range(1, min(len(ctx), depth) + 1):
-        pat = ctx[len(ctx) - L:]
-        if any(flat[s: s + L] == pat for s in range(len(flat))):
+        pat = ctx[len(ctx) - L :]
+        if any(flat[s : s + L] == pat for s in range(len(flat))):
             m = L
         else:
             break
-    ends = [] if m == 0 else [s + m - 1 for s in range(len(flat)) if flat[s: s + m] == ctx[len(ctx) - m:]]
+    ends = [] if m == 0 else [s + m - 1 for s in range(len(flat)) if flat[s : s + m] == ctx[len(ctx) - m :]]
     return m, sorted(ends)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=8),
-       st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=5))
+@given(
+    st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=8),
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=5),
+)
 def test_datastore_lookup_matches_brute_force(tmp_path_factory, docs, contexts):
     store = ds.build(docs, tmp_path_factory.mktemp("store"), sort_depth=8)
     flat = ds.concat_docs(docs).tolist()
@@ -162,13 +164,18 @@ def test_datastore_errors(tmp_path):
     assert ds.read_corpus(tmp_path / "d.jsonl") == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["generate", "--datastore", "{tmp}/missing", "hi"], "error: datastore {tmp}/missing not found"),
-    (["generate", "--datastore", "{tmp}/bad", "hi"], "error: datastore {tmp}/bad is missing a file or corrupt"),
-    (["datastore", "build", "{tmp}/none.jsonl", "--target", "x", "-o", "{tmp}/o"], "error: cannot read corpus"),
-    (["generate", "--method", "prompt_lookup", "--datastore", "{tmp}/bad", "hi"],
-     "error: datastore is used by method 'suffix' only"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["generate", "--datastore", "{tmp}/missing", "hi"], "error: datastore {tmp}/missing not found"),
+        (["generate", "--datastore", "{tmp}/bad", "hi"], "error: datastore {tmp}/bad is missing a file or corrupt"),
+        (["datastore", "build", "{tmp}/none.jsonl", "--target", "x", "-o", "{tmp}/o"], "error: cannot read corpus"),
+        (
+            ["generate", "--method", "prompt_lookup", "--datastore", "{tmp}/bad", "hi"],
+            "error: datastore is used by method 'suffix' only",
+        ),
+    ],
+)
 def test_datastore_cli_errors_are_one_line(tmp_path, args, msg):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "meta.json").write_text("{not json")
@@ -241,8 +248,9 @@ def test_token_recycling_table_refreshed_by_engine():
 
 # --- lookahead -------------------------------------------------------------------------------
 def test_lookahead_tree_shape_and_pool():
-    d = LookaheadDrafter(SpecConfig.from_dict(dict(method="lookahead", lookahead_window=3, lookahead_ngram=3,
-                                                   lookahead_max_ngrams=2)))
+    d = LookaheadDrafter(
+        SpecConfig.from_dict(dict(method="lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_max_ngrams=2))
+    )
     d.begin([1, 2, 3], SamplingParams(), None)
     d.levels = [[10, 11, 12], [20, 21, 22]]
     t = d.propose([1, 2, 3], 8)
@@ -290,12 +298,17 @@ def test_spec_config_validation():
         ({"method": "token_recycling", "recycle_branching": [16, 16, 16]}, "at most 256"),
         ({"method": "lookahead", "lookahead_ngram": 1}, "lookahead_ngram"),
         ({"method": "lookahead", "lookahead_window": 0}, "lookahead_window"),
-        ({"method": "suffix", "recycle_branching": [3, 1]}, "recycle_branching is used by method 'token_recycling' only"),
+        (
+            {"method": "suffix", "recycle_branching": [3, 1]},
+            "recycle_branching is used by method 'token_recycling' only",
+        ),
     ]:
         with pytest.raises(ConfigError, match=msg):
             SpecConfig.from_dict(d)
-    for c in (SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2),
-              SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[3, 1]))):  # (each method's own fields)
+    for c in (
+        SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2),
+        SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[3, 1])),
+    ):  # (each method's own fields)
         assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
 
 
@@ -314,8 +327,11 @@ def test_sampling_first_two_tokens_match_target(method):
     if method == "suffix":
         d = SuffixDrafter(SpecConfig(method="suffix", k=3, min_token_prob=0.0))
     elif method == "lookahead":
-        d = LookaheadDrafter(SpecConfig.from_dict(dict(method="lookahead", lookahead_window=2, lookahead_ngram=2,
-                                        lookahead_max_ngrams=2)))
+        d = LookaheadDrafter(
+            SpecConfig.from_dict(
+                dict(method="lookahead", lookahead_window=2, lookahead_ngram=2, lookahead_max_ngrams=2)
+            )
+        )
     else:  # the chain case (branching 1) is verified by the chain rejection sampler
         branching = [1, 1, 1] if method.endswith("chain") else [3, 2]
         d = TokenRecyclingDrafter(SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=branching)), 6)
@@ -329,7 +345,6 @@ def test_sampling_first_two_tokens_match_target(method):
         trees += out.stats.drafted > 0
     assert trees > N_SAMPLES // 2  # trees were drafted (and verified by sampling) in most runs
     assert fit_pvalue(counts, exact_first_two(target, sp)) > 1e-3
-
 
 
 def test_suffix_incremental_equals_fresh(tmp_path):

@@ -26,8 +26,11 @@ def store(smol, reference, tmp_path_factory):
     """A global store holding the plain outputs of half the prompts (and their prompts)."""
     docs = [smol.encode(p, chat=True) + reference[p] for p in PROMPTS[::2]]
     path = tmp_path_factory.mktemp("store") / "s"
-    meta = {"target": "smollm2-135m", "vocab_size": len(smol.tokenizer),
-            "tokenizer_sha256": ds.tokenizer_sha256(smol.tokenizer)}
+    meta = {
+        "target": "smollm2-135m",
+        "vocab_size": len(smol.tokenizer),
+        "tokenizer_sha256": ds.tokenizer_sha256(smol.tokenizer),
+    }
     ds.build(docs, path, meta)
     return str(path)
 

@@ -12,17 +12,28 @@ divergence is accepted only at a near-tie of plain decoding (backend_util.NEAR_T
 import pytest
 import torch
 
+from backend_util import (
+    NEAR_TIE,
+    check_greedy,
+    check_tree_nodes_and_accepted_path,
+    check_wrong_attention_is_caught,
+    exact_two_token_probs,
+    plain_outputs,
+    plain_tokens,
+    pvalue,
+    sample_pairs,
+    single_steps,
+)
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.engine import Job, generate, generate_batch
-
-from backend_util import (NEAR_TIE, check_greedy, check_tree_nodes_and_accepted_path, check_wrong_attention_is_caught,
-                          exact_two_token_probs, plain_outputs, plain_tokens, pvalue, sample_pairs, single_steps)
 
 pytest.importorskip("openvino", reason="the openvino backend needs openvino (make setup installs it)")
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["Write a Python function that reverses a linked list, then explain it.",
-           "Summarize: the cat sat on the mat. The cat sat on the mat again, and then the cat slept."]
+PROMPTS = [
+    "Write a Python function that reverses a linked list, then explain it.",
+    "Summarize: the cat sat on the mat. The cat sat on the mat again, and then the cat slept.",
+]
 MODEL = "qwen2.5-coder-0.5b"
 # the converted Q4_0 model against the dense float32 copy of the Q4_K_M file (teacher-forced, 33
 # positions): requantizing to Q4_0, bf16 activations and int8 activation/KV quantization
@@ -116,8 +127,11 @@ def test_a_file_with_tensor_types_openvino_cannot_read_is_one_clear_error():
     from specdraft.core.errors import ModelFileError
     from specdraft.models.backends import load_model
 
-    with pytest.raises(ModelFileError, match=r"cannot read .*q4_k_m\.gguf: it holds Q5_0 tensors .*"
-                                             r"models quantize qwen2.5-coder-0.5b --type Q4_0"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"cannot read .*q4_k_m\.gguf: it holds Q5_0 tensors .*"
+        r"models quantize qwen2.5-coder-0.5b --type Q4_0",
+    ):
         load_model(MODEL, backend="openvino")
 
 
@@ -129,10 +143,10 @@ def test_conversion_matches_the_dense_model(smol_ov, dense, ids):
     seq = p + plain_tokens(smol_ov, p, 32)
     rows = smol_ov.new_rows()
     rows.add_rows([p[:-1]])
-    ov = rows.forward([seq[len(p) - 1:]])[0]
+    ov = rows.forward([seq[len(p) - 1 :]])[0]
     rows_d = dense.new_rows()
     rows_d.add_rows([p[:-1]])
-    ref = rows_d.forward([seq[len(p) - 1:]])[0].float()
+    ref = rows_d.forward([seq[len(p) - 1 :]])[0].float()
     diff = (ov - ref).abs().max(-1).values
     print(f"max |openvino - dense float32| per position: median {diff.median():.3f}, max {diff.max():.3f}")
     assert diff.max() < DENSE_TOLERANCE
@@ -181,8 +195,13 @@ def test_keep_returns_the_last_positions(smol_ov, ids):
     assert (last[1, 0] - full[1, 2]).abs().max() < NEAR_TIE and not last[1, 1].any()
 
 
-SPECS = [{"method": "prompt_lookup", "schedule": "cost_aware"}, {"method": "draft_model", "k": 4}, {"method": "auto"},
-         {"method": "suffix"}, {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]}]
+SPECS = [
+    {"method": "prompt_lookup", "schedule": "cost_aware"},
+    {"method": "draft_model", "k": 4},
+    {"method": "auto"},
+    {"method": "suffix"},
+    {"method": "draft_model", "tree": "static", "tree_branching": [2, 2, 1]},
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(str(v) for v in s.values()))
@@ -204,7 +223,7 @@ def test_batch_rows_equal_plain(dec, ids, plain_refs):
     specs = [SpecConfig(method="prompt_lookup"), SpecConfig(method="plain")]
     jobs = [Job(p, sp, dec.make_drafter(s)) for p in ids for s in specs]
     together = generate_batch(dec.target, jobs, eos_ids=set(), max_batch=3, join_every=2)
-    refs = [ref[:sp.max_new_tokens] for ref in plain_refs for _ in specs]
+    refs = [ref[: sp.max_new_tokens] for ref in plain_refs for _ in specs]
     for job, s, ref, res in zip(jobs, specs * len(ids), refs, together):
         check_greedy(dec.target, job.prompt_ids, ref, res.token_ids, f"batch {s.method}")
 
@@ -256,9 +275,29 @@ def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Repeat: a b c d a b c d a b"]}) + "\n")
     out = tmp_path / "r.json"
-    assert main(["bench", "--backend", "openvino", "--target", f"{MODEL}:Q4_0", "--dataset", str(data),
-                 "--max-new-tokens", "8", "--methods", "plain,prompt_lookup,ov_genai",
-                 "--reference", "ov_genai", "--no-plots", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--backend",
+                "openvino",
+                "--target",
+                f"{MODEL}:Q4_0",
+                "--dataset",
+                str(data),
+                "--max-new-tokens",
+                "8",
+                "--methods",
+                "plain,prompt_lookup,ov_genai",
+                "--reference",
+                "ov_genai",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert not doc["skipped"], doc["skipped"]
     got = {r["method"]: r for r in doc["records"]}

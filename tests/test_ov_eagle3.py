@@ -19,15 +19,26 @@ ov = pytest.importorskip("openvino", reason="OpenVINO GenAI's EAGLE-3 runner nee
 from specdraft.bench import ov_eagle3  # noqa: E402
 from specdraft.models.eagle3 import Eagle3Head, Eagle3Shape  # noqa: E402
 
-SHAPE = Eagle3Shape(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                    vocab_size=300, draft_vocab_size=50, layers=(2, 4, 6))
+SHAPE = Eagle3Shape(
+    hidden_size=64,
+    target_hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    vocab_size=300,
+    draft_vocab_size=50,
+    layers=(2, 4, 6),
+)
 
 
 def tiny_head(seed=0):
     torch.manual_seed(seed)
     head = Eagle3Head(SHAPE)
-    head.set_draft_ids(torch.randperm(SHAPE.vocab_size)[:SHAPE.draft_vocab_size].sort().values)
+    head.set_draft_ids(torch.randperm(SHAPE.vocab_size)[: SHAPE.draft_vocab_size].sort().values)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -53,10 +64,16 @@ def test_the_converted_draft_computes_the_heads_logits_over_its_cache():
     past_key = past_value = np.zeros((1, SHAPE.num_key_value_heads, 0, SHAPE.head_dim), np.float32)
     got = []
     for s in (slice(0, 3), slice(3, 5)):
-        out = compiled({"input_ids": ids[:, s].numpy(), "hidden_states": feats[:, s].numpy(),
-                        "attention_mask": np.ones((1, s.stop), np.int64),
-                        "position_ids": np.arange(s.start, s.stop)[None],
-                        "past_key": past_key, "past_value": past_value})
+        out = compiled(
+            {
+                "input_ids": ids[:, s].numpy(),
+                "hidden_states": feats[:, s].numpy(),
+                "attention_mask": np.ones((1, s.stop), np.int64),
+                "position_ids": np.arange(s.start, s.stop)[None],
+                "past_key": past_key,
+                "past_value": past_value,
+            }
+        )
         past_key, past_value = out["present_key"], out["present_value"]
         got.append(torch.from_numpy(out["logits"]))
         assert (out["d2t"] == head.d2t.numpy()).all()
@@ -68,16 +85,27 @@ def test_the_draft_ir_carries_what_genais_eagle3_pipeline_looks_for():
     from openvino._offline_transformations import paged_attention_transformation
 
     model = ov_eagle3.draft_ir(tiny_head())
-    assert [p.get_any_name() for p in model.inputs] == ["input_ids", "hidden_states", "attention_mask", "position_ids",
-                                                        "beam_idx"]
+    assert [p.get_any_name() for p in model.inputs] == [
+        "input_ids",
+        "hidden_states",
+        "attention_mask",
+        "position_ids",
+        "beam_idx",
+    ]
     assert [o.get_any_name() for o in model.outputs] == ["logits", "d2t"]
     assert model.get_rt_info("eagle3_mode").astype(str) == "True"
     assert model.get_rt_info("hidden_layers_list").astype(str) == "1 3 5"  # the decoder layers whose OUTPUT is read
     ops = model.get_ordered_ops()
-    assert [op.get_friendly_name() for op in ops if "midlayer" in op.get_friendly_name() and op.get_type_name() == "Add"
-            and ov_eagle3._adds_mlp(op)] == ["midlayer/mlp_residual_add"]
-    fc = [op for op in ops if op.get_type_name() == "MatMul" and op.input_value(0).get_node().get_friendly_name()
-          == "hidden_states"]
+    assert [
+        op.get_friendly_name()
+        for op in ops
+        if "midlayer" in op.get_friendly_name() and op.get_type_name() == "Add" and ov_eagle3._adds_mlp(op)
+    ] == ["midlayer/mlp_residual_add"]
+    fc = [
+        op
+        for op in ops
+        if op.get_type_name() == "MatMul" and op.input_value(0).get_node().get_friendly_name() == "hidden_states"
+    ]
     assert len(fc) == 1 and fc[0].get_attributes()["transpose_b"]  # GenAI moves this one into the target
     assert model.output("d2t").get_node().input_value(0).get_node().get_friendly_name() == "d2t"
     paged_attention_transformation(model, False, False)  # what GenAI's continuous batching does to it
@@ -86,9 +114,11 @@ def test_the_draft_ir_carries_what_genais_eagle3_pipeline_looks_for():
 
 def test_the_targets_layer_adds_are_renamed_and_a_foreign_ir_is_refused(tmp_path):
     xml = tmp_path / "openvino_model.xml"
-    xml.write_text('<layer id="1" name="model.layers.self_attn.add1.layer0" type="Add"/>\n'
-                   '<layer id="2" name="model.layers.self_attn.add1.layer11" type="Add"/>\n'
-                   '<layer id="3" name="model.layers.self_attn.add0.layer11" type="Add"/>\n')
+    xml.write_text(
+        '<layer id="1" name="model.layers.self_attn.add1.layer0" type="Add"/>\n'
+        '<layer id="2" name="model.layers.self_attn.add1.layer11" type="Add"/>\n'
+        '<layer id="3" name="model.layers.self_attn.add0.layer11" type="Add"/>\n'
+    )
     text, n = ov_eagle3._main_xml_for_genai(xml)
     assert n == 2 and 'name="model.layers.11/self_attn.add1"' in text and 'name="model.layers.0/self_attn.add1"' in text
     assert 'name="model.layers.self_attn.add0.layer11"' in text  # the attention's add is left alone
@@ -114,7 +144,8 @@ def test_the_bench_runs_ov_genai_eagle3_with_the_specs_head_and_refuses_it_witho
     variants = build_variants(opts, {"spec": {"head": "/heads/h"}})
     assert [(n, k, s) for n, k, s in variants[1:]] == [
         ("ov_genai_eagle3[k=3]", "ov_genai_eagle3", {"k": 3, "head": "/heads/h"}),
-        ("ov_genai_eagle3[k=5]", "ov_genai_eagle3", {"k": 5, "head": "/heads/h"})]
+        ("ov_genai_eagle3[k=5]", "ov_genai_eagle3", {"k": 5, "head": "/heads/h"}),
+    ]
     with pytest.raises(ConfigError, match="needs an EAGLE-3 head"):
         _ov_genai_eagle3_dirs(opts, None, "/ir")
     with pytest.raises(ConfigError, match="greedy only"):

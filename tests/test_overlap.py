@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from specdraft.api import SpecDecoder, load_draft
+from specdraft.bench.overlap import model_time
 from specdraft.core.config import SamplingParams
+from specdraft.core.errors import ConfigError
 from specdraft.drafters.remote_draft import PREFETCHED
 from specdraft.engine import Job, generate_batch
-from specdraft.core.errors import ConfigError
-from specdraft.bench.overlap import model_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -57,7 +57,9 @@ def test_remote_draft_rows_batch(dec):
     """Three requests decoded together (staggered joins, one leaving early) equal batch-size-1 plain."""
     ids = [dec.encode(p) for p in PROMPTS]
     lens = [N, 10, 18]
-    want = [dec.generate(i, sampling={"max_new_tokens": n}, spec={"method": "plain"}).token_ids for i, n in zip(ids, lens)]
+    want = [
+        dec.generate(i, sampling={"max_new_tokens": n}, spec={"method": "plain"}).token_ids for i, n in zip(ids, lens)
+    ]
     spec = dec.usable(dec_spec(_spec(True)))
     jobs = [Job(i, SamplingParams(max_new_tokens=n), dec.make_drafter(spec)) for i, n in zip(ids, lens)]
     out = generate_batch(dec.target, jobs, eos_ids=dec.target.eos_token_ids(), join_every=2)
@@ -83,11 +85,17 @@ def test_remote_draft_refusals(dec, smol_f32):
 def test_explain_reads_the_bench_records():
     """The measured decode time is each run's wall time less its prefill (the engine's records); results
     without a prefill time are refused with a message, not a KeyError."""
-    from specdraft.core.errors import SpecDraftError
     from specdraft.bench.overlap import explain
+    from specdraft.core.errors import SpecDraftError
 
-    rec = {"method": "pair_overlap", "steps": [[3, 3, 3], [3, 1, 1]], "hits": [False, True], "new_tokens": 6,
-           "wall_s": 1.0, "prefill_s": 0.25}
+    rec = {
+        "method": "pair_overlap",
+        "steps": [[3, 3, 3], [3, 1, 1]],
+        "hits": [False, True],
+        "new_tokens": 6,
+        "wall_s": 1.0,
+        "prefill_s": 0.25,
+    }
     costs = {"target_ms": {1: 10.0, 4: 10.0}, "draft_ms": 3.0, "rtt_ms": 1.0}
     m = explain({"records": [rec]}, costs, costs, 3)["methods"]["pair_overlap"]
     assert m["decode_s_measured"] == pytest.approx(0.75) and m["hits"] == 1 and m["tokens"] == 6

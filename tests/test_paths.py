@@ -7,11 +7,10 @@ from importlib.util import find_spec
 
 import pytest
 
-from specdraft.models import paths
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.core.errors import ConfigError
-
+from specdraft.models import paths
 
 
 def slow_llama(test):
@@ -30,8 +29,26 @@ def kept(tmp_path, monkeypatch):
 @slow_llama
 @pytest.mark.long
 def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kept, capsys):
-    rc = main(["autotune", "--target", "smollm2-135m", "--dtype", "float32", "--paths", "hf,llama", "--n", "2",
-               "--max-new-tokens", "8", "--only", "prompt_lookup", "--no-tree-search", "-o", str(kept / "tune.json")])
+    rc = main(
+        [
+            "autotune",
+            "--target",
+            "smollm2-135m",
+            "--dtype",
+            "float32",
+            "--paths",
+            "hf,llama",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--only",
+            "prompt_lookup",
+            "--no-tree-search",
+            "-o",
+            str(kept / "tune.json"),
+        ]
+    )
     assert rc == 0
     doc = json.loads((kept / "smollm2-135m.json").read_text())
     tried = {t["path"]: t for t in doc["pick"]["tried"]}
@@ -42,7 +59,10 @@ def test_autotune_paths_picks_the_fastest_measured_and_backend_auto_takes_it(kep
     capsys.readouterr()
     dec = SpecDecoder.load("smollm2-135m", backend="auto")
     assert dec.backend == fastest
-    assert f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`" in capsys.readouterr().err
+    assert (
+        f"backend auto: --backend {fastest} --target smollm2-135m: `specdraft autotune --paths`"
+        in capsys.readouterr().err
+    )
     assert SpecDecoder.load("smollm2-135m", dtype="float32", backend="auto").backend == "hf"  # a dtype given: hf's
     assert "the only backend that honours --dtype float32" in capsys.readouterr().err
 
@@ -67,13 +87,28 @@ def test_bad_paths_and_models_are_one_clear_error(kept, capsys):
 
 
 # contents of the paths file that crashed --backend auto, doctor and autotune --paths with a traceback
-BAD = [b'{"pick":"hf"}', b'{"pick":["hf"]}', b'{"pick":{"path":"hf"}}', b'{"pick":{"path":7,"tokens_per_s":1}}',
-       b'{"pick":{"path":"hf","tokens_per_s":"fast"}}', b'{"curves":["hf"]}', b'{"curves":{"hf":5}}', b'{"hf":5}',
-       b'{"curves":{"hf":{"one":3}}}', b'{"curves":{"hf":{"4":3}}}', b'{"curves":{"hf":{"1":null}}}', b"\xff\xfe{}",
-       # digits str.isdigit() takes and int() refuses
-       '{"curves":{"hf":{"1":3,"8":4,"²":5}}}'.encode(), '{"curves":{"llama":{"1":3,"8":4,"¹":5}}}'.encode()]
-COMMANDS = [["generate", "--target", "smollm2-135m", "--backend", "auto", "x"], ["doctor", "--model", "smollm2-135m"],
-            ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"]]
+BAD = [
+    b'{"pick":"hf"}',
+    b'{"pick":["hf"]}',
+    b'{"pick":{"path":"hf"}}',
+    b'{"pick":{"path":7,"tokens_per_s":1}}',
+    b'{"pick":{"path":"hf","tokens_per_s":"fast"}}',
+    b'{"curves":["hf"]}',
+    b'{"curves":{"hf":5}}',
+    b'{"hf":5}',
+    b'{"curves":{"hf":{"one":3}}}',
+    b'{"curves":{"hf":{"4":3}}}',
+    b'{"curves":{"hf":{"1":null}}}',
+    b"\xff\xfe{}",
+    # digits str.isdigit() takes and int() refuses
+    '{"curves":{"hf":{"1":3,"8":4,"²":5}}}'.encode(),
+    '{"curves":{"llama":{"1":3,"8":4,"¹":5}}}'.encode(),
+]
+COMMANDS = [
+    ["generate", "--target", "smollm2-135m", "--backend", "auto", "x"],
+    ["doctor", "--model", "smollm2-135m"],
+    ["autotune", "--target", "smollm2-135m", "--paths", "hf,llama"],
+]
 
 
 @pytest.fixture
@@ -124,8 +159,10 @@ def test_backend_auto_takes_the_path_fastest_end_to_end_for_the_requests_shape(k
 def test_autotune_paths_decoding_speeds_count_for_the_shape(kept):
     """autotune --paths measured whole requests: its decode phase (auto's, where it drafts) and prefill per
     token stand in for doctor's curves."""
-    tried = [{"path": "llama", "tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "prefill_ms_per_token": 3.0},
-             {"path": "openvino", "tokens_per_s": 21.0, "decode_tokens_per_s": 40.0, "prefill_ms_per_token": 1.7}]
+    tried = [
+        {"path": "llama", "tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "prefill_ms_per_token": 3.0},
+        {"path": "openvino", "tokens_per_s": 21.0, "decode_tokens_per_s": 40.0, "prefill_ms_per_token": 1.7},
+    ]
     paths.write("smollm2-135m", pick={"path": "openvino", "tokens_per_s": 21.0, "tried": tried})
     assert paths.resolve("smollm2-135m", shape=CHAT) == ("smollm2-135m", "openvino")  # auto's 40 tok/s there
     costs = paths.path_costs(paths.read("smollm2-135m"))
@@ -149,8 +186,10 @@ def test_the_cli_and_the_library_pass_the_requests_shape(kept, monkeypatch):
 
     paths.write("smollm2-135m", curves=CURVES, prefill=PREFILL)
     loaded = []
-    monkeypatch.setattr("specdraft.models.backends.load_model",
-                        lambda name, dtype="bfloat16", num_layers=None, backend="hf": loaded.append(backend) or tiny_llama(vocab=16))
+    monkeypatch.setattr(
+        "specdraft.models.backends.load_model",
+        lambda name, dtype="bfloat16", num_layers=None, backend="hf": loaded.append(backend) or tiny_llama(vocab=16),
+    )
     assert SpecDecoder.load("smollm2-135m", shape=RAG).backend == "hf" and loaded == ["openvino"]  # (a tiny stand-in)
     seen = {}
 

@@ -30,12 +30,16 @@ def _browser():
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError as e:
-        pytest.fail(f"browser test: selenium is not installed ({e}); run `make setup` (requirements.txt pins it)",
-                    pytrace=False)
+        pytest.fail(
+            f"browser test: selenium is not installed ({e}); run `make setup` (requirements.txt pins it)", pytrace=False
+        )
     chrome, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not chrome or not driver:
-        pytest.fail("browser test: chromium or chromedriver is missing; run scripts/install_browser.sh "
-                    "(apt-get install chromium chromium-driver)", pytrace=False)
+        pytest.fail(
+            "browser test: chromium or chromedriver is missing; run scripts/install_browser.sh "
+            "(apt-get install chromium chromium-driver)",
+            pytrace=False,
+        )
     opts = webdriver.ChromeOptions()
     opts.binary_location = chrome
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,900"):
@@ -43,8 +47,9 @@ def _browser():
     try:
         return webdriver.Chrome(service=Service(driver), options=opts)
     except Exception as e:
-        pytest.fail(f"browser test: Chromium did not start: {type(e).__name__}: {str(e).splitlines()[0]}",
-                    pytrace=False)
+        pytest.fail(
+            f"browser test: Chromium did not start: {type(e).__name__}: {str(e).splitlines()[0]}", pytrace=False
+        )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +65,22 @@ def server():
     """`specdraft serve` in a child process, one request at a time, default method auto."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "SPECDRAFT_THREADS": "1"}
-    cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--target", "smollm2-135m", "--backend", "hf", "--dtype", "float32",
-           "--port", str(port), "--max-tokens", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        "serve",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--max-tokens",
+        "64",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -72,6 +91,7 @@ def server():
             return httpx.get(url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
     try:
         wait_until(up, timeout=180, every=0.3)
         yield url
@@ -88,8 +108,11 @@ def _q(b, css):
 
 def _set(b, element_id, value):
     """Sets an input or select by id, firing its change event (as a user would)."""
-    b.execute_script("const e = document.getElementById(arguments[0]); e.value = arguments[1];"
-                     "e.dispatchEvent(new Event('change'))", element_id, value)
+    b.execute_script(
+        "const e = document.getElementById(arguments[0]); e.value = arguments[1];e.dispatchEvent(new Event('change'))",
+        element_id,
+        value,
+    )
 
 
 def _form(b, url, mode, method, temperature=0, race=False):
@@ -139,8 +162,9 @@ def test_race_marks_identical_greedy_texts(browser, server):
     _form(b, server, "chat", "prompt_lookup", race=True)
     _generate(b)
     assert not _q(b, "#error")[0].is_displayed(), _q(b, "#error")[0].text
-    main, plain = (b.execute_script(f"return document.querySelector('#{c} .text').textContent")
-                   for c in ("col-main", "col-plain"))
+    main, plain = (
+        b.execute_script(f"return document.querySelector('#{c} .text').textContent") for c in ("col-main", "col-plain")
+    )
     assert main and main == plain
     assert _q(b, "#identical")[0].get_attribute("data-identical") == "true"
     assert all(t.text != "–" for t in _q(b, ".col .tps"))  # each column measured its own tokens/s
@@ -150,12 +174,15 @@ def test_race_marks_identical_greedy_texts(browser, server):
         b.set_window_size(1000, 760)
         b.save_screenshot(shot)
     # at phone width the columns stack and nothing scrolls sideways
-    b.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": 360, "height": 800, "deviceScaleFactor": 1,
-                                                            "mobile": True})
+    b.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": 360, "height": 800, "deviceScaleFactor": 1, "mobile": True}
+    )
     try:
         assert b.execute_script("return [innerWidth, document.documentElement.scrollWidth]") == [360, 360]
-        left = [b.execute_script(f"return document.getElementById('{c}').getBoundingClientRect().left")
-                for c in ("col-main", "col-plain")]
+        left = [
+            b.execute_script(f"return document.getElementById('{c}').getBoundingClientRect().left")
+            for c in ("col-main", "col-plain")
+        ]
         assert left[0] == left[1]  # one above the other
     finally:
         b.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
@@ -176,8 +203,9 @@ def test_api_key_is_asked_and_sent(browser):
     from test_server_fast import tiny_pair
 
     b = browser
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3},
-                        api_key="s3cret") as (url, _):
+    with running_server(
+        tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3}, api_key="s3cret"
+    ) as (url, _):
         b.get(url + "/")
         wait_until(lambda: _q(b, "#apikey")[0].is_displayed(), timeout=30)
         assert "API key" in _q(b, "#error")[0].text
@@ -240,8 +268,13 @@ def test_fixed_mode_server_streams_plain_text_with_a_note(browser, locked):
 
     b = browser
     pacing = StreamPacing(chunk_tokens=2, interval_s=0.02, pad_bytes=64, locked=locked)
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3},
-                        stream_mode="fixed", stream_pacing=pacing) as (url, _):
+    with running_server(
+        tiny_pair(),
+        model_name="tiny",
+        default_spec={"method": "draft_model", "k": 3},
+        stream_mode="fixed",
+        stream_pacing=pacing,
+    ) as (url, _):
         _tiny_page(b, url)
         assert "fixed mode" in _q(b, "#note")[0].text and not _q(b, "#legend")[0].is_displayed()
         _generate(b)

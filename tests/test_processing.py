@@ -14,15 +14,15 @@ import torch
 from conftest import logits_of, tiny_llama
 from specdraft.core import processors
 from specdraft.core.config import SamplingParams, SpecConfig
+from specdraft.core.errors import ConfigError
+from specdraft.core.processors import RequestProcessor, TokenConstraint
+from specdraft.core.sampling import probs_from_logits
+from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.draft_model import DraftModelDrafter, DraftModelGroup
 from specdraft.drafters.draft_tree import DraftTreeDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Job, generate, generate_batch
-from specdraft.core.errors import ConfigError
-from specdraft.core.processors import RequestProcessor, TokenConstraint
-from specdraft.core.sampling import probs_from_logits
-from specdraft.core.tree import DraftTree
 from stat_util import fit_pvalue, sample_first_tokens
 
 V = 6
@@ -52,7 +52,7 @@ class NoRepeat(TokenConstraint):
         return True
 
     def pop(self, n):
-        del self.stack[len(self.stack) - n:]
+        del self.stack[len(self.stack) - n :]
 
     def forced(self):
         return [1] if self.stack and self.stack[-1] == 0 else []
@@ -64,8 +64,9 @@ def toy_grammar(monkeypatch):
     monkeypatch.setattr(processors, "compile_grammar", lambda sp, tok, vocab, eos: NoRepeat())
 
 
-def reference_logits(logits: torch.Tensor, prompt: list[int], out: list[int], sp: SamplingParams,
-                     toy: bool) -> torch.Tensor:
+def reference_logits(
+    logits: torch.Tensor, prompt: list[int], out: list[int], sp: SamplingParams, toy: bool
+) -> torch.Tensor:
     """One position's processed logits, by the formulas: repetition penalty over prompt + output,
     OpenAI's presence / frequency penalties over the output, logit_bias, then the toy mask."""
     x = logits.double().clone()
@@ -122,10 +123,16 @@ def test_min_tokens_masks_eos_until_reached():
 
 
 def test_bad_parameters_name_the_field():
-    for bad, field in [({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {3: 101}}, "logit_bias"),
-                       ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-                       ({"json_schema": "{oops"}, "json_schema"), ({"json_schema": {}, "regex": "a"}, "json_schema"),
-                       ({"logprobs": 21}, "logprobs"), ({"min_tokens": 9, "max_new_tokens": 4}, "min_tokens")]:
+    for bad, field in [
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {3: 101}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"json_schema": "{oops"}, "json_schema"),
+        ({"json_schema": {}, "regex": "a"}, "json_schema"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 9, "max_new_tokens": 4}, "min_tokens"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             SamplingParams.from_dict(bad)
     with pytest.raises(ConfigError, match="logit_bias token id 99"):
@@ -142,8 +149,9 @@ def drafters(pair):
     return {
         "draft_model": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
         "dynamic_tree": lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V),
-        "prompt_lookup_tree": lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1,
-                                                                     max_ngram=2, branches=3)),
+        "prompt_lookup_tree": lambda: PromptLookupDrafter(
+            SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3)
+        ),
     }
 
 
@@ -154,7 +162,7 @@ def test_greedy_processed_equals_plain_processed(pair, toy_grammar, method):
     prompts = [PROMPT, [0, 1, 2, 3, 4, 5, 0, 1], [5, 5, 4]]
     sp = SamplingParams(max_new_tokens=24, regex="toy", **PROC)
     plain = [generate(target, NoDrafter(), p, sp, eos_ids=set()).token_ids for p in prompts]
-    for out, p in zip(plain, prompts):
+    for out in plain:
         assert all(a != b and (a != 0 or b == 1) for a, b in zip(out, out[1:]))  # the grammar held
     make = drafters(pair)[method]
     spec = [generate(target, make(), p, sp, eos_ids=set()) for p in prompts]
@@ -175,6 +183,7 @@ def exact_first_two(target, sp, toy):
 
 def _draw_raw_report_processed(orig):
     """Broken: the draft samples from its raw distribution but reports the processed q."""
+
     def draw(m, logits, step, out, probs, cap, proposal=None):
         proc, m.processor = m.processor, None
         try:
@@ -185,6 +194,7 @@ def _draw_raw_report_processed(orig):
             hist = m.tokens + [int(t) for t in out[:-1]]
             probs[-1] = probs_from_logits(proc.process(logits[None], hist)[0], m.sp)
         return more
+
     return draw
 
 
@@ -195,15 +205,17 @@ BUGS = {
     # processing on the draft side only: the verifier sees the raw target
     "target_unprocessed": lambda mp: mp.setattr(Engine, "_process", lambda self, rows, drafts, logits: logits),
     # the mask reaches the reported q but not the distribution the draft samples from
-    "draft_samples_raw": lambda mp: mp.setattr(DraftModelGroup, "_draw",
-                                               staticmethod(_draw_raw_report_processed(DraftModelGroup._draw))),
+    "draft_samples_raw": lambda mp: mp.setattr(
+        DraftModelGroup, "_draw", staticmethod(_draw_raw_report_processed(DraftModelGroup._draw))
+    ),
 }
 
 
 def _at_step_start(orig):
     def process(self, logits, history, tree=None):
-        rows = [orig(self, logits[i:i + 1], history[: self.committed])[0] for i in range(logits.shape[0])]
+        rows = [orig(self, logits[i : i + 1], history[: self.committed])[0] for i in range(logits.shape[0])]
         return torch.stack(rows)
+
     return process
 
 
@@ -232,6 +244,7 @@ def _unprocessed(orig):
             return orig(m, *a, **kw)
         finally:
             m.processor = proc
+
     return draw
 
 
@@ -265,13 +278,16 @@ def test_logprobs_are_the_processed_targets(pair):
 def head_dirs(pair, tmp_path_factory):
     from head_util import train_tiny_heads
 
-    return train_tiny_heads(pair[0], tmp_path_factory.mktemp("heads"), [PROMPT, [0, 1, 2, 3, 4, 5], [5, 4, 3, 2]],
-                            n_heads=2)
+    return train_tiny_heads(
+        pair[0], tmp_path_factory.mktemp("heads"), [PROMPT, [0, 1, 2, 3, 4, 5], [5, 4, 3, 2]], n_heads=2
+    )
 
 
 HEAD_AND_SELF = {
     "medusa_tree": lambda h: SpecConfig(method="medusa", head=str(h["medusa"]), tree="static", tree_branching=[2, 2]),
-    "eagle_tree": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), tree="dynamic", k=3, tree_topk=2, tree_budget=6),
+    "eagle_tree": lambda h: SpecConfig(
+        method="eagle", head=str(h["eagle"]), tree="dynamic", k=3, tree_topk=2, tree_budget=6
+    ),
     "eagle_chain": lambda h: SpecConfig(method="eagle", head=str(h["eagle"]), k=3),
     "early_exit": lambda h: SpecConfig.from_dict({"method": "early_exit", "exit_layer": 1, "k": 3}),
     "auto": lambda h: SpecConfig(method="auto"),

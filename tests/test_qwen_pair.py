@@ -32,8 +32,10 @@ SP = SamplingParams(max_new_tokens=24)
 @pytest.fixture(scope="module")
 def plain_ref(qwen):
     """Each prompt's plain greedy output, computed once for all methods."""
-    return {p: qwen.generate(qwen.encode(p, chat=True), sampling=SP, spec=SpecConfig(method="plain")).token_ids
-            for p in PROMPTS}
+    return {
+        p: qwen.generate(qwen.encode(p, chat=True), sampling=SP, spec=SpecConfig(method="plain")).token_ids
+        for p in PROMPTS
+    }
 
 
 def test_qwen_pair_greedy_matches_plain(qwen, plain_ref):
@@ -49,8 +51,11 @@ def test_qwen_pair_greedy_matches_plain(qwen, plain_ref):
         if not c["exact"]:
             divergences.append((p[:40], c))
     for prompt, c in divergences:  # reported in pytest's warnings summary
-        warnings.warn(f"bf16 {method} diverged from plain on {prompt!r} at token {c['first_divergence']}, "
-                      f"target top-2 logit gap {c.get('top2_gap')}")
+        warnings.warn(
+            f"bf16 {method} diverged from plain on {prompt!r} at token {c['first_divergence']}, "
+            f"target top-2 logit gap {c.get('top2_gap')}",
+            stacklevel=1,  # this test's line: the divergence is the test's finding
+        )
     bugs = [d for d in divergences if d[1].get("top2_gap", float("inf")) > NEAR_TIE]
     assert not bugs, f"divergences that are not near-ties: {bugs}"
     assert accepted > 0

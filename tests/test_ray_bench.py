@@ -17,15 +17,35 @@ PROMPTS = ["Name three colors.", "Write a haiku about rain.", "Explain gravity b
 
 
 def bench_args(ds, out, *extra):
-    return ["bench", "--target", "smollm2-135m", "--dtype", "float32", "--dataset", str(ds), "--max-new-tokens", "8",
-            "--methods", "plain,prompt_lookup", "--threads", "1", "--no-plots", "--out", str(out), *extra]
+    return [
+        "bench",
+        "--target",
+        "smollm2-135m",
+        "--dtype",
+        "float32",
+        "--dataset",
+        str(ds),
+        "--max-new-tokens",
+        "8",
+        "--methods",
+        "plain,prompt_lookup",
+        "--threads",
+        "1",
+        "--no-plots",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     p = tmp_path_factory.mktemp("ds") / "q.jsonl"
-    p.write_text("".join(json.dumps({"question_id": f"p{i}", "category": "qa", "turns": [t]}) + "\n"
-                         for i, t in enumerate(PROMPTS)))
+    p.write_text(
+        "".join(
+            json.dumps({"question_id": f"p{i}", "category": "qa", "turns": [t]}) + "\n" for i, t in enumerate(PROMPTS)
+        )
+    )
     return p
 
 
@@ -66,18 +86,45 @@ def test_ray_option_errors(dataset, tmp_path, monkeypatch, capsys):
     assert main(bench_args(dataset, out, "--ray")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs Ray" in err[0] and "make setup-ray" in err[0]
-    assert main(["train", "medusa", "--target", "smollm2-135m", "--data", str(dataset), "-o", str(tmp_path / "h"),
-                 "--ray", "--ray-workers", "0"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "medusa",
+                "--target",
+                "smollm2-135m",
+                "--data",
+                str(dataset),
+                "-o",
+                str(tmp_path / "h"),
+                "--ray",
+                "--ray-workers",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert not out.exists()
 
 
 def test_speedup_is_per_worker_then_token_weighted():
     def rec(w, method, n, s):
-        return {"prompt_id": f"{w}-p", "task": "qa", "method": method, "repeat": 0, "new_tokens": n, "wall_s": s,
-                "worker": w}
+        return {
+            "prompt_id": f"{w}-p",
+            "task": "qa",
+            "method": method,
+            "repeat": 0,
+            "new_tokens": n,
+            "wall_s": s,
+            "worker": w,
+        }
 
-    recs = [rec("w0", "plain", 10, 10.0), rec("w0", "x", 10, 5.0),  # 2x on a slow worker
-            rec("w1", "plain", 30, 3.0), rec("w1", "x", 30, 2.0)]   # 1.5x on a fast one
+    recs = [
+        rec("w0", "plain", 10, 10.0),
+        rec("w0", "x", 10, 5.0),  # 2x on a slow worker
+        rec("w1", "plain", 30, 3.0),
+        rec("w1", "x", 30, 2.0),
+    ]  # 1.5x on a fast one
     want = (10 * 2.0 + 30 * 1.5) / 40  # pooled totals would say (40 / 7) / (40 / 13) = 1.86x
     assert speedup_over(recs[1::2], recs[0::2]) == pytest.approx(want)
     assert aggregate({"records": recs})["rows"]["x"]["speedup"] == pytest.approx(want)
@@ -118,24 +165,53 @@ def test_bench_ray_resumes(ray_local, dataset, local_doc, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["records"][:2] == first  # kept as they were, not rerun
     assert sorted((r["prompt_id"], r["method"]) for r in doc["records"][2:]) == [
-        ("p0", "plain"), ("p0", "prompt_lookup"), ("p2", "plain"), ("p2", "prompt_lookup")]
+        ("p0", "plain"),
+        ("p0", "prompt_lookup"),
+        ("p2", "plain"),
+        ("p2", "prompt_lookup"),
+    ]
     assert all("worker" in r for r in doc["records"][2:]) and tokens(doc) == tokens(local_doc)
 
 
 # --- train --ray ----------------------------------------------------------------------------------
 def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys):
-    from specdraft.commands import train
     from specdraft.api import SpecDecoder
-
+    from specdraft.commands import train
     from specdraft.commands.train import data as train_data
+
     monkeypatch.setattr(train_data, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker
     prompts = PROMPTS + ["What is 2 + 3?"]
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = tmp_path / "head"
-    assert main(["train", "medusa", "--target", "smollm2-135m", "--data", str(data), "-o", str(out), "--steps", "1",
-                 "--batch-size", "8", "--heads", "1", "--max-new-tokens", "6", "--threads", "1",
-                 "--ray", "--ray-workers", "2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "medusa",
+                "--target",
+                "smollm2-135m",
+                "--data",
+                str(data),
+                "-o",
+                str(out),
+                "--steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--heads",
+                "1",
+                "--max-new-tokens",
+                "6",
+                "--threads",
+                "1",
+                "--ray",
+                "--ray-workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "w0 on " in (err := capsys.readouterr().err) and "w1 on " in err and "1 batch(es)" in err
     blob = torch.load(out / "data.pt", weights_only=True)
     dec = SpecDecoder.load("smollm2-135m", dtype="float32", threads=1, backend="hf")

@@ -15,22 +15,41 @@ from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser
 from specdraft.models.hf import HFModel
 from specdraft.scale.cluster import connect
-from specdraft.server.replicas import start_replicas
 from specdraft.server.front import Router, merge_metrics
 from specdraft.server.local import app_in_thread
+from specdraft.server.replicas import start_replicas
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there was a",
-           "1, 2, 3, 4, 5, 6,", "The quick brown fox", "Water boils at"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, there was a",
+    "1, 2, 3, 4, 5, 6,",
+    "The quick brown fox",
+    "Water boils at",
+]
 N = 10
 
 
 @pytest.fixture(scope="module")
 def front():
     ray = connect(None, num_cpus=2)
-    a = build_parser().parse_args(["serve", "--target", "smollm2-135m", "--backend", "hf", "--dtype", "float32", "--replicas", "2",
-                                   "--max-batch", "4"])
+    a = build_parser().parse_args(
+        [
+            "serve",
+            "--target",
+            "smollm2-135m",
+            "--backend",
+            "hf",
+            "--dtype",
+            "float32",
+            "--replicas",
+            "2",
+            "--max-batch",
+            "4",
+        ]
+    )
     app = start_replicas(*_serve_settings(a))
     try:
         with app_in_thread(app) as url:
@@ -63,8 +82,11 @@ def test_replicas_answer_as_one_engine(front, smol_f32):
     assert [t for t, _ in got] == want
     assert {r for _, r in got} == {"0", "1"}  # both replicas served
     fams = {f.name: f for f in text_string_to_metric_families(httpx.get(front + "/metrics").text)}
-    served = {s.labels["replica"]: s.value for s in fams["specdraft_requests"].samples
-              if s.name == "specdraft_requests_total" and s.labels.get("status") == "ok"}
+    served = {
+        s.labels["replica"]: s.value
+        for s in fams["specdraft_requests"].samples
+        if s.name == "specdraft_requests_total" and s.labels.get("status") == "ok"
+    }
     assert sorted(served) == ["0", "1"] and sum(served.values()) == len(PROMPTS)
     h = httpx.get(front + "/health").json()
     assert h["status"] == "ok" and [r["routed"] for r in h["replicas"]] == [3, 3]
@@ -88,10 +110,12 @@ def test_router_fewest_running():
 
 
 def test_merge_metrics_labels_each_replica():
-    text = "# HELP x_total help\n# TYPE x_total counter\nx_total{a=\"1\"} 2.0\n"
+    text = '# HELP x_total help\n# TYPE x_total counter\nx_total{a="1"} 2.0\n'
     fams = list(text_string_to_metric_families(merge_metrics([text, text])))
-    assert [(s.labels, s.value) for s in fams[0].samples] == [({"replica": "0", "a": "1"}, 2.0),
-                                                              ({"replica": "1", "a": "1"}, 2.0)]
+    assert [(s.labels, s.value) for s in fams[0].samples] == [
+        ({"replica": "0", "a": "1"}, 2.0),
+        ({"replica": "1", "a": "1"}, 2.0),
+    ]
 
 
 def test_replica_options_checked():

@@ -10,13 +10,13 @@ import pytest
 
 from conftest import tiny_llama
 from server_util import running_server
-from specdraft.drafters import registry as methods
 from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
 from specdraft.core.config import Int, SpecConfig, param
-from specdraft.drafters.base import Drafter
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
+from specdraft.drafters import registry as methods
+from specdraft.drafters.base import Drafter
 
 PROMPT = [1, 2, 3, 3, 3]
 
@@ -61,9 +61,12 @@ class RepeatLastDrafter(Drafter):
 def repeat_last():
     assert "repeat_last" not in methods.REGISTRY
     methods.REGISTRY["repeat_last"] = methods.Method(
-        "repeat_last", "draft the last token k times (a toy)",
+        "repeat_last",
+        "draft the last token k times (a toy)",
         lambda dec, spec: RepeatLastDrafter(spec, successor_table(dec, spec)),
-        params=RepeatLastParams, load_resource=successor_table)
+        params=RepeatLastParams,
+        load_resource=successor_table,
+    )
     try:
         yield
     finally:
@@ -94,7 +97,9 @@ def test_config_reads_the_registry(repeat_last):
         SpecConfig(method="repeat_last", tree="static").validate()
     with pytest.raises(ConfigError, match="schedule 'heuristic' is not available for method 'repeat_last'"):
         SpecConfig(method="repeat_last", schedule="heuristic").validate()
-    with pytest.raises(ConfigError, match="head is used by methods medusa, eagle, eagle3 and auto only, not 'repeat_last'"):
+    with pytest.raises(
+        ConfigError, match="head is used by methods medusa, eagle, eagle3 and auto only, not 'repeat_last'"
+    ):
         SpecConfig(method="repeat_last", head="h").validate()
 
 
@@ -164,8 +169,9 @@ def test_server_admits_it(repeat_last, dec):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["method"] == "repeat_last"
         assert r.json()["choices"][0]["text"] == plain["choices"][0]["text"]
-        r = httpx.post(url + "/v1/completions", json={**body, "spec": {"method": "repeat_last", "shift": 7}},
-                       timeout=60)
+        r = httpx.post(
+            url + "/v1/completions", json={**body, "spec": {"method": "repeat_last", "shift": 7}}, timeout=60
+        )
         assert r.status_code == 200 and 7 in BUILT  # its load_resource ran before admission
         r = httpx.post(url + "/v1/completions", json={**body, "spec": {"method": "lookahead", "shift": 1}}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "spec.shift", r.text
@@ -191,7 +197,11 @@ def test_bench_takes_it(repeat_last):
     opts = BenchOptions(k=3, sweep=["shift=0,2"], methods="plain,prompt_lookup,repeat_last")
     variants = build_variants(opts, {"spec": {"max_ngram": 2}})  # each method keeps the keys it reads
     assert [(n, s.to_dict().get("shift"), s.max_ngram) for n, _, s in variants] == [
-        ("plain", None, 3), ("prompt_lookup[shift=0]", None, 2), ("prompt_lookup[shift=2]", None, 2),
-        ("repeat_last[shift=0]", 0, 3), ("repeat_last[shift=2]", 2, 3)]
+        ("plain", None, 3),
+        ("prompt_lookup[shift=0]", None, 2),
+        ("prompt_lookup[shift=2]", None, 2),
+        ("repeat_last[shift=0]", 0, 3),
+        ("repeat_last[shift=2]", 2, 3),
+    ]
     with pytest.raises(ConfigError, match="lookahead_window is used by method 'lookahead' only, none of plain"):
         build_variants(BenchOptions(k=3, sweep=[], methods="plain,repeat_last"), {"spec": {"lookahead_window": 6}})

@@ -22,10 +22,16 @@ pytestmark = pytest.mark.slow
 NEW = 32
 SEEDED = {  # method: (prompt, seed, drafter config; None: plain)
     "plain": ("Once upon a time, in a small village by the sea,", 1, None),
-    "prompt_lookup": ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):", 2,
-                      SpecConfig(method="prompt_lookup", k=4, max_ngram=2)),
-    "tree": ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3,
-             SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3)),
+    "prompt_lookup": (
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+        2,
+        SpecConfig(method="prompt_lookup", k=4, max_ngram=2),
+    ),
+    "tree": (
+        "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+        3,
+        SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3),
+    ),
 }
 OTHERS = [("Write a list of ten fruits:", 5), ("def fibonacci(n):", 24), ("The history of Rome begins", 16)]
 
@@ -86,20 +92,24 @@ def test_seeded_rows_equal_alone_in_every_layout(target):
         steps[m] = row.stats.steps
     assert sum(s.accepted for s in steps["prompt_lookup"]) > 0  # its drafts were verified, some kept
     assert any(s.depth is not None for s in steps["tree"])  # it drafted token trees
-    layouts = {"plain and prompt lookup, a pair": [(0, "plain"), (0, "prompt_lookup")],
-               "tree + 1 other": [(0, "tree"), (0, 1)],
-               "all three + 1 leaving early": [(0, m) for m in methods] + [(0, 0)]}
+    layouts = {
+        "plain and prompt lookup, a pair": [(0, "plain"), (0, "prompt_lookup")],
+        "tree + 1 other": [(0, "tree"), (0, 1)],
+        "all three + 1 leaving early": [(0, m) for m in methods] + [(0, 0)],
+    }
     layouts["others join part way"] = [(0, "plain"), (0, "tree"), (3, 0), (3, 1), (6, 2), (6, "prompt_lookup")]
     for name, layout in layouts.items():
         logs = {m: [] for m in methods}
-        jobs = [(at, seeded_job(target, x, logs[x]) if isinstance(x, str) else other_job(target, x))
-                for at, x in layout]
+        jobs = [
+            (at, seeded_job(target, x, logs[x]) if isinstance(x, str) else other_job(target, x)) for at, x in layout
+        ]
         rows = decode(target, jobs)
         for (_, x), row in zip(layout, rows):
             if not isinstance(x, str):
                 continue
             tokens, log = alone[x]
             assert row.result.token_ids == tokens, f"{name}: {x} row differs from alone"
-            assert len(logs[x]) == len(log) and all(torch.equal(a, b) for a, b in zip(logs[x], log)), \
+            assert len(logs[x]) == len(log) and all(torch.equal(a, b) for a, b in zip(logs[x], log)), (
                 f"{name}: {x} row was verified with other logits than alone"
+            )
             assert row.stats.reproducible is True

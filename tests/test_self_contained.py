@@ -42,26 +42,30 @@ def test_no_file_names_a_path_above_the_repository():
 
 
 def test_the_guard_catches_each_kind_of_outside_path(tmp_path):
-    cases = {"a.py": 'p = Path("../beside/question.jsonl")\n',
-             "b.py": "open('/work/beside/models.md')\n",
-             "c.py": 'src = Path(__file__).resolve().parents[3] / "x"\n'}
+    cases = {
+        "a.py": 'p = Path("../beside/question.jsonl")\n',
+        "b.py": "open('/work/beside/models.md')\n",
+        "c.py": 'src = Path(__file__).resolve().parents[3] / "x"\n',
+    }
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
     # the files sit at depth 1 below a pretend root: parents[1] is that root, parents[3] is above it
     found = outside_references(sorted(tmp_path.iterdir()), root=tmp_path.parent)
     assert [x.split(":")[0].split("/")[-1] for x in found] == ["a.py", "b.py", "c.py"]
-    (tmp_path / "ok.py").write_text('from ..prompts import x\np = Path(__file__).resolve().parents[1]\n')
+    (tmp_path / "ok.py").write_text("from ..prompts import x\np = Path(__file__).resolve().parents[1]\n")
     assert outside_references([tmp_path / "ok.py"], root=tmp_path.parent) == []
 
 
 def test_prompts_resolve_inside_the_package_from_an_empty_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPECDRAFT_DATASET"}
     env["PYTHONPATH"] = str(ROOT)
-    code = ("import specdraft, pathlib\n"
-            "from specdraft.core.prompts import default_dataset, preset_rows, load_prompts\n"
-            "p = default_dataset().resolve()\n"
-            "assert pathlib.Path(specdraft.__file__).parent.resolve() in p.parents, p\n"
-            "print(len(load_prompts()), len(preset_rows('core18')), len(preset_rows('core18+code_edit')))\n")
+    code = (
+        "import specdraft, pathlib\n"
+        "from specdraft.core.prompts import default_dataset, preset_rows, load_prompts\n"
+        "p = default_dataset().resolve()\n"
+        "assert pathlib.Path(specdraft.__file__).parent.resolve() in p.parents, p\n"
+        "print(len(load_prompts()), len(preset_rows('core18')), len(preset_rows('core18+code_edit')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["480", "18", "27"]

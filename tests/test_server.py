@@ -74,8 +74,13 @@ def test_completions_chat_and_usage(server, ref_dec):
     u = r.usage.model_dump()
     assert u["completion_tokens"] == 12 and u["prompt_tokens"] == 5 and u["total_tokens"] == 17
     assert u["method"] == "prompt_lookup" and u["drafted"] >= u["accepted"] >= 0 and u["mean_accepted_tokens"] >= 1
-    r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi"}], max_tokens=10,
-                                  temperature=0, extra_body={"spec": {"method": "draft_model", "k": 2}})
+    r = c.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"spec": {"method": "draft_model", "k": 2}},
+    )
     assert r.choices[0].message.content == reference(ref_dec, "Say hi", 10, chat=True)
     assert r.usage.model_dump()["method"] == "draft_model" and r.usage.model_dump()["drafted"] > 0
     m = c.models.list()
@@ -94,24 +99,47 @@ def _sse_lines(url, path, body):
 
 def test_streaming_wire_format_and_text(server, ref_dec):
     url, app, kind = server
-    chunks = _sse_lines(url, "/v1/completions", {"model": "smol", "prompt": PROMPTS[1], "max_tokens": 12,
-                                                 "temperature": 0, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
+    chunks = _sse_lines(
+        url,
+        "/v1/completions",
+        {
+            "model": "smol",
+            "prompt": PROMPTS[1],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert "".join(ch["choices"][0]["text"] for ch in chunks[:-1]) == reference(ref_dec, PROMPTS[1], 12)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
-    chunks = _sse_lines(url, "/v1/chat/completions", {"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 8, "temperature": 0, "stream": True})
+    chunks = _sse_lines(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": "smol",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        },
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
     assert text == reference(ref_dec, "Hi", 8, chat=True)
     assert chunks[-1]["object"] == "chat.completion.chunk" and chunks[-1]["choices"][0]["finish_reason"] == "length"
     # the openai client's stream reader
-    st = client(url).completions.create(model="smol", prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True,
-                                        stop=[" the"])
+    st = client(url).completions.create(
+        model="smol", prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True, stop=[" the"]
+    )
     text = "".join(ch.choices[0].text for ch in st)
-    assert text == ref_dec.generate(PROMPTS[2], sampling={"max_new_tokens": 10, "stop": [" the"]},
-                                    spec={"method": "plain"}).text
+    assert (
+        text
+        == ref_dec.generate(
+            PROMPTS[2], sampling={"max_new_tokens": 10, "stop": [" the"]}, spec={"method": "plain"}
+        ).text
+    )
 
 
 EMOJI = "Repeat after me: 🎉👋🏽 世界 naïve café 🎉👋🏽 世界 naïve café 🎉👋🏽"
@@ -135,26 +163,39 @@ def test_stream_pieces_add_up_with_emoji(server, smol_tok):
     assert "".join(p for c in chunks for p, _ in c["specdraft"]["pieces"]) == text
 
 
-@pytest.mark.parametrize("body,param,fragment", [
-    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens", "exceeds the model's context"),
-    ({"prompt": "x", "top_p": "high"}, "top_p", "top_p must be a number"),
-    ({"prompt": "x", "n": 2}, "n", "n must be 1"),
-    ({"prompt": "x", "logprobs": 30}, "logprobs", "logprobs (top alternatives per token) must be <= 20"),
-    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
-    ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-    ({"prompt": "x", "guided_regex": "a(b"}, "guided_regex", "regex does not compile"),
-    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format", "json_schema"),
-    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format must be"),
-    ({"prompt": "x", "guided_regex": "a", "guided_json": {}}, "guided_regex", "set one structured-output constraint"),
-    ({"prompt": "x", "spec": {"method": "medusa"}}, "spec.method", "method 'medusa' needs head=DIR"),
-    ({"prompt": "x", "spec": {"k": 0}}, "spec.k", "k (draft tokens per step) must be >= 1"),
-    ({"prompt": "x", "spec": {"kk": 1}}, "spec", "unknown SpecConfig field(s) ['kk']"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-    ({}, "prompt", "missing required parameter: prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param,fragment",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+        ({"prompt": "x", "max_tokens": 10_000}, "max_tokens", "exceeds the model's context"),
+        ({"prompt": "x", "top_p": "high"}, "top_p", "top_p must be a number"),
+        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "logprobs": 30}, "logprobs", "logprobs (top alternatives per token) must be <= 20"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"prompt": "x", "presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        ({"prompt": "x", "guided_regex": "a(b"}, "guided_regex", "regex does not compile"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+            },
+            "response_format",
+            "json_schema",
+        ),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format must be"),
+        (
+            {"prompt": "x", "guided_regex": "a", "guided_json": {}},
+            "guided_regex",
+            "set one structured-output constraint",
+        ),
+        ({"prompt": "x", "spec": {"method": "medusa"}}, "spec.method", "method 'medusa' needs head=DIR"),
+        ({"prompt": "x", "spec": {"k": 0}}, "spec.k", "k (draft tokens per step) must be >= 1"),
+        ({"prompt": "x", "spec": {"kk": 1}}, "spec", "unknown SpecConfig field(s) ['kk']"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({}, "prompt", "missing required parameter: prompt"),
+    ],
+)
 def test_invalid_requests_get_400(server, body, param, fragment):
     url, app, kind = server
     r = httpx.post(url + "/v1/completions", json={"model": "smol", **body}, timeout=60)
@@ -176,7 +217,9 @@ def test_error_responses_through_openai_client(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt="x")
     assert e.value.code == "model_not_found"
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(
+        url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
 
 
@@ -189,8 +232,9 @@ def test_concurrent_streams_each_get_their_greedy_output(server, ref_dec):
 
     def run(i):
         p, m, spec = jobs[i]
-        st = client(url).completions.create(model="smol", prompt=p, max_tokens=m, temperature=0, stream=True,
-                                            extra_body={"spec": spec})
+        st = client(url).completions.create(
+            model="smol", prompt=p, max_tokens=m, temperature=0, stream=True, extra_body={"spec": spec}
+        )
         out[i] = "".join(ch.choices[0].text for ch in st)
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -207,9 +251,20 @@ def test_cancelled_streams_leak_nothing(server):
     n = 12
 
     def run(i):
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json={"model": "smol", "prompt": PROMPTS[i % 8], "max_tokens": 400, "ignore_eos": True,
-                                "temperature": 0, "stream": True, "spec": SPECS[i % 3]}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "smol",
+                "prompt": PROMPTS[i % 8],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "spec": SPECS[i % 3],
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # first token: hang up
@@ -236,13 +291,23 @@ def test_queue_full_429_and_timeout(smol_f32, smol_draft4, max_batch):
         c = client(url)
         running = []
         for i in range(max_batch):  # fill the running batch
-            st = c.completions.create(model="smol", prompt=PROMPTS[i], max_tokens=1000, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True})
+            st = c.completions.create(
+                model="smol",
+                prompt=PROMPTS[i],
+                max_tokens=1000,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             next(iter(st))
             running.append(st)
         second = {}
-        t = threading.Thread(target=lambda: second.setdefault("r", httpx.post(
-            url + "/v1/completions", json={"model": "smol", "prompt": "a", "max_tokens": 2}, timeout=60)))
+        t = threading.Thread(
+            target=lambda: second.setdefault(
+                "r",
+                httpx.post(url + "/v1/completions", json={"model": "smol", "prompt": "a", "max_tokens": 2}, timeout=60),
+            )
+        )
         t.start()
         wait_until(lambda: health(url)["waiting"] == 1, timeout=30)
         with pytest.raises(openai.RateLimitError) as e:
@@ -269,19 +334,29 @@ def test_metrics_parse_and_match_requests(smol_f32, smol_draft4, max_batch):
         c = client(url)
         usages = []
         for i in range(3):
-            r = c.completions.create(model="smol", prompt=PROMPTS[i], max_tokens=5 + i, temperature=0,
-                                     extra_body={"spec": SPECS[i]})
+            r = c.completions.create(
+                model="smol", prompt=PROMPTS[i], max_tokens=5 + i, temperature=0, extra_body={"spec": SPECS[i]}
+            )
             usages.append(r.usage.model_dump())
-        r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                      temperature=0, stream=True, stream_options={"include_usage": True})
+        r = c.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         usages.append([ch for ch in r][-1].usage.model_dump())
         httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": -2})
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
 
         def value(name, **labels):
-            return sum(s.value for s in fams[name].samples
-                       if s.name == name + "_total" or s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-                       if all(s.labels.get(k) == v for k, v in labels.items()))
+            return sum(
+                s.value
+                for s in fams[name].samples
+                if s.name == name + "_total" or s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+                if all(s.labels.get(k) == v for k, v in labels.items())
+            )
 
         assert value("specdraft_requests", endpoint="completions", status="ok") == 3
         assert value("specdraft_requests", endpoint="chat", status="ok") == 1
@@ -301,9 +376,15 @@ def test_metrics_parse_and_match_requests(smol_f32, smol_draft4, max_batch):
         assert "specdraft_position_acceptance" in fams
 
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,
-                                                                                   "maximum": 150}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+}
 
 
 def test_structured_output_logprobs_and_penalties(server, ref_dec):
@@ -314,26 +395,54 @@ def test_structured_output_logprobs_and_penalties(server, ref_dec):
     url, app, kind = server
     c = client(url)
     msgs = [{"role": "user", "content": "Describe Ada Lovelace as JSON with her name and age."}]
-    r = c.chat.completions.create(model="smol", messages=msgs, max_tokens=40, temperature=0, logprobs=True,
-                                  top_logprobs=2, response_format={"type": "json_schema", "json_schema": {
-                                      "name": "person", "schema": PERSON, "strict": True}},
-                                  extra_body={"spec": {"method": "prompt_lookup", "k": 3}})
+    r = c.chat.completions.create(
+        model="smol",
+        messages=msgs,
+        max_tokens=40,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        extra_body={"spec": {"method": "prompt_lookup", "k": 3}},
+    )
     text = r.choices[0].message.content
     jsonschema.validate(json.loads(text), PERSON)
-    want = ref_dec.generate(msgs[0]["content"], chat=True, spec={"method": "plain"},
-                            sampling={"max_new_tokens": 40, "json_schema": PERSON, "logprobs": 2})
+    want = ref_dec.generate(
+        msgs[0]["content"],
+        chat=True,
+        spec={"method": "plain"},
+        sampling={"max_new_tokens": 40, "json_schema": PERSON, "logprobs": 2},
+    )
     assert text == want.text
     lp = r.choices[0].logprobs.content
     assert [e.token for e in lp] == [ref_dec.tokenizer.decode([e["token_id"]]) for e in want.logprobs]
     assert all(abs(a.logprob - b["logprob"]) < 1e-3 and len(a.top_logprobs) == 2 for a, b in zip(lp, want.logprobs))
     # completions: a regex (vLLM's field name), logprobs as parallel lists, streamed
-    st = c.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=1, stream=True,
-                              extra_body={"guided_regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.", "frequency_penalty": 0.5,
-                                          "spec": {"method": "draft_model", "k": 3}})
+    st = c.completions.create(
+        model="smol",
+        prompt=PROMPTS[0],
+        max_tokens=12,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        extra_body={
+            "guided_regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.",
+            "frequency_penalty": 0.5,
+            "spec": {"method": "draft_model", "k": 3},
+        },
+    )
     chunks = list(st)
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    want = ref_dec.generate(PROMPTS[0], spec={"method": "plain"}, sampling={
-        "max_new_tokens": 12, "regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.", "frequency_penalty": 0.5, "logprobs": 1})
+    want = ref_dec.generate(
+        PROMPTS[0],
+        spec={"method": "plain"},
+        sampling={
+            "max_new_tokens": 12,
+            "regex": " [A-Z][a-z]+, [A-Z][a-z]+\\.",
+            "frequency_penalty": 0.5,
+            "logprobs": 1,
+        },
+    )
     assert text == want.text and text.endswith(".")
     got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
     assert len(got) == len(want.token_ids) and all(abs(a - b["logprob"]) < 1e-3 for a, b in zip(got, want.logprobs))

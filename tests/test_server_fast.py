@@ -11,9 +11,9 @@ from conftest import tiny_llama
 from server_util import health, running_server, wait_until
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.tools.loadtest import check_url, parse_levels
-from specdraft.server.protocol import StepTrace, TextStream
 from specdraft.core.errors import SpecDraftError
+from specdraft.server.protocol import StepTrace, TextStream
+from specdraft.tools.loadtest import check_url, parse_levels
 
 
 class StubTok:
@@ -46,8 +46,9 @@ def tiny_pair() -> SpecDecoder:
 def tiny_server(request):
     dec = tiny_pair()
     kw = {"max_batch": 8} if request.param == "batch" else {}
-    with running_server(dec, model_name="tiny", default_spec={"method": "draft_model", "k": 3}, max_queue=32,
-                        timeout_s=60, **kw) as (url, app):
+    with running_server(
+        dec, model_name="tiny", default_spec={"method": "draft_model", "k": 3}, max_queue=32, timeout_s=60, **kw
+    ) as (url, app):
         yield url, app, dec, request.param
 
 
@@ -85,11 +86,19 @@ def test_lossy_rule_is_per_request_and_marked(tiny_server):
     """Both schedulers: a sampling request with spec lossy=typical says so in its usage; the same
     request without it, and a greedy one with it (the rule does not act), do not."""
     url, app, dec, kind = tiny_server
-    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 6, "temperature": 0.8, "seed": 1, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": [1, 2, 3, 1, 2],
+        "max_tokens": 6,
+        "temperature": 0.8,
+        "seed": 1,
+        "ignore_eos": True,
+    }
     lossy = httpx.post(url + "/v1/completions", json={**body, "spec": {"lossy": "typical"}}, timeout=60).json()
     exact = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
-    greedy = httpx.post(url + "/v1/completions", json={**body, "temperature": 0, "spec": {"lossy": "typical"}},
-                        timeout=60).json()
+    greedy = httpx.post(
+        url + "/v1/completions", json={**body, "temperature": 0, "spec": {"lossy": "typical"}}, timeout=60
+    ).json()
     assert lossy["usage"]["lossy"] == "typical" and lossy["usage"]["completion_tokens"] == 6
     assert "lossy" not in exact["usage"] and "lossy" not in greedy["usage"]
     assert greedy["choices"][0]["text"] == ref(dec, [1, 2, 3, 1, 2], 6)
@@ -104,12 +113,27 @@ def test_errors(tiny_server):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]}, timeout=60)
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": [1], "spec": {"method": "nope"}}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "spec.method" and "unknown method" in r.json()["error"]["message"]
-    tree = {"prompt": [1, 2, 1], "max_tokens": 3, "spec": {"method": "prompt_lookup", "branches": 2}, "temperature": 0.5}
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["param"] == "spec.method"
+        and "unknown method" in r.json()["error"]["message"]
+    )
+    tree = {
+        "prompt": [1, 2, 1],
+        "max_tokens": 3,
+        "spec": {"method": "prompt_lookup", "branches": 2},
+        "temperature": 0.5,
+    }
     r = httpx.post(url + "/v1/completions", json=tree, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # trees batch too
-    r = httpx.post(url + "/v1/completions", json={**tree, "spec": {"method": "early_exit", "exit_layer": 5}}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "spec" and "exit_layer must be < the target's 2 layers" in r.json()["error"]["message"]
+    r = httpx.post(
+        url + "/v1/completions", json={**tree, "spec": {"method": "early_exit", "exit_layer": 5}}, timeout=60
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["param"] == "spec"
+        and "exit_layer must be < the target's 2 layers" in r.json()["error"]["message"]
+    )
 
 
 def _three_concurrent_greedy(url, dec, spec, base_tokens):
@@ -119,9 +143,17 @@ def _three_concurrent_greedy(url, dec, spec, base_tokens):
     out = [None] * 3
 
     def run(i):
-        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": prompts[i], "max_tokens": base_tokens + i, "temperature": 0, "ignore_eos": True,
-            "spec": spec}).json()
+        out[i] = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "prompt": prompts[i],
+                "max_tokens": base_tokens + i,
+                "temperature": 0,
+                "ignore_eos": True,
+                "spec": spec,
+            },
+        ).json()
 
     ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in ts:
@@ -131,12 +163,23 @@ def _three_concurrent_greedy(url, dec, spec, base_tokens):
     return out, [ref(dec, p, base_tokens + i) for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("spec", [{"method": "prompt_lookup", "branches": 3}, {"method": "draft_model", "tree": "static"},
-                                  {"method": "draft_model", "tree": "dynamic", "k": 3}, {"method": "suffix"},
-                                  {"method": "token_recycling"}, {"method": "lookahead"},
-                                  {"method": "early_exit", "exit_layer": 1}, {"method": "layer_skip", "skip_layers": [1]},
-                                  {"method": "early_exit", "exit_layer": 1, "tree": "static"}, {"method": "auto"},
-                                  {"method": "hybrid"}, {"method": "cascade"}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "prompt_lookup", "branches": 3},
+        {"method": "draft_model", "tree": "static"},
+        {"method": "draft_model", "tree": "dynamic", "k": 3},
+        {"method": "suffix"},
+        {"method": "token_recycling"},
+        {"method": "lookahead"},
+        {"method": "early_exit", "exit_layer": 1},
+        {"method": "layer_skip", "skip_layers": [1]},
+        {"method": "early_exit", "exit_layer": 1, "tree": "static"},
+        {"method": "auto"},
+        {"method": "hybrid"},
+        {"method": "cascade"},
+    ],
+)
 def test_every_method_served_greedy_exact(tiny_server, spec):
     """Both schedulers accept every drafter (the batch one batches trees and self-speculation)."""
     url, app, dec, kind = tiny_server
@@ -162,9 +205,14 @@ def tiny_heads(tiny_server, tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("spec", [{"method": "medusa", "k": 2},
-                                  {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0]]},
-                                  {"method": "eagle", "k": 3}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "medusa", "k": 2},
+        {"method": "medusa", "tree": "static", "tree_choices": [[0], [1], [0, 0], [1, 0]]},
+        {"method": "eagle", "k": 3},
+    ],
+)
 def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
     """Both schedulers serve Medusa and EAGLE (the batch one batches them: per-row drafters on their
     rows' features); concurrent greedy requests equal plain decoding."""
@@ -178,10 +226,12 @@ def test_head_methods_served_greedy_exact(tiny_server, tiny_heads, spec):
 def test_bad_head_is_a_400_on_spec(tiny_server, tiny_heads):
     url, app, dec, kind = tiny_server
     body = {"prompt": [1, 2, 3], "max_tokens": 3}
-    cases = [({"method": "medusa", "head": "other"}, "resource 'other' is not available"),  # another target's
-             ({"method": "eagle", "head": "medusa"}, "resource 'medusa' is not available"),  # a medusa head
-             ({"method": "medusa", "head": "missing"}, "resource 'missing' is not available"),
-             ({"method": "medusa", "head": str(tiny_heads["medusa"])}, "may not name a file path")]
+    cases = [
+        ({"method": "medusa", "head": "other"}, "resource 'other' is not available"),  # another target's
+        ({"method": "eagle", "head": "medusa"}, "resource 'medusa' is not available"),  # a medusa head
+        ({"method": "medusa", "head": "missing"}, "resource 'missing' is not available"),
+        ({"method": "medusa", "head": str(tiny_heads["medusa"])}, "may not name a file path"),
+    ]
     for spec, fragment in cases:
         r = httpx.post(url + "/v1/completions", json={**body, "spec": spec}, timeout=60)
         err = r.json()["error"]
@@ -197,8 +247,13 @@ def test_auto_with_an_eagle3_head_is_served(tmp_path):
 
     dec = tiny_pair()
     head = save_eagle3_head(dec.target, tmp_path / "h3")
-    with running_server(dec, model_name="tiny", default_spec={"method": "auto", "head": str(head)}, max_batch=4,
-                        resources={"head": {"h3": str(head)}}) as (url, app):
+    with running_server(
+        dec,
+        model_name="tiny",
+        default_spec={"method": "auto", "head": str(head)},
+        max_batch=4,
+        resources={"head": {"h3": str(head)}},
+    ) as (url, app):
         for spec in [None, {"method": "auto", "head": "h3"}, {"method": "auto", "head": "h3", "auto_arms": ["eagle3"]}]:
             out, refs = _three_concurrent_greedy(url, dec, spec, 6)
             assert [o["choices"][0]["text"] for o in out] == refs, out
@@ -213,14 +268,25 @@ def test_concurrent_and_cancelled(tiny_server):
     out = [None] * 8
 
     def run(i):
-        out[i] = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": prompts[i], "max_tokens": 6 + i, "temperature": 0, "ignore_eos": True,
-            "spec": [{"method": "plain"}, {"method": "prompt_lookup"}, {"method": "draft_model", "k": 2}][i % 3]}
+        out[i] = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "prompt": prompts[i],
+                "max_tokens": 6 + i,
+                "temperature": 0,
+                "ignore_eos": True,
+                "spec": [{"method": "plain"}, {"method": "prompt_lookup"}, {"method": "draft_model", "k": 2}][i % 3],
+            },
         ).json()["choices"][0]["text"]
 
     def hang_up(i):
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                "prompt": prompts[i], "max_tokens": 200, "ignore_eos": True, "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json={"prompt": prompts[i], "max_tokens": 200, "ignore_eos": True, "stream": True},
+        ) as s:
             for line in s.iter_lines():
                 if line.startswith("data: {"):
                     break
@@ -263,23 +329,48 @@ def test_loadtest_refuses_remote_urls(capsys):
 def test_loadtest_runs_against_a_local_server(tiny_server, tmp_path, capsys):
     url, app, dec, kind = tiny_server  # both schedulers
     out = tmp_path / "lt.json"
-    assert main(["loadtest", "--url", url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "5",
-                 "--timeout", "60", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "loadtest",
+                "--url",
+                url,
+                "--concurrency",
+                "1,3",
+                "--requests",
+                "3",
+                "--max-tokens",
+                "5",
+                "--timeout",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
     assert [(r["mode"], r["concurrency"], r["ok"]) for r in d["results"]] == [
-        ("spec", 1, 3), ("plain", 1, 3), ("spec", 3, 3), ("plain", 3, 3)]
+        ("spec", 1, 3),
+        ("plain", 1, 3),
+        ("spec", 3, 3),
+        ("plain", 3, 3),
+    ]
     assert all(r["output_tokens"] == 15 and r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0 for r in d["results"])
     assert d["results"][1]["drafted"] == 0 and d["results"][0]["drafted"] > 0
     assert "TTFT p50" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["serve", "--max-queue", "0"], "error: --max-queue must be >= 1, got 0"),
-    (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
-    (["serve", "--method", "medusa"], "error: method 'medusa' needs head=DIR (--head DIR)"),
-    (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
-    (["serve", "--host", "0.0.0.0"], "error: --host 0.0.0.0 is reachable from other machines: set --api-key KEY"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["serve", "--max-queue", "0"], "error: --max-queue must be >= 1, got 0"),
+        (["serve", "--method", "draft_model"], "error: --method draft_model needs --draft NAME"),
+        (["serve", "--method", "medusa"], "error: method 'medusa' needs head=DIR (--head DIR)"),
+        (["serve", "--timeout", "-1"], "error: --timeout must be > 0 seconds, got -1.0"),
+        (["serve", "--host", "0.0.0.0"], "error: --host 0.0.0.0 is reachable from other machines: set --api-key KEY"),
+    ],
+)
 def test_serve_argument_errors_before_loading(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -291,11 +382,19 @@ def test_seeded_request_same_alone_and_under_load(tiny_server):
     (in the batch scheduler they share its batch, where the batch rule would shrink their drafts);
     its usage says the seed pins the sample."""
     url, app, dec, kind = tiny_server
-    body = {"model": "tiny", "prompt": [1, 2, 3, 1, 2], "max_tokens": 16, "temperature": 0.9, "seed": 5,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": [1, 2, 3, 1, 2],
+        "max_tokens": 16,
+        "temperature": 0.9,
+        "seed": 5,
+        "ignore_eos": True,
+    }
     alone = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
-    others = [{"model": "tiny", "prompt": [4, 5, 4, 5, i], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-              for i in range(3)]
+    others = [
+        {"model": "tiny", "prompt": [4, 5, 4, 5, i], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        for i in range(3)
+    ]
     out = {}
 
     def send(i, b):
@@ -318,8 +417,11 @@ def test_api_key(open_metrics):
     t.tokenizer = StubTok()
     with running_server(SpecDecoder(t, None), api_key="s3cret", open_metrics=open_metrics) as (url, app):
         body = {"prompt": [1, 2, 3], "max_tokens": 2}
-        for headers, why in [({}, "missing API key"), ({"Authorization": "Bearer nope"}, "invalid API key"),
-                             ({"Authorization": "Basic s3cret"}, "invalid API key")]:
+        for headers, why in [
+            ({}, "missing API key"),
+            ({"Authorization": "Bearer nope"}, "invalid API key"),
+            ({"Authorization": "Basic s3cret"}, "invalid API key"),
+        ]:
             r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
             assert why in r.json()["error"]["message"] and r.headers["www-authenticate"] == "Bearer"
@@ -345,13 +447,24 @@ def _step_chunks(url, body):
 def test_include_steps_colours_every_token(tiny_server):
     """stream_options.include_steps: pieces rebuild the text exactly, accepted tokens add up to usage's."""
     url, app, dec, kind = tiny_server
-    body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "include_steps": True}, "spec": {"method": "prompt_lookup"}}
+    body = {
+        "prompt": [1, 2, 3, 1, 2, 3, 1, 2],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_steps": True},
+        "spec": {"method": "prompt_lookup"},
+    }
     chunks = _step_chunks(url, body)
     usage = chunks[-1]["usage"]
     steps = [c["specdraft"] for c in chunks if "specdraft" in c]
-    assert all("".join(p[0] for p in sd["pieces"]) == c["choices"][0]["text"] for c in chunks if "specdraft" in c
-               for sd in [c["specdraft"]])
+    assert all(
+        "".join(p[0] for p in sd["pieces"]) == c["choices"][0]["text"]
+        for c in chunks
+        if "specdraft" in c
+        for sd in [c["specdraft"]]
+    )
     tokens = [t for sd in steps for t in sd["tokens"]]
     assert [t["index"] for t in tokens] == list(range(usage["completion_tokens"]))
     assert sum(t["accepted"] for t in tokens) == usage["accepted"] > 0
@@ -360,17 +473,23 @@ def test_include_steps_colours_every_token(tiny_server):
     plain = _step_chunks(url, {**body, "stream_options": {"include_usage": True}})  # without: no extension field
     assert not any("specdraft" in c for c in plain)
     assert "".join(c["choices"][0]["text"] for c in plain if c["choices"]) == "".join(
-        c["choices"][0]["text"] for c in chunks if c["choices"])
+        c["choices"][0]["text"] for c in chunks if c["choices"]
+    )
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"stream_options": {"include_steps": 1}}, "stream_options.include_steps"),
-    ({"stream_options": {"include_steps": True}, "stream": False}, "stream_options.include_steps"),
-    ({"stream_options": {"include_steps": True}, "stream_mode": "fixed"}, "stream_options.include_steps"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stream_options": {"include_steps": 1}}, "stream_options.include_steps"),
+        ({"stream_options": {"include_steps": True}, "stream": False}, "stream_options.include_steps"),
+        ({"stream_options": {"include_steps": True}, "stream_mode": "fixed"}, "stream_options.include_steps"),
+    ],
+)
 def test_include_steps_errors(tiny_server, extra, param):
     url = tiny_server[0]
-    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra}, timeout=30)
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
@@ -383,8 +502,11 @@ def test_methods_listing_and_page(tiny_server):
     assert by["draft_model"]["available"] and "static" in by["draft_model"]["trees"]
     assert not by["medusa"]["available"] and "head" in by["medusa"]["reason"]
     for m in doc["data"]:  # what the listing says is what a request gets
-        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0,
-                                                       "spec": {"method": m["id"]}}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "spec": {"method": m["id"]}},
+            timeout=60,
+        )
         assert (r.status_code == 200) == m["available"], (m["id"], r.text)
     assert doc["stream_mode"] == "normal"  # the page asks include_steps only then
     page, script, style = (httpx.get(url + p, timeout=30) for p in ("/", "/playground.js", "/playground.css"))
@@ -398,12 +520,15 @@ def test_nested_params_and_a_non_boolean_include_usage_are_400s():
     """On a server whose default is auto, spec.params was merged under the default's flat keys and dropped
     unread (auto ran its defaults); include_usage took any value."""
     with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "auto"}) as (url, app):
-        for extra, param in [({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-                             ({"spec": {"method": "auto", "params": {"learn_costs": "bogus"}}}, "spec.params"),
-                             ({"spec": {"params": {"learn_costs": False}}}, "spec.params"),
-                             ({"spec": {"method": "prompt_lookup", "params": {}}}, "spec.params")]:
-            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra},
-                           timeout=30)
+        for extra, param in [
+            ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+            ({"spec": {"method": "auto", "params": {"learn_costs": "bogus"}}}, "spec.params"),
+            ({"spec": {"params": {"learn_costs": False}}}, "spec.params"),
+            ({"spec": {"method": "prompt_lookup", "params": {}}}, "spec.params"),
+        ]:
+            r = httpx.post(
+                url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True, **extra}, timeout=30
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
@@ -424,7 +549,7 @@ def stream_pieces(tok, ids, sizes, stops=()):
     ts, trace, text, pieces = TextStream(tok, list(stops)), StepTrace(tok), "", ""
     i = 0
     for n in sizes:
-        new, i = ids[i:i + n], i + n
+        new, i = ids[i : i + n], i + n
         at = ts.sent
         delta = ts.push(new)
         text += delta

@@ -18,10 +18,10 @@ from server_util import REQUEST_COUNTS, metric_samples, running_server
 from specdraft.api import SpecDecoder, _cached
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
-from specdraft.drafters.base import NoDrafter
-from specdraft.engine import Engine, generate
 from specdraft.core.errors import SpecDraftError
 from specdraft.core.sampling import sample
+from specdraft.drafters.base import NoDrafter
+from specdraft.engine import Engine, generate
 from specdraft.server.pacing import StreamPacing
 from specdraft.server.scheduler import BaseWorker
 from test_server_fast import StubTok, tiny_pair
@@ -32,8 +32,9 @@ BODY = {"prompt": [1, 2, 3, 1, 2], "max_tokens": 6, "temperature": 0, "ignore_eo
 
 @pytest.fixture(scope="module")
 def batch_server():
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2},
-                        max_batch=4, timeout_s=60) as (url, app):
+    with running_server(
+        tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 2}, max_batch=4, timeout_s=60
+    ) as (url, app):
         yield url, app
 
 
@@ -41,21 +42,26 @@ def post(url, body, path="/v1/completions", **kw):
     return httpx.post(url + path, json=body, timeout=30, **kw)
 
 
-@pytest.mark.parametrize("spec,param", [
-    ({"method": "prompt_lookup", "schedule": "cost_aware", "k": 10**30}, "spec.k"),  # item 1: killed the worker
-    ({"method": "lookahead", "lookahead_window": 300, "lookahead_ngram": 300}, "spec.lookahead_window"),
-    ({"method": "lookahead", "lookahead_window": 60, "lookahead_max_ngrams": 60, "lookahead_ngram": 8},
-     "spec.lookahead_window"),
-    ({"method": "token_recycling", "recycle_branching": [4096]}, "spec.recycle_branching"),
-    ({"method": "prompt_lookup", "branches": 300}, "spec.branches"),
-    ({"method": "prompt_lookup", "branches": 20, "k": 20}, "spec.branches"),
-    ({"method": "draft_model", "tree": "static", "tree_branching": [300]}, "spec.tree_branching"),
-    ({"method": "draft_model", "tree": "dynamic", "tree_topk": 10**6}, "spec.tree_topk"),
-    ({"method": "draft_model", "tree": "dynamic", "tree_budget": 10**6}, "spec.tree_budget"),
-    ({"method": "suffix", "tree_nodes": 10**9}, "spec.tree_nodes"),
-    ({"method": "cascade", "cascade_k": 10**9}, "spec.cascade_k"),
-    ({"method": "hybrid", "retrieval_k": 10**9}, "spec.retrieval_k"),
-])
+@pytest.mark.parametrize(
+    "spec,param",
+    [
+        ({"method": "prompt_lookup", "schedule": "cost_aware", "k": 10**30}, "spec.k"),  # item 1: killed the worker
+        ({"method": "lookahead", "lookahead_window": 300, "lookahead_ngram": 300}, "spec.lookahead_window"),
+        (
+            {"method": "lookahead", "lookahead_window": 60, "lookahead_max_ngrams": 60, "lookahead_ngram": 8},
+            "spec.lookahead_window",
+        ),
+        ({"method": "token_recycling", "recycle_branching": [4096]}, "spec.recycle_branching"),
+        ({"method": "prompt_lookup", "branches": 300}, "spec.branches"),
+        ({"method": "prompt_lookup", "branches": 20, "k": 20}, "spec.branches"),
+        ({"method": "draft_model", "tree": "static", "tree_branching": [300]}, "spec.tree_branching"),
+        ({"method": "draft_model", "tree": "dynamic", "tree_topk": 10**6}, "spec.tree_topk"),
+        ({"method": "draft_model", "tree": "dynamic", "tree_budget": 10**6}, "spec.tree_budget"),
+        ({"method": "suffix", "tree_nodes": 10**9}, "spec.tree_nodes"),
+        ({"method": "cascade", "cascade_k": 10**9}, "spec.cascade_k"),
+        ({"method": "hybrid", "retrieval_k": 10**9}, "spec.retrieval_k"),
+    ],
+)
 def test_unbounded_spec_fields_are_400s_naming_the_field(batch_server, spec, param):
     """Items 1 and 9: every size a client picks is bounded; the 400 names the field; the worker lives on."""
     url, app = batch_server
@@ -120,6 +126,7 @@ def test_health_reports_a_dead_or_stuck_worker():
         class _G:
             def set(self, v):
                 pass
+
         queue_depth = running = _G()
 
     w = Ends(None, Metrics(), 4).start()
@@ -153,16 +160,21 @@ def test_fixed_only_hides_acceptance_and_paces_plain_answers():
     """Item 5: in fixed mode a non-streamed answer leaves on the stream's grid, and no usage (streamed
     or not) counts steps or accepted drafts."""
     pacing = StreamPacing(chunk_tokens=4, interval_s=0.2, pad_bytes=0, locked=True)
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 4},
-                        stream_pacing=pacing) as (url, app):
+    with running_server(
+        tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 4}, stream_pacing=pacing
+    ) as (url, app):
         t0 = time.monotonic()
         r = post(url, {**BODY, "max_tokens": 8})
         took = time.monotonic() - t0
         assert r.status_code == 200 and took >= 0.35, took  # 8 tokens = 2 chunks: ticks 1 and 2, then the end
         u = r.json()["usage"]
         assert u["completion_tokens"] == 8 and not {"steps", "drafted", "accepted", "acceptance_rate"} & set(u)
-        with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
-                **BODY, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=30,
+            json={**BODY, "stream": True, "stream_options": {"include_usage": True}},
+        ) as s:
             raw = s.read().decode()
         usage = [json.loads(e[6:])["usage"] for e in raw.split("\n\n") if e.startswith("data: {") and '"usage"' in e]
         assert usage and not {"steps", "drafted", "accepted"} & set(usage[-1])
@@ -174,8 +186,12 @@ def test_request_paths_are_refused_without_opening_them(batch_server, tmp_path):
     url, app = batch_server
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    for spec in [{"method": "layer_skip", "skip_config": str(fifo)}, {"method": "suffix", "datastore": "/etc"},
-                 {"method": "medusa", "head": "/etc/hostname"}, {"method": "auto", "autotune": "/dev/zero"}]:
+    for spec in [
+        {"method": "layer_skip", "skip_config": str(fifo)},
+        {"method": "suffix", "datastore": "/etc"},
+        {"method": "medusa", "head": "/etc/hostname"},
+        {"method": "auto", "autotune": "/dev/zero"},
+    ]:
         r = post(url, {**BODY, "spec": spec})
         field = next(k for k in spec if k != "method")
         err = r.json()["error"]
@@ -238,10 +254,19 @@ def test_grammar_complete_before_min_tokens_ends_with_eos(smol_f32):
     grammar forbids ([94, 95, 0, 0, 0, 0, 2]), sampling drew from NaN and failed the whole batch. Now the
     complete grammar ends the output (EOS wins over min_tokens), next to a normal request that decodes
     exactly as alone."""
-    with running_server(SpecDecoder(smol_f32, None), model_name="smol", max_batch=4,
-                        default_spec={"method": "prompt_lookup"}, timeout_s=120) as (url, app):
-        base = {"prompt": "Answer yes or no: is the sky blue?", "guided_choice": ["yes", "no"], "min_tokens": 6,
-                "max_tokens": 8}
+    with running_server(
+        SpecDecoder(smol_f32, None),
+        model_name="smol",
+        max_batch=4,
+        default_spec={"method": "prompt_lookup"},
+        timeout_s=120,
+    ) as (url, app):
+        base = {
+            "prompt": "Answer yes or no: is the sky blue?",
+            "guided_choice": ["yes", "no"],
+            "min_tokens": 6,
+            "max_tokens": 8,
+        }
         normal = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         want = post(url, normal).json()["choices"][0]["text"]
         out = {}
@@ -249,9 +274,14 @@ def test_grammar_complete_before_min_tokens_ends_with_eos(smol_f32):
         def send(name, body):
             out[name] = httpx.post(url + "/v1/completions", json=body, timeout=120)
 
-        ts = [threading.Thread(target=send, args=a) for a in
-              [("greedy", {**base, "temperature": 0}), ("sampled", {**base, "temperature": 1.0, "seed": 1}),
-               ("normal", normal)]]
+        ts = [
+            threading.Thread(target=send, args=a)
+            for a in [
+                ("greedy", {**base, "temperature": 0}),
+                ("sampled", {**base, "temperature": 1.0, "seed": 1}),
+                ("normal", normal),
+            ]
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -355,17 +385,27 @@ def moved_by_one_request(url, body, headers=None, victim=None) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
-@pytest.mark.parametrize("settings", [
-    {"stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0, locked=True)},  # fixed-only, keyless
-    {"stream_mode": "fixed", "api_key": "k3y", "open_metrics": True,
-     "stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0)},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {
+            "stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0, locked=True)
+        },  # fixed-only, keyless
+        {
+            "stream_mode": "fixed",
+            "api_key": "k3y",
+            "open_metrics": True,
+            "stream_pacing": StreamPacing(chunk_tokens=4, interval_s=0.02, pad_bytes=0),
+        },
+    ],
+)
 def test_fixed_mode_metrics_do_not_reveal_a_requests_acceptance(settings):
     """/metrics read around one non-streamed prompt_lookup request gave its drafted / accepted / steps exactly,
     what fixed mode hides from usage and /health. Now a fixed-mode server shows what the engine moves per
     request to the API key's holders only; the observer sees the request counted, nothing else."""
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4},
-                        **settings) as (url, app):
+    with running_server(
+        tiny_pair(), model_name="tiny", default_spec={"method": "prompt_lookup", "k": 4}, **settings
+    ) as (url, app):
         key = {"Authorization": "Bearer k3y"} if settings.get("api_key") else None
         for prompt in ([1, 2, 3, 1, 2, 3, 1, 2, 3], [5, 9, 2, 14, 7]):  # repetitive (accepts) and novel
             moved = moved_by_one_request(url, {**BODY, "prompt": prompt, "max_tokens": 8}, victim=key)
@@ -378,7 +418,9 @@ def test_fixed_mode_metrics_do_not_reveal_a_requests_acceptance(settings):
 
             with app_in_thread(create_front([url], api_key="k3y", open_metrics=True)) as front:  # replicas' front
                 for headers, shown in [({}, False), ({"Authorization": "Bearer k3y"}, True)]:
-                    names = {n for n, _ in metric_samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)}
+                    names = {
+                        n for n, _ in metric_samples(httpx.get(front + "/metrics", headers=headers, timeout=10).text)
+                    }
                     assert "specdraft_requests_total" in names and ("specdraft_verify_steps_total" in names) == shown
 
 
@@ -388,11 +430,17 @@ def test_resource_errors_name_the_resource_not_its_path(tmp_path):
     secret = tmp_path / "secret-layout"
     secret.mkdir()
     (secret / "skip.json").write_text('{"skip_layers": [0], "num_layers": 99}')  # another model's
-    table = {"datastore": {"ds": str(secret / "nonexistent"), "dir": str(secret)},
-             "skip_config": {"other": str(secret / "skip.json"), "dir": str(secret)}}
+    table = {
+        "datastore": {"ds": str(secret / "nonexistent"), "dir": str(secret)},
+        "skip_config": {"other": str(secret / "skip.json"), "dir": str(secret)},
+    }
     with running_server(tiny_pair(), model_name="tiny", resources=table) as (url, app):
-        for field, name, method in [("datastore", "ds", "suffix"), ("datastore", "dir", "suffix"),
-                                    ("skip_config", "other", "layer_skip"), ("skip_config", "dir", "layer_skip")]:
+        for field, name, method in [
+            ("datastore", "ds", "suffix"),
+            ("datastore", "dir", "suffix"),
+            ("skip_config", "other", "layer_skip"),
+            ("skip_config", "dir", "layer_skip"),
+        ]:
             r = post(url, {**BODY, "spec": {"method": method, field: name}})
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == f"spec.{field}", r.text
@@ -405,9 +453,13 @@ def test_serve_refuses_resources_that_are_not_what_their_field_reads(tmp_path, c
     fifo, d = tmp_path / "fifo", tmp_path / "dir"
     os.mkfifo(fifo)
     d.mkdir()
-    for item, why in [(f"skip_config:s={fifo}", "not a regular file"), (f"skip_config:s={d}", "not a regular file"),
-                      (f"datastore:ds={fifo}", "not a directory"), (f"head:h={tmp_path / 'none'}", "no such file"),
-                      (f"datastore:ds={d}", "meta.json: no such file")]:
+    for item, why in [
+        (f"skip_config:s={fifo}", "not a regular file"),
+        (f"skip_config:s={d}", "not a regular file"),
+        (f"datastore:ds={fifo}", "not a directory"),
+        (f"head:h={tmp_path / 'none'}", "no such file"),
+        (f"datastore:ds={d}", "meta.json: no such file"),
+    ]:
         assert main(["serve", "--resource", item]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: --resource {item}: {why}") and err.count("\n") == 1, err
@@ -423,8 +475,9 @@ def test_a_blocking_resource_is_reached_by_the_timeout_and_by_shutdown(tmp_path,
     os.mkfifo(fifo)
     monkeypatch.setattr(resources, "problem", lambda field, path: None)  # as if it changed after the check
     try:
-        with running_server(tiny_pair(), model_name="tiny", timeout_s=1.0,
-                            resources={"skip_config": {"s": str(fifo)}}) as (url, app):
+        with running_server(
+            tiny_pair(), model_name="tiny", timeout_s=1.0, resources={"skip_config": {"s": str(fifo)}}
+        ) as (url, app):
             body = {**BODY, "spec": {"method": "layer_skip", "skip_config": "s"}}
             t0 = time.monotonic()
             r = post(url, body)
@@ -452,9 +505,11 @@ def test_a_blocked_resource_load_does_not_keep_the_process_alive(tmp_path):
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    code = ("import asyncio\nfrom specdraft.server.resources import _bounded\n"
-            f"async def main():\n    try:\n        await _bounded(lambda: open({str(fifo)!r}).read(), 0.3, lambda: False)\n"
-            "    except TimeoutError:\n        print('timeout')\nasyncio.run(main())\n")
+    code = (
+        "import asyncio\nfrom specdraft.server.resources import _bounded\n"
+        f"async def main():\n    try:\n        await _bounded(lambda: open({str(fifo)!r}).read(), 0.3, lambda: False)\n"
+        "    except TimeoutError:\n        print('timeout')\nasyncio.run(main())\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
     assert p.returncode == 0 and p.stdout.strip() == "timeout", p.stderr
 
@@ -484,8 +539,9 @@ def test_admission_reads_no_resource_file_again(tmp_path, monkeypatch, field, sw
     f.parent.mkdir()
     f.write_text(json.dumps(doc))
     try:
-        with running_server(tiny_pair(), model_name="tiny", timeout_s=3, max_batch=2,
-                            resources={field: {"r": str(f)}}) as (url, app):
+        with running_server(
+            tiny_pair(), model_name="tiny", timeout_s=3, max_batch=2, resources={field: {"r": str(f)}}
+        ) as (url, app):
             worker = app.state.worker
             real = worker._admit
 
@@ -495,6 +551,7 @@ def test_admission_reads_no_resource_file_again(tmp_path, monkeypatch, field, sw
                     if swap == "fifo":
                         os.mkfifo(f)
                 return real(jobs)
+
             monkeypatch.setattr(worker, "_admit", swapped_then_admitted)
             body = {**BODY, "spec": {"method": method, field: "r"}}
             r = post(url, body)
@@ -545,9 +602,12 @@ def test_autotune_arm_paths_do_not_reach_clients(tmp_path):
 
 
 SURROGATES = [  # valid JSON ("\ud800" escaped), but no Unicode text: tokenizers and llguidance fail on it
-    ({"guided_regex": "a\ud800"}, "guided_regex"), ({"guided_choice": ["yes", "n\udfff"]}, "guided_choice[1]"),
-    ({"structured_outputs": {"regex": "\ud800"}}, "structured_outputs.regex"), ({"stop": ["\udc00"]}, "stop[0]"),
-    ({"spec": {"method": "\ud800"}}, "spec.method"), ({"logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ({"guided_regex": "a\ud800"}, "guided_regex"),
+    ({"guided_choice": ["yes", "n\udfff"]}, "guided_choice[1]"),
+    ({"structured_outputs": {"regex": "\ud800"}}, "structured_outputs.regex"),
+    ({"stop": ["\udc00"]}, "stop[0]"),
+    ({"spec": {"method": "\ud800"}}, "spec.method"),
+    ({"logit_bias": {"\ud800": 1}}, "logit_bias"),
     ({"prompt": "abc \ud800"}, "prompt"),
 ]
 
@@ -572,10 +632,11 @@ def test_lone_surrogates_in_text_a_tokenizer_reads_are_400s():
     with running_server(SpecDecoder(t, None), model_name="tiny") as (url, app):
         chat = lambda content: {"messages": [{"role": "user", "content": content}]}  # noqa: E731
         for path, body, param in [
-                ("/v1/completions", {"prompt": "abc \ud800"}, "prompt"),
-                ("/v1/completions", {"prompt": ["\udbff x"]}, "prompt[0]"),
-                ("/v1/chat/completions", chat("hi \ud800"), "messages[0].content"),
-                ("/v1/chat/completions", chat([{"type": "text", "text": "\udc00"}]), "messages[0].content[0].text")]:
+            ("/v1/completions", {"prompt": "abc \ud800"}, "prompt"),
+            ("/v1/completions", {"prompt": ["\udbff x"]}, "prompt[0]"),
+            ("/v1/chat/completions", chat("hi \ud800"), "messages[0].content"),
+            ("/v1/chat/completions", chat([{"type": "text", "text": "\udc00"}]), "messages[0].content[0].text"),
+        ]:
             r = httpx.post(url + path, content=json.dumps({**body, "max_tokens": 2}), headers=JSON, timeout=30)
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == param and "surrogate" in err["message"], r.text

@@ -20,9 +20,28 @@ pytestmark = pytest.mark.slow
 
 def start(model, port, *extra):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "specdraft.cli", "serve", "--target", str(model), "--dtype", "float32",
-                          "--port", str(port), "--method", "plain", "--max-batch", "4", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdraft.cli",
+            "serve",
+            "--target",
+            str(model),
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--method",
+            "plain",
+            "--max-batch",
+            "4",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def up():
@@ -31,6 +50,7 @@ def start(model, port, *extra):
         except httpx.HTTPError:
             assert p.poll() is None, p.stdout.read().decode()
             return False
+
     wait_until(up, timeout=120, every=0.2)
     return p, url
 
@@ -81,8 +101,10 @@ def test_a_failing_row_gets_500_and_the_batch_decodes_on(smol_f32, monkeypatch):
                 if calls[0] == 3:
                     raise RuntimeError("injected drafter fault")
                 return propose(tokens, k)
+
             d.propose = failing
         return d
+
     monkeypatch.setattr(dec, "make_drafter", make_drafter)
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     want = [dec.generate(p, sampling={"max_new_tokens": 16}, spec={"method": "plain"}).text for p in prompts]
@@ -92,8 +114,11 @@ def test_a_failing_row_gets_500_and_the_batch_decodes_on(smol_f32, monkeypatch):
         def send(i, spec):
             body = {"model": "smol", "prompt": prompts[i % 3], "max_tokens": 16, "temperature": 0, "spec": spec}
             res[i] = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        ths = [threading.Thread(target=send, args=(i, {"method": "prompt_lookup", "min_ngram": 2 if i == 3 else 1}))
-               for i in range(4)]
+
+        ths = [
+            threading.Thread(target=send, args=(i, {"method": "prompt_lookup", "min_ngram": 2 if i == 3 else 1}))
+            for i in range(4)
+        ]
         for t in ths:
             t.start()
         for t in ths:

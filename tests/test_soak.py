@@ -16,8 +16,7 @@ def test_reduced_soak(smol_f32, smol_draft4):
     from test_server import decoder
 
     with running_server(decoder(smol_f32, smol_draft4), max_batch=16, max_queue=256, timeout_s=300) as (url, app):
-        out = run_soak(url, None, [8], 8, 24, ["prompt_lookup", "plain", "draft_model"], timeout=300,
-                       lengths=(8, 16))
+        out = run_soak(url, None, [8], 8, 24, ["prompt_lookup", "plain", "draft_model"], timeout=300, lengths=(8, 16))
     for row in out["levels"]:
         assert row["completed"] == row["requests"], row
     g = out["greedy"]

@@ -15,7 +15,7 @@ from conftest import tiny_llama
 from server_util import running_server
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
-from specdraft.server.pacing import StreamPacing, keepalive, pad, paced
+from specdraft.server.pacing import StreamPacing, keepalive, paced, pad
 from test_server_fast import StubTok, tiny_pair
 
 
@@ -63,6 +63,7 @@ def test_paced_regroups_into_fixed_chunks_on_ticks(delay_s):
 def test_paced_sends_errors_on_the_grid_after_buffered_tokens():
     """An error is paced like the end: the tokens buffered before it go out first, in chunks on ticks,
     then the error on the next tick (its time must not tell when a step failed)."""
+
     async def source():
         yield "tokens", ([1, 2, 3, 4, 5], None)
         yield "error", "boom"
@@ -73,7 +74,11 @@ def test_paced_sends_errors_on_the_grid_after_buffered_tokens():
 
     out = asyncio.run(collect())
     assert [(k, p if k == "error" else p[0]) for _, k, p in out] == [
-        ("tokens", [1, 2]), ("tokens", [3, 4]), ("tokens", [5]), ("error", "boom")]
+        ("tokens", [1, 2]),
+        ("tokens", [3, 4]),
+        ("tokens", [5]),
+        ("error", "boom"),
+    ]
     # each event on its own tick of the grid, never ahead of it (the first one interval after the tokens);
     # a late event does not move the ticks after it, so gaps between events are not checked (a late one
     # then an on-time one gave 62 ms and 43 ms on a loaded 2-core CI machine, 2026-12-03)
@@ -92,8 +97,13 @@ def test_padding_makes_equal_sizes():
 @pytest.fixture(scope="module")
 def fixed_server():
     pacing = StreamPacing(chunk_tokens=3, interval_s=0.05, pad_bytes=512)
-    with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 4},
-                        stream_mode="fixed", stream_pacing=pacing) as (url, app):
+    with running_server(
+        tiny_pair(),
+        model_name="tiny",
+        default_spec={"method": "draft_model", "k": 4},
+        stream_mode="fixed",
+        stream_pacing=pacing,
+    ) as (url, app):
         yield url
 
 
@@ -133,8 +143,9 @@ def test_fixed_stream_through_openai_client(fixed_server):
     client = OpenAI(base_url=fixed_server + "/v1", api_key="none")
     body = {"model": "tiny", "prompt": [4, 5, 4, 5], "max_tokens": 10, "temperature": 0}
     want = client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0].text
-    got = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True,
-                                                                      extra_body={"ignore_eos": True}))
+    got = "".join(
+        c.choices[0].text for c in client.completions.create(**body, stream=True, extra_body={"ignore_eos": True})
+    )
     assert got == want and len(want) == 10
 
 

@@ -16,10 +16,16 @@ from specdraft.engine import Job, generate_batch
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "languages", "born"],
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "languages": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
-                         "born": {"type": "integer", "minimum": 1000, "maximum": 2100}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "languages", "born"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+        "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
+    },
+}
 PROMPTS = ["Describe Ada Lovelace as JSON.", "Write JSON about Grace Hopper, the programmer."]  # 2 (CI time)
 REGEX = r"(The answer is [0-9]{1,4}\.|I do not know\.)"
 CONSTRAINTS = {"json": dict(json_schema=PERSON), "regex": dict(regex=REGEX, frequency_penalty=0.4)}
@@ -40,8 +46,10 @@ def smol(smol_f32, smol_draft4):
     from specdraft.api import SpecDecoder
     from specdraft.models.hf import HFModel
 
-    return SpecDecoder(HFModel(smol_f32.model, smol_f32.tokenizer, name="smol"),
-                       HFModel(smol_draft4.model, smol_draft4.tokenizer, name="smol-4"))
+    return SpecDecoder(
+        HFModel(smol_f32.model, smol_f32.tokenizer, name="smol"),
+        HFModel(smol_draft4.model, smol_draft4.tokenizer, name="smol-4"),
+    )
 
 
 @pytest.fixture(scope="module")

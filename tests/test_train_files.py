@@ -56,9 +56,37 @@ def test_appended_jsonl_cuts_a_torn_last_line(tmp_path):
 
 
 def eagle3(tiny_dir, data, out, steps=2, *extra):
-    return ["train", "eagle3", "--target", tiny_dir, "--data", data, "-o", out, "--steps", steps, "--threads", 1,
-            "--max-new-tokens", 8, "--gen-backend", "hf", "--intermediate-size", 32, "--draft-vocab", 300,
-            "--ttt-steps", 2, "--checkpoint-every", 2, "--gen-batch", 2, "--device", "cpu", *extra]
+    return [
+        "train",
+        "eagle3",
+        "--target",
+        tiny_dir,
+        "--data",
+        data,
+        "-o",
+        out,
+        "--steps",
+        steps,
+        "--threads",
+        1,
+        "--max-new-tokens",
+        8,
+        "--gen-backend",
+        "hf",
+        "--intermediate-size",
+        32,
+        "--draft-vocab",
+        300,
+        "--ttt-steps",
+        2,
+        "--checkpoint-every",
+        2,
+        "--gen-batch",
+        2,
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def cut_in_row(f, row: int) -> None:
@@ -104,6 +132,7 @@ def test_eagle3_features_of_a_changed_answer_are_made_again(tmp_path, tiny_dir):
 # --- nothing in -o DIR is unpickled into code ----------------------------------------------------------
 class Planted:
     """A pickle that runs a shell command when loaded."""
+
     def __init__(self, marker):
         self.marker = str(marker)
 
@@ -121,7 +150,7 @@ def test_planted_pickles_do_not_run(tmp_path, tiny_dir, capsys):
     (out / "data.pt").unlink()
     assert main([str(a) for a in args]) == 0
     torch.save({"weights": Planted(marker), "step": 1}, out / "train_state.pt")
-    assert "could run code" in one_error(capsys, args[:-len(common) - 2] + ["--steps", 2, "--resume", *common])
+    assert "could run code" in one_error(capsys, args[: -len(common) - 2] + ["--steps", 2, "--resume", *common])
     assert not marker.exists()
 
 
@@ -130,8 +159,13 @@ class Stopped(Exception):
     pass
 
 
-@pytest.mark.parametrize("kind,extra", [("medusa", ["--batch-size", 16, "--heads", 2, "--lr", 1e-2]),
-                                        ("eagle", ["--batch-size", 1, "--lr", 3e-3, "--draft-vocab", 300])])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("medusa", ["--batch-size", 16, "--heads", 2, "--lr", 1e-2]),
+        ("eagle", ["--batch-size", 1, "--lr", 3e-3, "--draft-vocab", 300]),
+    ],
+)
 def test_resume_after_a_stop_between_renames_equals_an_uninterrupted_run(tmp_path, tiny_dir, monkeypatch, kind, extra):
     """Stopped at step 9 after head.safetensors was renamed into place and before train_state.pt was: the
     directory holds step 9's head and step 6's training state. --resume to 12 ends where 12 straight steps do."""
@@ -149,6 +183,7 @@ def test_resume_after_a_stop_between_renames_equals_an_uninterrupted_run(tmp_pat
             if len(renames) == 3:  # step 9's
                 raise Stopped
         return real(self, target)
+
     with monkeypatch.context() as m:
         m.setattr(type(stopped), "replace", replace)
         with pytest.raises(Stopped):
@@ -190,20 +225,27 @@ def edit_aux(d, ids):
 
 def past_vocab(d):
     st = load_file(str(d / "head.safetensors"))
-    st["draft_ids"][-1] = 10 ** 6
+    st["draft_ids"][-1] = 10**6
     save_file(st, str(d / "head.safetensors"))
 
 
 BAD_HEADS = {  # kind, damage, what the error says
     "config random bytes": ("eagle", lambda d: (d / "config.json").write_bytes(bytes(range(256))), "not UTF-8"),
-    "config a directory": ("eagle", lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()),
-                           "needs config.json"),
-    "weights truncated": ("eagle", lambda d: (d / "head.safetensors").write_bytes((d / "head.safetensors")
-                                                                                  .read_bytes()[:1000]),
-                          "holds no head weights"),
-    "weights /etc/passwd": ("eagle", lambda d: ((d / "head.safetensors").unlink(),
-                                                (d / "head.safetensors").symlink_to("/etc/passwd")),
-                            "holds no head weights"),
+    "config a directory": (
+        "eagle",
+        lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()),
+        "needs config.json",
+    ),
+    "weights truncated": (
+        "eagle",
+        lambda d: (d / "head.safetensors").write_bytes((d / "head.safetensors").read_bytes()[:1000]),
+        "holds no head weights",
+    ),
+    "weights /etc/passwd": (
+        "eagle",
+        lambda d: ((d / "head.safetensors").unlink(), (d / "head.safetensors").symlink_to("/etc/passwd")),
+        "holds no head weights",
+    ),
     "draft_vocab -1": ("eagle", lambda d: edit_config(d, draft_vocab=-1), "draft_vocab must be an integer >= 1"),
     "draft_vocab missing": ("eagle3", lambda d: edit_config(d, draft_vocab_size=None), "d2t must hold"),
     "layers abc": ("eagle3", lambda d: edit_aux(d, "abc"), "aux layer ids must be a list of 3 integers"),
@@ -218,16 +260,32 @@ def test_bad_head_directory_is_one_error_line(tmp_path, tiny_dir, heads, capsys,
     d = tmp_path / "head"
     shutil.copytree(heads[kind], d, ignore=shutil.ignore_patterns("data*"))
     damage(d)
-    args = ["generate", "--target", tiny_dir, "--dtype", "float32", "--method", kind, "--head", d,
-            "--max-new-tokens", 2, "hi"]
+    args = [
+        "generate",
+        "--target",
+        tiny_dir,
+        "--dtype",
+        "float32",
+        "--method",
+        kind,
+        "--head",
+        d,
+        "--max-new-tokens",
+        2,
+        "hi",
+    ]
     assert says in one_error(capsys, args)
 
 
 RESUME_DAMAGE = {
-    "train_state torn": (lambda d: (d / "train_state.pt").write_bytes((d / "train_state.pt").read_bytes()[:500]),
-                         "training state"),
-    "train_state of another version": (lambda d: torch.save({"optimizer": {}, "step": 1}, d / "train_state.pt"),
-                                       "not a checkpoint of this specdraft version"),
+    "train_state torn": (
+        lambda d: (d / "train_state.pt").write_bytes((d / "train_state.pt").read_bytes()[:500]),
+        "training state",
+    ),
+    "train_state of another version": (
+        lambda d: torch.save({"optimizer": {}, "step": 1}, d / "train_state.pt"),
+        "not a checkpoint of this specdraft version",
+    ),
     "config not JSON": (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
     "config of no head type": (lambda d: edit_config(d, architectures=None), "no valid head type"),
 }
@@ -266,7 +324,7 @@ def test_hostile_prompt_files_are_one_error_line(tmp_path, tiny_dir, capsys, cas
         load_prompts(f)
     assert says in one_error(capsys, ["train", "medusa", "--target", tiny_dir, "--data", f, "-o", tmp_path / "h"])
     f.write_bytes(b'{"prompt": "a \\ud83d\\ude00 pair"}\n')  # an escaped pair is fine
-    assert load_prompts(f)[0]["prompt"] == "a \U0001F600 pair"
+    assert load_prompts(f)[0]["prompt"] == "a \U0001f600 pair"
 
 
 def test_eagle3_train_only_trains_on_the_data_as_it_is(tmp_path, tiny_dir, capsys):
@@ -277,20 +335,25 @@ def test_eagle3_train_only_trains_on_the_data_as_it_is(tmp_path, tiny_dir, capsy
     before = {f.name: f.read_bytes() for f in (out / "data").iterdir()}
     train_only = [str(a) for a in eagle3(tiny_dir, data, out, 2)]
     i = train_only.index("--data")
-    del train_only[i: i + 2]
+    del train_only[i : i + 2]
     assert main(train_only + ["--train-only"]) == 0
     assert json.loads((out / "config.json").read_text())["specdraft"]["step"] == 2
     assert {f.name: f.read_bytes() for f in (out / "data").iterdir()} == before  # nothing made
-    assert "--train-only trains on -o DIR/data as it is" in one_error(capsys, eagle3(tiny_dir, data, out, 2,
-                                                                                          "--train-only"))
+    assert "--train-only trains on -o DIR/data as it is" in one_error(
+        capsys, eagle3(tiny_dir, data, out, 2, "--train-only")
+    )
 
 
 def test_eagle3_threads_are_the_threads_asked(tmp_path, tiny_dir):
     """--threads sets the threads the data and training run on (llama.cpp's follow torch's)."""
     was = torch.get_num_threads()
     try:
-        args = [str(a) for a in eagle3(tiny_dir, write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]), tmp_path / "h",
-                                       1, "--data-only")]
+        args = [
+            str(a)
+            for a in eagle3(
+                tiny_dir, write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]), tmp_path / "h", 1, "--data-only"
+            )
+        ]
         args[args.index("--threads") + 1] = "2"
         assert main(args) == 0 and torch.get_num_threads() == 2
     finally:

@@ -166,8 +166,8 @@ def exact_joint(Pp, d):
     significant)."""
     joint = Pp[0, PROMPT[0], PROMPT[1]]  # [V]
     for j in range(1, d):
-        prev2 = np.arange(V ** j) // V % V if j >= 2 else np.full(V, PROMPT[1])
-        prev1 = np.arange(V ** j) % V
+        prev2 = np.arange(V**j) // V % V if j >= 2 else np.full(V, PROMPT[1])
+        prev1 = np.arange(V**j) % V
         joint = (joint[:, None] * Pp[j, prev2, prev1]).ravel()
     return joint
 
@@ -207,8 +207,11 @@ CASES = [  # (sampling, branching per depth, sibling proposal kind)
 ]
 
 
-@pytest.mark.parametrize("sp,branching,kind", CASES,
-                         ids=[f"T{c[0].temperature}-k{c[0].top_k}-p{c[0].top_p}-b{''.join(map(str, c[1]))}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize(
+    "sp,branching,kind",
+    CASES,
+    ids=[f"T{c[0].temperature}-k{c[0].top_k}-p{c[0].top_p}-b{''.join(map(str, c[1]))}-{c[2]}" for c in CASES],
+)
 def test_tree_rejection_sampling_is_exact(sp, branching, kind):
     seqs, Pp, reached = simulate(sp, branching, kind)
     D = len(branching)
@@ -265,8 +268,11 @@ BROKEN = [  # (name, sampling, branching, kind, table seed)
     ("unchecked_from_depth3", T1, [4, 2, 1, 1, 1], "wor", 0),  # depths >= 3 accepted without the test
     ("stale_rows_from_depth3", TKP, [4, 2, 1, 1, 1], "wor", 0),  # depths >= 3 judged by the depth-2 row
 ]
-VERIFIERS = {"rows_by_token": by_token, "unchecked_from_depth3": unchecked_from(3),
-             "stale_rows_from_depth3": stale_rows_from(3)}
+VERIFIERS = {
+    "rows_by_token": by_token,
+    "unchecked_from_depth3": unchecked_from(3),
+    "stale_rows_from_depth3": stale_rows_from(3),
+}
 
 
 @pytest.mark.parametrize("bug,sp,branching,kind,seed", BROKEN, ids=[b[0] for b in BROKEN])

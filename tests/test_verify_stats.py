@@ -155,16 +155,19 @@ def test_sampler_draws_each_row_from_its_distribution(sampler, fits):
     weight 0 is never drawn. The broken variant must fail."""
     from specdraft.core.sampling import sample
 
-    rows = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
-                         [3.0, 1.0, 0.0, 0.0, 2.0, 4.0],   # unnormalized
-                         [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])  # one possible token, last
+    rows = torch.tensor(
+        [
+            [0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
+            [3.0, 1.0, 0.0, 0.0, 2.0, 4.0],  # unnormalized
+            [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        ]
+    )  # one possible token, last
     n = 60_000
     g = torch.Generator().manual_seed(7)
     draw = sample if sampler == "sample" else _off_by_one
     x = draw(rows[:, None, :].expand(3, n, V), g)  # [3, n]
     assert x.shape == (3, n)
-    pvals = [fit_pvalue(np.bincount(x[r].numpy(), minlength=V), (rows[r] / rows[r].sum()).numpy())
-             for r in range(3)]
+    pvals = [fit_pvalue(np.bincount(x[r].numpy(), minlength=V), (rows[r] / rows[r].sum()).numpy()) for r in range(3)]
     assert (min(pvals) > 1e-4) == fits, pvals
 
 

@@ -63,8 +63,8 @@ def main() -> None:
     sys.path.insert(0, a.before)
     import specdraft
     from specdraft.core import prompts as data
-    from specdraft.models.loading import set_threads
     from specdraft.models.backends import load_model
+    from specdraft.models.loading import set_threads
 
     old = importlib.import_module("specdraft_before")
     old_api = importlib.import_module("specdraft_before.api")
@@ -72,16 +72,19 @@ def main() -> None:
     threads = set_threads(None)
     t, d = load_model(a.target, a.dtype), load_model(a.draft, a.dtype)
     new_dec = specdraft.SpecDecoder(t, d)
-    old_dec = old_api.SpecDecoder(old_adapter.HFModel(t.model, t.tokenizer, t.name),
-                                  old_adapter.HFModel(d.model, d.tokenizer, d.name))
+    old_dec = old_api.SpecDecoder(
+        old_adapter.HFModel(t.model, t.tokenizer, t.name), old_adapter.HFModel(d.model, d.tokenizer, d.name)
+    )
     rows = data.select(data.load_prompts(), preset="core18")
     by_task: dict[str, dict] = {}
     for r in rows:
         by_task.setdefault(r["task"], r)
     prompts = [new_dec.encode(r["prompt"], chat=True) for r in list(by_task.values())[: a.prompts]]
     methods = a.methods.split(",")
-    versions = {"before": (old_dec, old.SamplingParams, old.SpecConfig),
-                "after": (new_dec, specdraft.SamplingParams, specdraft.SpecConfig)}
+    versions = {
+        "before": (old_dec, old.SamplingParams, old.SpecConfig),
+        "after": (new_dec, specdraft.SamplingParams, specdraft.SpecConfig),
+    }
 
     def run(v, m, ids):
         dec, SP, SC = versions[v]
@@ -108,20 +111,39 @@ def main() -> None:
             if out["before"] != out["after"]:
                 gaps.append({"method": m, "prompt": i, **divergence(t, ids, out["before"], out["after"])})
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
-    res = {"cpu": cpu_name(), "threads": threads, "target": a.target, "draft": a.draft, "dtype": a.dtype,
-           "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "rows": []}
+    res = {
+        "cpu": cpu_name(),
+        "threads": threads,
+        "target": a.target,
+        "draft": a.draft,
+        "dtype": a.dtype,
+        "max_new_tokens": a.max_new_tokens,
+        "prompts": len(prompts),
+        "rows": [],
+    }
     print(f"CPU: {res['cpu']}, {threads} threads, {a.dtype}, {len(prompts)} prompts x {a.max_new_tokens} tokens")
     print("| method | before tok/s | after tok/s | after / before | identical outputs |")
     print("|---|---|---|---|---|")
     for m in methods:
         b, n = tot["before", m], tot["after", m]
         rb, rn = b[0] / b[1], n[0] / n[1]
-        res["rows"].append({"method": m, "before_tok_s": rb, "after_tok_s": rn, "ratio": rn / rb,
-                            "identical": same[m], "before": b, "after": n})
+        res["rows"].append(
+            {
+                "method": m,
+                "before_tok_s": rb,
+                "after_tok_s": rn,
+                "ratio": rn / rb,
+                "identical": same[m],
+                "before": b,
+                "after": n,
+            }
+        )
         print(f"| {m} | {rb:.2f} | {rn:.2f} | {rn / rb:.3f} | {same[m]}/{len(prompts)} |")
     for g in gaps:
-        print(f"divergence: {g['method']} prompt {g['prompt']} at token {g['position']}, target top-2 logit gap "
-              f"{g['top2_gap']:.4f}")
+        print(
+            f"divergence: {g['method']} prompt {g['prompt']} at token {g['position']}, target top-2 logit gap "
+            f"{g['top2_gap']:.4f}"
+        )
     res["divergences"] = gaps
     if a.out:
         with open(a.out, "w") as f:

@@ -1,5 +1,6 @@
 """Write the head-training prompts: Spec-Bench questions minus the core18 bench prompts, every
 9th of the rest (spread over all tasks). Usage: python docs/results/make_head_train_prompts.py OUT.jsonl"""
+
 import json
 import sys
 
@@ -12,4 +13,8 @@ keep = [r for r in rows if r["question_id"] not in BENCH_IDS][::9]
 with open(sys.argv[1], "w") as f:
     for r in keep:
         f.write(json.dumps(r) + "\n")
-print(f"{len(keep)} prompts (of {len(rows)}; {len(rows) - len([r for r in rows if r['question_id'] not in BENCH_IDS])} bench prompts excluded) -> {sys.argv[1]}")
+print(
+    f"{len(keep)} prompts (of {len(rows)}; "
+    f"{len(rows) - len([r for r in rows if r['question_id'] not in BENCH_IDS])} bench prompts excluded) "
+    f"-> {sys.argv[1]}"
+)

@@ -8,8 +8,8 @@ reports total generated tokens / total wall seconds (prefill included), the spee
 at the same batch size, MAT and acceptance rate (all from specdraft.core.metrics), and, when greedy,
 how many rows equal plain's rows token for token. The batch policy is off unless --policy is given,
 so the raw crossover is what is measured; its defaults (config.SPEC_SHRINK_AT, config.SPEC_OFF_AT) are set from
-``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the smallest measured size from which it loses at every
-larger measured size.
+``crossover`` in the JSON: per method the batch sizes where speculation pays (speedup >= 1) and ``loses_from``, the
+smallest measured size from which it loses at every larger measured size.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import SpecDraftError
 from ..commands.flags import add_device_args
+from ..core.errors import SpecDraftError
 
 
 @dataclass(frozen=True)
 class BatchBenchOptions:
     """``specdraft batchbench``'s flags."""
+
     target: str
     draft: str | None = None
     draft_layers: int | None = None
@@ -60,10 +61,16 @@ def add_parser(sub):
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--methods", default="plain,draft_model",
-                   help="comma list of methods (plain is always run: it is the baseline), or labels defined in --specs")
-    p.add_argument("--specs", default=None,
-                   help='JSON file {label: SpecConfig} for variants, e.g. {"tree": {"method": "draft_model", "tree": "static"}}')
+    p.add_argument(
+        "--methods",
+        default="plain,draft_model",
+        help="comma list of methods (plain is always run: it is the baseline), or labels defined in --specs",
+    )
+    p.add_argument(
+        "--specs",
+        default=None,
+        help='JSON file {label: SpecConfig} for variants, e.g. {"tree": {"method": "draft_model", "tree": "static"}}',
+    )
     p.add_argument("--config", default=None, help="SpecConfig JSON merged under every method (flags override it)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument("--tree", default=None, choices=["chain", "static", "dynamic"])
@@ -156,10 +163,17 @@ def summarize(records: list[dict], labels: list[str], sizes: list[int]) -> tuple
         pt, pw = agg["plain"][0], agg["plain"][1]
         for lab, (tok, wall, steps, rs) in agg.items():
             exact = [r["greedy_exact"] for r in rs if r.get("greedy_exact") is not None]
-            s = {"batch_size": b, "method": lab, "tokens": tok, "wall_s": wall,
-                 "tokens_per_s": tokens_per_second(tok, wall), "speedup_vs_plain": speedup(tok, wall, pt, pw),
-                 "mat": mean_accepted_tokens(steps), "acceptance_rate": acceptance_rate(steps),
-                 "greedy_exact_rows": f"{sum(e[0] for e in exact)}/{sum(e[1] for e in exact)}" if exact else None}
+            s = {
+                "batch_size": b,
+                "method": lab,
+                "tokens": tok,
+                "wall_s": wall,
+                "tokens_per_s": tokens_per_second(tok, wall),
+                "speedup_vs_plain": speedup(tok, wall, pt, pw),
+                "mat": mean_accepted_tokens(steps),
+                "acceptance_rate": acceptance_rate(steps),
+                "greedy_exact_rows": f"{sum(e[0] for e in exact)}/{sum(e[1] for e in exact)}" if exact else None,
+            }
             rows.append(s)
     for lab in labels:
         if lab == "plain":
@@ -171,8 +185,7 @@ def summarize(records: list[dict], labels: list[str], sizes: list[int]) -> tuple
             if x is None or x >= 1.0:
                 break
             off_from = b
-        crossover[lab] = {"speedup_by_batch_size": {str(b): x for b, x in sp}, "pays_at": pays,
-                          "loses_from": off_from}
+        crossover[lab] = {"speedup_by_batch_size": {str(b): x for b, x in sp}, "pays_at": pays, "loses_from": off_from}
     return rows, crossover
 
 
@@ -223,19 +236,28 @@ class _Runner:
         dec, d = self.dec, self.specs[label]
         s = SamplingParams(**{**self.sp.to_dict(), "max_new_tokens": n_tokens})
         spec = SpecConfig.from_dict(d)
-        jobs = [Job(p, SamplingParams(**{**s.to_dict(), "seed": i}), dec.make_drafter(spec),
-                    length=dec.draft_length(spec), lossy=spec.lossy_rule()) for i, p in enumerate(seqs)]
+        jobs = [
+            Job(
+                p,
+                SamplingParams(**{**s.to_dict(), "seed": i}),
+                dec.make_drafter(spec),
+                length=dec.draft_length(spec),
+                lossy=spec.lossy_rule(),
+            )
+            for i, p in enumerate(seqs)
+        ]
         t0 = time.perf_counter()
-        out = generate_batch(dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy,
-                             max_batch=b)
+        out = generate_batch(
+            dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy, max_batch=b
+        )
         return out, time.perf_counter() - t0
 
 
 def main_batchbench(opts: BatchBenchOptions) -> int:
     from ..api import SpecDecoder
     from ..core.config import SamplingParams
-    from ..drafters.registry import method
     from ..core.prompts import load_prompts
+    from ..drafters.registry import method
 
     sizes = _ints(opts.batch_sizes, "batch-sizes")
     if opts.prompts < 1 or opts.max_new_tokens < 1 or opts.repeats < 1:
@@ -245,28 +267,56 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
     if any(method(s["method"]).needs == "draft_model" for s in specs.values()) and not opts.draft:
         raise SpecDraftError("method draft_model needs --draft NAME")
     policy = _policy(opts.policy)
-    sp = SamplingParams(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, ignore_eos=True,
-                        seed=0).validate()
+    sp = SamplingParams(
+        temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, ignore_eos=True, seed=0
+    ).validate()
     rows = _interleave(load_prompts(opts.dataset), opts.prompts)
     if len(rows) < opts.prompts:
         raise SpecDraftError(f"the dataset has only {len(rows)} prompts; asked for --prompts {opts.prompts}")
-    dec = SpecDecoder.load(opts.target, draft=opts.draft, dtype=opts.dtype, draft_layers=opts.draft_layers,
-                           threads=opts.threads, backend="hf", device=opts.device,
-                           draft_device=opts.draft_device)  # the batched rows of transformers
+    dec = SpecDecoder.load(
+        opts.target,
+        draft=opts.draft,
+        dtype=opts.dtype,
+        draft_layers=opts.draft_layers,
+        threads=opts.threads,
+        backend="hf",
+        device=opts.device,
+        draft_device=opts.draft_device,
+    )  # the batched rows of transformers
     prompts = [dec.encode(r["prompt"], chat=not opts.no_chat) for r in rows]
     run = _Runner(dec, specs, sp, policy)
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)
     for lab in labels:
         run(lab, min(sizes), 8, prompts[: max(min(sizes), 1)])
-    config = {"target": opts.target, "draft": opts.draft, "draft_layers": opts.draft_layers, "dtype": opts.dtype,
-              "threads": opts.threads, "batch_sizes": sizes, "prompts": opts.prompts,
-              "prompt_ids": [r["id"] for r in rows], "max_new_tokens": opts.max_new_tokens, "sampling": sp.to_dict(),
-              "repeats": opts.repeats, "policy": opts.policy, "chat": not opts.no_chat, "specs": specs,
-              "definitions": "tokens_per_s = generated tokens / wall s of the whole batch run (prefill included); "
-                             "speedup = tokens_per_s / plain's at the same batch size; MAT and acceptance rate over "
-                             "every verification step of every row (specdraft.core.metrics)"}
-    summary, crossover = measure(run, prompts, labels, sizes, opts.repeats, opts.max_new_tokens, sp.greedy,
-                                 lambda records: _save(opts.out, config, records, labels, sizes))
+    config = {
+        "target": opts.target,
+        "draft": opts.draft,
+        "draft_layers": opts.draft_layers,
+        "dtype": opts.dtype,
+        "threads": opts.threads,
+        "batch_sizes": sizes,
+        "prompts": opts.prompts,
+        "prompt_ids": [r["id"] for r in rows],
+        "max_new_tokens": opts.max_new_tokens,
+        "sampling": sp.to_dict(),
+        "repeats": opts.repeats,
+        "policy": opts.policy,
+        "chat": not opts.no_chat,
+        "specs": specs,
+        "definitions": "tokens_per_s = generated tokens / wall s of the whole batch run (prefill included); "
+        "speedup = tokens_per_s / plain's at the same batch size; MAT and acceptance rate over "
+        "every verification step of every row (specdraft.core.metrics)",
+    }
+    summary, crossover = measure(
+        run,
+        prompts,
+        labels,
+        sizes,
+        opts.repeats,
+        opts.max_new_tokens,
+        sp.greedy,
+        lambda records: _save(opts.out, config, records, labels, sizes),
+    )
     print_summary(summary, crossover)
     if opts.plot:
         plot(summary, opts.plot)
@@ -278,29 +328,39 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
 def _save(out: str, config: dict, records: list[dict], labels: list[str], sizes: list[int]):
     summary, crossover = summarize(records, labels, sizes)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"config": config, "records": records, "summary": summary,
-                                     "crossover": crossover}, indent=1))
+    Path(out).write_text(
+        json.dumps({"config": config, "records": records, "summary": summary, "crossover": crossover}, indent=1)
+    )
     return summary, crossover
 
 
-def measure(run, prompts: list[list[int]], labels: list[str], sizes: list[int], repeats: int, n_tokens: int,
-            greedy: bool, save) -> tuple[list[dict], dict]:
+def measure(
+    run, prompts: list[list[int]], labels: list[str], sizes: list[int], repeats: int, n_tokens: int, greedy: bool, save
+) -> tuple[list[dict], dict]:
     """Every batch size, every repeat, every method (rotated: no fixed position); ``save(records)`` after
     each repeat, and at the end (what it returns is returned)."""
     records = []
     for b in sizes:
         seqs = [prompts[i % len(prompts)] for i in range(max(b, len(prompts)))]
         for rep in range(repeats):
-            order = labels[rep % len(labels):] + labels[: rep % len(labels)]  # rotate: no fixed position
+            order = labels[rep % len(labels) :] + labels[: rep % len(labels)]  # rotate: no fixed position
             outs = {}
             for lab in order:
                 out, wall = run(lab, b, n_tokens, seqs)
                 outs[lab] = out
-                records.append({"batch_size": b, "method": lab, "repeat": rep, "sequences": len(seqs),
-                                "tokens": sum(r.stats.new_tokens for r in out), "wall_s": wall,
-                                "steps": [[s.drafted, s.accepted] for r in out for s in r.stats.steps]})
+                records.append(
+                    {
+                        "batch_size": b,
+                        "method": lab,
+                        "repeat": rep,
+                        "sequences": len(seqs),
+                        "tokens": sum(r.stats.new_tokens for r in out),
+                        "wall_s": wall,
+                        "steps": [[s.drafted, s.accepted] for r in out for s in r.stats.steps],
+                    }
+                )
             plain_ids = [r.token_ids for r in outs["plain"]]
-            for rec in records[-len(order):]:
+            for rec in records[-len(order) :]:
                 if greedy:
                     got = [r.token_ids for r in outs[rec["method"]]]
                     rec["greedy_exact"] = [sum(x == y for x, y in zip(got, plain_ids)), len(got)]
@@ -315,9 +375,14 @@ def print_summary(summary: list[dict], crossover: dict) -> None:
     for r in summary:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         su = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
-        print(f"{r['batch_size']:>5} {r['method']:<20} {r['tokens_per_s']:>8.2f} {su:>8} {r['mat']:>5.2f} {acc:>6} "
-              f"{r['greedy_exact_rows'] or '-':>7}")
+        print(
+            f"{r['batch_size']:>5} {r['method']:<20} {r['tokens_per_s']:>8.2f} {su:>8} {r['mat']:>5.2f} {acc:>6} "
+            f"{r['greedy_exact_rows'] or '-':>7}"
+        )
     for lab, c in crossover.items():
-        tail = ("still pays at the largest batch size" if c["loses_from"] is None else
-                f"loses from batch size {c['loses_from']} on (a candidate for --spec-off-at)")
+        tail = (
+            "still pays at the largest batch size"
+            if c["loses_from"] is None
+            else f"loses from batch size {c['loses_from']} on (a candidate for --spec-off-at)"
+        )
         print(f"{lab}: pays (speedup >= 1) at batch sizes {c['pays_at'] or 'none'}; {tail}")

@@ -24,12 +24,14 @@ import sysconfig
 from ..core import prompts
 
 
-def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int = 25_000_000,
-                 dataset: str | None = None) -> dict:
+def write_corpus(
+    out: str, exclude_preset: str | None = "core18", max_chars: int = 25_000_000, dataset: str | None = None
+) -> dict:
     rows = prompts.load_prompts(dataset)
     excluded = {r["id"] for r in prompts.select(rows, preset=exclude_preset)} if exclude_preset else set()
     n_docs = chars = 0
     with open(out, "w") as f:
+
         def put(text: str) -> None:
             nonlocal n_docs, chars
             f.write(json.dumps({"text": text}) + "\n")
@@ -51,8 +53,7 @@ def write_corpus(out: str, exclude_preset: str | None = "core18", max_chars: int
     return {"documents": n_docs, "chars": chars, "excluded_prompt_ids": sorted(excluded)}
 
 
-def write_prompts(out: str, exclude_preset: str | None = "core18", every: int = 1,
-                  dataset: str | None = None) -> dict:
+def write_prompts(out: str, exclude_preset: str | None = "core18", every: int = 1, dataset: str | None = None) -> dict:
     rows = prompts.load_prompts(dataset)
     excluded = {r["id"] for r in prompts.select(rows, preset=exclude_preset)} if exclude_preset else set()
     keep = [r for r in rows if r["id"] not in excluded][:: max(every, 1)]

@@ -7,15 +7,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 from ..core.policy import chain_tokens
 from ..models.cost_curve import cpu_name, measure_costs, measure_prefill
 from ..models.paths import PREFILL_TOKENS
-from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 
 
 @dataclass(frozen=True)
 class CostsOptions:
     """``specdraft costs``'s flags."""
+
     target: str = "qwen2.5-coder-1.5b"
     backend: str = "hf"
     dtype: str | None = None  # a comma list; None: not given (DEFAULT_DTYPE)
@@ -38,12 +39,20 @@ def add_parser(sub):
     c.add_argument("--target", default="qwen2.5-coder-1.5b")
     add_backend_arg(c, default="hf")  # a measurement of one backend: the one named
     c.add_argument("--dtype", default=None, help="hf backend: a comma list, e.g. bfloat16,float32 (default bfloat16)")
-    c.add_argument("--quantizations", default=None, metavar="none,int8,int4",
-                   help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
-                        "(weight-only) or w8a8 (int8 activations too, oneDNN)")
-    c.add_argument("--draft", default=None, metavar="NAME[:TYPE]",
-                   help="also measure this draft model and print, per k, what a step costs in plain target tokens "
-                        "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)")
+    c.add_argument(
+        "--quantizations",
+        default=None,
+        metavar="none,int8,int4",
+        help="hf backend: also (or only, without 'none') low-bit copies, per dtype: int8 / int4[-gN] "
+        "(weight-only) or w8a8 (int8 activations too, oneDNN)",
+    )
+    c.add_argument(
+        "--draft",
+        default=None,
+        metavar="NAME[:TYPE]",
+        help="also measure this draft model and print, per k, what a step costs in plain target tokens "
+        "and the acceptance it needs to pay (e.g. self:Q4_K_M --draft-backend llama)",
+    )
     add_draft_backend_arg(c)
     add_device_args(c)
     c.add_argument("--tokens", default="1,2,3,5,9,17,33,65")
@@ -58,9 +67,8 @@ def add_parser(sub):
 
 def main_costs(opts: CostsOptions) -> int:
     from ..core.errors import SpecDraftError
-    from ..models.backends import DEFAULT_DTYPE, backend
+    from ..models.backends import DEFAULT_DTYPE, backend, load_model, placement
     from ..models.loading import set_threads
-    from ..models.backends import load_model, placement
     from ..models.lowbit import parse_quant
 
     threads = set_threads(opts.threads)
@@ -72,37 +80,54 @@ def main_costs(opts: CostsOptions) -> int:
     dtypes = (opts.dtype or DEFAULT_DTYPE).split(",") if backend(opts.backend).uses_dtype else ["gguf"]
     quants = [q for q in opts.quantizations.split(",") if q and q != "none"] if opts.quantizations else []
     if quants and opts.backend != "hf":
-        raise SpecDraftError("--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "
-                             "as --target NAME:Q4_0)")
+        raise SpecDraftError(
+            "--quantizations is for the hf backend (a GGUF file carries its own; pass its variant "
+            "as --target NAME:Q4_0)"
+        )
     for q in quants:
         parse_quant(q)
-    weights = [(d, None) for d in dtypes if "none" in (opts.quantizations or "none").split(",")] + \
-        [(d, q) for d in dtypes for q in quants]
+    weights = [(d, None) for d in dtypes if "none" in (opts.quantizations or "none").split(",")] + [
+        (d, q) for d in dtypes for q in quants
+    ]
     prefill = {}  # weights -> {prompt tokens: ms}: what a request pays before its first token
     for dtype, q in weights:
         m = load_model(opts.target + (f":{q}" if q else ""), dtype, backend=opts.backend, device=opts.device)
         name = f"{opts.backend} {dtype}" + (f" {q}" if q else "")
-        for tree in ([False, True] if opts.tree else [False]):
+        for tree in [False, True] if opts.tree else [False]:
             c = measure_costs(m, ns, opts.context, opts.repeats, tree=tree)
             rows.append((name + (" tree" if tree else " chain"), c))
         prefill[name] = measure_prefill(m, list(PREFILL_TOKENS), opts.repeats)
         del m
     draft = draft_curve(opts, ns, dtypes[0]) if opts.draft else None
     cpu = cpu_name()
-    print(f"{opts.target}, {opts.backend} backend, --device {opts.device}, {threads} threads, {cpu}, "
-          f"{opts.context}-token cached context, "
-          f"median of {opts.repeats} (ms per forward)", file=sys.stderr)
+    print(
+        f"{opts.target}, {opts.backend} backend, --device {opts.device}, {threads} threads, {cpu}, "
+        f"{opts.context}-token cached context, "
+        f"median of {opts.repeats} (ms per forward)",
+        file=sys.stderr,
+    )
     if opts.json:
         import json
 
         with open(opts.json, "w") as f:
-            json.dump({"target": opts.target, "backend": opts.backend, "device": opts.device, "cpu": cpu,
-                       "threads": threads,
-                       "context": opts.context, "repeats": opts.repeats,
-                       "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
-                       "prefill": {name: {str(n): ms for n, ms in c.items()} for name, c in prefill.items()},
-                       **({"draft": {"name": draft[0], "ms": {str(n): ms for n, ms in draft[1].items()}}} if draft else {})},
-                      f, indent=1)
+            json.dump(
+                {
+                    "target": opts.target,
+                    "backend": opts.backend,
+                    "device": opts.device,
+                    "cpu": cpu,
+                    "threads": threads,
+                    "context": opts.context,
+                    "repeats": opts.repeats,
+                    "rows": {name: {str(n): ms for n, ms in c.items()} for name, c in rows},
+                    "prefill": {name: {str(n): ms for n, ms in c.items()} for name, c in prefill.items()},
+                    **(
+                        {"draft": {"name": draft[0], "ms": {str(n): ms for n, ms in draft[1].items()}}} if draft else {}
+                    ),
+                },
+                f,
+                indent=1,
+            )
     if opts.plot:
         plot_costs(rows, opts.plot, f"{opts.target} ({opts.backend}): one forward scoring n tokens ({threads} threads)")
     print("| backend, weights | " + " | ".join(f"{n} tok" for n in ns) + " |")
@@ -110,8 +135,13 @@ def main_costs(opts: CostsOptions) -> int:
     for dtype, c in rows:
         print(f"| {dtype} | " + " | ".join(f"{c[n]:.0f} ({c[n] / c[ns[0]]:.2f}x)" for n in ns) + " |")
     for name, c in prefill.items():
-        print(f"{name}: prefill of " + " / ".join(map(str, c)) + " prompt tokens: "
-              + " / ".join(f"{ms:.0f}" for ms in c.values()) + " ms")
+        print(
+            f"{name}: prefill of "
+            + " / ".join(map(str, c))
+            + " prompt tokens: "
+            + " / ".join(f"{ms:.0f}" for ms in c.values())
+            + " ms"
+        )
     if draft:
         print(f"| draft {draft[0]} | " + " | ".join(f"{draft[1][n]:.0f}" for n in ns) + " |")
         for name, c in rows:
@@ -153,8 +183,10 @@ def print_break_even(name: str, target: dict[int, float], draft: tuple[str, dict
     show = lambda alpha: "never" if alpha is None else f"{alpha:.2f}"  # noqa: E731
     for k in (1, 2, 4, 6, 8, 12, 16):
         step = k * d1 + interpolate(target, k + 1)
-        print(f"| {k} | {step:.0f} | {step / one:.2f} | {show(break_even_acceptance(step / one, k))} | "
-              f"{show(break_even_acceptance(step / d1, k))} |")
+        print(
+            f"| {k} | {step:.0f} | {step / one:.2f} | {show(break_even_acceptance(step / one, k))} | "
+            f"{show(break_even_acceptance(step / d1, k))} |"
+        )
 
 
 def plot_costs(rows, path: str, title: str) -> None:
@@ -168,9 +200,17 @@ def plot_costs(rows, path: str, title: str) -> None:
         ns = sorted(c)
         ax[0].plot(ns, [c[n] for n in ns], marker="o", label=name)
         ax[1].plot(ns, [c[n] / c[ns[0]] for n in ns], marker="o", label=name)
-    ax[0].set(xlabel="tokens scored in one forward (pending + draft nodes)", ylabel="ms per forward", xscale="log", yscale="log")
-    ax[1].set(xlabel="tokens scored in one forward", ylabel=f"cost relative to {min(min(c) for _, c in rows)} token",
-              xscale="log")
+    ax[0].set(
+        xlabel="tokens scored in one forward (pending + draft nodes)",
+        ylabel="ms per forward",
+        xscale="log",
+        yscale="log",
+    )
+    ax[1].set(
+        xlabel="tokens scored in one forward",
+        ylabel=f"cost relative to {min(min(c) for _, c in rows)} token",
+        xscale="log",
+    )
     for x in ax:
         x.grid(True, alpha=0.3)
     ax[1].legend(loc="upper left")

@@ -26,19 +26,29 @@ from pathlib import Path
 import torch
 
 from ..commands.flags import add_device_args
-from ..drafters import registry as methods
-from ..scale import cluster
+from ..core import prompts as data
 from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
 from ..core.errors import ConfigError, SpecDraftError
 from ..core.extras import needs_extra
-from ..models.backends import BACKENDS
 from ..core.fidelity import output_terms
 from ..core.metrics import decode_phase
-from ..core import prompts as data
+from ..drafters import registry as methods
+from ..models.backends import BACKENDS
+from ..scale import cluster
 from .report import read_results, render
 
-BASELINES = ("hf_generate", "hf_assisted", "hf_prompt_lookup", "llama_cpp", "llama_cpp_lookup", "llama_cpp_draft",
-             "ov_genai", "ov_genai_lookup", "ov_genai_draft", "ov_genai_eagle3")
+BASELINES = (
+    "hf_generate",
+    "hf_assisted",
+    "hf_prompt_lookup",
+    "llama_cpp",
+    "llama_cpp_lookup",
+    "llama_cpp_draft",
+    "ov_genai",
+    "ov_genai_lookup",
+    "ov_genai_draft",
+    "ov_genai_eagle3",
+)
 # the engine's remote_draft method (the draft in a Ray actor) in turns and drafting while the target verifies
 PAIRS = {"pair_serial": False, "pair_overlap": True}
 WARM_UP = {"id": "warm-up", "prompt": "Say hello in three languages."}  # not one of any preset's prompts
@@ -54,14 +64,22 @@ def on_backend(name: str) -> tuple[str | None, str]:
 
 # The options a preset may fill (--preset headline), with their values when neither the user nor a preset
 # gives one; in BenchOptions they are None until then, so that a value typed at its default is still given.
-UNGIVEN = {"target": "qwen2.5-coder-1.5b", "backend": "hf", "reference": "plain", "llama_k": "10",
-           "methods": "plain,draft_model,prompt_lookup", "max_new_tokens": 128, "out": "results/bench.json"}
+UNGIVEN = {
+    "target": "qwen2.5-coder-1.5b",
+    "backend": "hf",
+    "reference": "plain",
+    "llama_k": "10",
+    "methods": "plain,draft_model,prompt_lookup",
+    "max_new_tokens": 128,
+    "out": "results/bench.json",
+}
 
 
 @dataclass(frozen=True)
 class BenchOptions:
     """``specdraft bench``'s flags (a --config file may set any of them too: plan_bench). None in a field of
     UNGIVEN: not given (``with_defaults`` fills it)."""
+
     action: str = "run"  # run | report
     results: str | None = None  # with report: the results JSON
     target: str | None = None
@@ -109,66 +127,118 @@ class BenchOptions:
 
 def add_parser(sub):
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
-    b.add_argument("action", nargs="?", default="run", choices=["run", "report"],
-                   help="run (default) or re-render a report from --out / a results file")
+    b.add_argument(
+        "action",
+        nargs="?",
+        default="run",
+        choices=["run", "report"],
+        help="run (default) or re-render a report from --out / a results file",
+    )
     b.add_argument("results", nargs="?", default=None, help="with 'report': the results JSON")
     b.add_argument("--target", default=None, help=f"default {UNGIVEN['target']}")
     b.add_argument("--draft", default=None)
     b.add_argument("--draft-layers", type=int, default=None)
-    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="the hf backend's weights (the hf: methods' with --backend llama)")
+    b.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="the hf backend's weights (the hf: methods' with --backend llama)",
+    )
     b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--backend", default=None, choices=tuple(BACKENDS),
-                   help="the engine's model backend (default hf); with llama, METHOD runs on the GGUF file and "
-                        "hf:METHOD on transformers in the same run")
-    b.add_argument("--draft-backend", default=None, choices=tuple(BACKENDS),
-                   help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
-                        "transformers copy of the draft")
+    b.add_argument(
+        "--backend",
+        default=None,
+        choices=tuple(BACKENDS),
+        help="the engine's model backend (default hf); with llama, METHOD runs on the GGUF file and "
+        "hf:METHOD on transformers in the same run",
+    )
+    b.add_argument(
+        "--draft-backend",
+        default=None,
+        choices=tuple(BACKENDS),
+        help="the draft's backend (default: --backend's); transformers' baselines (hf_assisted) keep a "
+        "transformers copy of the draft",
+    )
     add_device_args(b)
-    b.add_argument("--reference", default=None,
-                   help="the method speedups are measured against (default plain; e.g. llama_cpp: llama.cpp's plain "
-                        "decoding)")
-    b.add_argument("--llama-k", default=None, help="draft tokens of llama_cpp_lookup and ov_genai_lookup (default "
-                   "10); a comma list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table")
-    b.add_argument("--pair-threads", type=int, default=1,
-                   help="pair_serial / pair_overlap (method remote_draft, the draft in a Ray actor, in turns / "
-                        "drafting while the target verifies): threads of the draft's process")
-    b.add_argument("--llama-draft-k", default="4", help="draft tokens of llama_cpp_draft, ov_genai_draft and "
-                   "ov_genai_eagle3 (OpenVINO GenAI's EAGLE-3 decoding with the head of --config's spec.head; a comma "
-                   "list, likewise)")
-    b.add_argument("--methods", default=None,
-                   help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, or BACKEND:METHOD (e.g. llama:suffix: "
-                   "METHOD on that backend, beside --backend's, in the same run), or "
-                   "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
-                   "e.g. the Q4_K_M file beside a NAME:Q4_0 target)")
-    b.add_argument("--config", default=None, help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) "
-                   "and 'variants' {name: SpecConfig}")
+    b.add_argument(
+        "--reference",
+        default=None,
+        help="the method speedups are measured against (default plain; e.g. llama_cpp: llama.cpp's plain decoding)",
+    )
+    b.add_argument(
+        "--llama-k",
+        default=None,
+        help="draft tokens of llama_cpp_lookup and ov_genai_lookup (default "
+        "10); a comma list runs each (llama_cpp_lookup[k=4], ...) so the strongest setting is in the table",
+    )
+    b.add_argument(
+        "--pair-threads",
+        type=int,
+        default=1,
+        help="pair_serial / pair_overlap (method remote_draft, the draft in a Ray actor, in turns / "
+        "drafting while the target verifies): threads of the draft's process",
+    )
+    b.add_argument(
+        "--llama-draft-k",
+        default="4",
+        help="draft tokens of llama_cpp_draft, ov_genai_draft and "
+        "ov_genai_eagle3 (OpenVINO GenAI's EAGLE-3 decoding with the head of --config's spec.head; a comma "
+        "list, likewise)",
+    )
+    b.add_argument(
+        "--methods",
+        default=None,
+        help=f"default {UNGIVEN['methods']}; comma list of {tuple(methods.REGISTRY) + BASELINES}, "
+        "or BACKEND:METHOD (e.g. llama:suffix: METHOD on that backend, beside --backend's, in the same run), or "
+        "llama_cpp@MODEL / ov_genai@MODEL (llama.cpp's / OpenVINO GenAI's plain decoding of another GGUF, "
+        "e.g. the Q4_K_M file beside a NAME:Q4_0 target)",
+    )
+    b.add_argument(
+        "--config",
+        default=None,
+        help="JSON or YAML: any of these options, plus 'spec' (base SpecConfig) and 'variants' {name: SpecConfig}",
+    )
     b.add_argument("--dataset", default=None)
-    b.add_argument("--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)")
+    b.add_argument(
+        "--tasks", default=None, help="comma list (mt_bench, translation, summarization, qa, math_reasoning, rag)"
+    )
     b.add_argument("--n-per-task", type=int, default=None)
-    b.add_argument("--preset", default=None, help="headline: the README's results table (every fastest plain and "
-                   "speculative CPU decoder against specdraft's methods, core18+code_edit; `make bench`); core18: 18 "
-                   "generic Spec-Bench prompts; code_edit: 9 snippet-rewriting prompts shipped with specdraft "
-                   "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit")
+    b.add_argument(
+        "--preset",
+        default=None,
+        help="headline: the README's results table (every fastest plain and "
+        "speculative CPU decoder against specdraft's methods, core18+code_edit; `make bench`); core18: 18 "
+        "generic Spec-Bench prompts; code_edit: 9 snippet-rewriting prompts shipped with specdraft "
+        "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit",
+    )
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"default {UNGIVEN['max_new_tokens']}")
-    b.add_argument("--json-schema", default=None, metavar="FILE", help="constrain every engine method's output to this "
-                   "JSON schema (plain included; e.g. specdraft/bench/structured_schema.json with --preset structured); "
-                   "records say whether each output parses and validates")
+    b.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain every engine method's output to this "
+        "JSON schema (plain included; e.g. specdraft/bench/structured_schema.json with --preset structured); "
+        "records say whether each output parses and validates",
+    )
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--k", type=int, default=None, help="draft tokens per step for the engine's methods (and the "
-                   "pair_* methods)")
+    b.add_argument(
+        "--k", type=int, default=None, help="draft tokens per step for the engine's methods (and the pair_* methods)"
+    )
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default=None, help=f"default {UNGIVEN['out']}")
     b.add_argument("--no-plots", action="store_true")
-    cluster.add_ray_args(b, "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
-                 "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
-                 "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
-                 "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS")
+    cluster.add_ray_args(
+        b,
+        "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
+        "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
+        "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
+        "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS",
+    )
     return b
 
 
@@ -218,8 +288,11 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     listed = [x.strip() for x in opts.methods.split(",") if x.strip()]
     read_elsewhere = {"head"} if "ov_genai_eagle3" in listed else set()  # the head GenAI's EAGLE-3 decoding runs
-    _check_read({k: v for k, v in base.items() if k not in read_elsewhere}, sweeps,
-                [on_backend(m)[1] for m in listed if on_backend(m)[1] in methods.REGISTRY])
+    _check_read(
+        {k: v for k, v in base.items() if k not in read_elsewhere},
+        sweeps,
+        [on_backend(m)[1] for m in listed if on_backend(m)[1] in methods.REGISTRY],
+    )
     out = []
     for m in listed:
         b, inner = on_backend(m)
@@ -253,8 +326,10 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
                     label = m + "[" + ",".join(f"{f}={v}" for f, v in c.items()) + "]"
                     out.append((label, m, SpecConfig.from_dict(d)))
         else:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(tuple(methods.REGISTRY) + BASELINES)} "
-                              f"or a variant named in --config")
+            raise ConfigError(
+                f"unknown method {m!r}; choose from {', '.join(tuple(methods.REGISTRY) + BASELINES)} "
+                f"or a variant named in --config"
+            )
     names = {n for n, _, _ in out}
     for b in sorted({on_backend(n)[0] for n in names} - {None, opts.backend}):  # each backend's own reference
         if f"{b}:plain" not in names:
@@ -282,8 +357,9 @@ def environment(dtype: str, threads: int) -> dict:
 
     def git(*args):
         try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
-                                  cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parents[2]
+            ).stdout.strip()
         except Exception:
             return None
 
@@ -319,7 +395,9 @@ def _save(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def top2_gap_at(target, prompt_ids: list[int], ref_tokens: list[int], pos: int, sp: SamplingParams | None = None) -> float:
+def top2_gap_at(
+    target, prompt_ids: list[int], ref_tokens: list[int], pos: int, sp: SamplingParams | None = None
+) -> float:
     """The target's top-2 logit gap before ref token ``pos``, computed as plain decoding computed it
     (the prompt prefilled, then one token per forward): a near-tie there explains a divergence. With
     penalties or a grammar (``sp``), the gap of the processed logits, which greedy decoding ranks."""
@@ -384,7 +462,9 @@ def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tupl
                 draft = str(resolve_gguf(opts.draft)[0]) if mode == "draft" else None
                 k = (spec or {}).get("k", 10)
                 gguf_of = (spec or {}).get("model") or _gguf_name(opts.target)
-                runners.append(LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k))
+                runners.append(
+                    LlamaCppRunner(name, str(resolve_gguf(gguf_of)[0]), threads, dec.eos_ids, mode, draft, k)
+                )
             except (ImportError, SpecDraftError) as e:
                 skipped[name] = f"skipped: {needs_extra(name, 'llama', e) if isinstance(e, ImportError) else e}"
                 print(f"{name}: {skipped[name]}", file=sys.stderr)
@@ -407,8 +487,9 @@ def _ov_genai_runner(opts: BenchOptions, name: str, kind: str, spec, threads: in
     def ir_dir(model: str) -> str:
         return str(ir_path(resolve_gguf(model)[0], model).parent)
 
-    mode = {"ov_genai": "plain", "ov_genai_lookup": "lookup", "ov_genai_draft": "draft",
-            "ov_genai_eagle3": "eagle3"}[kind]
+    mode = {"ov_genai": "plain", "ov_genai_lookup": "lookup", "ov_genai_draft": "draft", "ov_genai_eagle3": "eagle3"}[
+        kind
+    ]
     if mode == "draft" and not opts.draft:
         raise ConfigError("ov_genai_draft needs --draft NAME")
     main = ir_dir((spec or {}).get("model") or _gguf_name(opts.target))
@@ -471,6 +552,7 @@ def schema_valid(text: str, schema: dict) -> bool:
 @dataclass
 class Plan:
     """What a run measures, settled before any model loads (all the driver and each Ray worker need)."""
+
     opts: BenchOptions  # the flags with --config's options applied
     sp: SamplingParams
     schema: dict | None
@@ -483,6 +565,7 @@ class Plan:
 @dataclass
 class Bench:
     """The loaded models and their runners: one per process (a local run, or each Ray worker)."""
+
     plan: Plan
     decs: dict  # backend -> its decoder (--backend's, and those BACKEND:METHOD names)
     runners: list
@@ -533,15 +616,23 @@ def plan_bench(opts: BenchOptions) -> Plan:
     """Options, --config, methods and prompts -> the Plan (checks everything that needs no model)."""
     opts, cfg = _apply_config(opts)
     schema = _read_schema(opts.json_schema) if opts.json_schema else None
-    sp = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
-                        max_new_tokens=opts.max_new_tokens, json_schema=schema).validate()
+    sp = SamplingParams(
+        temperature=opts.temperature,
+        top_k=opts.top_k,
+        top_p=opts.top_p,
+        seed=opts.seed,
+        max_new_tokens=opts.max_new_tokens,
+        json_schema=schema,
+    ).validate()
     variants = build_variants(opts, cfg)
     if schema is not None:
         other = [n for n, k, _ in variants if k not in methods.REGISTRY]
         if other:  # a baseline without the constraint would not be the same workload
             raise ConfigError(f"--json-schema constrains specdraft's methods only; drop the baselines {other}")
-    needs_draft = any(k in ("hf_assisted", "llama_cpp_draft")
-                      or (k in methods.REGISTRY and methods.method(k).needs == "draft_model") for _, k, _ in variants)
+    needs_draft = any(
+        k in ("hf_assisted", "llama_cpp_draft") or (k in methods.REGISTRY and methods.method(k).needs == "draft_model")
+        for _, k, _ in variants
+    )
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not opts.draft:
         raise ConfigError(f"{' / '.join(methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
@@ -549,12 +640,20 @@ def plan_bench(opts: BenchOptions) -> Plan:
     if not rows:
         raise SpecDraftError("no prompts selected")
     settings = {
-        "target": opts.target, "draft": opts.draft, "draft_layers": opts.draft_layers, "dtype": opts.dtype,
-        "backend": opts.backend, "draft_backend": opts.draft_backend, "reference": opts.reference,
+        "target": opts.target,
+        "draft": opts.draft,
+        "draft_layers": opts.draft_layers,
+        "dtype": opts.dtype,
+        "backend": opts.backend,
+        "draft_backend": opts.draft_backend,
+        "reference": opts.reference,
         **({"device": opts.device, "draft_device": opts.draft_device} if _devices_given(opts) else {}),
-        "sampling": sp.to_dict(), "chat": not opts.no_chat, "repeats": opts.repeats,
-        "methods": {n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})})
-                    for n, k, s in variants},
+        "sampling": sp.to_dict(),
+        "chat": not opts.no_chat,
+        "repeats": opts.repeats,
+        "methods": {
+            n: (s.to_dict() if isinstance(s, SpecConfig) else {"baseline": k, **(s or {})}) for n, k, s in variants
+        },
         "prompts": [r["id"] for r in rows],
     }
     return Plan(opts, sp, schema, variants, rows, opts.draft if uses_draft else None, settings)
@@ -571,23 +670,41 @@ def load_bench(plan: Plan, threads: int) -> Bench:
 
     opts = plan.opts
     where = {"device": opts.device, "draft_device": opts.draft_device}
-    dec = SpecDecoder.load(opts.target, draft=plan.draft, dtype=opts.dtype, draft_layers=opts.draft_layers, threads=threads,
-                           backend=opts.backend, draft_backend=opts.draft_backend, **where)
+    dec = SpecDecoder.load(
+        opts.target,
+        draft=plan.draft,
+        dtype=opts.dtype,
+        draft_layers=opts.draft_layers,
+        threads=threads,
+        backend=opts.backend,
+        draft_backend=opts.draft_backend,
+        **where,
+    )
     decs = {opts.backend: dec}
     wanted = _other_backends(plan.variants)
     for b in sorted(set(wanted) - {None, opts.backend}):
         try:
-            decs[b] = SpecDecoder.load(_target_on(b, opts.target), draft=plan.draft, dtype=opts.dtype,
-                                       draft_layers=opts.draft_layers, threads=threads, backend=b, **where)
+            decs[b] = SpecDecoder.load(
+                _target_on(b, opts.target),
+                draft=plan.draft,
+                dtype=opts.dtype,
+                draft_layers=opts.draft_layers,
+                threads=threads,
+                backend=b,
+                **where,
+            )
         except SpecDraftError as e:  # named as what the run asked of that backend, beside --backend's
             them = "it" if len(wanted[b]) == 1 else "them"
-            raise ConfigError(f"{', '.join(wanted[b])} run on the {b} backend, which cannot load "
-                              f"{_target_on(b, opts.target)} here ({e}); leave {them} out of --methods") from e
+            raise ConfigError(
+                f"{', '.join(wanted[b])} run on the {b} backend, which cannot load "
+                f"{_target_on(b, opts.target)} here ({e}); leave {them} out of --methods"
+            ) from e
     if "hf" in wanted and opts.backend == "hf" and plan.draft and opts.draft_backend not in (None, "hf"):
         from ..models.backends import load_model  # transformers' baselines need a transformers draft
 
-        draft = load_model(plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf",
-                           device=opts.draft_device or opts.device)
+        draft = load_model(
+            plan.draft, opts.dtype, num_layers=opts.draft_layers, backend="hf", device=opts.draft_device or opts.device
+        )
         decs["hf"] = SpecDecoder(dec.target, draft)
     runners, skipped = make_runners(opts, plan.variants, decs, threads)
     bench = Bench(plan, decs, runners, skipped)
@@ -629,8 +746,11 @@ def done_keys(records: list[dict]) -> set:
 
 def reference_outputs(records: list[dict]) -> dict:
     """(plain method, prompt id) -> the plain output (repeat 0) greedy outputs are compared with."""
-    return {(r["method"], r["prompt_id"]): r["token_ids"] for r in records
-            if on_backend(r["method"])[1] == "plain" and r["repeat"] == 0}
+    return {
+        (r["method"], r["prompt_id"]): r["token_ids"]
+        for r in records
+        if on_backend(r["method"])[1] == "plain" and r["repeat"] == 0
+    }
 
 
 def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) -> None:
@@ -642,8 +762,15 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
     rsp = SamplingParams(**{**sp.to_dict(), "seed": sp.seed + rep if sp.seed is not None else None})
     for rn in runners:
         res = rn.run(ids, rsp)
-        rec = {"prompt_id": r["id"], "task": r["task"], "method": rn.name, "repeat": rep,
-               "prompt_tokens": len(ids), "new_tokens": len(res["token_ids"]), **res}
+        rec = {
+            "prompt_id": r["id"],
+            "task": r["task"],
+            "method": rn.name,
+            "repeat": rep,
+            "prompt_tokens": len(ids),
+            "new_tokens": len(res["token_ids"]),
+            **res,
+        }
         rec["decode_tokens"], rec["decode_s"] = decode_phase(rec["new_tokens"], res["wall_s"], res["first_token_s"])
         base = reference_of(rn.name, bench.plan.opts.backend)
         target = bench.decs[on_backend(base)[0] or bench.plan.opts.backend].target
@@ -654,13 +781,17 @@ def run_prompt(bench: Bench, r: dict, rep: int, runners: list, ref: dict, emit) 
         if not sp.greedy:  # scored after the timed run: is this the target's distribution?
             rec.update(output_terms(target, ids, res["token_ids"], rsp))
         if schema is not None:
-            rec["schema_valid"] = schema_valid(bench.dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema)
+            rec["schema_valid"] = schema_valid(
+                bench.dec.tokenizer.decode(res["token_ids"], skip_special_tokens=True), schema
+            )
         emit(rec)
 
 
 def interrupted(doc: dict, out: Path) -> None:
-    print(f"\ninterrupted: {len(doc['records'])} records saved in {out}; rerun the same command to resume",
-          file=sys.stderr)
+    print(
+        f"\ninterrupted: {len(doc['records'])} records saved in {out}; rerun the same command to resume",
+        file=sys.stderr,
+    )
 
 
 def run_local(bench: Bench, doc: dict, out: Path) -> None:
@@ -668,8 +799,11 @@ def run_local(bench: Bench, doc: dict, out: Path) -> None:
     from tqdm import tqdm
 
     done, ref = done_keys(doc["records"]), reference_outputs(doc["records"])
-    todo = [(rep, r, [rn for rn in bench.runners if (r["id"], rn.name, rep) not in done])
-            for rep in range(bench.plan.opts.repeats) for r in bench.plan.rows]
+    todo = [
+        (rep, r, [rn for rn in bench.runners if (r["id"], rn.name, rep) not in done])
+        for rep in range(bench.plan.opts.repeats)
+        for r in bench.plan.rows
+    ]
     bar = tqdm(total=sum(len(rns) for _, _, rns in todo), desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True)
 
     def emit(rec):
@@ -726,6 +860,8 @@ def main_bench(opts: BenchOptions, run_sharded=None) -> int:
     print(md)
     stem = path.with_suffix("")
     plots = sorted(str(p) for p in stem.parent.glob(stem.name + "_*.png")) if not opts.no_plots else []
-    print(f"results: {path}\nreport: {stem.with_name(stem.name + '_report.md')}\nplots: {', '.join(plots) or 'none'}",
-          file=sys.stderr)
+    print(
+        f"results: {path}\nreport: {stem.with_name(stem.name + '_report.md')}\nplots: {', '.join(plots) or 'none'}",
+        file=sys.stderr,
+    )
     return 0

@@ -28,6 +28,13 @@ def headline_config(target: str) -> dict:
     # one configuration per backend, the best measured there: auto on llama.cpp (whose steep cost curve
     # leaves it plain on most generic prompts), suffix trees on OpenVINO (whose flat curve pays for them)
     spec = ["auto", "openvino:suffix_k16"]
-    return {"backend": "llama", "preset": "core18+code_edit", "max_new_tokens": MAX_NEW_TOKENS, "llama_k": "4",
-            "reference": FASTEST_PLAIN, "out": "results/headline.json", "variants": VARIANTS,
-            "methods": ",".join(plain + ["ov_genai", "llama_cpp_lookup"] + spec)}
+    return {
+        "backend": "llama",
+        "preset": "core18+code_edit",
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "llama_k": "4",
+        "reference": FASTEST_PLAIN,
+        "out": "results/headline.json",
+        "variants": VARIANTS,
+        "methods": ",".join(plain + ["ov_genai", "llama_cpp_lookup"] + spec),
+    }

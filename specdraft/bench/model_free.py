@@ -42,7 +42,7 @@ def time_suffix(drafter: SuffixDrafter, ctx: list[int], rng, steps: int, step_ne
         # the next tokens: mostly copied from earlier text (what speculation is for), sometimes new
         if rng.random() < 0.7:
             s = int(rng.integers(0, len(tokens) - step_new))
-            tokens.extend(tokens[s: s + step_new])
+            tokens.extend(tokens[s : s + step_new])
         else:
             tokens.extend(int(x) for x in rng.integers(0, 1000, step_new))
         t0 = time.perf_counter()
@@ -50,9 +50,15 @@ def time_suffix(drafter: SuffixDrafter, ctx: list[int], rng, steps: int, step_ne
         times.append(time.perf_counter() - t0)
         sizes.append(tree.size)
     a = np.array(times) * 1e3
-    return {"begin_ms": round(t_begin * 1e3, 2), "propose_ms_median": round(float(np.median(a)), 3),
-            "propose_ms_p90": round(float(np.percentile(a, 90)), 3), "propose_ms_max": round(float(a.max()), 3),
-            "mean_nodes": round(float(np.mean(sizes)), 1), "steps": steps, "new_tokens_per_step": step_new}
+    return {
+        "begin_ms": round(t_begin * 1e3, 2),
+        "propose_ms_median": round(float(np.median(a)), 3),
+        "propose_ms_p90": round(float(np.percentile(a, 90)), 3),
+        "propose_ms_max": round(float(a.max()), 3),
+        "mean_nodes": round(float(np.mean(sizes)), 1),
+        "steps": steps,
+        "new_tokens_per_step": step_new,
+    }
 
 
 def main(argv=None) -> int:
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     base = zipf_tokens(rng, a.context, a.vocab).tolist()
     for _ in range(a.context // 64):
         s, d = rng.integers(0, a.context - 32, 2)
-        base[d: d + 32] = base[s: s + 32]
+        base[d : d + 32] = base[s : s + 32]
     ctx = base[: a.context]
     out["suffix_local"] = time_suffix(SuffixDrafter(spec), ctx, np.random.default_rng(1), a.steps, 3)
     out.update(time_store(spec, ctx, rng, a.store, a.store_tokens, a.doc_len, a.vocab, a.steps))
@@ -83,8 +89,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def time_store(spec: SpecConfig, ctx: list[int], rng, store_path: str | None, store_tokens: int, doc_len: int,
-               vocab: int, steps: int) -> dict:
+def time_store(
+    spec: SpecConfig,
+    ctx: list[int],
+    rng,
+    store_path: str | None,
+    store_tokens: int,
+    doc_len: int,
+    vocab: int,
+    steps: int,
+) -> dict:
     """The global store (built once, synthetic): the suffix drafter on a long global match, and a lookup of
     the worst case, a short very frequent match (a huge suffix array range)."""
     out = {}
@@ -101,9 +115,10 @@ def time_store(spec: SpecConfig, ctx: list[int], rng, store_path: str | None, st
     out["store_n_tokens"] = store.n_tokens
     # contexts whose last 24 tokens come from the corpus (a long global match) ...
     s = int(rng.integers(0, store.n_tokens - 100))
-    ctx_hit = ctx[:-24] + [int(x) for x in store.tokens[s: s + 24] if x >= 0]
-    out["suffix_global_long_match"] = time_suffix(SuffixDrafter(spec, store), ctx_hit, np.random.default_rng(2),
-                                                  steps, 3)
+    ctx_hit = ctx[:-24] + [int(x) for x in store.tokens[s : s + 24] if x >= 0]
+    out["suffix_global_long_match"] = time_suffix(
+        SuffixDrafter(spec, store), ctx_hit, np.random.default_rng(2), steps, 3
+    )
     # ... and the worst case: only a short, very frequent match (a huge suffix array range)
     ctx_short = ctx[:-1] + [0]
     m, _ = store.lookup(ctx_short, 256)

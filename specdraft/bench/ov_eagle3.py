@@ -43,8 +43,12 @@ from ..core.errors import ConfigError
 from ..models.openvino import FEATURE_ADD
 
 MAIN_ADD = re.compile('name="' + re.escape(FEATURE_ADD.format("")) + r'(\d+)"')  # GenAI's GGUF reader's names
-TOKENIZER_FILES = ("openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
-                   "openvino_detokenizer.bin")
+TOKENIZER_FILES = (
+    "openvino_tokenizer.xml",
+    "openvino_tokenizer.bin",
+    "openvino_detokenizer.xml",
+    "openvino_detokenizer.bin",
+)
 STAMP = "specdraft_eagle3.json"
 
 
@@ -73,8 +77,9 @@ class _DraftGraph(nn.Module):
         cos, sin = h.rotary(g, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = torch.cat([past_key, k], dim=2), torch.cat([past_value, v], dim=2)
-        out = nn.functional.scaled_dot_product_attention(q, _repeat_kv(k, s), _repeat_kv(v, s),
-                                                         attn_mask=_mask(attention_mask, T), scale=attn.scaling)
+        out = nn.functional.scaled_dot_product_attention(
+            q, _repeat_kv(k, s), _repeat_kv(v, s), attn_mask=_mask(attention_mask, T), scale=attn.scaling
+        )
         h1 = residual + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         h2 = h1 + layer.mlp(layer.post_attention_layernorm(h1))
         return h.lm_head(h.norm(h2)), h.d2t, k, v
@@ -112,16 +117,26 @@ def convert_head(head):
     s = head.shape
     graph = _DraftGraph(head.float().eval()).eval()
     kv = torch.zeros(1, s.num_key_value_heads, 2, s.head_dim)
-    example = {"input_ids": torch.zeros(1, 3, dtype=torch.long),
-               "hidden_states": torch.randn(1, 3, len(s.layers) * s.target_hidden_size),
-               "attention_mask": torch.ones(1, 5, dtype=torch.long),
-               "position_ids": torch.arange(2, 5)[None], "past_key": kv, "past_value": kv}
-    shapes = {"input_ids": [-1, -1], "hidden_states": [-1, -1, -1], "attention_mask": [-1, -1],
-              "position_ids": [-1, -1], "past_key": [-1, s.num_key_value_heads, -1, s.head_dim],
-              "past_value": [-1, s.num_key_value_heads, -1, s.head_dim]}
+    example = {
+        "input_ids": torch.zeros(1, 3, dtype=torch.long),
+        "hidden_states": torch.randn(1, 3, len(s.layers) * s.target_hidden_size),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "position_ids": torch.arange(2, 5)[None],
+        "past_key": kv,
+        "past_value": kv,
+    }
+    shapes = {
+        "input_ids": [-1, -1],
+        "hidden_states": [-1, -1, -1],
+        "attention_mask": [-1, -1],
+        "position_ids": [-1, -1],
+        "past_key": [-1, s.num_key_value_heads, -1, s.head_dim],
+        "past_value": [-1, s.num_key_value_heads, -1, s.head_dim],
+    }
     with torch.no_grad():
-        model = ov.convert_model(graph, example_input=example,
-                                 input=[(k, ov.PartialShape(v)) for k, v in shapes.items()])
+        model = ov.convert_model(
+            graph, example_input=example, input=[(k, ov.PartialShape(v)) for k, v in shapes.items()]
+        )
     for out, name in zip(model.outputs, ("logits", "d2t", "present_key", "present_value")):
         out.get_tensor().set_names({name})
     return model
@@ -141,8 +156,11 @@ def _name_for_genai(model) -> None:
 
 def embedding_gather(model):
     """The Gather of the draft's embedding placeholder (``_DraftGraph.embed_tokens``)."""
-    return next(op for op in model.get_ordered_ops() if op.get_type_name() == "Gather"
-                and "embed_tokens" in op.input_value(0).get_node().get_friendly_name())
+    return next(
+        op
+        for op in model.get_ordered_ops()
+        if op.get_type_name() == "Gather" and "embed_tokens" in op.input_value(0).get_node().get_friendly_name()
+    )
 
 
 def _adds_mlp(op) -> bool:
@@ -229,8 +247,13 @@ def cache_dir_for(head_dir: str | Path, main_xml: Path) -> str:
 
 
 def _source(head_dir: Path, main_xml: Path) -> str:
-    files = [head_dir / "config.json", *sorted(head_dir.glob("*.safetensors")), *sorted(head_dir.glob("*.bin")),
-             main_xml, main_xml.with_suffix(".bin")]
+    files = [
+        head_dir / "config.json",
+        *sorted(head_dir.glob("*.safetensors")),
+        *sorted(head_dir.glob("*.bin")),
+        main_xml,
+        main_xml.with_suffix(".bin"),
+    ]
     return " ".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file())
 
 
@@ -245,8 +268,10 @@ def _main_xml_for_genai(main_xml: Path) -> tuple[str, int]:
         return MAIN_ADD.sub(r'name="model.layers.\1/self_attn.add1"', text), len(gguf_names)
     layers = {int(i) for i in re.findall(r'name="[^"]*layers\.(\d+)/', text)}
     if not layers:
-        raise ConfigError(f"{main_xml}: no decoder layers named as OpenVINO GenAI's EAGLE-3 pipeline finds them "
-                          "(optimum-intel's 'layers.N/' or GenAI's GGUF reader's 'model.layers.self_attn.add1.layerN')")
+        raise ConfigError(
+            f"{main_xml}: no decoder layers named as OpenVINO GenAI's EAGLE-3 pipeline finds them "
+            "(optimum-intel's 'layers.N/' or GenAI's GGUF reader's 'model.layers.self_attn.add1.layerN')"
+        )
     return text, max(layers) + 1
 
 
@@ -270,8 +295,9 @@ def _read_head(head_dir: Path, n_layers: int, vocab: int):
         raise ConfigError(f"{cfg_path} is not JSON: {e}") from None
     ck = head_formats.read(head_dir, cfg, n_layers)
     if vocab and ck.shape.vocab_size != vocab:
-        raise ConfigError(f"head {head_dir} was made for a vocabulary of {ck.shape.vocab_size}; the target's IR has "
-                          f"{vocab}")
+        raise ConfigError(
+            f"head {head_dir} was made for a vocabulary of {ck.shape.vocab_size}; the target's IR has {vocab}"
+        )
     head = Eagle3Head(ck.shape)
     head.load_state_dict(ck.state)
     return head

@@ -56,11 +56,15 @@ def explain(doc: dict, costs_here: dict, costs_apart: dict, k: int) -> dict:
         apart = model_time(steps, k, costs_apart, overlap)
         plain_apart = tokens * costs_apart["target_ms"][1] / 1000
         out["methods"][method] = {
-            "prompts": len(recs), "tokens": tokens, "steps": len(steps), "hits": sum(h for _, h in steps),
+            "prompts": len(recs),
+            "tokens": tokens,
+            "steps": len(steps),
+            "hits": sum(h for _, h in steps),
             "decode_s_measured": sum(_decode_s(r) for r in recs),
             "decode_s_model_here": model_time(steps, k, costs_here, overlap),
             "decode_s_model_apart": apart,
-            "speedup_model_apart": speedup(tokens, apart, tokens, plain_apart)}
+            "speedup_model_apart": speedup(tokens, apart, tokens, plain_apart),
+        }
     return out
 
 
@@ -70,24 +74,31 @@ def _decode_s(record: dict) -> float:
     if "decode_s" in record:
         return record["decode_s"]
     if "prefill_s" not in record:
-        raise SpecDraftError("the results record no prefill time (a bench of specdraft before session 7): run "
-                             "the bench again")
+        raise SpecDraftError(
+            "the results record no prefill time (a bench of specdraft before session 7): run the bench again"
+        )
     return record["wall_s"] - record["prefill_s"]
 
 
 def render_explain(e: dict) -> str:
     ch, ca = e["costs_here"], e["costs_apart"]
     k = e["k"]
-    lines = [f"k = {k}; per forward, ms: target {k + 1} tokens {ch['target_ms'][k + 1]:.1f} here / "
-             f"{ca['target_ms'][k + 1]:.1f} apart, target 1 token {ca['target_ms'][1]:.1f} apart, draft 1 token "
-             f"{ch['draft_ms']:.1f} here / {ca['draft_ms']:.1f} apart, Ray round trip {ch['rtt_ms']:.2f}", "",
-             "| method | steps | drafted while verifying | decode s measured | model here | error | "
-             "model apart | speedup apart (model) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"k = {k}; per forward, ms: target {k + 1} tokens {ch['target_ms'][k + 1]:.1f} here / "
+        f"{ca['target_ms'][k + 1]:.1f} apart, target 1 token {ca['target_ms'][1]:.1f} apart, draft 1 token "
+        f"{ch['draft_ms']:.1f} here / {ca['draft_ms']:.1f} apart, Ray round trip {ch['rtt_ms']:.2f}",
+        "",
+        "| method | steps | drafted while verifying | decode s measured | model here | error | "
+        "model apart | speedup apart (model) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, m in e["methods"].items():
         err = m["decode_s_model_here"] / m["decode_s_measured"] - 1
-        lines.append(f"| {name} | {m['steps']} | {m['hits']} | {m['decode_s_measured']:.2f} | "
-                     f"{m['decode_s_model_here']:.2f} | {err:+.0%} | {m['decode_s_model_apart']:.2f} | "
-                     f"{m['speedup_model_apart']:.2f}x |")
+        lines.append(
+            f"| {name} | {m['steps']} | {m['hits']} | {m['decode_s_measured']:.2f} | "
+            f"{m['decode_s_model_here']:.2f} | {err:+.0%} | {m['decode_s_model_apart']:.2f} | "
+            f"{m['speedup_model_apart']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -95,6 +106,7 @@ def render_explain(e: dict) -> str:
 @dataclass(frozen=True)
 class OverlapOptions:
     """``specdraft overlap``'s flags."""
+
     results: str  # bench results JSON with pair_serial / pair_overlap records
     target: str | None = None  # default: the results' target
     draft: str | None = None  # default: the results' draft
@@ -104,13 +116,20 @@ class OverlapOptions:
 
 
 def add_parser(sub):
-    ov = sub.add_parser("overlap", help="model the overlapped draft/verify pair from a bench run (measured vs "
-                        "modelled here; predicted with a machine per model)")
+    ov = sub.add_parser(
+        "overlap",
+        help="model the overlapped draft/verify pair from a bench run (measured vs "
+        "modelled here; predicted with a machine per model)",
+    )
     ov.add_argument("results", help="bench results JSON with pair_serial / pair_overlap records")
     ov.add_argument("--target", default=None, help="default: the results' target")
     ov.add_argument("--draft", default=None, help="default: the results' draft")
-    ov.add_argument("--threads-apart", type=int, default=None,
-                    help="threads each model gets on a machine of its own (default: this machine's cores)")
+    ov.add_argument(
+        "--threads-apart",
+        type=int,
+        default=None,
+        help="threads each model gets on a machine of its own (default: this machine's cores)",
+    )
     ov.add_argument("--ray-address", default=None)
     ov.add_argument("-o", "--out", default=None, help="write the figures as JSON")
     return ov
@@ -131,8 +150,12 @@ def main_overlap(opts: OverlapOptions) -> int:
         raise SpecDraftError(f"{path} has no pair_serial / pair_overlap results")
     threads, k = ran.get("remote_threads", ran.get("threads", 1)), ran["k"]  # (older runs: "threads")
     apart = opts.threads_apart or os.cpu_count()
-    source = {"name_or_path": draft, "dtype": settings.get("dtype", "bfloat16"), "num_layers": settings.get("draft_layers"),
-              "backend": settings.get("draft_backend") or settings.get("backend", "hf")}
+    source = {
+        "name_or_path": draft,
+        "dtype": settings.get("dtype", "bfloat16"),
+        "num_layers": settings.get("draft_layers"),
+        "backend": settings.get("draft_backend") or settings.get("backend", "hf"),
+    }
     here = {"target": doc.get("environment", {}).get("threads") or 1, "draft": threads}
     with _sides(target, source, settings, opts.ray_address) as (tgt, drf, ray):
         e = explain(doc, _costs(tgt, drf, ray, k, here), _costs(tgt, drf, ray, k, {"target": apart, "draft": apart}), k)
@@ -150,7 +173,11 @@ def _sides(target: str, source: dict, settings: dict, address: str | None):
     from ..scale.remote import ModelSide
 
     ray = connect(address)
-    tsrc = {"name_or_path": target, "dtype": settings.get("dtype", "bfloat16"), "backend": settings.get("backend", "hf")}
+    tsrc = {
+        "name_or_path": target,
+        "dtype": settings.get("dtype", "bfloat16"),
+        "backend": settings.get("backend", "hf"),
+    }
     tgt, drf = (ray.remote(num_cpus=1)(ModelSide).remote(s, 1) for s in (tsrc, source))
     try:
         yield tgt, drf, ray

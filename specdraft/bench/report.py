@@ -20,27 +20,64 @@ from ..core.metrics import (
 )
 from ..core.prompts import TASKS
 
-
 _COUNT = h.of(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a count (an integer >= 0)")
-_STEP = h.of(lambda v: isinstance(v, list) and len(v) in (2, 3) and all(
-    isinstance(x, int) and not isinstance(x, bool) for x in v[:2]), "[drafted, accepted, depth]")
+_STEP = h.of(
+    lambda v: (
+        isinstance(v, list) and len(v) in (2, 3) and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:2])
+    ),
+    "[drafted, accepted, depth]",
+)
 _NAME = h.of(lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a name or number")
-_RECORD = h.obj({"prompt_id": _NAME, "task": h.TEXT, "method": h.TEXT, "repeat": _COUNT, "new_tokens": _COUNT,
-                 "wall_s": h.NUMBER, "steps": h.items(_STEP), "exact": h.BOOL,
-                 "arms": h.nullable(h.obj({}, keys=h.TEXT, values=h.NUMBER)), "draft_s": h.NUMBER,
-                 "verify_s": h.NUMBER, "first_divergence": _COUNT, "top2_gap": h.nullable(h.NUMBER),
-                 "fid_tokens": h.nullable(h.NUMBER), "fid_sum": h.nullable(h.NUMBER), "fid_var": h.nullable(h.NUMBER)},
-                required=("prompt_id", "task", "method", "repeat", "new_tokens", "wall_s"), keys=h.TEXT)
-_SAMPLING = h.obj({n: h.NUMBER for n in ("temperature", "top_k", "top_p", "max_new_tokens")},
-                  required=("temperature", "top_k", "top_p", "max_new_tokens"), keys=h.TEXT)
-RESULTS = h.obj({  # what render reads of what harness.run_bench writes
-    "settings": h.obj({"target": h.TEXT, "dtype": h.TEXT, "backend": h.TEXT, "reference": h.TEXT,
-                       "draft": h.nullable(h.TEXT), "draft_backend": h.nullable(h.TEXT), "sampling": _SAMPLING,
-                       "methods": h.obj({}, keys=h.TEXT, values=h.nullable(h.obj({}, keys=h.TEXT)))},
-                      required=("target", "dtype", "sampling"), keys=h.TEXT),
-    "environment": h.obj({}, keys=h.TEXT), "skipped": h.obj({}, keys=h.TEXT, values=h.TEXT),
-    "records": h.items(_RECORD), "workers": h.obj({}, keys=h.TEXT, values=h.obj({}, keys=h.TEXT)),
-}, required=("settings", "environment", "records"))
+_RECORD = h.obj(
+    {
+        "prompt_id": _NAME,
+        "task": h.TEXT,
+        "method": h.TEXT,
+        "repeat": _COUNT,
+        "new_tokens": _COUNT,
+        "wall_s": h.NUMBER,
+        "steps": h.items(_STEP),
+        "exact": h.BOOL,
+        "arms": h.nullable(h.obj({}, keys=h.TEXT, values=h.NUMBER)),
+        "draft_s": h.NUMBER,
+        "verify_s": h.NUMBER,
+        "first_divergence": _COUNT,
+        "top2_gap": h.nullable(h.NUMBER),
+        "fid_tokens": h.nullable(h.NUMBER),
+        "fid_sum": h.nullable(h.NUMBER),
+        "fid_var": h.nullable(h.NUMBER),
+    },
+    required=("prompt_id", "task", "method", "repeat", "new_tokens", "wall_s"),
+    keys=h.TEXT,
+)
+_SAMPLING = h.obj(
+    {n: h.NUMBER for n in ("temperature", "top_k", "top_p", "max_new_tokens")},
+    required=("temperature", "top_k", "top_p", "max_new_tokens"),
+    keys=h.TEXT,
+)
+RESULTS = h.obj(
+    {  # what render reads of what harness.run_bench writes
+        "settings": h.obj(
+            {
+                "target": h.TEXT,
+                "dtype": h.TEXT,
+                "backend": h.TEXT,
+                "reference": h.TEXT,
+                "draft": h.nullable(h.TEXT),
+                "draft_backend": h.nullable(h.TEXT),
+                "sampling": _SAMPLING,
+                "methods": h.obj({}, keys=h.TEXT, values=h.nullable(h.obj({}, keys=h.TEXT))),
+            },
+            required=("target", "dtype", "sampling"),
+            keys=h.TEXT,
+        ),
+        "environment": h.obj({}, keys=h.TEXT),
+        "skipped": h.obj({}, keys=h.TEXT, values=h.TEXT),
+        "records": h.items(_RECORD),
+        "workers": h.obj({}, keys=h.TEXT, values=h.obj({}, keys=h.TEXT)),
+    },
+    required=("settings", "environment", "records"),
+)
 
 
 def read_results(path: Path, advice: str) -> dict | None:
@@ -86,6 +123,7 @@ def speedup_over(rs: list[dict], base: list[dict], totals=end_to_end) -> float |
     """metrics.speedup of records ``rs`` over ``base`` on their ``totals`` (end to end, or decode_totals: the
     decode phase); with records from several Ray workers (bench --ray), per worker (a shard is timed on its
     own worker only), then the mean over workers weighted by the method's new tokens there."""
+
     def tot(recs):
         return totals(recs) or (0, 0.0)
 
@@ -119,18 +157,28 @@ def aggregate(doc: dict) -> dict:
     recs = [r for r in recs if (r["prompt_id"], r["repeat"]) in complete]
 
     def tot(method, task=None, rep=None):
-        rs = [r for r in recs if r["method"] == method and (task is None or r["task"] == task)
-              and (rep is None or r["repeat"] == rep)]
+        rs = [
+            r
+            for r in recs
+            if r["method"] == method and (task is None or r["task"] == task) and (rep is None or r["repeat"] == rep)
+        ]
         return (*end_to_end(rs), rs)
 
     asked = doc.get("settings", {}).get("reference", "plain")
     ref = _reference(asked, methods, lambda b: tot(b)[2], end_to_end)
     decoding = all("first_token_s" in r for r in recs) and bool(recs)
     dref = _reference(asked, methods, lambda b: tot(b)[2], decode_totals) if decoding else None
-    out = {"methods": methods, "tasks": tasks, "n_prompts": len({k[0] for k in complete}),
-           "repeats": len(repeats), "reference": ref, "decode_reference": dref,
-           "fastest_plain": asked == FASTEST_PLAIN, "rows": {},
-           "workers": sorted({r["worker"] for r in recs if "worker" in r})}
+    out = {
+        "methods": methods,
+        "tasks": tasks,
+        "n_prompts": len({k[0] for k in complete}),
+        "repeats": len(repeats),
+        "reference": ref,
+        "decode_reference": dref,
+        "fastest_plain": asked == FASTEST_PLAIN,
+        "rows": {},
+        "workers": sorted({r["worker"] for r in recs if "worker" in r}),
+    }
     for m in methods:
         row = {"task_speedup": {}, "task_mat": {}, "task_decode_speedup": {}}
         for t in tasks + [None]:
@@ -140,13 +188,22 @@ def aggregate(doc: dict) -> dict:
             mat = mean_accepted_tokens(_steps(rs))
             if t is None:
                 dn, ds = decode_totals(rs) or (0, 0.0)
-                row.update(decode_tokens_per_s=tokens_per_second(dn, ds) if decoding else None, decode_speedup=dsp,
-                           first_token_s=sum(r["first_token_s"] for r in rs) / len(rs) if decoding and rs else None)
-                row.update(tokens=n, wall_s=w, tokens_per_s=tokens_per_second(n, w), speedup=sp, mat=mat,
-                           acceptance_rate=acceptance_rate(_steps(rs)),
-                           per_position=per_position_acceptance(_steps(rs)),
-                           draft_s=sum(r.get("draft_s", 0.0) for r in rs),
-                           verify_s=sum(r.get("verify_s", 0.0) for r in rs))
+                row.update(
+                    decode_tokens_per_s=tokens_per_second(dn, ds) if decoding else None,
+                    decode_speedup=dsp,
+                    first_token_s=sum(r["first_token_s"] for r in rs) / len(rs) if decoding and rs else None,
+                )
+                row.update(
+                    tokens=n,
+                    wall_s=w,
+                    tokens_per_s=tokens_per_second(n, w),
+                    speedup=sp,
+                    mat=mat,
+                    acceptance_rate=acceptance_rate(_steps(rs)),
+                    per_position=per_position_acceptance(_steps(rs)),
+                    draft_s=sum(r.get("draft_s", 0.0) for r in rs),
+                    verify_s=sum(r.get("verify_s", 0.0) for r in rs),
+                )
                 row["speedup_vs"] = {b: speedup_over(rs, tot(b)[2]) for b in other_bases(methods) if b != ref}
                 per_rep = [speedup_over(tot(m, None, k)[2], tot(ref, None, k)[2]) for k in repeats]
                 per_rep = [x for x in per_rep if x is not None]
@@ -156,7 +213,8 @@ def aggregate(doc: dict) -> dict:
                 row["exact"] = (sum(r["exact"] for r in checked), len(checked)) if checked else None
                 row["mismatches"] = [
                     {k: r.get(k) for k in ("prompt_id", "task", "repeat", "first_divergence", "top2_gap")}
-                    for r in checked if not r["exact"]
+                    for r in checked
+                    if not r["exact"]
                 ]
             else:
                 row["task_speedup"][t] = sp
@@ -189,8 +247,10 @@ def headline(doc: dict, agg: dict) -> str:
     specs = [m for m in engine_methods(doc) if m in rows]
     if not specs:
         return ""
-    phases = [("decode_tokens_per_s", "decode_speedup", agg.get("decode_reference")),
-              ("tokens_per_s", "speedup", agg["reference"])]
+    phases = [
+        ("decode_tokens_per_s", "decode_speedup", agg.get("decode_reference")),
+        ("tokens_per_s", "speedup", agg["reference"]),
+    ]
     cells, best = [], []
     for rate, gain, ref in phases:
         if ref is None:
@@ -200,11 +260,13 @@ def headline(doc: dict, agg: dict) -> str:
         best.append(m)
         cells.append(f"{ref} {_f(rows[ref][rate])}, {m} {_f(rows[m][rate])} tok/s | **{_f(rows[m][gain], '{:.2f}x')}**")
     same = "; ".join(f"{m} {_identical(rows[m])}" for m in dict.fromkeys(best))
-    return ("| CPU, date | generation | decode phase: fastest plain, specdraft's fastest lossless | speedup "
-            "| end to end: fastest plain, specdraft's fastest lossless | speedup | greedy output vs plain |\n"
-            "|---|---|---|---|---|---|---|\n"
-            f"| {env.get('cpu')}, {str(env.get('date'))[:10]} | {_generation(doc, agg)} | {cells[0]} | {cells[1]} "
-            f"| {same} |\n")
+    return (
+        "| CPU, date | generation | decode phase: fastest plain, specdraft's fastest lossless | speedup "
+        "| end to end: fastest plain, specdraft's fastest lossless | speedup | greedy output vs plain |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"| {env.get('cpu')}, {str(env.get('date'))[:10]} | {_generation(doc, agg)} | {cells[0]} | {cells[1]} "
+        f"| {same} |\n"
+    )
 
 
 def _identical(row: dict) -> str:
@@ -213,7 +275,8 @@ def _identical(row: dict) -> str:
         return "-"
     gaps = [x["top2_gap"] for x in row["mismatches"] if x.get("top2_gap") is not None]
     return f"{row['exact'][0]}/{row['exact'][1]} identical" + (
-        f", divergences at top-2 gaps <= {max(gaps):.3f}" if gaps else "")
+        f", divergences at top-2 gaps <= {max(gaps):.3f}" if gaps else ""
+    )
 
 
 def _generation(doc: dict, agg: dict) -> str:
@@ -233,9 +296,13 @@ def _draft_on(s: dict) -> str:
 
 
 def _ref_label(name: str) -> str:
-    return {"plain": "the engine's plain decoding", "hf:plain": "the engine's plain decoding on transformers",
-            "hf_generate": "transformers generate", "llama_cpp": "llama.cpp plain decoding",
-            "ov_genai": "OpenVINO GenAI plain decoding"}.get(name, name)
+    return {
+        "plain": "the engine's plain decoding",
+        "hf:plain": "the engine's plain decoding on transformers",
+        "hf_generate": "transformers generate",
+        "llama_cpp": "llama.cpp plain decoding",
+        "ov_genai": "OpenVINO GenAI plain decoding",
+    }.get(name, name)
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -256,11 +323,14 @@ def markdown(doc: dict, agg: dict) -> str:
     sp = s["sampling"]
     mode = "greedy" if sp["temperature"] == 0 else f"T={sp['temperature']}, top-k {sp['top_k']}, top-p {sp['top_p']}"
     lines = [
-        f"### {s['target']}" + (f" (draft {s['draft']})" if s.get("draft") else "") +
-        f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, {agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
+        f"### {s['target']}"
+        + (f" (draft {s['draft']})" if s.get("draft") else "")
+        + f", {_weights(s)}, {mode}, {sp['max_new_tokens']} new tokens, "
+        f"{agg['n_prompts']} prompts x {agg['repeats']} repeat(s)",
         "",
         f"Speedup = (total new tokens / total wall s) over {_ref_label(agg['reference'])}"
-        + (" (the fastest plain decoder of this run)" if agg.get("fastest_plain") else "") + "; MAT = mean over steps "
+        + (" (the fastest plain decoder of this run)" if agg.get("fastest_plain") else "")
+        + "; MAT = mean over steps "
         f"of (accepted + 1). Backend: {s.get('backend', 'hf')}{_draft_on(s)}. "
         f"{env.get('cpu')}, {env.get('threads')} threads, "
         f"torch {env.get('torch')}, llama-cpp-python {env.get('llama_cpp_python')}, "
@@ -273,30 +343,48 @@ def markdown(doc: dict, agg: dict) -> str:
     for m, r in agg["rows"].items():
         cells = [_f(r["task_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
         ov = _f(r["speedup"], "{:.2f}x") + (f" ±{r['speedup_std']:.2f}" if agg["repeats"] > 1 else "")
-        lines.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |")
+        lines.append(
+            f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{ov}** | {_f(r['mat'])} | {_f(r['tokens_per_s'])} |"
+        )
     lines += decode_lines(doc, agg)
     bases = [b for b in other_bases(agg["methods"]) if b != agg["reference"]]
     fid = any(r.get("fidelity_z") is not None for r in agg["rows"].values())
-    lines += ["", "| method | tok/s | " + "".join(f"vs {_ref_label(b)} | " for b in bases)
-              + "acceptance | draft s | verify s | greedy exact |" + (" fidelity Z |" if fid else ""),
-              "|---" * (6 + len(bases) + fid) + "|"]
+    lines += [
+        "",
+        "| method | tok/s | "
+        + "".join(f"vs {_ref_label(b)} | " for b in bases)
+        + "acceptance | draft s | verify s | greedy exact |"
+        + (" fidelity Z |" if fid else ""),
+        "|---" * (6 + len(bases) + fid) + "|",
+    ]
     for m, r in agg["rows"].items():
         ex = "-" if r["exact"] is None else f"{r['exact'][0]}/{r['exact'][1]}"
         vs = "".join(f"{_f(r['speedup_vs'].get(b), '{:.2f}x')} | " for b in bases)
-        lines.append(f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {vs}"
-                     f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |"
-                     + (f" {_f(r['fidelity_z'], '{:+.1f}')} |" if fid else ""))
+        lines.append(
+            f"| {label(doc, m)} | {_f(r['tokens_per_s'])} | {vs}"
+            f"{_f(r['acceptance_rate'])} | {_f(r['draft_s'], '{:.1f}')} | {_f(r['verify_s'], '{:.1f}')} | {ex} |"
+            + (f" {_f(r['fidelity_z'], '{:+.1f}')} |" if fid else "")
+        )
     if fid:
-        lines += ["", "Fidelity Z: the target's log-probability of each sampled token against its expectation, pooled "
-                  "(metrics.fidelity_z). About N(0, 1) when a method samples the target's distribution; |Z| > 5 "
-                  "means it does not, and its speed is not a lossless figure."]
+        lines += [
+            "",
+            "Fidelity Z: the target's log-probability of each sampled token against its expectation, pooled "
+            "(metrics.fidelity_z). About N(0, 1) when a method samples the target's distribution; |Z| > 5 "
+            "means it does not, and its speed is not a lossless figure.",
+        ]
     mism = [(m, x) for m, r in agg["rows"].items() for x in r["mismatches"]]
     if mism:
-        lines += ["", "Greedy mismatches against plain decoding (first diverging token; the target's top-2 logit "
-                  "gap there: a gap near 0 is a numerical near-tie, a large gap is a bug):", ""]
+        lines += [
+            "",
+            "Greedy mismatches against plain decoding (first diverging token; the target's top-2 logit "
+            "gap there: a gap near 0 is a numerical near-tie, a large gap is a bug):",
+            "",
+        ]
         for m, x in mism:
-            lines.append(f"- {m}: prompt {x['prompt_id']} ({x['task']}), position {x['first_divergence']}, "
-                         f"top-2 gap {_f(x.get('top2_gap'), '{:.4f}')}")
+            lines.append(
+                f"- {m}: prompt {x['prompt_id']} ({x['task']}), position {x['first_divergence']}, "
+                f"top-2 gap {_f(x.get('top2_gap'), '{:.4f}')}"
+            )
     for name, why in doc.get("skipped", {}).items():
         lines.append(f"- {name}: {why}")
     return "\n".join(lines + arm_lines(doc, agg["tasks"])) + "\n"
@@ -307,16 +395,22 @@ def decode_lines(doc: dict, agg: dict) -> list[str]:
     dref = agg.get("decode_reference")
     if dref is None:
         return []
-    out = ["", f"Decode phase (the tokens after the first over the seconds after the first arrived; the prompt's "
-           f"prefill and the first step apart): speedup over {_ref_label(dref)}"
-           + (" (the fastest plain decoder of this phase)" if agg.get("fastest_plain") else "")
-           + "; first token: mean seconds from the call to the first new token.", "",
-           "| method | " + " | ".join(agg["tasks"]) + " | Overall | decode tok/s | first token s |",
-           "|---" * (len(agg["tasks"]) + 4) + "|"]
+    out = [
+        "",
+        f"Decode phase (the tokens after the first over the seconds after the first arrived; the prompt's "
+        f"prefill and the first step apart): speedup over {_ref_label(dref)}"
+        + (" (the fastest plain decoder of this phase)" if agg.get("fastest_plain") else "")
+        + "; first token: mean seconds from the call to the first new token.",
+        "",
+        "| method | " + " | ".join(agg["tasks"]) + " | Overall | decode tok/s | first token s |",
+        "|---" * (len(agg["tasks"]) + 4) + "|",
+    ]
     for m, r in agg["rows"].items():
         cells = [_f(r["task_decode_speedup"][t], "{:.2f}x") for t in agg["tasks"]]
-        out.append(f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{_f(r['decode_speedup'], '{:.2f}x')}** | "
-                   f"{_f(r['decode_tokens_per_s'])} | {_f(r['first_token_s'], '{:.2f}')} |")
+        out.append(
+            f"| {label(doc, m)} | " + " | ".join(cells) + f" | **{_f(r['decode_speedup'], '{:.2f}x')}** | "
+            f"{_f(r['decode_tokens_per_s'])} | {_f(r['first_token_s'], '{:.2f}')} |"
+        )
     return out
 
 
@@ -326,11 +420,15 @@ def worker_lines(doc: dict, agg: dict) -> list[str]:
     if len(ws) < 2:
         return []
     info = doc.get("workers", {})
-    where = ", ".join(f"{w} on {info.get(w, {}).get('host', '?')} ({info.get(w, {}).get('threads', '?')} threads)"
-                      for w in ws)
-    return ["", f"Sharded over {len(ws)} Ray workers ({where}): each speedup is computed per worker, on that "
-            "worker's records only (a prompt's methods all ran on one worker), then averaged over the workers, "
-            "weighted by the method's new tokens; tok/s are totals over all workers."]
+    where = ", ".join(
+        f"{w} on {info.get(w, {}).get('host', '?')} ({info.get(w, {}).get('threads', '?')} threads)" for w in ws
+    )
+    return [
+        "",
+        f"Sharded over {len(ws)} Ray workers ({where}): each speedup is computed per worker, on that "
+        "worker's records only (a prompt's methods all ran on one worker), then averaged over the workers, "
+        "weighted by the method's new tokens; tok/s are totals over all workers.",
+    ]
 
 
 def arm_lines(doc: dict, tasks: list[str]) -> list[str]:
@@ -342,8 +440,13 @@ def arm_lines(doc: dict, tasks: list[str]) -> list[str]:
             cell[arm] = cell.get(arm, 0) + n
     if not by:
         return []
-    out = ["", "Steps per arm of the composite drafters (share of the task's steps):", "",
-           "| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    out = [
+        "",
+        "Steps per arm of the composite drafters (share of the task's steps):",
+        "",
+        "| method | " + " | ".join(tasks) + " |",
+        "|---" * (len(tasks) + 1) + "|",
+    ]
     for m, per in by.items():
         cells = []
         for t in tasks:
@@ -423,8 +526,10 @@ def render(doc: dict, results_path: Path, plots: bool = True) -> str:
     md = markdown(doc, agg)
     row = headline(doc, agg)
     if row:
-        md += ("\nspecdraft's fastest lossless configuration against the fastest plain decoder, in the decode phase "
-               "and end to end (the README's row):\n\n" + row)
+        md += (
+            "\nspecdraft's fastest lossless configuration against the fastest plain decoder, in the decode phase "
+            "and end to end (the README's row):\n\n" + row
+        )
     stem = results_path.with_suffix("")
     files = make_plots(doc, agg, stem) if plots else []
     if files:

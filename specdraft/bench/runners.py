@@ -42,7 +42,9 @@ class EngineRunner:
             "draft_s": out.stats.draft_s,
             "verify_s": out.stats.verify_s,
             **({"arms": out.stats.arms} if out.stats.arms else {}),  # a composite's steps per arm
-            **({"hits": [s.arm == PREFETCHED for s in out.stats.steps]} if PREFETCHED in (out.stats.arms or {}) else {}),
+            **(
+                {"hits": [s.arm == PREFETCHED for s in out.stats.steps]} if PREFETCHED in (out.stats.arms or {}) else {}
+            ),
         }
 
 
@@ -97,7 +99,7 @@ class HFRunner:
         t0 = time.perf_counter()
         out = model.generate(x, **kw)
         wall = time.perf_counter() - t0
-        new = _until_eos(out[0, len(ids):].tolist(), self.dec.eos_ids)
+        new = _until_eos(out[0, len(ids) :].tolist(), self.dec.eos_ids)
         return {"token_ids": new, "wall_s": wall, "first_token_s": first.seconds(wall)}
 
 
@@ -132,8 +134,16 @@ class LlamaCppRunner:
 
     kind = "baseline"
 
-    def __init__(self, name: str, gguf_path: str, threads: int, eos_ids: set[int], mode: str = "plain",
-                 draft_gguf: str | None = None, k: int = 10):
+    def __init__(
+        self,
+        name: str,
+        gguf_path: str,
+        threads: int,
+        eos_ids: set[int],
+        mode: str = "plain",
+        draft_gguf: str | None = None,
+        k: int = 10,
+    ):
         from llama_cpp import Llama  # ImportError means: skipped
 
         self.name = name
@@ -144,12 +154,21 @@ class LlamaCppRunner:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=k)
         elif mode == "draft":
-            draft = _LlamaModelDraft(Llama(model_path=draft_gguf, n_ctx=4096, n_threads=threads, flash_attn=True,
-                                           verbose=False), k)
+            draft = _LlamaModelDraft(
+                Llama(model_path=draft_gguf, n_ctx=4096, n_threads=threads, flash_attn=True, verbose=False), k
+            )
         # with a draft model llama-cpp-python keeps every position's logits; logits_all=True sizes that
         # buffer to the context (0.3.36 sizes it to n_batch otherwise and fails past 512 tokens)
-        self.llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-                         flash_attn=True, draft_model=draft, logits_all=draft is not None, verbose=False)
+        self.llm = Llama(
+            model_path=gguf_path,
+            n_ctx=4096,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=True,
+            draft_model=draft,
+            logits_all=draft is not None,
+            verbose=False,
+        )
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         from ..models.llama import on_ggml_thread
@@ -163,8 +182,9 @@ class LlamaCppRunner:
         self.llm.reset()
         if sp.seed is not None:
             self.llm.set_seed(sp.seed)
-        for t in self.llm.generate(ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p, min_p=0.0,
-                                   repeat_penalty=1.0):
+        for t in self.llm.generate(
+            ids, temp=sp.temperature, top_k=sp.top_k or 0, top_p=sp.top_p, min_p=0.0, repeat_penalty=1.0
+        ):
             first.token()
             new.append(int(t))
             if int(t) in self.eos_ids or len(new) >= sp.max_new_tokens:
@@ -200,8 +220,16 @@ class OVGenAIRunner:
 
     kind = "baseline"
 
-    def __init__(self, name: str, ir_dir: str, threads: int, eos_ids: set[int], mode: str = "plain",
-                 draft_dir: str | None = None, k: int = 4):
+    def __init__(
+        self,
+        name: str,
+        ir_dir: str,
+        threads: int,
+        eos_ids: set[int],
+        mode: str = "plain",
+        draft_dir: str | None = None,
+        k: int = 4,
+    ):
         import openvino_genai as ov_genai  # ImportError means: skipped
 
         self.name, self.eos_ids, self.mode, self.k = name, eos_ids, mode, k

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..commands.train import data as train_data
 from ..commands.train.loop import progress
-from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 from ..scale import cluster
+from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -60,8 +60,11 @@ def run_sharded(plan, doc: dict, out: Path) -> None:
     for wid, info in infos.items():
         doc["skipped"].update(info.pop("skipped"))
         workers[wid] = info
-    print(f"bench on Ray: {len(jobs)} prompt(s) over {n} worker(s): "
-          + ", ".join(f"{w} on {i['host']}" for w, i in infos.items()), file=sys.stderr)
+    print(
+        f"bench on Ray: {len(jobs)} prompt(s) over {n} worker(s): "
+        + ", ".join(f"{w} on {i['host']}" for w, i in infos.items()),
+        file=sys.stderr,
+    )
 
     def submit(act, r):
         mine = {k for k in done if k[0] == r["id"]}
@@ -106,7 +109,7 @@ def data_builder(ray_opts: cluster.RayOptions, target: str):
 
     def build(dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None):
         encoded = train_data.encode_prompts(dec, prompts, max_new_tokens, chat, max_prompt_tokens)
-        chunks = [encoded[i: i + train_data.DATA_BATCH] for i in range(0, len(encoded), train_data.DATA_BATCH)]
+        chunks = [encoded[i : i + train_data.DATA_BATCH] for i in range(0, len(encoded), train_data.DATA_BATCH)]
         if not chunks:
             return []
         ray, n = ray_opts.start(len(chunks))
@@ -116,8 +119,9 @@ def data_builder(ray_opts: cluster.RayOptions, target: str):
         seqs = []
         bar = progress(total=len(encoded), desc="target answers (ray)", unit="prompt")
         try:
-            for wid, got in cluster.drain(ray, actors, True, lambda act, c: act.answer.remote(c, max_new_tokens),
-                                          chunks):
+            for wid, got in cluster.drain(
+                ray, actors, True, lambda act, c: act.answer.remote(c, max_new_tokens), chunks
+            ):
                 seqs += got
                 count[wid] += 1
                 if hasattr(bar, "update"):
@@ -126,8 +130,10 @@ def data_builder(ray_opts: cluster.RayOptions, target: str):
             cluster.stop_workers(ray, actors)
             if hasattr(bar, "close"):
                 bar.close()
-        print("training data on Ray: " + ", ".join(f"{w} on {infos[w]['host']}: {count[w]} batch(es)" for w in infos),
-              file=sys.stderr)
+        print(
+            "training data on Ray: " + ", ".join(f"{w} on {infos[w]['host']}: {count[w]} batch(es)" for w in infos),
+            file=sys.stderr,
+        )
         return seqs
 
     return build

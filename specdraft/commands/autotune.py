@@ -19,19 +19,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import homefiles, prompts
 from ..api import ModelSettings
-from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
+from ..core import homefiles, prompts
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import SpecDraftError
 from ..core.metrics import FirstToken, decode_phase, tokens_per_second
-from .flags import add_model_args
+from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
 from ..drafters.registry import method
+from .flags import add_model_args
 
 
 @dataclass(frozen=True)
 class AutotuneOptions:
     """``specdraft autotune``'s flags."""
+
     models: ModelSettings
     prompts: str | None = None  # calibration prompts jsonl (default: _prompts' mix)
     n: int = 8
@@ -41,27 +42,44 @@ class AutotuneOptions:
     arms: int = 3
     no_tree_search: bool = False
     drafts: str | None = None  # a comma list of candidate drafts, screened first; the fastest is tuned
-    paths: str | None = None  # a comma list of paths (paths.py: BACKEND[:VARIANT]), screened first; the fastest is tuned
+    paths: str | None = (
+        None  # a comma list of paths (paths.py: BACKEND[:VARIANT]), screened first; the fastest is tuned
+    )
     out: str | None = None  # default: where method=auto looks for it (arms.default_path)
 
 
 def add_parser(sub):
-    at = sub.add_parser("autotune", help="measure drafting configurations here; write the best (and method=auto's arms)")
+    at = sub.add_parser(
+        "autotune", help="measure drafting configurations here; write the best (and method=auto's arms)"
+    )
     add_model_args(at)
-    at.add_argument("--prompts", default=None, help="calibration prompts jsonl (default: Spec-Bench's last prompt "
-                    "per task + the last code edits)")
+    at.add_argument(
+        "--prompts",
+        default=None,
+        help="calibration prompts jsonl (default: Spec-Bench's last prompt per task + the last code edits)",
+    )
     at.add_argument("--n", type=int, default=8, help="calibration prompts")
     at.add_argument("--max-new-tokens", type=int, default=64)
     at.add_argument("--temperature", type=float, default=0.0, help="calibrate for this temperature (seed 0)")
     at.add_argument("--only", default=None, help="comma list: try only these configurations (names or methods)")
     at.add_argument("--arms", type=int, default=3, help="how many of the best configurations method=auto chooses among")
     at.add_argument("--no-tree-search", action="store_true", help="skip the hardware-aware tree search")
-    at.add_argument("--drafts", default=None, metavar="A,B,...", help="candidate drafts (names as --draft takes, e.g. "
-                    "self:Q4_0,qwen2.5-coder-0.5b:Q4_0): each drafts on the calibration prompts at k = 4 and 6, against "
-                    "plain; the fastest becomes --draft and is tuned (its measured acceptance x cost decides)")
-    at.add_argument("--paths", default=None, metavar="A,B,...", help="candidate backends and weights of --target "
-                    "(BACKEND[:VARIANT], e.g. llama,llama:Q4_0,openvino,hf,hf:w8a8): each decodes the calibration prompts "
-                    "plainly and with auto; the fastest (tokens/s) is tuned, and --backend auto takes it from then on")
+    at.add_argument(
+        "--drafts",
+        default=None,
+        metavar="A,B,...",
+        help="candidate drafts (names as --draft takes, e.g. "
+        "self:Q4_0,qwen2.5-coder-0.5b:Q4_0): each drafts on the calibration prompts at k = 4 and 6, against "
+        "plain; the fastest becomes --draft and is tuned (its measured acceptance x cost decides)",
+    )
+    at.add_argument(
+        "--paths",
+        default=None,
+        metavar="A,B,...",
+        help="candidate backends and weights of --target "
+        "(BACKEND[:VARIANT], e.g. llama,llama:Q4_0,openvino,hf,hf:w8a8): each decodes the calibration prompts "
+        "plainly and with auto; the fastest (tokens/s) is tuned, and --backend auto takes it from then on",
+    )
     at.add_argument("-o", "--out", default=None, help="output JSON (default: where method=auto looks for it)")
     return at
 
@@ -71,7 +89,13 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
     """The configurations autotune tries (each where this decoder can run it)."""
     c = {"plain": {"method": "plain"}}
     for k in (4, 8, 16):
-        c[f"prompt_lookup[k={k}]"] = {"method": "prompt_lookup", "k": k, "max_k": max(k, 16), "min_ngram": 2, "max_ngram": 4}
+        c[f"prompt_lookup[k={k}]"] = {
+            "method": "prompt_lookup",
+            "k": k,
+            "max_k": max(k, 16),
+            "min_ngram": 2,
+            "max_ngram": 4,
+        }
     c["suffix"] = DEFAULT_ARMS["suffix"]
     c["token_recycling"] = {"method": "token_recycling"}
     if dec.draft is not None:
@@ -97,23 +121,29 @@ def summarize(records: list[dict], base: dict) -> dict:
     wall = sum(r["wall_s"] for r in records)
     steps = [StepRecord(*s) for r in records for s in r["steps"]]
     n = max(len(steps), 1)
-    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": tokens_per_second(tokens, wall),
-            "speedup": speedup(tokens, wall, base["tokens"], base["wall_s"]) if base else 1.0,
-            "mat": mean_accepted_tokens(steps), "acceptance": acceptance_rate(steps),
-            "scored": sum(1 + s.drafted for s in steps) / n,
-            "model_tokens": sum(r["model_tokens"] for r in records) / n}
+    return {
+        "tokens": tokens,
+        "wall_s": round(wall, 4),
+        "tokens_per_s": tokens_per_second(tokens, wall),
+        "speedup": speedup(tokens, wall, base["tokens"], base["wall_s"]) if base else 1.0,
+        "mat": mean_accepted_tokens(steps),
+        "acceptance": acceptance_rate(steps),
+        "scored": sum(1 + s.drafted for s in steps) / n,
+        "model_tokens": sum(r["model_tokens"] for r in records) / n,
+    }
 
 
 def main_autotune(opts: AutotuneOptions) -> int:
-    from ..models.cost_curve import cpu_name
     from ..models.catalog import home
+    from ..models.cost_curve import cpu_name
     from ..models.loading import set_threads
 
     opts = dataclasses.replace(opts, models=on_this_cpu(opts.models))
     threads = set_threads(opts.models.threads)
     rows = _prompts(opts.prompts, opts.n)
-    sp = SamplingParams(temperature=opts.temperature, seed=0 if opts.temperature > 0 else None,
-                        max_new_tokens=opts.max_new_tokens).validate()
+    sp = SamplingParams(
+        temperature=opts.temperature, seed=0 if opts.temperature > 0 else None, max_new_tokens=opts.max_new_tokens
+    ).validate()
     screened = None
     homefiles.check_writable(Path(opts.out).parent if opts.out else home() / "autotune", "the autotune file")
     if opts.paths:
@@ -132,26 +162,45 @@ def main_autotune(opts: AutotuneOptions) -> int:
     if dec.draft is not None and dec.draft.capabilities.trees and not dec.cross_vocab and not opts.no_tree_search:
         tree = _tree_search(dec, ids, sp)
         cands["draft_model[searched tree]"] = SpecConfig.from_dict(tree["spec"])
-    print(f"autotune: {len(cands)} configurations x {len(ids)} prompts x {sp.max_new_tokens} tokens on {cpu_name()}",
-          file=sys.stderr)
+    print(
+        f"autotune: {len(cands)} configurations x {len(ids)} prompts x {sp.max_new_tokens} tokens on {cpu_name()}",
+        file=sys.stderr,
+    )
     runs = run_candidates(dec, cands, ids, sp)
     base = summarize(runs["plain"], {})
     tried = [{"name": n, "spec": compact(cands[n]), **summarize(runs[n], base)} for n in cands]
     tried.sort(key=lambda t: -(t["speedup"] or 0))
-    doc = {"target": opts.models.target, "draft": opts.models.draft, "backend": dec.backend, "cpu": cpu_name(),
-           "threads": threads, "sampling": sp.to_dict(), "prompts": [r["id"] for r in rows], "best": tried[0]["spec"],
-           "arms": [{k: t[k] for k in ("name", "spec", "mat", "scored", "model_tokens", "speedup")}
-                    for t in tried if t["name"] != "plain" and (t["speedup"] or 0) > 0][: opts.arms],
-           "tried": tried, "tree": tree, "drafts": screened}
+    doc = {
+        "target": opts.models.target,
+        "draft": opts.models.draft,
+        "backend": dec.backend,
+        "cpu": cpu_name(),
+        "threads": threads,
+        "sampling": sp.to_dict(),
+        "prompts": [r["id"] for r in rows],
+        "best": tried[0]["spec"],
+        "arms": [
+            {k: t[k] for k in ("name", "spec", "mat", "scored", "model_tokens", "speedup")}
+            for t in tried
+            if t["name"] != "plain" and (t["speedup"] or 0) > 0
+        ][: opts.arms],
+        "tried": tried,
+        "tree": tree,
+        "drafts": screened,
+    }
     out = Path(opts.out) if opts.out else default_path(dec)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(table(tried))
     if screened:
-        print(f"draft: {screened['chosen']} (the fastest of {len(screened['tried'])} screened; run with --draft "
-              f"{screened['chosen']})")
-    print(f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
-          + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)"))
+        print(
+            f"draft: {screened['chosen']} (the fastest of {len(screened['tried'])} screened; run with --draft "
+            f"{screened['chosen']})"
+        )
+    print(
+        f"best: {tried[0]['name']} ({tried[0]['speedup']:.2f}x plain); wrote {out}"
+        + ("" if opts.out else " (method=auto on this target, draft, backend and CPU reads it by itself)")
+    )
     return 0
 
 
@@ -160,8 +209,10 @@ def on_this_cpu(models: ModelSettings) -> ModelSettings:
     CPU), so --device auto means cpu here and another device is refused."""
     for flag, setting in (("--device", models.device), ("--draft-device", models.draft_device)):
         if setting not in (None, "auto", "cpu"):
-            raise SpecDraftError(f"{flag} {setting}: autotune measures this CPU (its files are kept per CPU kind); "
-                                 "leave the device out or pass cpu")
+            raise SpecDraftError(
+                f"{flag} {setting}: autotune measures this CPU (its files are kept per CPU kind); "
+                "leave the device out or pass cpu"
+            )
     return dataclasses.replace(models, device="cpu", draft_device=None)
 
 
@@ -184,22 +235,43 @@ def screen_paths(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, th
             print(f"autotune: path {text}: cannot run here: {e}", file=sys.stderr)
             continue
         ids = [dec.encode(r["prompt"], chat=True) for r in rows]
-        runs = run_candidates(dec, {"plain": SpecConfig(method="plain"), "auto": SpecConfig(method="auto", autotune="off")}, ids, sp)
+        runs = run_candidates(
+            dec, {"plain": SpecConfig(method="plain"), "auto": SpecConfig(method="auto", autotune="off")}, ids, sp
+        )
         plain, auto = summarize(runs["plain"], {}), summarize(runs["auto"], {})
         decode = max(decode_rate(runs["plain"]), decode_rate(runs["auto"]))
         prefill = prefill_ms_per_token(runs["plain"] + runs["auto"])
-        tried.append({"path": text, "plain_tokens_per_s": plain["tokens_per_s"], "auto_tokens_per_s": auto["tokens_per_s"],
-                      "auto_mat": auto["mat"], "tokens_per_s": max(plain["tokens_per_s"], auto["tokens_per_s"]),
-                      "decode_tokens_per_s": decode, "prefill_ms_per_token": prefill})
-        print(f"autotune: path {text}: plain {plain['tokens_per_s']:.2f} tok/s, auto {auto['tokens_per_s']:.2f} "
-              f"tok/s (MAT {auto['mat']:.2f}); decode phase {decode:.2f} tok/s, prefill {prefill:.2f} ms a prompt "
-              "token", file=sys.stderr)
+        tried.append(
+            {
+                "path": text,
+                "plain_tokens_per_s": plain["tokens_per_s"],
+                "auto_tokens_per_s": auto["tokens_per_s"],
+                "auto_mat": auto["mat"],
+                "tokens_per_s": max(plain["tokens_per_s"], auto["tokens_per_s"]),
+                "decode_tokens_per_s": decode,
+                "prefill_ms_per_token": prefill,
+            }
+        )
+        print(
+            f"autotune: path {text}: plain {plain['tokens_per_s']:.2f} tok/s, auto {auto['tokens_per_s']:.2f} "
+            f"tok/s (MAT {auto['mat']:.2f}); decode phase {decode:.2f} tok/s, prefill {prefill:.2f} ms a prompt "
+            "token",
+            file=sys.stderr,
+        )
         del dec
     if not tried:
         raise SpecDraftError(f"autotune --paths: none of {opts.paths} can run {model} here")
     best = max(tried, key=lambda t: t["tokens_per_s"])
-    f = paths.write(model, pick={"path": best["path"], "tokens_per_s": best["tokens_per_s"], "tried": tried,
-                                 "prompts": [r["id"] for r in rows], "sampling": sp.to_dict()})
+    f = paths.write(
+        model,
+        pick={
+            "path": best["path"],
+            "tokens_per_s": best["tokens_per_s"],
+            "tried": tried,
+            "prompts": [r["id"] for r in rows],
+            "sampling": sp.to_dict(),
+        },
+    )
     p = paths.ModelPath.parse(best["path"])
     print(f"autotune: path {p} is the fastest here; --backend auto takes it (wrote {f})", file=sys.stderr)
     return dataclasses.replace(opts, models=_on_path(opts.models, p))
@@ -209,8 +281,12 @@ def _on_path(models, p):
     """``models`` (its target a catalog name) on the path ``p``; --dtype goes to the paths that read dense weights."""
     from ..models.backends import BACKENDS
 
-    return dataclasses.replace(models, target=p.target(models.target), backend=p.backend,
-                               dtype=models.dtype if BACKENDS[p.backend].uses_dtype else None)
+    return dataclasses.replace(
+        models,
+        target=p.target(models.target),
+        backend=p.backend,
+        dtype=models.dtype if BACKENDS[p.backend].uses_dtype else None,
+    )
 
 
 def decode_rate(records: list[dict]) -> float:
@@ -233,15 +309,25 @@ def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, t
     plain = summarize(run_candidates(base, {"plain": SpecConfig(method="plain")}, ids, sp)["plain"], {})
     tried, best = [], None
     for name in names:
-        dec = base.with_draft(opts.models.target, name, opts.models.dtype, opts.models.draft_backend,
-                              opts.models.draft_device or opts.models.device)
+        dec = base.with_draft(
+            opts.models.target,
+            name,
+            opts.models.dtype,
+            opts.models.draft_backend,
+            opts.models.draft_device or opts.models.device,
+        )
         cands = {f"draft_model[k={k}]": SpecConfig(method="draft_model", k=k) for k in (4, 6)}
         runs = run_candidates(dec, cands, ids, sp)
-        top = max(({"draft": name, "config": n, **summarize(r, plain)} for n, r in runs.items()),
-                  key=lambda t: t["speedup"] or 0)
+        top = max(
+            ({"draft": name, "config": n, **summarize(r, plain)} for n, r in runs.items()),
+            key=lambda t: t["speedup"] or 0,
+        )
         tried.append(top)
-        print(f"autotune: draft {name}: {top['speedup']:.2f}x plain ({top['config']}, acceptance "
-              f"{top['acceptance'] or 0:.2f})", file=sys.stderr)
+        print(
+            f"autotune: draft {name}: {top['speedup']:.2f}x plain ({top['config']}, acceptance "
+            f"{top['acceptance'] or 0:.2f})",
+            file=sys.stderr,
+        )
         if best is None or (top["speedup"] or 0) > (best[1]["speedup"] or 0):
             best = (dec, top)
     return best[0], {"chosen": best[1]["draft"], "tried": tried}
@@ -260,10 +346,17 @@ def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: 
         for n, spec in cands.items():
             first = FirstToken()
             out = dec.generate(ids[i], sampling=sp, spec=spec, on_emit=first.on_emit)
-            runs[n].append({"token_ids": out.token_ids, "wall_s": out.stats.wall_s, "prompt_tokens": len(ids[i]),
-                            "prefill_s": out.stats.prefill_s, "first_token_s": first.seconds(out.stats.wall_s),
-                            "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
-                            "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(spec) else 0})
+            runs[n].append(
+                {
+                    "token_ids": out.token_ids,
+                    "wall_s": out.stats.wall_s,
+                    "prompt_tokens": len(ids[i]),
+                    "prefill_s": out.stats.prefill_s,
+                    "first_token_s": first.seconds(out.stats.wall_s),
+                    "steps": [[st.drafted, st.accepted, st.emitted] for st in out.stats.steps],
+                    "model_tokens": sum(st.drafted for st in out.stats.steps) if uses_model(spec) else 0,
+                }
+            )
     return runs
 
 
@@ -274,11 +367,16 @@ def compact(spec: SpecConfig) -> dict:
 
 
 def table(tried: list[dict]) -> str:
-    lines = ["| configuration | speedup | tokens/s | MAT | acceptance | target tokens / step |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | speedup | tokens/s | MAT | acceptance | target tokens / step |",
+        "|---|---|---|---|---|---|",
+    ]
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for t in tried:
-        lines.append(f"| {t['name']} | {f(t['speedup'])}x | {f(t['tokens_per_s'], 1)} | {f(t['mat'])} | "
-                     f"{f(t['acceptance'])} | {f(t['scored'], 1)} |")
+        lines.append(
+            f"| {t['name']} | {f(t['speedup'])}x | {f(t['tokens_per_s'], 1)} | {f(t['mat'])} | "
+            f"{f(t['acceptance'])} | {f(t['scored'], 1)} |"
+        )
     return "\n".join(lines)
 
 
@@ -291,7 +389,7 @@ def _prompts(path: str | None, n: int) -> list[dict]:
         for r in prompts.load_prompts(None):
             by_task[r["task"]] = r
         edits = prompts.load_prompts(prompts.preset_dataset("code_edit"))
-        rows = (list(by_task.values()) + edits[-max(2, n - len(by_task)):])[:n]
+        rows = (list(by_task.values()) + edits[-max(2, n - len(by_task)) :])[:n]
     if not rows:
         raise SpecDraftError("no calibration prompts")
     return rows
@@ -302,13 +400,20 @@ def _tree_search(dec, ids: list[list[int]], sp: SamplingParams) -> dict:
     acceptance on the target's own greedy continuations of the calibration prompts."""
     from ..core.treeshape import best_tree, rank_stats
 
-    outs = [dec.generate(i, sampling=SamplingParams(max_new_tokens=min(sp.max_new_tokens, 48)),
-                         spec=SpecConfig(method="plain")).token_ids for i in ids[:4]]
+    outs = [
+        dec.generate(
+            i, sampling=SamplingParams(max_new_tokens=min(sp.max_new_tokens, 48)), spec=SpecConfig(method="plain")
+        ).token_ids
+        for i in ids[:4]
+    ]
     p, p_next = rank_stats(dec.draft, ids[:4], outs)
     from ..drafters.auto import StepCosts
 
     costs = StepCosts(dec.cost_curve(32), dec.draft_cost_curve(16))
     choice = best_tree(p, costs.target, costs.draft, max_nodes=24, p_next=p_next)
-    return {"rank_acceptance": [round(x, 4) for x in p], "rank_acceptance_after": [[round(x, 4) for x in r] for r in p_next],
-            **choice,
-            "spec": {"method": "draft_model", "tree": "static", "tree_choices": choice["choices"]}}
+    return {
+        "rank_acceptance": [round(x, 4) for x in p],
+        "rank_acceptance_after": [[round(x, 4) for x in r] for r in p_next],
+        **choice,
+        "spec": {"method": "draft_model", "tree": "static", "tree_choices": choice["choices"]},
+    }

@@ -27,8 +27,16 @@ class Report:
 
 
 def isa_summary(flags: list[str]) -> str:
-    names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
-             "avx_vnni": "AVX_VNNI", "amx_tile": "AMX (tile)", "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16"}
+    names = {
+        "avx2": "AVX2",
+        "avx512f": "AVX-512",
+        "avx512_vnni": "AVX512_VNNI",
+        "avx512_bf16": "AVX512_BF16",
+        "avx_vnni": "AVX_VNNI",
+        "amx_tile": "AMX (tile)",
+        "amx_int8": "AMX_INT8",
+        "amx_bf16": "AMX_BF16",
+    }
     return " ".join(names[f] for f in names if f in flags) or "no AVX2"
 
 
@@ -41,9 +49,12 @@ def check_cpu_and_torch(r: Report, threads: int) -> None:
     from ..models.llama_probe import cpu_flags
 
     r.say("cpu", f"{cpu_name().split(' (')[0]}, {os.cpu_count()} cores; {isa_summary(cpu_flags())}")
-    r.say("torch", f"{torch.__version__}, kernels for {torch.backends.cpu.get_cpu_capability()}, "
-                   f"bf16 matmul {'native' if 'avx512_bf16' in cpu_flags() or 'amx_bf16' in cpu_flags() else 'emulated'}"
-                   f", {threads} threads")
+    r.say(
+        "torch",
+        f"{torch.__version__}, kernels for {torch.backends.cpu.get_cpu_capability()}, "
+        f"bf16 matmul {'native' if 'avx512_bf16' in cpu_flags() or 'amx_bf16' in cpu_flags() else 'emulated'}"
+        f", {threads} threads",
+    )
 
 
 def ready_models() -> list[str]:
@@ -57,18 +68,23 @@ def check_models(r: Report) -> list[str]:
 
     ready = ready_models()
     missing = [s["name"] for s in catalog.status() if s["name"] not in ready]
-    r.say("models", (f"ready: {', '.join(ready)}" if ready else "none ready")
-          + (f"; not pulled: {', '.join(missing)} (`make models`)" if missing else ""))
+    r.say(
+        "models",
+        (f"ready: {', '.join(ready)}" if ready else "none ready")
+        + (f"; not pulled: {', '.join(missing)} (`make models`)" if missing else ""),
+    )
     return ready
 
 
 def measure(r: Report, model: str, paths: list[str]) -> dict[str, dict[int, float]]:
+    from ..models.backends import BACKENDS
     from ..models.paths import CURVE_TOKENS, measure_curves
 
-    from ..models.backends import BACKENDS
-
-    r.say("costs", f"ms per forward of {' / '.join(map(str, CURVE_TOKENS))} tokens, {model}, 60-token context "
-                   "(ratio to one token); kept for --backend auto")
+    r.say(
+        "costs",
+        f"ms per forward of {' / '.join(map(str, CURVE_TOKENS))} tokens, {model}, 60-token context "
+        "(ratio to one token); kept for --backend auto",
+    )
     # an optional backend that cannot take this model is a note, not a problem
     optional = lambda path: BACKENDS[path.partition(":")[0]].optional  # noqa: E731
     fail = lambda path, msg: (r.say if optional(path) else r.problem)("", f"{path}: {msg}")  # noqa: E731
@@ -85,8 +101,11 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
     pick = read(model).get("pick")
     if pick:
         p = ModelPath.parse(pick["path"])
-        r.say("path", f"--backend auto takes --backend {p.backend} --target {p.target(model)}: `specdraft autotune "
-                      f"--paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)")
+        r.say(
+            "path",
+            f"--backend auto takes --backend {p.backend} --target {p.target(model)}: `specdraft autotune "
+            f"--paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s)",
+        )
     if not curves:
         r.say("pick", f"--backend {next(iter(BACKENDS))} (nothing was measured)")
         return
@@ -94,14 +113,23 @@ def recommend(r: Report, curves: dict[str, dict[int, float]], model: str) -> Non
     c = curves[fast]
     r8 = c[8] / c[1]
     p = ModelPath.parse(fast)
-    why = (f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, "
-           + ("so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
-              "(code edits, repeated text) and decodes plainly elsewhere" if r8 > 2 else
-              "so speculation pays on most prompts"))
-    r.say("pick", f"--backend {p.backend} --target {p.target(model)} --method auto"
-                  + (" (what --backend auto takes here)" if not pick else "") + f": {why}")
-    r.say("", f"`specdraft autotune --target {model} --paths {','.join(curves)}` measures whole requests on each "
-              "and makes --backend auto take the fastest")
+    why = f"its one-token forward is the cheapest here ({c[1]:.0f} ms); scoring 8 tokens costs {r8:.2f}x one, " + (
+        "so a step must keep about that many tokens to pay: `auto` speculates where drafts are long "
+        "(code edits, repeated text) and decodes plainly elsewhere"
+        if r8 > 2
+        else "so speculation pays on most prompts"
+    )
+    r.say(
+        "pick",
+        f"--backend {p.backend} --target {p.target(model)} --method auto"
+        + (" (what --backend auto takes here)" if not pick else "")
+        + f": {why}",
+    )
+    r.say(
+        "",
+        f"`specdraft autotune --target {model} --paths {','.join(curves)}` measures whole requests on each "
+        "and makes --backend auto take the fastest",
+    )
     shape_advice(r, model)
     for path, curve in curves.items():  # what each other path is good for: its backend's own words
         line = path != fast and BACKENDS[ModelPath.parse(path).backend].advice
@@ -124,15 +152,21 @@ def shape_advice(r: Report, model: str) -> None:
     for prompt, new in (LONG_PROMPT, LONG_ANSWER):
         shape = RequestShape(prompt, new)
         best[prompt, new] = min(costs, key=lambda k: sum(costs[k].seconds(shape)))
-    r.say("", "by a request's shape (--backend auto weighs prefill against decoding): "
-              + ", ".join(f"a {p}-token prompt with a {n}-token answer runs fastest on {k}" for (p, n), k in best.items()))
+    r.say(
+        "",
+        "by a request's shape (--backend auto weighs prefill against decoding): "
+        + ", ".join(f"a {p}-token prompt with a {n}-token answer runs fastest on {k}" for (p, n), k in best.items()),
+    )
 
 
 def add_parser(sub):
     """``specdraft doctor``'s flags (main_doctor's arguments)."""
     dr = sub.add_parser("doctor", help="start here: this CPU, what works on it, which backend and method to pick")
-    dr.add_argument("--model", default=None, help="the model whose cost curves are measured (default: the Qwen "
-                    "1.5B target if pulled, else SmolLM2)")
+    dr.add_argument(
+        "--model",
+        default=None,
+        help="the model whose cost curves are measured (default: the Qwen 1.5B target if pulled, else SmolLM2)",
+    )
     dr.add_argument("--no-costs", action="store_true", help="skip the cost curves (a few seconds to a minute)")
     dr.add_argument("--threads", type=int, default=None)
     return dr

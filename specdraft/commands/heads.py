@@ -34,9 +34,12 @@ def add_parser(sub):
     e.add_argument("out", help="the directory to write (created; its config.json and model.safetensors are replaced)")
     e.add_argument("--format", choices=head_formats.FORMATS, default="specforge")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    e.add_argument("--target-layers", type=int, default=None,
-                   help="the target's decoder layers, for a checkpoint that names no aux layers (their default "
-                        "depends on it)")
+    e.add_argument(
+        "--target-layers",
+        type=int,
+        default=None,
+        help="the target's decoder layers, for a checkpoint that names no aux layers (their default depends on it)",
+    )
     i = hs.add_parser("info", help="what an EAGLE-3 head directory holds")
     i.add_argument("dir")
     i.add_argument("--target-layers", type=int, default=None)
@@ -62,7 +65,8 @@ def _declared_layers(cfg: dict) -> int | None:
     if isinstance(sig.get("num_hidden_layers"), int):
         return sig["num_hidden_layers"]
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     return max(ids) + 3 if isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids) else None
 
 
@@ -72,11 +76,21 @@ def main_heads(a) -> int:
     ck = _read(a.src if a.heads_cmd == "export" else a.dir, a.target_layers)
     if a.heads_cmd == "info":
         s = ck.shape
-        print(json.dumps({"format": ck.format, "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-                          "draft_vocab_size": s.draft_vocab_size, "vocab_size": s.vocab_size,
-                          "aux_layers (hidden-states indices)": list(s.layers),
-                          "parameters": sum(v.numel() for k, v in ck.state.items() if k not in ("d2t", "t2d")),
-                          "target": ck.meta.get("target")}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "format": ck.format,
+                    "hidden_size": s.hidden_size,
+                    "intermediate_size": s.intermediate_size,
+                    "draft_vocab_size": s.draft_vocab_size,
+                    "vocab_size": s.vocab_size,
+                    "aux_layers (hidden-states indices)": list(s.layers),
+                    "parameters": sum(v.numel() for k, v in ck.state.items() if k not in ("d2t", "t2d")),
+                    "target": ck.meta.get("target"),
+                },
+                indent=1,
+            )
+        )
         return 0
     out = Path(a.out)
     if out.resolve() == Path(a.src).resolve():
@@ -94,6 +108,9 @@ def _reset(target: str | None) -> int:
     for d in gone:
         print(f"removed {d}", file=sys.stderr)
     whose = f"of {target} " if target else ""
-    print(f"{len(gone)} adapted head(s) {whose}removed from {adapted_root()}; the shipped heads serve from the next "
-          "start (a server running now keeps its adapted head in memory until it stops)", file=sys.stderr)
+    print(
+        f"{len(gone)} adapted head(s) {whose}removed from {adapted_root()}; the shipped heads serve from the next "
+        "start (a server running now keeps its adapted head in memory until it stops)",
+        file=sys.stderr,
+    )
     return 0

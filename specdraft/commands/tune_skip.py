@@ -80,6 +80,7 @@ def agreement(view, seqs: list[tuple[list[int], int]]) -> float:
 @dataclass(frozen=True)
 class TuneSkipOptions:
     """``specdraft tune-skip``'s flags."""
+
     target: str = "smollm2-135m"
     dtype: str = "float32"
     threads: int | None = None
@@ -169,8 +170,8 @@ def main_tune_skip(opts: TuneSkipOptions) -> int:
     from tqdm import tqdm
 
     from ..api import SpecDecoder
-    from ..models.cost_curve import measure_costs
     from ..core.config import SamplingParams, SpecConfig
+    from ..models.cost_curve import measure_costs
 
     # skips its layers, timed on this CPU
     dec = SpecDecoder.load(opts.target, None, opts.dtype, threads=opts.threads, backend="hf", device="cpu")
@@ -187,16 +188,28 @@ def main_tune_skip(opts: TuneSkipOptions) -> int:
     costs = measure_costs(target, list(range(1, opts.max_k + 2)), repeats=3)
     (best_est, best_k, best_alpha, skip), log = search(target, seqs, costs, opts.max_k, opts.max_evals)
     evals = len(log)
-    result = {"target": opts.target, "num_layers": L, "dtype": opts.dtype, "skip_layers": skip, "k": max(best_k, 1),
-              "agreement": best_alpha, "estimated_speedup": best_est, "costs_ms": costs,
-              "tuning_prompts": [p for p, _ in prompts], "evaluations": evals, "search_log": log}
+    result = {
+        "target": opts.target,
+        "num_layers": L,
+        "dtype": opts.dtype,
+        "skip_layers": skip,
+        "k": max(best_k, 1),
+        "agreement": best_alpha,
+        "estimated_speedup": best_est,
+        "costs_ms": costs,
+        "tuning_prompts": [p for p, _ in prompts],
+        "evaluations": evals,
+        "search_log": log,
+    }
     if skip:  # measure the chosen set: plain vs layer_skip, interleaved, on the tuning prompts
         result["measured_speedup"] = measured_speedup(dec, prompts, sp, skip, max(best_k, 1))
     Path(opts.out).write_text(json.dumps(result, indent=1))
     if not skip:
         print(f"no skipped layer set is estimated to beat plain decoding ({evals} sets scored) -> {opts.out}")
         return 0
-    msg = f"skip {len(skip)}/{L} layers {skip}: agreement {best_alpha:.2f}, k={max(best_k, 1)}, estimated {best_est:.2f}x"
+    msg = (
+        f"skip {len(skip)}/{L} layers {skip}: agreement {best_alpha:.2f}, k={max(best_k, 1)}, estimated {best_est:.2f}x"
+    )
     if "measured_speedup" in result:
         msg += f", measured {result['measured_speedup']:.2f}x"
     print(msg + f" -> {opts.out}")

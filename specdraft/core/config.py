@@ -7,8 +7,8 @@ Validation is declarative: each field carries its constraint (``field(metadata={
 small objects below: ``Int``, ``Number``, ``Choice``, ``IntList``, ``OptStr``, ...), one generic loop
 (``_check_fields``) applies them, then a short list of cross-field rules, then the method's own rules,
 read from the method registry: the table ``REGISTRY`` below, which ``specdraft.drafters.registry`` fills (its
-entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type and
-target, a datastore's vocabulary or a skip config are checked when they are loaded.
+entries make drafters, a layer above this one, so config does not import it). Validation reads no files: a head's type
+and target, a datastore's vocabulary or a skip config are checked when they are loaded.
 
 Each field that only some methods read names them (``used_by``); set for another method it is an error
 naming them. A method registered with parameters of its own (``Method.params``, a dataclass declared with
@@ -154,8 +154,10 @@ class Choice:
         if v is None and self.optional:
             return v
         if not (isinstance(v, str) and v in self.choices):
-            raise ConfigError(f"unknown {self.what or name} {v!r}; choose one of: {', '.join(self.choices)}"
-                              + (f" {self.note}" if self.note else ""))
+            raise ConfigError(
+                f"unknown {self.what or name} {v!r}; choose one of: {', '.join(self.choices)}"
+                + (f" {self.note}" if self.note else "")
+            )
         return v
 
 
@@ -173,13 +175,22 @@ class IntList:
     def __call__(self, name, v):
         if isinstance(v, tuple):
             v = list(v)
-        if (not isinstance(v, list) or (self.nonempty and not v)
-                or not all(_is_int(b) and (self.min is None or b >= self.min) and (self.max is None or b <= self.max)
-                           for b in v)):
-            kind = ("integers" + (f" >= {self.min}" if self.min is not None else "") if self.max is None
-                    else f"integers in [{self.min}, {self.max}]")
-            raise ConfigError(f"{name} must be a {'non-empty ' if self.nonempty else ''}list of {kind}"
-                              f"{f' ({self.what})' if self.what else ''}, got {v!r}")
+        if (
+            not isinstance(v, list)
+            or (self.nonempty and not v)
+            or not all(
+                _is_int(b) and (self.min is None or b >= self.min) and (self.max is None or b <= self.max) for b in v
+            )
+        ):
+            kind = (
+                "integers" + (f" >= {self.min}" if self.min is not None else "")
+                if self.max is None
+                else f"integers in [{self.min}, {self.max}]"
+            )
+            raise ConfigError(
+                f"{name} must be a {'non-empty ' if self.nonempty else ''}list of {kind}"
+                f"{f' ({self.what})' if self.what else ''}, got {v!r}"
+            )
         if self.max_len is not None and len(v) > self.max_len:
             raise ConfigError(f"{name} has {len(v)} entries; at most {self.max_len}")
         return v
@@ -284,8 +295,10 @@ class Choices:
         if v is not None:
             check_choices(v)
             if len(v) > MAX_TREE_NODES or max(len(c) for c in v) > MAX_DRAFT:
-                raise ConfigError(f"{name} makes a tree of {len(v)} nodes, {max(len(c) for c in v)} deep; at most "
-                                  f"{MAX_TREE_NODES} nodes, {MAX_DRAFT} deep")
+                raise ConfigError(
+                    f"{name} makes a tree of {len(v)} nodes, {max(len(c) for c in v)} deep; at most "
+                    f"{MAX_TREE_NODES} nodes, {MAX_DRAFT} deep"
+                )
         return v
 
 
@@ -361,7 +374,7 @@ class SamplingParams:
     top_k: int = _f(0, Int(min=0, note="0 = disabled"))
     top_p: float = _f(1.0, Number(min=0, max=1, min_open=True))
     min_p: float = _f(0.0, Number(min=0, max=1, note="0 = off"))
-    seed: int | None = _f(None, Int(min=-2**63, max=2**64 - 1, optional=True))  # torch's generator range
+    seed: int | None = _f(None, Int(min=-(2**63), max=2**64 - 1, optional=True))  # torch's generator range
     max_new_tokens: int = _f(128, Int(min=1))
     stop: list[str] = _f([], StrList())
     ignore_eos: bool = False
@@ -380,10 +393,14 @@ class SamplingParams:
     logprobs: int | None = _f(None, Int(min=0, max=20, optional=True, what="top alternatives per token"))
 
     RULES = (
-        (lambda s: sum(x is not None for x in (s.json_schema, s.regex, s.grammar)) <= 1,
-         lambda s: "set at most one of json_schema, regex and grammar"),
-        (lambda s: s.min_tokens <= s.max_new_tokens,
-         lambda s: f"min_tokens ({s.min_tokens}) exceeds max_new_tokens ({s.max_new_tokens})"),
+        (
+            lambda s: sum(x is not None for x in (s.json_schema, s.regex, s.grammar)) <= 1,
+            lambda s: "set at most one of json_schema, regex and grammar",
+        ),
+        (
+            lambda s: s.min_tokens <= s.max_new_tokens,
+            lambda s: f"min_tokens ({s.min_tokens}) exceeds max_new_tokens ({s.max_new_tokens})",
+        ),
     )
 
     @property
@@ -397,8 +414,14 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether logits need history-dependent processing (penalties, bias, min_tokens, a grammar)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.constrained)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.constrained
+        )
 
     def validate(self) -> "SamplingParams":
         _check_fields(self)
@@ -531,26 +554,32 @@ class SpecConfig:
     # tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees),
     # where a forward costs about linear in the tokens it scores; chain stays the default there
     # a static shape's fields, a dynamic tree's fields: read by the methods that take such a tree
-    tree_branching: list[int] = _f([2, 1, 1], IntList(min=1), TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
-                                   used_by=lambda: methods_taking("static"))
+    tree_branching: list[int] = _f(
+        [2, 1, 1],
+        IntList(min=1),
+        TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
+        used_by=lambda: methods_taking("static"),
+    )
     tree_choices: list[list[int]] | None = _f(None, Choices(), used_by=lambda: methods_taking("static"))
     tree_budget: int = _f(6, Int(min=1, max=MAX_TREE_NODES), used_by=lambda: methods_taking("dynamic"))
     tree_topk: int = _f(2, Int(min=1, max=16), used_by=lambda: methods_taking("dynamic"))
-    skip_layers: list[int] = _f([], IntList(min=None, nonempty=False, what="layer indices", max_len=4096),
-                                used_by=("layer_skip",))
+    skip_layers: list[int] = _f(
+        [], IntList(min=None, nonempty=False, what="layer indices", max_len=4096), used_by=("layer_skip",)
+    )
     skip_config: str | None = _f(None, OptStr("a path"), used_by=("layer_skip",))
     # suffix, and hybrid's retrieval (methods.retrieval_spec); auto passes tree_nodes to its hybrid arm
     max_spec_factor: float = _f(1.0, Number(min=0, max=1000, min_open=True), used_by=RETRIEVAL)
     min_token_prob: float = _f(0.1, Number(min=0, max=1), used_by=RETRIEVAL)
-    tree_nodes: int = _f(24, Int(min=1, max=MAX_TREE_NODES, what="draft tree node budget"),
-                         used_by=RETRIEVAL + ("auto",))
+    tree_nodes: int = _f(
+        24, Int(min=1, max=MAX_TREE_NODES, what="draft tree node budget"), used_by=RETRIEVAL + ("auto",)
+    )
     max_occurrences: int = _f(256, Int(min=1, max=65536), used_by=RETRIEVAL)
     datastore: str | None = _f(None, OptStr("a path"), used_by=("suffix",))
     # hybrid (retrieval when its match is long, the draft model otherwise) and auto's retrieval arms
-    retrieval_k: int = _f(16, Int(min=1, max=MAX_DRAFT, what="depth of retrieval drafts"),
-                          used_by=("hybrid", "auto"))
-    hybrid_min_match: int = _f(4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"),
-                               used_by=("hybrid", "auto"))
+    retrieval_k: int = _f(16, Int(min=1, max=MAX_DRAFT, what="depth of retrieval drafts"), used_by=("hybrid", "auto"))
+    hybrid_min_match: int = _f(
+        4, Int(min=1, max=4096, what="suffix match length from which retrieval drafts"), used_by=("hybrid", "auto")
+    )
     # auto: the autotune file with its arms' priors (None = the file `specdraft autotune` wrote for this
     # target, draft, backend and CPU, if any; "off" = none, online calibration only)
     autotune: str | None = _f(None, OptStr("a path"), used_by=("auto",))
@@ -558,8 +587,10 @@ class SpecConfig:
     # train); its type and target are checked when it is loaded (heads.load_head), not here
     head: str | None = _f(None, OptStr("a directory path"), used_by=lambda: methods_needing("head") + ("auto",))
     # opt-in LOSSY verification (any method, sampling only): "typical" = Medusa's typical acceptance
-    lossy: str | None = _f(None, Choice(LOSSY_RULES, what="lossy rule", optional=True,
-                                        note="(or null, the default: lossless verification)"))
+    lossy: str | None = _f(
+        None,
+        Choice(LOSSY_RULES, what="lossy rule", optional=True, note="(or null, the default: lossless verification)"),
+    )
     typical_epsilon: float = _f(0.09, Number(min=0, max=1, min_open=True))
     typical_delta: float = _f(0.3, Number(min=0, finite=True))
     # the parameters of a method registered with its own (its registry entry's ``params`` dataclass): flat
@@ -569,12 +600,18 @@ class SpecConfig:
     # rules across fields, after each field's own constraints: (ok, message)
     RULES = (
         (lambda s: s.max_k >= s.k, lambda s: f"max_k must be >= k, got max_k={s.max_k} < k={s.k}"),
-        (lambda s: 1 <= s.min_ngram <= s.max_ngram,
-         lambda s: f"need 1 <= min_ngram <= max_ngram, got min_ngram={s.min_ngram}, max_ngram={s.max_ngram}"),
-        (lambda s: s.branches * s.k <= MAX_TREE_NODES,
-         lambda s: f"branches ({s.branches}) x k ({s.k}) makes a tree of more than {MAX_TREE_NODES} nodes"),
-        (lambda s: s.tree == "chain" or s.schedule == "constant",
-         lambda s: f"tree={s.tree!r} needs schedule 'constant', got {s.schedule!r}"),
+        (
+            lambda s: 1 <= s.min_ngram <= s.max_ngram,
+            lambda s: f"need 1 <= min_ngram <= max_ngram, got min_ngram={s.min_ngram}, max_ngram={s.max_ngram}",
+        ),
+        (
+            lambda s: s.branches * s.k <= MAX_TREE_NODES,
+            lambda s: f"branches ({s.branches}) x k ({s.k}) makes a tree of more than {MAX_TREE_NODES} nodes",
+        ),
+        (
+            lambda s: s.tree == "chain" or s.schedule == "constant",
+            lambda s: f"tree={s.tree!r} needs schedule 'constant', got {s.schedule!r}",
+        ),
     )
 
     def validate(self) -> "SpecConfig":
@@ -593,15 +630,20 @@ class SpecConfig:
                 raise ConfigError(_foreign(f.name, users, self.method))
         self.params = _method_params(m, self.params)
         if m.needs == "head" and self.head is None:
-            raise ConfigError(f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
-                              f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`")
+            raise ConfigError(
+                f"method {self.method!r} needs head=DIR (--head DIR), a head trained with "
+                f"`specdraft train {self.method} --target NAME --data PROMPTS.jsonl -o DIR`"
+            )
         if self.tree not in m.trees:
             takes = [n for n, x in REGISTRY.items() if self.tree in x.trees]
-            raise ConfigError(f"tree={self.tree!r} is for methods {_and(takes)} (prompt_lookup makes trees with "
-                              "branches > 1)")
+            raise ConfigError(
+                f"tree={self.tree!r} is for methods {_and(takes)} (prompt_lookup makes trees with branches > 1)"
+            )
         if self.schedule not in m.schedules:
-            raise ConfigError(f"schedule {self.schedule!r} is not available for method {self.method!r}; it takes: "
-                              f"{', '.join(m.schedules)}")
+            raise ConfigError(
+                f"schedule {self.schedule!r} is not available for method {self.method!r}; it takes: "
+                f"{', '.join(m.schedules)}"
+            )
         problem = m.check(self) if m.check is not None else None
         if problem:
             raise ConfigError(problem)
@@ -651,8 +693,11 @@ def _foreign(name: str, users: tuple[str, ...], method) -> str:
 
 def _param_owners(name: str) -> tuple[str, ...]:
     """The methods whose own parameters (their entry's ``params`` dataclass) include ``name``."""
-    return tuple(m.name for m in REGISTRY.values()
-                 if m.params is not None and name in {f.name for f in dataclasses.fields(m.params)})
+    return tuple(
+        m.name
+        for m in REGISTRY.values()
+        if m.params is not None and name in {f.name for f in dataclasses.fields(m.params)}
+    )
 
 
 def _param_default(name: str, users: tuple[str, ...]) -> list:
@@ -674,8 +719,10 @@ def _method_params(m, given):
     if given is None:
         given = m.params() if m.params is not None else None
     elif m.params is None or not isinstance(given, m.params):
-        raise ConfigError(f"params must be the parameters of method {m.name!r}"
-                          f"{'' if m.params else ' (it has none)'}, got {type(given).__name__}")
+        raise ConfigError(
+            f"params must be the parameters of method {m.name!r}"
+            f"{'' if m.params else ' (it has none)'}, got {type(given).__name__}"
+        )
     if given is not None:
         _check_fields(given)
     return given
@@ -683,8 +730,9 @@ def _method_params(m, given):
 
 def spec_keys() -> set[str]:
     """Every key a spec dict may hold: SpecConfig's fields and each registered method's own parameters."""
-    return set(_FIELDS) | {f.name for m in REGISTRY.values() if m.params is not None
-                           for f in dataclasses.fields(m.params)}
+    return set(_FIELDS) | {
+        f.name for m in REGISTRY.values() if m.params is not None for f in dataclasses.fields(m.params)
+    }
 
 
 def _users(f: dataclasses.Field) -> tuple[str, ...] | None:

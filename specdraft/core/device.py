@@ -57,10 +57,12 @@ def torch_device(name: str, flag: str = "--device") -> torch.device:
     if kind == AUTO:
         return torch.device("cuda" if cuda_count() else "cpu")
     if kind == "gpu":
-        raise ConfigError(f"{flag} must be {TORCH_CHOICES} here, got 'gpu' (OpenVINO's Intel GPU device: "
-                          "--backend openvino)")
+        raise ConfigError(
+            f"{flag} must be {TORCH_CHOICES} here, got 'gpu' (OpenVINO's Intel GPU device: --backend openvino)"
+        )
     device = torch.device(name)
     if kind == "cuda" and (device.index or 0) >= cuda_count():
-        raise ConfigError(f"{flag} {name}: torch sees no such CUDA device here ({cuda_count()} visible); "
-                          f"use {flag} cpu (or auto)")
+        raise ConfigError(
+            f"{flag} {name}: torch sees no such CUDA device here ({cuda_count()} visible); use {flag} cpu (or auto)"
+        )
     return device

@@ -32,5 +32,9 @@ def output_terms(target, prompt_ids: list[int], out: list[int], sp) -> dict:
     var = torch.where(p > 0, plp * lp, 0.0).sum(-1) - H * H
     lx = lp[torch.arange(len(out), device=lp.device), torch.tensor(out, device=lp.device)]
     ok = torch.isfinite(lx)
-    return {"fid_sum": float((lx + H)[ok].sum()), "fid_var": float(var[ok].sum()),
-            "fid_tokens": int(ok.sum()), "fid_impossible": int((~ok).sum())}
+    return {
+        "fid_sum": float((lx + H)[ok].sum()),
+        "fid_var": float(var[ok].sum()),
+        "fid_tokens": int(ok.sum()),
+        "fid_impossible": int((~ok).sum()),
+    }

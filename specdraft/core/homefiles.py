@@ -1,7 +1,7 @@
 """The JSON files this project writes under ``$SPECDRAFT_HOME`` (measured paths, probe verdicts, quantized
-variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn, edited, another
-version's) is one clear error naming the file and its first wrong value, not a traceback wherever a field
-is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
+variants) and elsewhere (bench results), read back through a schema: a file that is not what this project wrote (torn,
+edited, another version's) is one clear error naming the file and its first wrong value, not a traceback wherever a
+field is used. A schema is a function (value, where) -> what is wrong, or None; the helpers below build them."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ ANY: Schema = lambda v, at: None  # noqa: E731
 TEXT = of(lambda v: isinstance(v, str), "a string")
 BOOL = of(lambda v: isinstance(v, bool), "a boolean")
 NUMBER = of(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number")
-POSITIVE = of(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
-               "a positive number")
+POSITIVE = of(
+    lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+    "a positive number",
+)
 
 
 def nullable(schema: Schema) -> Schema:
@@ -48,17 +50,21 @@ def nullable(schema: Schema) -> Schema:
 
 def items(schema: Schema) -> Schema:
     """A list of ``schema``."""
+
     def check(v, at):
         if not isinstance(v, list):
             return f"{at} must be a list, got {show(v)}"
         return next((p for i, x in enumerate(v) if (p := schema(x, f"{at}[{i}]"))), None)
+
     return check
 
 
-def obj(fields: dict[str, Schema], required: tuple[str, ...] = (), keys: Schema | None = None,
-        values: Schema = ANY) -> Schema:
+def obj(
+    fields: dict[str, Schema], required: tuple[str, ...] = (), keys: Schema | None = None, values: Schema = ANY
+) -> Schema:
     """An object with ``fields`` (``required`` among them); other keys only with ``keys`` (a schema of the key
     itself), their values ``values``."""
+
     def check(v, at):
         if not isinstance(v, dict):
             return f"{at or 'the document'} must be an object, got {show(v)}"
@@ -76,13 +82,20 @@ def obj(fields: dict[str, Schema], required: tuple[str, ...] = (), keys: Schema 
             if problem:
                 return problem
         return None
+
     return check
 
 
-def read_json(path: Path, schema: Schema, what: str, advice: str = "delete it and it is written again",
-              max_bytes: int | None = MAX_BYTES):
+def read_json(
+    path: Path,
+    schema: Schema,
+    what: str,
+    advice: str = "delete it and it is written again",
+    max_bytes: int | None = MAX_BYTES,
+):
     """The document in ``path`` (None when there is none), checked against ``schema``; else a HomeFileError:
     "<what> <path>: <what is wrong>; <advice>" (by default: delete it, it is measured / written again)."""
+
     def bad(problem: str) -> HomeFileError:
         return HomeFileError(f"{what} {path}: {problem}; {advice}")
 
@@ -106,8 +119,9 @@ def check_writable(folder: Path, what: str) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
             pass
     except OSError as e:
-        raise HomeFileError(f"cannot write {what} in {folder}: {e.strerror or e} (set SPECDRAFT_HOME to a writable "
-                            "directory)") from None
+        raise HomeFileError(
+            f"cannot write {what} in {folder}: {e.strerror or e} (set SPECDRAFT_HOME to a writable directory)"
+        ) from None
 
 
 def private_temp(path: Path, suffix: str = ".tmp") -> Path:

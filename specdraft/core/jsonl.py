@@ -12,7 +12,6 @@ from typing import Iterator
 
 from .errors import SpecDraftError
 
-
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: half of a pair, or alone
 
 
@@ -59,8 +58,9 @@ def _object(p: Path, i: int, line: bytes, error: type[SpecDraftError]) -> dict:
     return r
 
 
-def iter_jsonl(path: str | Path, error: type[SpecDraftError] = SpecDraftError,
-               what: str = "file") -> Iterator[tuple[int, dict]]:
+def iter_jsonl(
+    path: str | Path, error: type[SpecDraftError] = SpecDraftError, what: str = "file"
+) -> Iterator[tuple[int, dict]]:
     """Yield (line number, object) for every non-blank line; raise ``error`` naming the file and
     line for unreadable files, invalid JSON and lines that are not JSON objects."""
     p = Path(path)

@@ -189,7 +189,7 @@ def fidelity_z(terms: list[dict]) -> float | None:
     target's distribution; |Z| > 5 means it does not), pooled over ``fidelity.output_terms`` dicts."""
     terms = [t for t in terms if t.get("fid_tokens")]
     var = sum(t["fid_var"] for t in terms)
-    return sum(t["fid_sum"] for t in terms) / var ** 0.5 if var > 0 else None
+    return sum(t["fid_sum"] for t in terms) / var**0.5 if var > 0 else None
 
 
 def near_tie_bound(target) -> float:

@@ -57,8 +57,14 @@ class CostAwarePolicy:
     from (``SpecDecoder.cost_curve``), so a step need not explore costs first and a curve that is not
     monotonic (llama.cpp's Q4_0: 4 tokens cost less than 3) is known at every n."""
 
-    def __init__(self, max_k: int, explore_every: int = 16, ema: float = 0.3, prior_acceptance: float = 0.6,
-                 costs: dict[int, float] | None = None):
+    def __init__(
+        self,
+        max_k: int,
+        explore_every: int = 16,
+        ema: float = 0.3,
+        prior_acceptance: float = 0.6,
+        costs: dict[int, float] | None = None,
+    ):
         self.max_k = max_k
         self.cost: dict[int, float] = dict(costs or {})
         self.draft_cost = 0.0
@@ -103,7 +109,9 @@ class CostAwarePolicy:
             if rate > best:
                 best_k, best = k, rate
         if best_k == 0 and self.since_spec >= self.explore_every:
-            best_k = max(range(1, cap + 1), key=lambda k: self.expected_tokens(k) / (k * self.draft_cost + self.est_cost(k + 1)))
+            best_k = max(
+                range(1, cap + 1), key=lambda k: self.expected_tokens(k) / (k * self.draft_cost + self.est_cost(k + 1))
+            )
         return best_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, step_s: float, scored: int | None = None) -> None:

@@ -24,12 +24,16 @@ mask, roll back. docs/design.md says why llguidance and not xgrammar (measured).
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
 from .device import HOST
 from .errors import ConfigError
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # defined by its stub, not exported by the package
 
 
 class TokenConstraint:
@@ -97,14 +101,16 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
 
     key = (id(tokenizer), vocab_size, tuple(sorted(eos_ids)))
     if key not in _LL_TOKENIZERS:
-        _LL_TOKENIZERS[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                                       eos_token=sorted(eos_ids)))
+        _LL_TOKENIZERS[key] = (
+            tokenizer,
+            llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids)),
+        )
     return _LL_TOKENIZERS[key][1]
 
 
 # JSON is compiled without free whitespace (", " and ": " separators, as json.dumps writes): a model
 # that may emit any whitespace can loop on newlines forever, and one canonical form drafts better.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> GrammarConstraint:
@@ -127,8 +133,10 @@ def compile_grammar(sp, tokenizer, vocab_size: int, eos_ids: set[int]) -> Gramma
     try:
         tok = _ll_tokenizer(tokenizer, vocab_size, eos_ids)
     except Exception as e:  # llguidance reads Hugging Face fast tokenizers; anything else cannot be constrained
-        raise ConfigError(f"structured output needs a Hugging Face fast tokenizer; this model's cannot be read "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"structured output needs a Hugging Face fast tokenizer; this model's cannot be read "
+            f"({type(e).__name__}: {e})"
+        ) from None
     err = llguidance.LLMatcher.validate_grammar(g, tok)
     if err and not err.startswith("WARNING"):  # llguidance's message has caret lines: keep the words
         words = [ln.strip() for ln in err.splitlines() if ln.strip() and set(ln.strip()) != {"^"} and "|" not in ln]
@@ -146,8 +154,9 @@ class RequestProcessor:
     consumed; a call's ``history`` may run past it (a drafter's own draft so far), and those tokens
     are consumed for the call and rolled back after it."""
 
-    def __init__(self, sp, prompt_len: int, vocab_size: int, eos_ids: set[int],
-                 constraint: TokenConstraint | None = None):
+    def __init__(
+        self, sp, prompt_len: int, vocab_size: int, eos_ids: set[int], constraint: TokenConstraint | None = None
+    ):
         self.sp = sp
         self.prompt_len = prompt_len
         self.V = vocab_size
@@ -162,8 +171,14 @@ class RequestProcessor:
             self.bias = torch.tensor(list(sp.logit_bias.values()), dtype=torch.float32, device=HOST)
 
     @staticmethod
-    def for_request(sp, prompt_ids: list[int], vocab_size: int, eos_ids: set[int], tokenizer=None,
-                    constraint: TokenConstraint | None = None) -> "RequestProcessor | None":
+    def for_request(
+        sp,
+        prompt_ids: list[int],
+        vocab_size: int,
+        eos_ids: set[int],
+        tokenizer=None,
+        constraint: TokenConstraint | None = None,
+    ) -> "RequestProcessor | None":
         """None when the request needs no processing (the hot path stays as it was)."""
         if not sp.processed and constraint is None:
             return None
@@ -189,12 +204,12 @@ class RequestProcessor:
                 rp = sp.repetition_penalty
                 x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
             if sp.presence_penalty or sp.frequency_penalty:
-                counts = torch.bincount(h[self.prompt_len:], minlength=self.V)[None, : self.V] + extra
+                counts = torch.bincount(h[self.prompt_len :], minlength=self.V)[None, : self.V] + extra
                 x = x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
         if sp.logit_bias:
             x[:, self.bias_ids.to(dev)] += self.bias.to(dev)
         if self.constraint is not None:
-            for slot, allowed in self._masks(history, parents, tokens):
+            for slot, allowed in self._masks(self.constraint, history, parents, tokens):
                 x[slot].masked_fill_(~allowed.to(dev), float("-inf"))
         if sp.min_tokens:
             depth = torch.zeros(len(x), dtype=torch.long, device=HOST)
@@ -217,15 +232,14 @@ class RequestProcessor:
             extra.index_put_(at, torch.ones(len(node), device=device), accumulate=True)
         return extra
 
-    def _walk(self, history: list[int], parents: list[int], tokens: list[int], masks: bool):
-        """Walk the draft's nodes depth first under the constraint, starting from the state after
+    def _walk(self, c: TokenConstraint, history: list[int], parents: list[int], tokens: list[int], masks: bool):
+        """Walk the draft's nodes depth first under the constraint ``c``, starting from the state after
         ``history``. Returns which nodes are valid (a node is valid when its token is allowed after its
         valid parent) and, with ``masks``, the allowed tokens [V] of every position reached as (slot,
         mask) pairs: positions after an invalid node get none (the verifier never reads them)."""
-        c = self.constraint
         valid = [False] * len(parents)
         out: list = []
-        ahead = history[self.committed:]
+        ahead = history[self.committed :]
         n = 0
         while n < len(ahead) and c.push(ahead[n]):
             n += 1
@@ -233,21 +247,21 @@ class RequestProcessor:
             children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
             for i, p in enumerate(parents):
                 children[p + 1].append(i)
-            self._visit(0, children, tokens, valid, out if masks else None)
+            self._visit(c, 0, children, tokens, valid, out if masks else None)
         c.pop(n)
         return valid, out
 
-    def _visit(self, slot: int, children, tokens, valid, out) -> None:
+    def _visit(self, c: TokenConstraint, slot: int, children, tokens, valid, out) -> None:
         if out is not None:
-            out.append((slot, self.constraint.allowed()))
+            out.append((slot, c.allowed()))
         for i in children[slot]:
-            if self.constraint.push(tokens[i]):
+            if c.push(tokens[i]):
                 valid[i] = True
-                self._visit(i + 1, children, tokens, valid, out)
-                self.constraint.pop(1)
+                self._visit(c, i + 1, children, tokens, valid, out)
+                c.pop(1)
 
-    def _masks(self, history, parents, tokens):
-        return self._walk(history, parents, tokens, masks=True)[1]
+    def _masks(self, c: TokenConstraint, history, parents, tokens):
+        return self._walk(c, history, parents, tokens, masks=True)[1]
 
     # --- the target side's bookkeeping ------------------------------------------------------------
     def prune(self, history: list[int], tree):
@@ -255,7 +269,7 @@ class RequestProcessor:
         the target to score. A chain is cut at its first invalid token."""
         if self.constraint is None or tree.size == 0:
             return tree
-        valid, _ = self._walk(history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
+        valid, _ = self._walk(self.constraint, history, tree.parents.tolist(), tree.tokens.tolist(), masks=False)
         if all(valid):
             return tree
         return tree.subset(torch.tensor(valid, device=HOST))
@@ -266,7 +280,7 @@ class RequestProcessor:
         one-hot q, so sampling stays exact)."""
         if self.constraint is None or limit <= 0 or not tree.is_chain():
             return tree
-        c, seq = self.constraint, history[self.committed:] + tree.tokens.tolist()
+        c, seq = self.constraint, history[self.committed :] + tree.tokens.tolist()
         n = 0
         while n < len(seq) and c.push(seq[n]):
             n += 1

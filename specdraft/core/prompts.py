@@ -35,16 +35,17 @@ PRESET_FILES = {"code_edit": BENCH_FILES / "code_edit.jsonl"}
 # JSON (STRUCTURED_SCHEMA: its task, language, a summary and keywords); run with --json-schema that file.
 STRUCTURED_SCHEMA = BENCH_FILES / "structured_schema.json"
 STRUCTURED_INSTRUCTION = (
-    "Read the request below; do not answer it. Reply with one JSON object only, with the keys \"task\" (one of "
-    "writing, translation, summarization, question, math, coding, other), \"language\" (the request's language), "
-    "\"summary\" (one sentence, at most 160 characters) and \"keywords\" (up to 5 short keywords).\n\n"
-    "Request:\n")
+    'Read the request below; do not answer it. Reply with one JSON object only, with the keys "task" (one of '
+    'writing, translation, summarization, question, math, coding, other), "language" (the request\'s language), '
+    '"summary" (one sentence, at most 160 characters) and "keywords" (up to 5 short keywords).\n\n'
+    "Request:\n"
+)
 
 
 def structured_rows(rows: list[dict], tasks: list[str] | None = None, per_task: int | None = None) -> list[dict]:
     out = []
     for t in tasks or TASKS:
-        out += [{**r, "prompt": STRUCTURED_INSTRUCTION + r["prompt"]} for r in rows if r["task"] == t][:per_task or 4]
+        out += [{**r, "prompt": STRUCTURED_INSTRUCTION + r["prompt"]} for r in rows if r["task"] == t][: per_task or 4]
     return out
 
 
@@ -70,22 +71,41 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
         if not isinstance(prompt, str) or not prompt:
             raise SpecDraftError(f"{path}:{i}: no prompt (need a 'turns', 'prompt', 'question' or 'text' field)")
         cat = str(r.get("category", "default"))
-        rows.append({"id": str(r.get("question_id", r.get("id", i - 1))), "category": cat, "task": task_of(cat), "prompt": prompt})
+        rows.append(
+            {
+                "id": str(r.get("question_id", r.get("id", i - 1))),
+                "category": cat,
+                "task": task_of(cat),
+                "prompt": prompt,
+            }
+        )
     if not rows:
-        raise SpecDraftError(f"dataset {path} has no rows (need one JSON object a line with a 'turns' or 'prompt' field)")
+        raise SpecDraftError(
+            f"dataset {path} has no rows (need one JSON object a line with a 'turns' or 'prompt' field)"
+        )
     return rows
 
 
-def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | None = None, preset: str | None = None) -> list[dict]:
+def select(
+    rows: list[dict], tasks: list[str] | None = None, n_per_task: int | None = None, preset: str | None = None
+) -> list[dict]:
     if preset == "structured":
         return structured_rows(rows, tasks, n_per_task)
     if preset == "core18":
         # 18 generic prompts: the first 3 of each of translation, summarization, qa, math_reasoning, rag,
         # and the first of writing, coding, reasoning (n_per_task caps each category).
         out = []
-        for cat, n in [("translation", 3), ("summarization", 3), ("qa", 3), ("math_reasoning", 3), ("rag", 3),
-                       ("writing", 1), ("coding", 1), ("reasoning", 1)]:
-            out += [r for r in rows if r["category"] == cat][:min(n, n_per_task or n)]
+        for cat, n in [
+            ("translation", 3),
+            ("summarization", 3),
+            ("qa", 3),
+            ("math_reasoning", 3),
+            ("rag", 3),
+            ("writing", 1),
+            ("coding", 1),
+            ("reasoning", 1),
+        ]:
+            out += [r for r in rows if r["category"] == cat][: min(n, n_per_task or n)]
         return [r for r in out if not tasks or r["task"] in tasks]
     if preset and preset not in PRESET_FILES:
         raise SpecDraftError(f"unknown preset {preset!r}; known: core18, structured, {', '.join(PRESET_FILES)}")
@@ -111,7 +131,9 @@ def select(rows: list[dict], tasks: list[str] | None = None, n_per_task: int | N
     return out
 
 
-def preset_rows(preset: str | None, dataset=None, tasks: list[str] | None = None, n_per_task: int | None = None) -> list[dict]:
+def preset_rows(
+    preset: str | None, dataset=None, tasks: list[str] | None = None, n_per_task: int | None = None
+) -> list[dict]:
     """The prompts of ``--preset`` (presets joined by "+" are concatenated: core18+code_edit), else of
     ``dataset`` (Spec-Bench by default); ``tasks`` and ``n_per_task`` narrow either."""
     parts = preset.split("+") if preset else [None]

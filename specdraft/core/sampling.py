@@ -6,9 +6,8 @@ distribution a token is sampled from. The verifier's exactness rests on both sid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,8 +51,10 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
-NO_TOKEN = ("no token can be sampled: the processed distribution is all zero or not finite (constraints that "
-            "rule out every token, or NaN scores)")
+NO_TOKEN = (
+    "no token can be sampled: the processed distribution is all zero or not finite (constraints that "
+    "rule out every token, or NaN scores)"
+)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None, strict: bool = True) -> torch.Tensor:

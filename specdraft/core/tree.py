@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import torch
 
@@ -34,8 +35,11 @@ class DraftTree:
     @staticmethod
     def of(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A tree from its nodes' tokens and parents as lists."""
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=HOST),
-                         torch.tensor(parents, dtype=torch.long, device=HOST), draft_probs)
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=HOST),
+            torch.tensor(parents, dtype=torch.long, device=HOST),
+            draft_probs,
+        )
 
     @staticmethod
     def chain(tokens: torch.Tensor | list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
@@ -170,7 +174,7 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     return nodes.tree()
 
 
-def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: list[int]) -> list[int]:
+def accepted_rows(draft: DraftTree, n_fed: int, n_acc: int, emitted: Sequence[int]) -> list[int]:
     """Rows of the target's fed positions (pending tokens, then draft nodes) that are now verified
     context: every pending row, then the accepted path's nodes. Siblings carry distinct tokens, so
     the accepted tokens identify the path."""
@@ -216,8 +220,14 @@ class TreeShape:
     topk: int = 0
 
     @staticmethod
-    def of(tree: str, k: int, choices: list[list[int]] | None = None, branching: list[int] | None = None,
-           budget: int = 0, topk: int = 0) -> "TreeShape":
+    def of(
+        tree: str,
+        k: int,
+        choices: list[list[int]] | None = None,
+        branching: list[int] | None = None,
+        budget: int = 0,
+        topk: int = 0,
+    ) -> "TreeShape":
         """A spec's shape: ``tree`` "static" takes ``choices`` (or ``branching`` per depth); otherwise
         ``k`` levels."""
         if tree != "static":

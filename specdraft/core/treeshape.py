@@ -7,8 +7,8 @@ tokens: a static tree drafts one level per forward).
 
 A node whose path from the root takes ranks r1..rd is accepted with probability p[r1] times, for
 each deeper level, the acceptance of rank ri *given the parent's rank* (``p_next``: a draft that
-agreed once tends to keep agreeing; with independence, Sequoia's assumption, p again), and a tree of n nodes is expected to emit
-1 + the sum of those over its nodes. A node's value is at most its parent's and, for decreasing p,
+agreed once tends to keep agreeing; with independence, Sequoia's assumption, p again), and a tree of n nodes is expected
+to emit 1 + the sum of those over its nodes. A node's value is at most its parent's and, for decreasing p,
 at most its left sibling's, so the n most valuable nodes always form a valid tree (prefix-closed,
 ranks contiguous): popping nodes from a heap in value order (pushing a popped node's first child
 and next sibling) yields the best tree of every size n, the optimum of Sequoia's dynamic program
@@ -24,7 +24,9 @@ import torch
 
 
 @torch.inference_mode()
-def rank_stats(draft, prompts: list[list[int]], outputs: list[list[int]], ranks: int = 8) -> tuple[list[float], list[list[float]]]:
+def rank_stats(
+    draft, prompts: list[list[int]], outputs: list[list[int]], ranks: int = 8
+) -> tuple[list[float], list[list[float]]]:
     """(p, p_next): p[r] = how often the target's token (``outputs``, its greedy continuation of each
     prompt) is the draft's r-th most likely next token, over every output position; p_next[b][r] the
     same at a position whose previous token had rank 0 (b = 0) or another rank (b = 1): acceptance is
@@ -92,9 +94,21 @@ def best_tree(p: list[float], target_s, draft_s, max_nodes: int = 32, p_next: li
             heapq.heappush(heap, (-value(sib), sib))
         depth = max(width)
         seconds = target_s(len(nodes) + 1) + sum(draft_s(1 if d == 1 else width[d - 1]) for d in range(1, depth + 1))
-        per_size.append({"nodes": len(nodes), "depth": depth, "expected_tokens": round(1 + total, 4),
-                         "seconds": seconds, "tokens_per_s": (1 + total) / seconds})
+        per_size.append(
+            {
+                "nodes": len(nodes),
+                "depth": depth,
+                "expected_tokens": round(1 + total, 4),
+                "seconds": seconds,
+                "tokens_per_s": (1 + total) / seconds,
+            }
+        )
     best = max(per_size, key=lambda r: r["tokens_per_s"])
     choices = [list(q) for q in nodes[: best["nodes"]]]
-    return {"choices": sorted(choices, key=lambda c: (len(c), c)), "expected_tokens": best["expected_tokens"],
-            "tokens_per_s": best["tokens_per_s"], "plain_tokens_per_s": 1.0 / target_s(1), "per_size": per_size}
+    return {
+        "choices": sorted(choices, key=lambda c: (len(c), c)),
+        "expected_tokens": best["expected_tokens"],
+        "tokens_per_s": best["tokens_per_s"],
+        "plain_tokens_per_s": 1.0 / target_s(1),
+        "per_size": per_size,
+    }

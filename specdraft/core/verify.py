@@ -77,7 +77,9 @@ def rejection_sample(
     nd = valid.sum(dim=1)
     if k > 0:
         p_x = target_probs[:, :k].gather(2, draft_tokens[:, :, None]).squeeze(2)
-        q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)
+        q_x = (
+            torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(2, draft_tokens[:, :, None]).squeeze(2)
+        )
         u = uniform((B, k), generator, target_probs.device)
         n = _prefix_len((u * q_x < p_x) & valid)  # u < p/q without dividing; q_x > 0 for drafted tokens
     else:
@@ -231,8 +233,9 @@ def typical_verify(
     return n, sample(target_probs[rows, n], generator, strict)
 
 
-def typical_verify_tree(tree, target_probs: torch.Tensor, rule: TypicalAcceptance,
-                        generator: torch.Generator | None) -> tuple[list[int], int]:
+def typical_verify_tree(
+    tree, target_probs: torch.Tensor, rule: TypicalAcceptance, generator: torch.Generator | None
+) -> tuple[list[int], int]:
     """Trees: the deepest path whose every node the rule accepts under its parent's target
     distribution, then a token sampled from the target after it. Returns (path, next token)."""
     if tree.size == 0:
@@ -249,9 +252,16 @@ def lossy_label(rule: TypicalAcceptance | None, sp) -> str | None:
     return None if rule is None or sp.greedy else rule.name
 
 
-def sample_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, sp,
-                  generator: torch.Generator | None, lossy: TypicalAcceptance | None = None,
-                  num_draft: torch.Tensor | None = None, strict: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sp,
+    generator: torch.Generator | None,
+    lossy: TypicalAcceptance | None = None,
+    num_draft: torch.Tensor | None = None,
+    strict: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampling verification of chains from the target's raw logits [B, k + 1, V] (processed here with
     the request's SamplingParams ``sp``): lossless rejection sampling, or the opt-in lossy rule. Draft
     probabilities made on another device (a draft model's) are moved to the target's."""
@@ -262,8 +272,9 @@ def sample_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, 
     return rejection_sample(draft_tokens, q, p, generator, num_draft, strict)
 
 
-def verify_tree(tree, target_logits: torch.Tensor, sp, generator: torch.Generator | None,
-                lossy: TypicalAcceptance | None = None) -> tuple[list[int], int]:
+def verify_tree(
+    tree, target_logits: torch.Tensor, sp, generator: torch.Generator | None, lossy: TypicalAcceptance | None = None
+) -> tuple[list[int], int]:
     """A token tree scored in one forward (raw logits [n + 1, V]): greedy, lossless rejection
     sampling, or the opt-in lossy rule. Returns (accepted path, next token)."""
     if sp.greedy:

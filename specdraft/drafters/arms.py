@@ -38,8 +38,8 @@ def slug(s: str | None) -> str:
 
 
 def default_path(dec) -> Path:
-    from ..models.cost_curve import cpu_key
     from ..models.catalog import home
+    from ..models.cost_curve import cpu_key
 
     t = dec.target
     d = dec.draft
@@ -84,7 +84,9 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
     if keep:
         unknown = sorted(set(keep) - {n for n, _, _ in arms} - {"plain"})
         if unknown:
-            raise ConfigError(f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}")
+            raise ConfigError(
+                f"auto_arms {unknown} are not arms here; arms: {', '.join(['plain'] + [n for n, _, _ in arms])}"
+            )
         arms = [a for a in arms if a[0] in keep]
     arms = [a for a in arms if a[1].method != "plain"]
     return [("plain", SpecConfig(method="plain"), None)] + arms
@@ -127,8 +129,11 @@ def build_auto(dec, spec: SpecConfig):
         ev = None
         if prior is not None and prior.get("mat"):
             steps = 8.0
-            ev = Evidence(steps, steps * prior["mat"], steps * costs.step(prior.get("scored", 1.0),
-                                                                           prior.get("model_tokens", 0.0)))
+            ev = Evidence(
+                steps,
+                steps * prior["mat"],
+                steps * costs.step(prior.get("scored", 1.0), prior.get("model_tokens", 0.0)),
+            )
         arms.append(Arm(name, dec.make_drafter(s), ev, uses_model(s)))
     adopts = dec.draft is not None and getattr(dec.draft, "prefill_twin", None) is dec.target
     return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match, draft_adopts_prompt=adopts)

@@ -93,8 +93,10 @@ class ObservedCosts:
         """observed / start-up seconds at n: interpolated between the n seen ``min_seen`` times,
         the nearest one's beyond them, 1 with none."""
         if self._ratios is None or self._ratios[0] is not curve:
-            self._ratios = (curve, {m: s / interpolate(curve, m) for m, s in self.seconds.items()
-                                    if self.seen[m] >= self.min_seen})
+            self._ratios = (
+                curve,
+                {m: s / interpolate(curve, m) for m, s in self.seconds.items() if self.seen[m] >= self.min_seen},
+            )
         ratios = self._ratios[1]
         if not ratios:
             return 1.0
@@ -107,8 +109,12 @@ class StepCosts:
     drafted tokens (measured curves, linear in between and beyond), the target's corrected by
     ``observed`` (ObservedCosts, optional) where steps were seen."""
 
-    def __init__(self, target_curve: dict[int, float], draft_curve: dict[int, float] | None = None,
-                 observed: ObservedCosts | None = None):
+    def __init__(
+        self,
+        target_curve: dict[int, float],
+        draft_curve: dict[int, float] | None = None,
+        observed: ObservedCosts | None = None,
+    ):
         self.target_curve = target_curve
         self.draft_curve = draft_curve or {1: 0.0}
         self.draft_token_s = self.draft_curve[min(self.draft_curve)]
@@ -226,9 +232,18 @@ class AutoDrafter(Composite):
 
     name = "auto"
 
-    def __init__(self, arms: list[Arm], costs: StepCosts, memory: ArmMemory | None = None, probe: int = 2,
-                 explore_frac: float = 0.05, decay: float = 0.9, prior_steps: float = 8.0, min_match: int = 4,
-                 draft_adopts_prompt: bool = False):
+    def __init__(
+        self,
+        arms: list[Arm],
+        costs: StepCosts,
+        memory: ArmMemory | None = None,
+        probe: int = 2,
+        explore_frac: float = 0.05,
+        decay: float = 0.9,
+        prior_steps: float = 8.0,
+        min_match: int = 4,
+        draft_adopts_prompt: bool = False,
+    ):
         super().__init__([a.drafter for a in arms])
         self.arms, self.costs, self.memory = arms, costs, memory
         self.probe, self.explore_frac, self.decay, self.prior_steps = probe, explore_frac, decay, prior_steps
@@ -265,7 +280,7 @@ class AutoDrafter(Composite):
         self.last_token = len(prompt_ids) + min(sp.max_new_tokens, AHEAD)
 
     def context(self, tokens: list[int]) -> str:
-        self.sam.extend_many(int(t) for t in tokens[len(self.sam):])
+        self.sam.extend_many(int(t) for t in tokens[len(self.sam) :])
         return CONTEXTS[self.sam.match_len() >= self.min_match]
 
     def evidence(self, i: int, ctx: str) -> Evidence:
@@ -333,7 +348,8 @@ class AutoDrafter(Composite):
         unknown = [i for i in hope if ev[i].steps < self.probe - 1e-9]
         for i in unknown:  # probing is exploring too
             if self.worth(i, ctx, tries[i], hope[i][1], n_tokens) and (
-                    self.affords(self.probe_regret(i, ctx, n_tokens, tries[i]), n_tokens) or not self.budget.elapsed):
+                self.affords(self.probe_regret(i, ctx, n_tokens, tries[i]), n_tokens) or not self.budget.elapsed
+            ):
                 self.depth = tries[i]
                 return i
         others = [i for i in hope if i != best and ev[i].steps]
@@ -341,7 +357,8 @@ class AutoDrafter(Composite):
             cand = min(others, key=lambda i: ev[i].steps)
             per_step = (ev[cand].seconds - ev[cand].emitted / self.best_rate) / ev[cand].steps
             if self.worth(cand, ctx, tries[cand], hope[cand][1], n_tokens) and self.affords(
-                    max(0.0, per_step) + self.catch_up(cand, n_tokens), n_tokens):
+                max(0.0, per_step) + self.catch_up(cand, n_tokens), n_tokens
+            ):
                 self.depth = tries[cand]
                 return cand
         self.exploring = False
@@ -354,7 +371,11 @@ class AutoDrafter(Composite):
         may teach, the share of the exploration budget's time (affords) the arm would save at its optimistic
         rate ``hope_rate``, divided by 1 + its steps of evidence (each teaches less)."""
         e = self.evidence(i, ctx)
-        loss = self.step_at(i, e, depth) + self.catch_up(i, n_tokens) - chain_tokens(e.acceptance(), depth) / self.best_rate
+        loss = (
+            self.step_at(i, e, depth)
+            + self.catch_up(i, n_tokens)
+            - chain_tokens(e.acceptance(), depth) / self.best_rate
+        )
         if loss <= 0:
             return True
         horizon = self.budget.elapsed + self.ahead(n_tokens)
@@ -363,7 +384,9 @@ class AutoDrafter(Composite):
     def probe_regret(self, i: int, ctx: str, n_tokens: int, depth: int) -> float:
         """The most a first try of arm i can lose against the best known rate: a draft ``depth`` deep priced,
         one token emitted, plus the draft model's catch-up."""
-        return max(0.0, self.step_at(i, self.evidence(i, ctx), depth) - 1.0 / self.best_rate) + self.catch_up(i, n_tokens)
+        return max(0.0, self.step_at(i, self.evidence(i, ctx), depth) - 1.0 / self.best_rate) + self.catch_up(
+            i, n_tokens
+        )
 
     def ahead(self, n_tokens: int) -> float:
         """This request's remaining tokens (at most AHEAD) at plain speed."""

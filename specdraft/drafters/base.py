@@ -18,7 +18,7 @@ group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class StepOutcome:
     # (a request's first step: its prompt's positions first)
     draft: DraftTree | None = None  # the draft the target verified (as fed: cut to the cache's room, pruned)
     accepted: int = 0  # draft tokens the verifier kept
-    emitted: list[int] = ()  # the tokens appended: the accepted drafts and the target's next token
+    emitted: Sequence[int] = ()  # the tokens appended: the accepted drafts and the target's next token
     seconds: float = 0.0  # the step's target side (forward + verification), for the whole batch
     batch: int = 1  # rows in the step
 
@@ -59,8 +59,13 @@ class Drafter:
     reads_fed_positions = False  # observe indexes the fed draft as proposed: the engine must not prune it
     forced_tokens = 16  # under a grammar, append up to this many tokens it forces to a chain (0: never)
 
-    def begin(self, prompt_ids: list[int], sp: SamplingParams, generator: torch.Generator | None,
-              processor: RequestProcessor | None = None) -> None:
+    def begin(
+        self,
+        prompt_ids: list[int],
+        sp: SamplingParams,
+        generator: torch.Generator | None,
+        processor: RequestProcessor | None = None,
+    ) -> None:
         """A request starts: ``generator`` is the request's own (seeded) random stream, ``processor`` its
         processing (penalties, bias, a grammar; None: none asked), which a drafter that samples applies to
         its own logits."""

@@ -72,8 +72,9 @@ class VocabBridge:
         index = {}
         for i, b in token_bytes(target_tok, min(target_vocab, len(target_tok))).items():
             index.setdefault(b, i)
-        pairs = [(d, index[b]) for d, b in token_bytes(draft_tok, min(draft_vocab, len(draft_tok))).items()
-                 if b in index]
+        pairs = [
+            (d, index[b]) for d, b in token_bytes(draft_tok, min(draft_vocab, len(draft_tok))).items() if b in index
+        ]
         self.draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=device)
         self.target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long, device=device)
         self.to_draft_id = dict(zip(self.target_ids.tolist(), self.draft_ids.tolist()))
@@ -90,7 +91,8 @@ class VocabBridge:
                 raise TokenizerMismatchError(
                     f"the draft's tokenizer cannot write the target's text: {text[:40]!r} comes back as "
                     f"{back[:40]!r}. A draft with another tokenizer must encode any text the target produces "
-                    "(byte-level BPE tokenizers do); use a draft with a byte-level tokenizer or a model-free method")
+                    "(byte-level BPE tokenizers do); use a draft with a byte-level tokenizer or a model-free method"
+                )
 
     def target_text(self, ids: list[int]) -> str:
         return self.t.decode(ids, skip_special_tokens=False)
@@ -126,7 +128,9 @@ class CrossVocabDrafter(Drafter):
         want = self.bridge.draft_tokens(text)
         if not want or text.endswith("\ufffd") or len(want) + k > self.model.max_context:
             return None
-        same = min(common_prefix(self.held, want), len(want) - 1)  # the last token is fed again: its logits start the draft
+        same = min(
+            common_prefix(self.held, want), len(want) - 1
+        )  # the last token is fed again: its logits start the draft
         self.kv.truncate(0, same)
         self.kv.trim()
         self.held = want[:same]
@@ -145,7 +149,7 @@ class CrossVocabDrafter(Drafter):
             self.kv.commit([len(feed)])
             self.held += feed
             if self.sp.greedy:
-                if not confident(thr, step, lambda: torch.softmax(logits.float(), -1).max()):
+                if not confident(thr, step, lambda lg=logits: torch.softmax(lg.float(), -1).max()):
                     break
                 d = int(logits.argmax())
             else:
@@ -180,11 +184,11 @@ class CrossVocabDrafter(Drafter):
     def _as_target_chain(self, drafted: list[int], n_ctx: int, max_tokens: int) -> DraftTree:
         """The draft's text after its context (its first n_ctx held tokens), as target tokens (a trailing
         partial character dropped)."""
-        ctx = self.held[max(0, n_ctx - WINDOW): n_ctx]
+        ctx = self.held[max(0, n_ctx - WINDOW) : n_ctx]
         base = self.bridge.d.decode(ctx, skip_special_tokens=False)
         full = self.bridge.d.decode(ctx + drafted, skip_special_tokens=False)
         if not full.startswith(base):
             return DraftTree.empty()
-        piece = full[len(base):].rstrip("\ufffd")
+        piece = full[len(base) :].rstrip("\ufffd")
         ids = self.bridge.target_tokens(piece)[:max_tokens] if piece else []
         return DraftTree.chain(ids) if ids else DraftTree.empty()

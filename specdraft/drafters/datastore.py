@@ -80,8 +80,14 @@ def build(docs, out: str | Path, meta: dict | None = None, sort_depth: int = 64)
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "tokens.npy", tokens)
     np.save(out / "sa.npy", sa)
-    m = {"format": FORMAT, "version": VERSION, "n_tokens": int(tokens.shape[0]),
-         "n_docs": int((tokens < 0).sum()), "sort_depth": int(sort_depth), **(meta or {})}
+    m = {
+        "format": FORMAT,
+        "version": VERSION,
+        "n_tokens": int(tokens.shape[0]),
+        "n_docs": int((tokens < 0).sum()),
+        "sort_depth": int(sort_depth),
+        **(meta or {}),
+    }
     (out / "meta.json").write_text(json.dumps(m, indent=1))
     return Datastore(out)
 
@@ -90,8 +96,9 @@ class Datastore:
     def __init__(self, path: str | Path, vocab_size: int | None = None, tokenizer_hash: str | None = None):
         p = Path(path)
         if not p.is_dir():
-            raise DatastoreError(f"datastore {p} not found (build one with: specdraft datastore build CORPUS.jsonl "
-                                 f"--target NAME -o {p})")
+            raise DatastoreError(
+                f"datastore {p} not found (build one with: specdraft datastore build CORPUS.jsonl --target NAME -o {p})"
+            )
         try:
             meta = json.loads((p / "meta.json").read_text())
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -107,16 +114,21 @@ class Datastore:
         if tokens.dtype != np.int32 or tokens.ndim != 1 or sa.ndim != 1 or sa.dtype not in (np.int32, np.int64):
             raise DatastoreError(f"datastore {p} is corrupt: unexpected array dtypes/shapes")
         if tokens.shape[0] != meta.get("n_tokens") or sa.shape[0] != tokens.shape[0] or tokens.shape[0] == 0:
-            raise DatastoreError(f"datastore {p} is corrupt: {tokens.shape[0]} tokens, {sa.shape[0]} suffix array "
-                                 f"entries, manifest says {meta.get('n_tokens')}")
+            raise DatastoreError(
+                f"datastore {p} is corrupt: {tokens.shape[0]} tokens, {sa.shape[0]} suffix array "
+                f"entries, manifest says {meta.get('n_tokens')}"
+            )
         if tokens[-1] != -1:
             raise DatastoreError(f"datastore {p} is corrupt: the token array does not end with the separator -1")
         if vocab_size is not None and meta.get("vocab_size") is not None and meta["vocab_size"] > vocab_size:
-            raise DatastoreError(f"datastore {p} was built for a vocabulary of {meta['vocab_size']} tokens; the target "
-                                 f"has {vocab_size}")
+            raise DatastoreError(
+                f"datastore {p} was built for a vocabulary of {meta['vocab_size']} tokens; the target has {vocab_size}"
+            )
         if tokenizer_hash is not None and meta.get("tokenizer_sha256") not in (None, tokenizer_hash):
-            raise DatastoreError(f"datastore {p} was built with another tokenizer ({meta.get('target')!r}); rebuild it "
-                                 "with --target set to this target")
+            raise DatastoreError(
+                f"datastore {p} was built with another tokenizer ({meta.get('target')!r}); rebuild it "
+                "with --target set to this target"
+            )
         self.path, self.meta, self.tokens, self.sa = p, meta, tokens, sa
         self.sort_depth = int(meta.get("sort_depth", 64))
 
@@ -127,8 +139,12 @@ class Datastore:
         self.tokens = concat_docs(docs)
         self.sa = suffix_array(self.tokens, sort_depth)
         self.path, self.sort_depth = None, sort_depth
-        self.meta = {"format": FORMAT, "version": VERSION, "n_tokens": int(self.tokens.shape[0]),
-                     "sort_depth": sort_depth}
+        self.meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "n_tokens": int(self.tokens.shape[0]),
+            "sort_depth": sort_depth,
+        }
         return self
 
     @property
@@ -141,7 +157,7 @@ class Datastore:
         while lo < hi:
             mid = (lo + hi) // 2
             s = int(sa[mid])
-            seg = toks[s: s + m].tolist()
+            seg = toks[s : s + m].tolist()
             if seg < pat or (upper and seg == pat):
                 lo = mid + 1
             else:
@@ -160,7 +176,7 @@ class Datastore:
         rng = (0, 0)
         while lo_m < hi_m:  # invariant: length lo_m occurs; find the largest m that does
             mid = (lo_m + hi_m + 1) // 2
-            r = self.range_of(context[len(context) - mid:])
+            r = self.range_of(context[len(context) - mid :])
             if r[1] > r[0]:
                 lo_m, rng = mid, r
             else:
@@ -198,7 +214,7 @@ class ServedOutputs:
         if doc.size < 2:
             return
         with self._lock:
-            self.docs.append(doc[-self.max_tokens:])
+            self.docs.append(doc[-self.max_tokens :])
             self.n_tokens += len(self.docs[-1]) + 1
             while self.n_tokens > self.max_tokens + 1 and len(self.docs) > 1:
                 self.n_tokens -= len(self.docs.popleft()) + 1
@@ -244,8 +260,7 @@ def read_corpus(path: str | Path, max_docs: int | None = None) -> list[str]:
         elif isinstance(r.get("turns"), list) and all(isinstance(t, str) for t in r["turns"]):
             texts.extend(r["turns"])
         else:
-            raise DatastoreError(f"{p}:{i}: no text (need a 'text' or 'prompt' string or a 'turns' list of "
-                                 "strings)")
+            raise DatastoreError(f"{p}:{i}: no text (need a 'text' or 'prompt' string or a 'turns' list of strings)")
         if max_docs is not None and len(texts) >= max_docs:
             break
     if not texts:
@@ -253,14 +268,14 @@ def read_corpus(path: str | Path, max_docs: int | None = None) -> list[str]:
     return texts[:max_docs] if max_docs is not None else texts
 
 
-def build_from_jsonl(corpus: str | Path, target: str, out: str | Path, sort_depth: int = 64,
-                     max_docs: int | None = None) -> Datastore:
+def build_from_jsonl(
+    corpus: str | Path, target: str, out: str | Path, sort_depth: int = 64, max_docs: int | None = None
+) -> Datastore:
     """Tokenize a jsonl corpus with ``target``'s tokenizer and build the store at ``out``."""
     from ..models.loading import load_tokenizer
 
     texts = read_corpus(corpus, max_docs)
     tok = load_tokenizer(target)
     docs = tok(texts, add_special_tokens=False)["input_ids"]
-    meta = {"target": target, "vocab_size": len(tok), "tokenizer_sha256": tokenizer_sha256(tok),
-            "corpus": str(corpus)}
+    meta = {"target": target, "vocab_size": len(tok), "tokenizer_sha256": tokenizer_sha256(tok), "corpus": str(corpus)}
     return build(docs, out, meta, sort_depth=sort_depth)

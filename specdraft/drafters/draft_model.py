@@ -104,8 +104,11 @@ class DraftModelGroup:
             self._base[id(m)] = len(m.tokens)
         out, probs = self._chains([0 if t else x for x, t in zip(c, tree)])
         trees = self._trees([x if t else 0 for x, t in zip(c, tree)])
-        chains = {i: DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
-                  for i in range(len(self.members)) if out[i]}  # (each chain's tokens read once, to the host)
+        chains = {
+            i: DraftTree.chain(torch.stack(out[i]), torch.stack(probs[i]) if probs[i] else None)
+            for i in range(len(self.members))
+            if out[i]
+        }  # (each chain's tokens read once, to the host)
         for i, m in enumerate(self.members):
             self._drafted[id(m)] = chains[i].tokens.tolist() if i in chains else []  # (a tree row's cache keeps none)
         by_row = {id(m): i for i, m in enumerate(self.members)}
@@ -120,7 +123,7 @@ class DraftModelGroup:
         step = 0
         while any(active):
             if step == 0:  # catch up on what the row's cache lacks; its last position predicts the first draft
-                feeds = [m.tokens[kv.lens[i]:] if active[i] else [] for i, m in enumerate(self.members)]
+                feeds = [m.tokens[kv.lens[i] :] if active[i] else [] for i, m in enumerate(self.members)]
             else:
                 feeds = [[int(out[i][-1])] if active[i] else [] for i in range(R)]
             # a cascade row appends what prompt lookup proposes; the draft model checks it in the same forward
@@ -152,7 +155,7 @@ class DraftModelGroup:
         grow = {i: _row_tree(self.members[i]) for i in range(R) if c[i] > 0}
         if not grow:
             return {}
-        feeds = [m.tokens[kv.lens[i]:] if i in grow else [] for i, m in enumerate(self.members)]
+        feeds = [m.tokens[kv.lens[i] :] if i in grow else [] for i, m in enumerate(self.members)]
         N = max(len(f) for f in feeds)
         keep = N - min(len(feeds[i]) - 1 for i in grow)
         logits = kv.forward(feeds, keep=keep)
@@ -169,7 +172,7 @@ class DraftModelGroup:
             keep = N - min(len(level[i][0]) - len(level[i][2]) for i in level)  # the nodes are fed last
             logits = kv.forward(seqs, keep=keep, trees=[level[i][1] if i in level else None for i in range(R)])
             kv.commit([0] * R)
-            for i, (tokens, _, at) in level.items():
+            for i, (_, _, at) in level.items():
                 lg = fit_vocab(logits[i, [a - (N - keep) for a in at]], self.target_vocab)
                 _resume(i, live[i][0], lg, live, done)
         return done
@@ -186,7 +189,9 @@ class DraftModelGroup:
         return find_candidate(ctx, spec.min_ngram, spec.max_ngram, n).tolist()
 
     @staticmethod
-    def _draw(m, logits: torch.Tensor, step: int, out: list, probs: list, cap: int, proposal: int | None = None) -> bool:
+    def _draw(
+        m, logits: torch.Tensor, step: int, out: list, probs: list, cap: int, proposal: int | None = None
+    ) -> bool:
         """Append row m's next draft token from its draft logits; False when the row stops drafting
         (cap reached, or its top probability fell below the confidence threshold). A cascade's
         ``proposal`` is taken as the draft token when the draft model agrees: greedy, when it is the
@@ -216,7 +221,7 @@ class DraftModelGroup:
         for r in rows:
             i, base = self.members.index(r), self._base[id(r)]
             fed = self._drafted[id(r)][:-1]
-            emitted = r.tokens[base: base + len(fed)]
+            emitted = r.tokens[base : base + len(fed)]
             self.kv.truncate(i, base + common_prefix(fed, emitted))
         self.kv.trim()
 

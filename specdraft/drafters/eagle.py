@@ -59,8 +59,10 @@ class EagleDrafter(Drafter):
 
     def _check_features(self, target: TargetModel) -> None:
         if not target.capabilities.hidden:
-            raise ConfigError(f"method {self.name!r} reads the target's final-norm features, which {target.name} "
-                              f"on the {target.backend} backend does not hand over")
+            raise ConfigError(
+                f"method {self.name!r} reads the target's final-norm features, which {target.name} "
+                f"on the {target.backend} backend does not hand over"
+            )
 
     def _draft_vocab(self, target: TargetModel, head) -> None:
         """The draft logits' rows: the target's LM head, or its rows for the head's ``draft_ids``."""
@@ -116,8 +118,8 @@ class EagleDrafter(Drafter):
         extra = self.cache.get_seq_length() - self.n_true
         if extra > 0:
             self.cache.crop(-extra)  # transformers 5.x: a negative count drops positions
-        fed = torch.tensor(tokens[self.n_true + 1:], dtype=torch.long, device=self.device)
-        f = self._step(self.feats[self.n_true:], fed, self.n_true)
+        fed = torch.tensor(tokens[self.n_true + 1 :], dtype=torch.long, device=self.device)
+        f = self._step(self.feats[self.n_true :], fed, self.n_true)
         self.n_true = n - 1
         if self.spec.tree != "chain":
             self._tree = GrowingTree(self.shape, self.sp, self.gen, ctx=self.n_true)

@@ -3,10 +3,10 @@
 The head (``models/eagle3.Eagle3Head``, the reference layout) reads, at every verified position, the
 outputs of three target layers (low, middle, high: ``eagle3.eagle3_layers``), which the target hands
 over in the same forward that verifies (``TargetModel.add_feature_layers``: forward hooks on
-transformers, extra outputs of the IR on OpenVINO, the graph callback on llama.cpp). Everything else is the EAGLE drafter's (drafters/eagle.py): the head's own KV
-cache cropped back to the true positions every step, chains, and EAGLE-2's dynamic tree through
-``GrowingTree``. Step 1 of a draft reads the fused target features of the verified pairs; later steps
-(a chain's next tokens, a tree's deeper levels) feed the head's own predicted feature back, as the
+transformers, extra outputs of the IR on OpenVINO, the graph callback on llama.cpp). Everything else is the EAGLE
+drafter's (drafters/eagle.py): the head's own KV cache cropped back to the true positions every step, chains, and
+EAGLE-2's dynamic tree through ``GrowingTree``. Step 1 of a draft reads the fused target features of the verified pairs;
+later steps (a chain's next tokens, a tree's deeper levels) feed the head's own predicted feature back, as the
 head was trained (the training-time test, train.py).
 
 Draft vocabulary: the head's LM head scores its ``draft_ids`` only (draft index + d2t -> target id);
@@ -38,8 +38,10 @@ class Eagle3Drafter(EagleDrafter):
 
     def _check_features(self, target: TargetModel) -> None:
         if not target.capabilities.layers:
-            raise ConfigError(f"method 'eagle3' reads the target's layer outputs, which {target.name} on the "
-                              f"{target.backend} backend does not hand over")
+            raise ConfigError(
+                f"method 'eagle3' reads the target's layer outputs, which {target.name} on the "
+                f"{target.backend} backend does not hand over"
+            )
 
     def _draft_vocab(self, target: TargetModel, head: Eagle3Head) -> None:
         self.ids = head.draft_ids

@@ -48,8 +48,10 @@ def tree_too_large(spec: SpecConfig) -> str | None:
     p = spec.params
     if (p.lookahead_window + p.lookahead_max_ngrams) * (p.lookahead_ngram - 1) <= MAX_TREE_NODES:
         return None
-    return (f"lookahead_window ({p.lookahead_window}) + lookahead_max_ngrams ({p.lookahead_max_ngrams}), times "
-            f"lookahead_ngram - 1 ({p.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes")
+    return (
+        f"lookahead_window ({p.lookahead_window}) + lookahead_max_ngrams ({p.lookahead_max_ngrams}), times "
+        f"lookahead_ngram - 1 ({p.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes"
+    )
 
 
 class LookaheadDrafter(Drafter):
@@ -76,7 +78,7 @@ class LookaheadDrafter(Drafter):
         if rest in lst:
             lst.remove(rest)
         lst.insert(0, rest)
-        del lst[self.G:]
+        del lst[self.G :]
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._top = []
@@ -92,13 +94,13 @@ class LookaheadDrafter(Drafter):
             idx[(0, c)] = len(toks)
             toks.append(self.levels[0][c])
             pars.append(idx[(0, c - 1)] if c else -1)
-        for l in range(1, self.N - 1):
+        for lv in range(1, self.N - 1):
             for c in range(W):
-                if c + 1 + l > max_tokens:  # depth cap: emitted tokens never exceed max_tokens + 1
+                if c + 1 + lv > max_tokens:  # depth cap: emitted tokens never exceed max_tokens + 1
                     continue
-                idx[(l, c)] = len(toks)
-                toks.append(self.levels[l][c])
-                pars.append(idx[(l - 1, c)])
+                idx[(lv, c)] = len(toks)
+                toks.append(self.levels[lv][c])
+                pars.append(idx[(lv - 1, c)])
         top = self.N - 2
         if W == self.W and all((top, c) in idx for c in range(W)):
             self._top = [idx[(top, c)] for c in range(W)]
@@ -113,7 +115,6 @@ class LookaheadDrafter(Drafter):
             return  # the window did not fit this step: keep it as it is
         new = logits[[1 + i for i in self._top]].argmax(dim=-1).tolist()  # W rows, not the vocabulary
         for c in range(self.W):
-            self.add_ngram(tuple(self.levels[l][c] for l in range(self.N - 1)) + (int(new[c]),))
+            self.add_ngram(tuple(self.levels[lv][c] for lv in range(self.N - 1)) + (int(new[c]),))
         self.levels = self.levels[1:] + [new]
         self._top = []
-

@@ -37,15 +37,18 @@ from .tree_grower import spec_shape
 def tree_plan(spec: SpecConfig, n_heads: int, method: str) -> TreeShape:
     """The tree shape as a static one (Medusa's choices): a chain is the path of top ranks."""
     if spec.tree == "dynamic":
-        raise ConfigError(f"method {method!r} drafts a chain or a static tree (tree_choices / tree_branching), "
-                          "not tree='dynamic'")
+        raise ConfigError(
+            f"method {method!r} drafts a chain or a static tree (tree_choices / tree_branching), not tree='dynamic'"
+        )
     if spec.tree == "chain":
         shape = TreeShape.of("static", spec.k, choices=[[0] * d for d in range(1, min(spec.k, n_heads) + 1)])
     else:
         shape = spec_shape(spec)
     if shape.max_depth > n_heads:
-        raise ConfigError(f"the tree is {shape.max_depth} deep but the Medusa head has {n_heads} heads (one per "
-                          f"depth); use a tree at most {n_heads} deep")
+        raise ConfigError(
+            f"the tree is {shape.max_depth} deep but the Medusa head has {n_heads} heads (one per "
+            f"depth); use a tree at most {n_heads} deep"
+        )
     return shape
 
 
@@ -71,8 +74,10 @@ class MedusaDrafter(Drafter):
     def __init__(self, target: TargetModel, heads: MedusaHeads, spec: SpecConfig):
         needs_head_io(target, "method 'medusa'")
         if not target.capabilities.hidden:
-            raise ConfigError(f"method 'medusa' reads the target's final-norm features, which {target.name} on the "
-                              f"{target.backend} backend does not hand over")
+            raise ConfigError(
+                f"method 'medusa' reads the target's final-norm features, which {target.name} on the "
+                f"{target.backend} backend does not hand over"
+            )
         self.target = target
         self.heads = heads
         self.spec = spec

@@ -60,4 +60,3 @@ class PromptLookupDrafter(Drafter):
             return trie(find_candidates(arr, self.spec.min_ngram, self.spec.max_ngram, k, self.spec.branches))
         cand = find_candidate(arr, self.spec.min_ngram, self.spec.max_ngram, k)
         return DraftTree.chain(torch.from_numpy(cand.copy()))
-

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..core.config import ALL_TREES, REGISTRY, SCHEDULES, Int, SpecConfig, param
+from ..core.errors import ConfigError
 from .auto import AutoParams
 from .draft_model import CascadeParams
 from .hybrid import HybridParams
 from .lookahead import LookaheadParams, tree_too_large
 from .remote_draft import RemoteDraftParams
 from .token_recycling import TokenRecyclingParams
-from ..core.errors import ConfigError
 
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
@@ -71,14 +71,17 @@ class Method:
 
         return offering(self.runs_on)
 
-    def unavailable(self, backend: str, has_draft: bool, subject: str = "method", where: str = "",
-                    no_draft: str | None = None) -> str | None:
+    def unavailable(
+        self, backend: str, has_draft: bool, subject: str = "method", where: str = "", no_draft: str | None = None
+    ) -> str | None:
         """Why this method cannot run on a decoder of ``backend`` with (or without) a draft model, or None.
         The caller words it: ``subject`` and ``where`` frame the backend message, ``no_draft`` replaces
         the draft one."""
         if backend not in self.backends:
-            return (f"{subject} {self.name!r} is not available on the {backend} backend{where}; methods there: "
-                    f"{', '.join(methods_on(backend))}")
+            return (
+                f"{subject} {self.name!r} is not available on the {backend} backend{where}; methods there: "
+                f"{', '.join(methods_on(backend))}"
+            )
         if self.needs == "draft_model" and not has_draft:
             return no_draft or f"{subject} {self.name!r} needs a draft model (pass draft=NAME / --draft NAME)"
         return None
@@ -99,8 +102,10 @@ def _needs_exit_layer(spec):
 
 def _needs_skip_set(spec):
     if not spec.skip_layers and not spec.skip_config:
-        return ("method 'layer_skip' needs skip_layers=[...] or skip_config=FILE "
-                "(from `specdraft tune-skip --target NAME -o FILE`)")
+        return (
+            "method 'layer_skip' needs skip_layers=[...] or skip_config=FILE "
+            "(from `specdraft tune-skip --target NAME -o FILE`)"
+        )
     return None
 
 
@@ -118,8 +123,9 @@ def _model_drafter(draft, dec, spec):
         return DraftModelDrafter(draft, spec, dec.target.vocab_size)
     for m in (draft, dec.target):
         if not m.capabilities.trees:
-            raise ConfigError(f"{m.name} on the {m.backend} backend does not score token trees "
-                              f"(tree={spec.tree!r}); use tree='chain'")
+            raise ConfigError(
+                f"{m.name} on the {m.backend} backend does not score token trees (tree={spec.tree!r}); use tree='chain'"
+            )
     from .draft_tree import DraftTreeDrafter
 
     return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
@@ -132,9 +138,11 @@ def _draft_model(dec, spec):
     from .cross_vocab import CrossVocabDrafter
 
     if spec.tree != "chain" or spec.method == "cascade":
-        raise ConfigError(f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
-                          f"method 'draft_model' or 'hybrid' with tree 'chain' (got method {spec.method!r}, "
-                          f"tree {spec.tree!r})")
+        raise ConfigError(
+            f"a draft with another tokenizer ({dec.draft.name}) drafts chains through text: "
+            f"method 'draft_model' or 'hybrid' with tree 'chain' (got method {spec.method!r}, "
+            f"tree {spec.tree!r})"
+        )
     return CrossVocabDrafter(dec.draft, bridge, spec, dec.target.vocab_size)
 
 
@@ -175,8 +183,9 @@ def _suffix(dec, spec):
     from .suffix import SuffixDrafter
 
     served = dec.served_outputs()  # on a decoder that learns online: the outputs it served lately
-    return SuffixDrafter(spec, dec.datastore(spec.datastore) if spec.datastore else None,
-                         None if served is None else served.snapshot())
+    return SuffixDrafter(
+        spec, dec.datastore(spec.datastore) if spec.datastore else None, None if served is None else served.snapshot()
+    )
 
 
 def _token_recycling(dec, spec):
@@ -194,8 +203,9 @@ def _lookahead(dec, spec):
 def _hybrid(dec, spec):
     from .hybrid import HybridDrafter
 
-    return HybridDrafter(_suffix(dec, retrieval_spec(spec)), _draft_model(dec, spec), spec.hybrid_min_match,
-                         spec.params.hybrid_merge)
+    return HybridDrafter(
+        _suffix(dec, retrieval_spec(spec)), _draft_model(dec, spec), spec.hybrid_min_match, spec.params.hybrid_merge
+    )
 
 
 def retrieval_spec(spec):
@@ -213,9 +223,11 @@ def _remote_draft(dec, spec):
     draft = dec.draft_model()
     source = draft.source
     if source is None or dec.vocab_bridge() is not None:
-        raise ConfigError(f"method 'remote_draft' loads the draft by its name in a process of its own, with the "
-                          f"target's tokenizer; {draft.name} is not such a draft (a self:int4 copy, another "
-                          f"tokenizer's model)")
+        raise ConfigError(
+            f"method 'remote_draft' loads the draft by its name in a process of its own, with the "
+            f"target's tokenizer; {draft.name} is not such a draft (a self:int4 copy, another "
+            f"tokenizer's model)"
+        )
     p = spec.params
     key = ("remote_draft", json.dumps(source, sort_keys=True), p.remote_threads, p.ray_address)
     return RemoteDraftDrafter(dec.shared(key, lambda: RemoteDraft(source, p, dec.target.vocab_size)), spec)
@@ -245,44 +257,132 @@ def _eagle3(dec, spec):
     return Eagle3Drafter(dec.target, dec.head(spec), spec)
 
 
-REGISTRY.update({m.name: m for m in [
-    # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
-    # any default spec (the server's, loadtest's plain mode, the bench's reference)
-    Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES),
-    Method("draft_model", "a smaller model drafts k tokens (or a tree); another tokenizer's drafts go through text",
-           _draft_model,
-           needs="draft_model", trees=ALL_TREES, schedules=MODEL_SCHEDULES),
-    Method("prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup),
-    Method("layer_skip", "the target with some layers skipped drafts (Draft & Verify, SWIFT)", _layer_skip,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_skip_set,
-           load_resource=_kept_layers, runs_on="views"),
-    Method("early_exit", "the target's first exit_layer layers draft (LayerSkip, Kangaroo)", _early_exit,
-           needs="layer_view", trees=ALL_TREES, schedules=MODEL_SCHEDULES, check=_needs_exit_layer,
-           params=EarlyExitParams,
-           load_resource=_first_layers, runs_on="views"),
-    Method("suffix", "suffix automaton over prompt + output (+ a datastore) drafts a token tree", _suffix,
-           runs_on="trees"),
-    Method("token_recycling", "a table of each token's top successors, refreshed from the target", _token_recycling,
-           runs_on="trees", params=TokenRecyclingParams),
-    Method("lookahead", "Jacobi window + n-gram pool, verified as one token tree", _lookahead, runs_on="trees",
-           params=LookaheadParams, check=tree_too_large),
-    Method("hybrid", "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
-           _hybrid, needs="draft_model", trees=ALL_TREES, runs_on="trees", params=HybridParams),
-    Method("cascade", "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
-           _draft_model, needs="draft_model", schedules=MODEL_SCHEDULES, params=CascadeParams),
-    Method("remote_draft", "the draft model in a process of its own (Ray), drafting the next block while the target "
-           "verifies (PEARL, SwiftSpec)", _remote_draft, needs="draft_model",
-           params=RemoteDraftParams, served=False),
-    Method("auto", "chooses the drafting method per request and step from measured rates on this machine",
-           _auto, uses_draft=True, params=AutoParams),
-    Method("medusa", "trained heads on the target's features (specdraft train medusa)", _medusa,
-           needs="head", trees=("chain", "static"), load_resource=_head, runs_on="hidden"),
-    Method("eagle", "a trained one-layer head on the target's features (specdraft train eagle)", _eagle,
-           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="hidden"),
-    Method("eagle3", "a trained one-layer head on three of the target's layers (specdraft train eagle3, or an "
-           "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)", _eagle3,
-           needs="head", trees=ALL_TREES, load_resource=_head, runs_on="layers"),
-]})
+REGISTRY.update(
+    {
+        m.name: m
+        for m in [
+            # plain drafts nothing, so any schedule is a no-op: accepted, so that {"method": "plain"} can override
+            # any default spec (the server's, loadtest's plain mode, the bench's reference)
+            Method("plain", "no drafting: the autoregressive baseline", _plain, schedules=SCHEDULES),
+            Method(
+                "draft_model",
+                "a smaller model drafts k tokens (or a tree); another tokenizer's drafts go through text",
+                _draft_model,
+                needs="draft_model",
+                trees=ALL_TREES,
+                schedules=MODEL_SCHEDULES,
+            ),
+            Method(
+                "prompt_lookup", "copy what followed the last occurrence of the context's suffix n-gram", _prompt_lookup
+            ),
+            Method(
+                "layer_skip",
+                "the target with some layers skipped drafts (Draft & Verify, SWIFT)",
+                _layer_skip,
+                needs="layer_view",
+                trees=ALL_TREES,
+                schedules=MODEL_SCHEDULES,
+                check=_needs_skip_set,
+                load_resource=_kept_layers,
+                runs_on="views",
+            ),
+            Method(
+                "early_exit",
+                "the target's first exit_layer layers draft (LayerSkip, Kangaroo)",
+                _early_exit,
+                needs="layer_view",
+                trees=ALL_TREES,
+                schedules=MODEL_SCHEDULES,
+                check=_needs_exit_layer,
+                params=EarlyExitParams,
+                load_resource=_first_layers,
+                runs_on="views",
+            ),
+            Method(
+                "suffix",
+                "suffix automaton over prompt + output (+ a datastore) drafts a token tree",
+                _suffix,
+                runs_on="trees",
+            ),
+            Method(
+                "token_recycling",
+                "a table of each token's top successors, refreshed from the target",
+                _token_recycling,
+                runs_on="trees",
+                params=TokenRecyclingParams,
+            ),
+            Method(
+                "lookahead",
+                "Jacobi window + n-gram pool, verified as one token tree",
+                _lookahead,
+                runs_on="trees",
+                params=LookaheadParams,
+                check=tree_too_large,
+            ),
+            Method(
+                "hybrid",
+                "suffix-automaton retrieval when its match is long, the draft model otherwise (SAM-Decoding)",
+                _hybrid,
+                needs="draft_model",
+                trees=ALL_TREES,
+                runs_on="trees",
+                params=HybridParams,
+            ),
+            Method(
+                "cascade",
+                "the draft model drafts, prompt lookup proposing for it (CS-Drafting's vertical cascade)",
+                _draft_model,
+                needs="draft_model",
+                schedules=MODEL_SCHEDULES,
+                params=CascadeParams,
+            ),
+            Method(
+                "remote_draft",
+                "the draft model in a process of its own (Ray), drafting the next block while the target "
+                "verifies (PEARL, SwiftSpec)",
+                _remote_draft,
+                needs="draft_model",
+                params=RemoteDraftParams,
+                served=False,
+            ),
+            Method(
+                "auto",
+                "chooses the drafting method per request and step from measured rates on this machine",
+                _auto,
+                uses_draft=True,
+                params=AutoParams,
+            ),
+            Method(
+                "medusa",
+                "trained heads on the target's features (specdraft train medusa)",
+                _medusa,
+                needs="head",
+                trees=("chain", "static"),
+                load_resource=_head,
+                runs_on="hidden",
+            ),
+            Method(
+                "eagle",
+                "a trained one-layer head on the target's features (specdraft train eagle)",
+                _eagle,
+                needs="head",
+                trees=ALL_TREES,
+                load_resource=_head,
+                runs_on="hidden",
+            ),
+            Method(
+                "eagle3",
+                "a trained one-layer head on three of the target's layers (specdraft train eagle3, or an "
+                "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)",
+                _eagle3,
+                needs="head",
+                trees=ALL_TREES,
+                load_resource=_head,
+                runs_on="layers",
+            ),
+        ]
+    }
+)
 
 METHODS = tuple(REGISTRY)  # the built-in methods; code that must see entries added later reads REGISTRY
 
@@ -299,5 +399,7 @@ def methods_on(backend: str) -> tuple[str, ...]:
 
 def help_text() -> str:
     """One line per method for the CLI's --method help."""
-    return "; ".join(f"{m.name}: {m.summary}" + (f" [needs a {m.needs.replace('_', ' ')}]" if m.needs else "")
-                     for m in REGISTRY.values())
+    return "; ".join(
+        f"{m.name}: {m.summary}" + (f" [needs a {m.needs.replace('_', ' ')}]" if m.needs else "")
+        for m in REGISTRY.values()
+    )

@@ -42,7 +42,8 @@ class RemoteDraft:
 
         self.ray = connect(params.ray_address)
         self.actor = self.ray.remote(num_cpus=params.remote_threads, max_concurrency=2)(DraftSide).remote(
-            source, params.remote_threads)
+            source, params.remote_threads
+        )
         self.vocab = min(vocab, self.ray.get(self.actor.vocab.remote()))
         self.keys = 0  # the last sequence key handed out
         self.epoch = 0  # the last ahead call's number (the actor's stop marks are per actor, so per RemoteDraft)
@@ -84,8 +85,9 @@ class RemoteDraftGroup:
         for r in rows:
             self.remote.keys += 1
             self.state[id(r)] = _Row(self.remote.keys, list(r.tokens[:-1]))
-        self.pending.append(self.remote.actor.start.remote([self.state[id(r)].key for r in rows],
-                                                           [list(r.tokens[:-1]) for r in rows]))
+        self.pending.append(
+            self.remote.actor.start.remote([self.state[id(r)].key for r in rows], [list(r.tokens[:-1]) for r in rows])
+        )
 
     def leave(self, rows) -> None:
         gone = [self.state.pop(id(r)).key for r in rows if id(r) in self.state]
@@ -103,7 +105,7 @@ class RemoteDraftGroup:
             if cap <= 0:
                 out[id(r)] = []
             elif st.ahead and r.tokens == st.ahead_ctx + st.ahead[:1]:  # the guess held: drafted already
-                out[id(r)] = st.ahead[1:cap + 1]
+                out[id(r)] = st.ahead[1 : cap + 1]
                 r.drafter.arm = PREFETCHED
             else:
                 keep = min(common_prefix(r.tokens, st.cached), len(r.tokens) - 1)
@@ -154,5 +156,4 @@ class RemoteDraftGroup:
 
 def _kept_block(r, st: _Row | None) -> bool:
     """Whether row r's tokens now hold its whole last block of drafts."""
-    return st is not None and r.tokens[:len(st.ahead_ctx)] == st.ahead_ctx
-
+    return st is not None and r.tokens[: len(st.ahead_ctx)] == st.ahead_ctx

@@ -131,16 +131,17 @@ def brute_force_match_len(tokens: list[int]) -> int:
     n = len(tokens)
     best = 0
     for m in range(1, n):
-        suf = tokens[n - m:]
-        if any(tokens[e - m + 1: e + 1] == suf for e in range(m - 1, n - 1)):
+        suf = tokens[n - m :]
+        if any(tokens[e - m + 1 : e + 1] == suf for e in range(m - 1, n - 1)):
             best = m
         else:
             break
     return best
 
 
-def count_tree(paths: np.ndarray, budget: int, min_prob: float, denom: int | None = None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def count_tree(
+    paths: np.ndarray, budget: int, min_prob: float, denom: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge continuation paths (int64 [occ, D], -1 padded after a path ends) into a count trie and
     keep the best ``budget`` nodes with count / denom >= ``min_prob``.
 
@@ -178,8 +179,11 @@ def count_tree(paths: np.ndarray, budget: int, min_prob: float, denom: int | Non
         ids = np.full(starts.shape, -1, dtype=np.int64)
         ids[keep] = n_nodes + np.arange(int(keep.sum()))
         n_nodes += int(keep.sum())
-        counts_l.append(counts[keep]); depth_l.append(np.full(int(keep.sum()), d)); start_l.append(starts[keep])
-        tok_l.append(tok[keep]); par_l.append(par[keep])
+        counts_l.append(counts[keep])
+        depth_l.append(np.full(int(keep.sum()), d))
+        start_l.append(starts[keep])
+        tok_l.append(tok[keep])
+        par_l.append(par[keep])
         prev_starts, prev_ids = starts, ids
     if not counts_l:
         return empty
@@ -289,4 +293,3 @@ class SuffixDrafter(Drafter):
     def last_match_len(self) -> int:
         """The length of the match the last proposal drafted from (the automaton's, or a global store's)."""
         return self._g_m if self.last_source == "global" else self.sam.match_len()
-

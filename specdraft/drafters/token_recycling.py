@@ -86,9 +86,11 @@ def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
 class TokenRecyclingParams:
     """token_recycling's own parameters (flat keys of its spec)."""
 
-    recycle_branching: list[int] = param([4, 2, 2, 1], IntList(min=1, max=MAX_RECYCLE_TOPK,
-                                                               what="children per node at each depth"),
-                                         TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES))
+    recycle_branching: list[int] = param(
+        [4, 2, 2, 1],
+        IntList(min=1, max=MAX_RECYCLE_TOPK, what="children per node at each depth"),
+        TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
+    )
 
 
 class TokenRecyclingDrafter(Drafter):
@@ -117,4 +119,3 @@ class TokenRecyclingDrafter(Drafter):
         if depth <= 0 or not tokens:
             return DraftTree.empty()
         return expand(self.adj.table, int(tokens[-1]), self.branching[:depth])
-

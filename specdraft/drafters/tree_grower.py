@@ -45,8 +45,15 @@ class GrowingTree:
     last); ``fed[i]`` is the cache slot ``level_mask`` fed it at.
     """
 
-    def __init__(self, shape: TreeShape, sp: SamplingParams, gen: torch.Generator | None,
-                 processor: RequestProcessor | None = None, ctx: int = 0, history: list[int] | None = None):
+    def __init__(
+        self,
+        shape: TreeShape,
+        sp: SamplingParams,
+        gen: torch.Generator | None,
+        processor: RequestProcessor | None = None,
+        ctx: int = 0,
+        history: list[int] | None = None,
+    ):
         self.shape, self.sp, self.gen, self.processor = shape, sp, gen, processor
         self.ctx, self.history = ctx, history
         self.tokens: list[int] = []

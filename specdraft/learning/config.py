@@ -35,8 +35,9 @@ class LearnConfig:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"learn: {name} must be a positive number, got {v!r}")
         if not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 1):
-            raise ConfigError(f"learn: budget (--learn-budget) must be a share of the CPU in (0, 1], "
-                              f"got {self.budget!r}")
+            raise ConfigError(
+                f"learn: budget (--learn-budget) must be a share of the CPU in (0, 1], got {self.budget!r}"
+            )
         if not (isinstance(self.max_drop, (int, float)) and 0 <= self.max_drop <= 1):
             raise ConfigError(f"learn: max_drop must be in [0, 1] (1: never roll back), got {self.max_drop!r}")
         for name in ("ttt_steps", "batch_size", "publish_every", "reuse", "window", "queue"):
@@ -48,8 +49,9 @@ class LearnConfig:
         if not isinstance(self.served_tokens, int) or isinstance(self.served_tokens, bool) or self.served_tokens < 0:
             raise ConfigError(f"learn: served_tokens must be an integer >= 0, got {self.served_tokens!r}")
         if not isinstance(self.buffer_tokens, int) or self.buffer_tokens < self.max_len:
-            raise ConfigError(f"learn: buffer_tokens must be an integer >= max_len ({self.max_len}), "
-                              f"got {self.buffer_tokens!r}")
+            raise ConfigError(
+                f"learn: buffer_tokens must be an integer >= max_len ({self.max_len}), got {self.buffer_tokens!r}"
+            )
 
 
 def learn_config(learn) -> LearnConfig | None:

@@ -115,8 +115,9 @@ class Learner(StepHook):
         for this load, and the next load tries again)."""
         if self.head is not None:
             if head is not self.head:
-                log.warning("learn: the head %s is served as shipped (this server learns %s)", head_path,
-                            self.head_path)
+                log.warning(
+                    "learn: the head %s is served as shipped (this server learns %s)", head_path, self.head_path
+                )
             return
         from .store import AdaptedStore, adapted_root, head_fingerprint, store_name
 
@@ -134,8 +135,10 @@ class Learner(StepHook):
         for q in (self._data, self._control):  # what the process never read is dropped at exit, not waited for
             q.cancel_join_thread()
         if self.spawn:
-            self._start_process(ctx, {**getattr(head, "meta", {}), "type": "eagle3", "adapted_from": self.head_path,
-                                      "shipped_sha256": fp})
+            self._start_process(
+                ctx,
+                {**getattr(head, "meta", {}), "type": "eagle3", "adapted_from": self.head_path, "shipped_sha256": fp},
+            )
         self._status.head = self.head_path
         self._status.state = "learning"  # last: the loop's after_step acts on the head from now on
 
@@ -149,12 +152,18 @@ class Learner(StepHook):
         if ck is None:
             return None
         if ck.shape != head.shape:
-            log.warning("learn: the adapted head %s has another shape than %s; starting from the shipped head",
-                        store.current(), head_path)
+            log.warning(
+                "learn: the adapted head %s has another shape than %s; starting from the shipped head",
+                store.current(),
+                head_path,
+            )
             return None
         self._status.adapted = str(store.current())
-        log.warning("learn: continuing from the adapted head %s (`specdraft heads reset` returns to the shipped head "
-                    "%s)", self._status.adapted, head_path)
+        log.warning(
+            "learn: continuing from the adapted head %s (`specdraft heads reset` returns to the shipped head %s)",
+            self._status.adapted,
+            head_path,
+        )
         return {k: ck.state[k] for k, _ in head.named_parameters()}
 
     def _start_process(self, ctx, meta: dict) -> None:
@@ -163,11 +172,22 @@ class Learner(StepHook):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         state = {k: WireTensor.of(v) for k, v in self.head.state_dict().items()}
         setup = process.ProcessSetup(
-            shape=self.head.shape, state=state, cfg=self.cfg, served_dtype=str(self._dtype()).replace("torch.", ""),
-            store_root=None if self.store is None else str(self.store.root), store_meta=meta,
-            threads=max(1, round(self.cfg.budget * cpus)), cpus=cpus, parent_pid=os.getpid())
-        self._proc = ctx.Process(target=process.main, args=(setup, self._data, self._control, self._out),
-                                 name="specdraft-learner", daemon=True)
+            shape=self.head.shape,
+            state=state,
+            cfg=self.cfg,
+            served_dtype=str(self._dtype()).replace("torch.", ""),
+            store_root=None if self.store is None else str(self.store.root),
+            store_meta=meta,
+            threads=max(1, round(self.cfg.budget * cpus)),
+            cpus=cpus,
+            parent_pid=os.getpid(),
+        )
+        self._proc = ctx.Process(
+            target=process.main,
+            args=(setup, self._data, self._control, self._out),
+            name="specdraft-learner",
+            daemon=True,
+        )
         with _environ(OMP_WAIT_POLICY="PASSIVE"), _main_hidden():  # OpenMP reads it when the child's starts
             self._proc.start()
         threading.Thread(target=self._read, args=(self._proc,), name="specdraft-learner-reader", daemon=True).start()
@@ -246,7 +266,7 @@ class Learner(StepHook):
         if w is None:
             return
         steps = row.stats.steps
-        for st in steps[w.seen:]:
+        for st in steps[w.seen :]:
             if w.arms is None or (st.arm or "").split("/")[0] in w.arms:
                 self.guard.observe(st.drafted, st.accepted)
         w.seen = len(steps)
@@ -254,8 +274,11 @@ class Learner(StepHook):
     def _hand_over(self, row) -> None:
         """A finished row's sequence to the training process."""
         d = head_drafter(row.drafter, self.head)
-        seq = None if d is None else served_sequence(row.tokens, len(row.prompt_ids), d.feats, self.target,
-                                                     self.cfg.max_len)
+        seq = (
+            None
+            if d is None
+            else served_sequence(row.tokens, len(row.prompt_ids), d.feats, self.target, self.cfg.max_len)
+        )
         if seq is None:
             return
         try:
@@ -303,8 +326,12 @@ class Learner(StepHook):
         else:
             self._swap(self._before)
             self._status.rollbacks += 1
-            log.warning("learn: update %d rolled back (acceptance %.3f after it, %.3f before)", version,
-                        self.guard.last_after, self.guard.last_before)
+            log.warning(
+                "learn: update %d rolled back (acceptance %.3f after it, %.3f before)",
+                version,
+                self.guard.last_after,
+                self.guard.last_before,
+            )
         self._before = None
         self._control.put(Verdict(version, keep))
 
@@ -336,8 +363,9 @@ class Learner(StepHook):
         self._proc = None
 
 
-def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, target,
-                    max_len: int) -> ServedSequence | None:
+def served_sequence(
+    tokens: list[int], n_prompt: int, feats: torch.Tensor, target, max_len: int
+) -> ServedSequence | None:
     """What a finished request teaches (wire.ServedSequence), cut to its last ``max_len`` tokens; None when it
     holds no answer to learn or its drafter never saw its features (cancelled before its first step)."""
     n = len(tokens)
@@ -347,8 +375,9 @@ def served_sequence(tokens: list[int], n_prompt: int, feats: torch.Tensor, targe
     ids = torch.tensor(tokens[start:], dtype=torch.long, device=HOST)
     with torch.inference_mode():
         embeds = target.embed(ids)
-    return ServedSequence(ids.numpy().copy(), max(0, n_prompt - start), WireTensor.of(feats[start: n - 1]),
-                          WireTensor.of(embeds))
+    return ServedSequence(
+        ids.numpy().copy(), max(0, n_prompt - start), WireTensor.of(feats[start : n - 1]), WireTensor.of(embeds)
+    )
 
 
 @contextlib.contextmanager

@@ -184,11 +184,16 @@ class _Loop:
 
         from .store import AdaptedStore
 
-        meta = {**self.setup.store_meta, "learner_update": version, "optimizer_steps": self.trainer.steps,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = {
+            **self.setup.store_meta,
+            "learner_update": version,
+            "optimizer_steps": self.trainer.steps,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         try:
-            path = AdaptedStore(Path(self.setup.store_root)).save(self.setup.shape, self.trainer.state(snap), meta,
-                                                                  self.dtype)
+            path = AdaptedStore(Path(self.setup.store_root)).save(
+                self.setup.shape, self.trainer.state(snap), meta, self.dtype
+            )
         except OSError as e:
             self.progress.warning = f"the adapted head was not saved: {e}"
             return

@@ -70,8 +70,10 @@ class AdaptedStore:
             return None
         path = (self.root / os.readlink(link)).resolve()
         if path.parent != self.versions.resolve() or not path.is_dir():
-            raise ConfigError(f"the adapted head's pointer {link} names {path}, not a version of {self.versions}; "
-                              "`specdraft heads reset` returns to the shipped head")
+            raise ConfigError(
+                f"the adapted head's pointer {link} names {path}, not a version of {self.versions}; "
+                "`specdraft heads reset` returns to the shipped head"
+            )
         return path
 
     def load(self, target_layers: int):
@@ -85,8 +87,9 @@ class AdaptedStore:
             cfg = json.loads((path / "config.json").read_text())
             return read(path, cfg, target_layers)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"the adapted head {path} cannot be read ({e}); `specdraft heads reset` returns to "
-                              "the shipped head") from None
+            raise ConfigError(
+                f"the adapted head {path} cannot be read ({e}); `specdraft heads reset` returns to the shipped head"
+            ) from None
 
     def save(self, shape, state: dict, meta: dict, dtype: torch.dtype) -> Path:
         """A new version of ``state`` (the head's tensors), then ``current`` moved to it (module doc)."""

@@ -34,8 +34,10 @@ class ReplayBuffer:
     def add(self, seq: ServedSequence) -> None:
         feats, n = seq.feats.tensor(), seq.n_tokens
         if feats.shape[-1] != self.width or feats.shape[0] != n - 1 or seq.embeds.array.shape[0] != n:
-            raise ValueError(f"a served sequence of {seq.n_tokens} tokens came with features {tuple(feats.shape)} and "
-                             f"embeddings {seq.embeds.array.shape}; this head reads {self.width} features a position")
+            raise ValueError(
+                f"a served sequence of {seq.n_tokens} tokens came with features {tuple(feats.shape)} and "
+                f"embeddings {seq.embeds.array.shape}; this head reads {self.width} features a position"
+            )
         self.tokens.append(torch.from_numpy(seq.tokens).long())
         self.n_prompt.append(seq.n_prompt)
         self.feats.append(feats)

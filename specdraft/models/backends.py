@@ -4,7 +4,8 @@
 (``NAME:int8``, ``NAME:int4``; models/lowbit.py), every method.
 ``llama``: llama.cpp through llama-cpp-python (models/llama.py), GGUF files with their own
 quantization (Q4_K_M, Q8_0, ...), the methods whose registry entry lists it.
-``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an attention-bias input replaces its mask).
+``openvino``: OpenVINO (models/openvino.py), the same GGUF files converted once to its IR; chains and token trees (an
+attention-bias input replaces its mask).
 
 Adding a backend = one file implementing ``TargetModel`` / ``SequenceRows`` + one entry here. The entry
 describes the backend: what it offers (token trees, the target's features, layer views: the methods that
@@ -21,7 +22,6 @@ from typing import Callable
 
 from ..core.device import AUTO, device_kind, torch_device
 from ..core.errors import ConfigError
-
 
 DEFAULT_DTYPE = "bfloat16"  # the dense weights' dtype when no --dtype is given
 OFFERS = ("trees", "hidden", "layers", "views")  # token trees scored; final-norm / decoder-layer features handed
@@ -46,7 +46,9 @@ class Backend:
     cuda_first: bool = False  # --backend auto takes it where torch sees a CUDA GPU (auto measures CPU paths)
 
     def __post_init__(self):
-        assert set(self.offers) <= set(OFFERS), f"backend {self.name!r}: unknown offers {set(self.offers) - set(OFFERS)}"
+        assert set(self.offers) <= set(OFFERS), (
+            f"backend {self.name!r}: unknown offers {set(self.offers) - set(OFFERS)}"
+        )
         assert all(p.partition(":")[0] == self.name for p in self.paths), f"backend {self.name!r}: paths {self.paths}"
 
 
@@ -72,8 +74,9 @@ def _load_hf(name_or_path: str, dtype, num_layers: int | None, device=None):
 def check_cpu_kernels(device, quant: str) -> None:
     """Low-bit linear layers (lowbit.py) are torch CPU kernels: refused on another device before loading."""
     if device is not None and device.type != "cpu":
-        raise ConfigError(f"{quant} weights run on torch's CPU kernels: load them with --device cpu "
-                          "(--draft-device cpu for a draft)")
+        raise ConfigError(
+            f"{quant} weights run on torch's CPU kernels: load them with --device cpu (--draft-device cpu for a draft)"
+        )
 
 
 def _place_hf(device: str, flag: str):
@@ -106,8 +109,10 @@ def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
         return (quantize.variant_path(base, qtype) if qtype else catalog.gguf_path(base)), str(tok_dir)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
-        raise ConfigError(f"{p} is a directory; the llama backend loads .gguf files (or a model name). "
-                          "Use --backend hf for a transformers directory")
+        raise ConfigError(
+            f"{p} is a directory; the llama backend loads .gguf files (or a model name). "
+            "Use --backend hf for a transformers directory"
+        )
     path, gguf = resolve(name_or_path)
     return path / gguf, str(path / gguf)
 
@@ -148,40 +153,77 @@ def _check_openvino(report) -> bool:
 
 
 def _ratio_note(curve, fast, fast_curve) -> str:
-    return (f"8 tokens cost {curve[8] / curve[1]:.2f}x one; its one token costs {curve[1] / fast_curve[1]:.1f}x "
-            f"{fast}'s")
+    return f"8 tokens cost {curve[8] / curve[1]:.2f}x one; its one token costs {curve[1] / fast_curve[1]:.1f}x {fast}'s"
 
 
 def _advise_hf(path, curve, fast, fast_curve, model) -> str:
     if path.endswith(":w8a8"):
-        return (f"flat verification at 8-bit bytes: --backend hf --target {model}:w8a8 "
-                f"({_ratio_note(curve, fast, fast_curve)}): it pays where drafts are long")
-    return (f"full-precision answers: --backend hf --dtype bfloat16 --draft self:Q4_0 --draft-backend llama "
-            f"({_ratio_note(curve, fast, fast_curve)} in bf16)")
+        return (
+            f"flat verification at 8-bit bytes: --backend hf --target {model}:w8a8 "
+            f"({_ratio_note(curve, fast, fast_curve)}): it pays where drafts are long"
+        )
+    return (
+        f"full-precision answers: --backend hf --dtype bfloat16 --draft self:Q4_0 --draft-backend llama "
+        f"({_ratio_note(curve, fast, fast_curve)} in bf16)"
+    )
 
 
 def _advise_openvino(path, curve, fast, fast_curve, model) -> str:
-    return (f"cheap verification at 4-bit bytes: --backend openvino ({_ratio_note(curve, fast, fast_curve)}): it "
-            "pays where drafts are long (code edits)")
+    return (
+        f"cheap verification at 4-bit bytes: --backend openvino ({_ratio_note(curve, fast, fast_curve)}): it "
+        "pays where drafts are long (code edits)"
+    )
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("hf", "transformers, dense float32/bfloat16 weights: every method", _load_hf, True,
-            offers=frozenset(OFFERS), truncates=True, paths=("hf", "hf:w8a8"), advice=_advise_hf,
-            devices=frozenset({"cpu", "cuda"}), place=_place_hf, cuda_first=True),
-    Backend("llama", "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder", _load_llama, False,
-            offers=frozenset({"trees", "layers"}), paths=("llama",), check=_check_llama,
-            devices=frozenset({"cpu", "cuda"}), place=_place_llama),
-    Backend("openvino", "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
-                        "verification, chains and trees", _load_openvino, False,
-            offers=frozenset({"trees", "layers"}), paths=("openvino",), check=_check_openvino,
-            advice=_advise_openvino, optional=True, devices=frozenset({"cpu", "gpu"}), place=_place_openvino),
-]}
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in [
+        Backend(
+            "hf",
+            "transformers, dense float32/bfloat16 weights: every method",
+            _load_hf,
+            True,
+            offers=frozenset(OFFERS),
+            truncates=True,
+            paths=("hf", "hf:w8a8"),
+            advice=_advise_hf,
+            devices=frozenset({"cpu", "cuda"}),
+            place=_place_hf,
+            cuda_first=True,
+        ),
+        Backend(
+            "llama",
+            "llama.cpp on a GGUF file (4-bit kernels): the fastest CPU decoder",
+            _load_llama,
+            False,
+            offers=frozenset({"trees", "layers"}),
+            paths=("llama",),
+            check=_check_llama,
+            devices=frozenset({"cpu", "cuda"}),
+            place=_place_llama,
+        ),
+        Backend(
+            "openvino",
+            "OpenVINO on a GGUF file (4-bit weights, batched int8/bf16 kernels): cheap multi-token "
+            "verification, chains and trees",
+            _load_openvino,
+            False,
+            offers=frozenset({"trees", "layers"}),
+            paths=("openvino",),
+            check=_check_openvino,
+            advice=_advise_openvino,
+            optional=True,
+            devices=frozenset({"cpu", "gpu"}),
+            place=_place_openvino,
+        ),
+    ]
+}
 
 
 @dataclass(frozen=True)
 class OptionNeed:
     """An option the user gave that only some backends honour (``option_needs``)."""
+
     option: str  # as typed: "--dtype float32", "--draft-layers 4", "--draft self:int4"
     backends: tuple[str, ...]  # those that honour it
     whose: str  # the model it applies to: "target", "draft", or "either" (--dtype: the dense one of the two)
@@ -201,18 +243,39 @@ def option_needs(dtype: str | None, draft: str | None, draft_layers: int | None)
 
     needs = []
     if dtype is not None:
-        needs.append(OptionNeed(f"--dtype {dtype}", having(lambda b: b.uses_dtype), "either",
-                                "a GGUF file carries its own weight types"))
+        needs.append(
+            OptionNeed(
+                f"--dtype {dtype}", having(lambda b: b.uses_dtype), "either", "a GGUF file carries its own weight types"
+            )
+        )
     if draft is not None and draft_layers is not None:
-        needs.append(OptionNeed(f"--draft-layers {draft_layers}", having(lambda b: b.truncates), "draft",
-                                "only transformers loads a layer-truncated copy"))
+        needs.append(
+            OptionNeed(
+                f"--draft-layers {draft_layers}",
+                having(lambda b: b.truncates),
+                "draft",
+                "only transformers loads a layer-truncated copy",
+            )
+        )
     quant = draft[5:] if draft is not None and draft.startswith("self:") else None
     if quant is not None and (quant.startswith("int") or is_quant_suffix(quant)):
-        needs.append(OptionNeed(f"--draft {draft}", having(lambda b: b.uses_dtype), "draft",
-                                f"{quant} is a low-bit copy of dense weights; a GGUF self-draft is self:Q4_0"))
+        needs.append(
+            OptionNeed(
+                f"--draft {draft}",
+                having(lambda b: b.uses_dtype),
+                "draft",
+                f"{quant} is a low-bit copy of dense weights; a GGUF self-draft is self:Q4_0",
+            )
+        )
     elif quant in TYPES:
-        needs.append(OptionNeed(f"--draft {draft}", having(lambda b: not b.uses_dtype), "draft",
-                                f"{quant} is a GGUF variant; a transformers self-draft is self:int8 or self:int4"))
+        needs.append(
+            OptionNeed(
+                f"--draft {draft}",
+                having(lambda b: not b.uses_dtype),
+                "draft",
+                f"{quant} is a GGUF variant; a transformers self-draft is self:int8 or self:int4",
+            )
+        )
     return needs
 
 
@@ -247,8 +310,10 @@ def placement(backend: str, device: str = AUTO, flag: str = "--device"):
     b = _named(backend)
     kind = device_kind(device, flag)
     if kind != AUTO and kind not in b.devices:
-        raise ConfigError(f"{flag} {device}: the {b.name} backend runs on {' or '.join(sorted(b.devices))} "
-                          f"({kind}: --backend {' or '.join(having(lambda x: kind in x.devices))})")
+        raise ConfigError(
+            f"{flag} {device}: the {b.name} backend runs on {' or '.join(sorted(b.devices))} "
+            f"({kind}: --backend {' or '.join(having(lambda x: kind in x.devices))})"
+        )
     return None if b.place is None else b.place(device, flag)
 
 
@@ -256,8 +321,10 @@ def check_devices(backend: str, draft_backend: str | None, device: str, draft_de
     """The device settings against the backends named (``placement``), before anything loads; with --backend
     auto, that some backend gives this machine the device asked (auto chooses among those: paths.allowed_for).
     ``draft_device`` None: no draft."""
-    for setting, flag, on in ((device, "--device", backend),
-                              (draft_device, "--draft-device", draft_backend or backend)):
+    for setting, flag, on in (
+        (device, "--device", backend),
+        (draft_device, "--draft-device", draft_backend or backend),
+    ):
         if setting is not None:
             placement(on, setting, flag) if on != "auto" else _placed_somewhere(setting, flag)
 
@@ -283,8 +350,13 @@ def device_kw(device: str) -> dict:
     return {} if device == AUTO else {"device": device}
 
 
-def load_model(name_or_path: str, dtype: str | None = DEFAULT_DTYPE, num_layers: int | None = None,
-               backend: str = "hf", device: str = AUTO):
+def load_model(
+    name_or_path: str,
+    dtype: str | None = DEFAULT_DTYPE,
+    num_layers: int | None = None,
+    backend: str = "hf",
+    device: str = AUTO,
+):
     """Load a model and its tokenizer behind the backend named ``backend``, on ``device`` (a setting:
     core/device.py; ``placement``): a ``TargetModel`` whose ``source`` holds these arguments (a process of
     its own loads it again from them: remote_draft). ``dtype`` None: not given (DEFAULT_DTYPE where the
@@ -292,8 +364,13 @@ def load_model(name_or_path: str, dtype: str | None = DEFAULT_DTYPE, num_layers:
     dtype = dtype or DEFAULT_DTYPE
     b, where = _named(backend), placement(backend, device)
     m = b.load(name_or_path, dtype, num_layers) if b.place is None else b.load(name_or_path, dtype, num_layers, where)
-    m.source = {"name_or_path": name_or_path, "dtype": dtype, "num_layers": num_layers, "backend": backend,
-                "device": device}
+    m.source = {
+        "name_or_path": name_or_path,
+        "dtype": dtype,
+        "num_layers": num_layers,
+        "backend": backend,
+        "device": device,
+    }
     return m
 
 

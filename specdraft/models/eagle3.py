@@ -54,24 +54,43 @@ class Eagle3Shape:
     @classmethod
     def for_target(cls, facts: ModelFacts, layers, draft_vocab: int, intermediate_size: int | None = None):
         """A new head for a target: its attention shape, the given MLP width (default the target's own)."""
-        return cls(hidden_size=facts.hidden_size, target_hidden_size=facts.hidden_size,
-                   num_attention_heads=facts.num_attention_heads, num_key_value_heads=facts.num_key_value_heads,
-                   head_dim=facts.head_dim, intermediate_size=int(intermediate_size or facts.intermediate_size),
-                   rms_norm_eps=facts.rms_norm_eps, rope_theta=facts.rope_theta,
-                   max_position_embeddings=facts.max_position_embeddings, vocab_size=facts.vocab_size,
-                   draft_vocab_size=int(draft_vocab), layers=tuple(int(i) for i in layers))
+        return cls(
+            hidden_size=facts.hidden_size,
+            target_hidden_size=facts.hidden_size,
+            num_attention_heads=facts.num_attention_heads,
+            num_key_value_heads=facts.num_key_value_heads,
+            head_dim=facts.head_dim,
+            intermediate_size=int(intermediate_size or facts.intermediate_size),
+            rms_norm_eps=facts.rms_norm_eps,
+            rope_theta=facts.rope_theta,
+            max_position_embeddings=facts.max_position_embeddings,
+            vocab_size=facts.vocab_size,
+            draft_vocab_size=int(draft_vocab),
+            layers=tuple(int(i) for i in layers),
+        )
 
     def llama_config(self):
         from transformers import LlamaConfig
 
         cfg = LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act="silu",
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
         cfg._attn_implementation = "sdpa"
         return cfg
 
@@ -110,8 +129,7 @@ class Eagle3Layer(nn.Module):
         h = self.hidden_norm(g)
         residual = h if self.norm_before_residual else g
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)
-        attn, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                 cache=cache)
+        attn, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -218,7 +236,7 @@ def ttt_loss(head, embed, F, toks, labels, device, bf16: bool = False) -> tuple[
     with _autocast(device, bf16):
         for j in range(K):
             with torch.no_grad():
-                e = embed(toks[:, j: j + P]).to(device)
+                e = embed(toks[:, j : j + P]).to(device)
             pos = (torch.arange(P, device=device) + j)[None].expand(B, P)
             mask = ttt_mask(P, j, torch.bfloat16 if bf16 else feats.dtype).to(device).expand(B, 1, P, (j + 1) * P)
             out = head(feats, e, cache=cache, position_ids=pos, attention_mask=mask)
@@ -226,14 +244,12 @@ def ttt_loss(head, embed, F, toks, labels, device, bf16: bool = False) -> tuple[
             y = labels[:, :, j]
             ok = y >= 0
             if ok.any():
-                total = total + TTT_DECAY ** j * nn.functional.cross_entropy(logits[ok], y[ok])
+                total = total + TTT_DECAY**j * nn.functional.cross_entropy(logits[ok], y[ok])
                 accs.append(float((logits[ok].argmax(-1) == y[ok]).float().mean()))
             feats = out
     if not torch.is_tensor(total):
         total = out.sum() * 0
     return total, accs
-
-
 
 
 def ttt_batch(data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: int):
@@ -257,4 +273,3 @@ def ttt_batch(data, idx: list[int], t2d_index: torch.Tensor, K: int, max_len: in
             ok = (at < T) & (at >= n0)
             labels[b, t[ok], j] = t2d_index[x[at[ok]]]
     return F, toks, labels
-

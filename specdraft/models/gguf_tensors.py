@@ -45,7 +45,7 @@ class QuantRows:
     def all(self) -> np.ndarray:
         out = np.empty((self.rows, self.cols), np.float32)
         for at in range(0, self.rows, CHUNK_ROWS):
-            out[at: at + CHUNK_ROWS] = self.take(np.arange(at, min(at + CHUNK_ROWS, self.rows)))
+            out[at : at + CHUNK_ROWS] = self.take(np.arange(at, min(at + CHUNK_ROWS, self.rows)))
         return out
 
 
@@ -99,13 +99,18 @@ def _facts(reader, path: Path, vocab: int) -> ModelFacts:
     arch = str(field("general.architecture"))
     hidden, heads = int(field(f"{arch}.embedding_length")), int(field(f"{arch}.attention.head_count"))
     return ModelFacts(
-        model_type=arch, hidden_size=hidden, num_layers=int(field(f"{arch}.block_count")), vocab_size=vocab,
-        num_attention_heads=heads, num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        model_type=arch,
+        hidden_size=hidden,
+        num_layers=int(field(f"{arch}.block_count")),
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
         intermediate_size=int(field(f"{arch}.feed_forward_length")),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(field(f"{arch}.context_length")))
+        max_position_embeddings=int(field(f"{arch}.context_length")),
+    )
 
 
 def _rows(mat: QuantRows, ids: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,11 @@ from ..core.errors import ConfigError
 from .eagle3 import Eagle3Shape, eagle3_layers
 
 FORMATS = ("specforge", "vllm", "speculators")
-ARCHITECTURE = {"specforge": "LlamaForCausalLMEagle3", "vllm": "Eagle3LlamaForCausalLM",
-                "speculators": "Eagle3Speculator"}
+ARCHITECTURE = {
+    "specforge": "LlamaForCausalLMEagle3",
+    "vllm": "Eagle3LlamaForCausalLM",
+    "speculators": "Eagle3Speculator",
+}
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 INT8_SCALE = ".int8_scale"  # our compact storage: int8 rows with a float32 scale each (``storage: int8``)
@@ -51,8 +54,9 @@ class Eagle3Checkpoint:
 
 
 def is_eagle3_config(cfg) -> bool:
-    return isinstance(cfg, dict) and (cfg.get("speculators_model_type") == "eagle3"
-                                      or bool(set(_archs(cfg)) & set(ARCHITECTURE.values())))
+    return isinstance(cfg, dict) and (
+        cfg.get("speculators_model_type") == "eagle3" or bool(set(_archs(cfg)) & set(ARCHITECTURE.values()))
+    )
 
 
 def _archs(cfg: dict) -> list:
@@ -67,8 +71,10 @@ def detect_format(cfg: dict) -> str:
         return "vllm"
     if "LlamaForCausalLMEagle3" in _archs(cfg):
         return "specforge"
-    raise ConfigError("not an EAGLE-3 config: need architectures LlamaForCausalLMEagle3 (SpecForge, EAGLE), "
-                      "Eagle3LlamaForCausalLM (vLLM) or speculators_model_type eagle3")
+    raise ConfigError(
+        "not an EAGLE-3 config: need architectures LlamaForCausalLMEagle3 (SpecForge, EAGLE), "
+        "Eagle3LlamaForCausalLM (vLLM) or speculators_model_type eagle3"
+    )
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -100,17 +106,23 @@ def _shape(cfg: dict, fmt: str, target_layers: int, where) -> Eagle3Shape:
     rope = layer.get("rope_parameters") if isinstance(layer.get("rope_parameters"), dict) else {}
     vocab = _num(layer, "vocab_size", int, where)
     return Eagle3Shape(
-        hidden_size=H, target_hidden_size=_num(cfg, "target_hidden_size", int, where, H) if cfg.get(
-            "target_hidden_size") is not None else H,
-        num_attention_heads=heads, num_key_value_heads=_num(layer, "num_key_value_heads", int, where, heads),
+        hidden_size=H,
+        target_hidden_size=_num(cfg, "target_hidden_size", int, where, H)
+        if cfg.get("target_hidden_size") is not None
+        else H,
+        num_attention_heads=heads,
+        num_key_value_heads=_num(layer, "num_key_value_heads", int, where, heads),
         head_dim=_num(layer, "head_dim", int, where, H // heads) if layer.get("head_dim") is not None else H // heads,
         intermediate_size=_num(layer, "intermediate_size", int, where),
         rms_norm_eps=_num(layer, "rms_norm_eps", float, where, 1e-6),
         rope_theta=_num({"t": rope.get("rope_theta", layer.get("rope_theta", 10000.0))}, "t", float, where),
         max_position_embeddings=_num(layer, "max_position_embeddings", int, where, 4096),
-        vocab_size=vocab, draft_vocab_size=_num(cfg, "draft_vocab_size", int, where, vocab),
-        layers=_aux_layers(cfg, fmt, target_layers, where), norm_before_residual=cfg.get("norm_before_residual") is True,
-        fc_bias=False)
+        vocab_size=vocab,
+        draft_vocab_size=_num(cfg, "draft_vocab_size", int, where, vocab),
+        layers=_aux_layers(cfg, fmt, target_layers, where),
+        norm_before_residual=cfg.get("norm_before_residual") is True,
+        fc_bias=False,
+    )
 
 
 def _aux_layers(cfg: dict, fmt: str, target_layers: int, where) -> tuple[int, ...]:
@@ -125,14 +137,17 @@ def _aux_layers(cfg: dict, fmt: str, target_layers: int, where) -> tuple[int, ..
         ids, shift = eagle["eagle_aux_hidden_state_layer_ids"], 1
     else:
         return eagle3_layers(target_layers)
-    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and not isinstance(i, bool)
-                                                             for i in ids)):
+    if not (
+        isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
         raise ConfigError(f"{where}: the aux layer ids must be a list of 3 integers, got {ids!r}")
     out = tuple(i + shift for i in ids)
     bad = [i for i in out if not 1 <= i <= target_layers]
     if bad:
-        raise ConfigError(f"{where}: aux layers {list(out)} (hidden-states indices) name layers this target of "
-                          f"{target_layers} layers does not have")
+        raise ConfigError(
+            f"{where}: aux layers {list(out)} (hidden-states indices) name layers this target of "
+            f"{target_layers} layers does not have"
+        )
     return out
 
 
@@ -151,7 +166,9 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     except ConfigError:
         raise
     except Exception as e:  # a truncated or foreign file: safetensors and torch raise many kinds
-        raise ConfigError(f"the weights of {path} cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise ConfigError(
+            f"the weights of {path} cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     raise ConfigError(f"{path} has no {WEIGHTS} or pytorch_model.bin")
 
 
@@ -165,8 +182,8 @@ def _normalized(state: dict, path: Path) -> dict[str, torch.Tensor]:
             continue
         if k in scales:
             v = v.float() * scales[k].float()[:, None]
-        name = k[len("model."):] if k.startswith("model.") else k
-        name = "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+        name = k[len("model.") :] if k.startswith("model.") else k
+        name = "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
         if name.startswith("embed_tokens.") or name == "mask_hidden":
             continue
         out[name] = v
@@ -177,17 +194,22 @@ def _with_vocab_maps(state: dict, shape: Eagle3Shape, path) -> dict:
     """d2t / t2d made when absent (a full draft vocabulary) and checked against each other."""
     if "d2t" not in state:
         if shape.draft_vocab_size != shape.vocab_size:
-            raise ConfigError(f"{path}: d2t is missing but the draft vocabulary ({shape.draft_vocab_size}) is "
-                              f"smaller than the target's ({shape.vocab_size})")
+            raise ConfigError(
+                f"{path}: d2t is missing but the draft vocabulary ({shape.draft_vocab_size}) is "
+                f"smaller than the target's ({shape.vocab_size})"
+            )
         state["d2t"] = torch.zeros(shape.draft_vocab_size, dtype=torch.long)
     d2t = state["d2t"]
     if d2t.dim() != 1 or d2t.numel() != shape.draft_vocab_size or d2t.is_floating_point():
-        raise ConfigError(f"{path}: d2t must hold {shape.draft_vocab_size} integer offsets, got {tuple(d2t.shape)} "
-                          f"{d2t.dtype}")
+        raise ConfigError(
+            f"{path}: d2t must hold {shape.draft_vocab_size} integer offsets, got {tuple(d2t.shape)} {d2t.dtype}"
+        )
     ids = torch.arange(d2t.numel()) + d2t.long()
     if int(ids.min()) < 0 or int(ids.max()) >= shape.vocab_size:
-        raise ConfigError(f"{path}: d2t maps draft tokens to ids outside the target's vocabulary of "
-                          f"{shape.vocab_size} (from {int(ids.min())} to {int(ids.max())})")
+        raise ConfigError(
+            f"{path}: d2t maps draft tokens to ids outside the target's vocabulary of "
+            f"{shape.vocab_size} (from {int(ids.min())} to {int(ids.max())})"
+        )
     if "t2d" not in state:
         t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
         t2d[ids] = True
@@ -198,17 +220,30 @@ def _with_vocab_maps(state: dict, shape: Eagle3Shape, path) -> dict:
 
 
 def expected_shapes(shape: Eagle3Shape) -> dict[str, tuple[int, ...]]:
-    H, I, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    H, inter, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    out = {"fc.weight": (H, len(shape.layers) * shape.target_hidden_size), "norm.weight": (H,),
-           "lm_head.weight": (shape.draft_vocab_size, H), "d2t": (shape.draft_vocab_size,),
-           "t2d": (shape.vocab_size,)}
+    out = {
+        "fc.weight": (H, len(shape.layers) * shape.target_hidden_size),
+        "norm.weight": (H,),
+        "lm_head.weight": (shape.draft_vocab_size, H),
+        "d2t": (shape.draft_vocab_size,),
+        "t2d": (shape.vocab_size,),
+    }
     m = "midlayer."
-    out.update({m + "input_layernorm.weight": (H,), m + "hidden_norm.weight": (H,),
-                m + "post_attention_layernorm.weight": (H,), m + "self_attn.q_proj.weight": (q, 2 * H),
-                m + "self_attn.k_proj.weight": (kv, 2 * H), m + "self_attn.v_proj.weight": (kv, 2 * H),
-                m + "self_attn.o_proj.weight": (H, q), m + "mlp.gate_proj.weight": (I, H),
-                m + "mlp.up_proj.weight": (I, H), m + "mlp.down_proj.weight": (H, I)})
+    out.update(
+        {
+            m + "input_layernorm.weight": (H,),
+            m + "hidden_norm.weight": (H,),
+            m + "post_attention_layernorm.weight": (H,),
+            m + "self_attn.q_proj.weight": (q, 2 * H),
+            m + "self_attn.k_proj.weight": (kv, 2 * H),
+            m + "self_attn.v_proj.weight": (kv, 2 * H),
+            m + "self_attn.o_proj.weight": (H, q),
+            m + "mlp.gate_proj.weight": (inter, H),
+            m + "mlp.up_proj.weight": (inter, H),
+            m + "mlp.down_proj.weight": (H, inter),
+        }
+    )
     if shape.fc_bias:
         out["fc.bias"] = (H,)
     return out
@@ -219,12 +254,15 @@ def check_state(state: dict, shape: Eagle3Shape, where: str) -> None:
     want = expected_shapes(shape)
     missing = sorted(set(want) - set(state))
     if missing:
-        raise ConfigError(f"{where}: the EAGLE-3 checkpoint lacks {', '.join(missing[:4])}"
-                          f"{' and more' if len(missing) > 4 else ''}")
+        raise ConfigError(
+            f"{where}: the EAGLE-3 checkpoint lacks {', '.join(missing[:4])}{' and more' if len(missing) > 4 else ''}"
+        )
     extra = sorted(set(state) - set(want))
     if extra:
-        raise ConfigError(f"{where}: the EAGLE-3 checkpoint has tensors this layout does not know: "
-                          f"{', '.join(extra[:4])}{' and more' if len(extra) > 4 else ''}")
+        raise ConfigError(
+            f"{where}: the EAGLE-3 checkpoint has tensors this layout does not know: "
+            f"{', '.join(extra[:4])}{' and more' if len(extra) > 4 else ''}"
+        )
     for k, s in want.items():
         if tuple(state[k].shape) != s:
             raise ConfigError(f"{where}: {k} has shape {list(state[k].shape)}, its config needs {list(s)}")
@@ -233,26 +271,53 @@ def check_state(state: dict, shape: Eagle3Shape, where: str) -> None:
 # --- writing -------------------------------------------------------------------------------------
 def config_dict(shape: Eagle3Shape, fmt: str = "specforge", meta: dict | None = None, dtype: str = "bfloat16") -> dict:
     """config.json of ``fmt``; ``meta`` becomes the ``specdraft`` section."""
-    layer = {"model_type": "llama", "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
-             "num_hidden_layers": 1, "num_attention_heads": shape.num_attention_heads,
-             "num_key_value_heads": shape.num_key_value_heads, "head_dim": shape.head_dim, "hidden_act": "silu",
-             "rms_norm_eps": shape.rms_norm_eps, "rope_theta": shape.rope_theta, "rope_scaling": None,
-             "max_position_embeddings": shape.max_position_embeddings, "vocab_size": shape.vocab_size,
-             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype}
+    layer = {
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": shape.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
     vllm_ids = list(shape.layers)
     if fmt == "speculators":
-        cfg = {"architectures": [ARCHITECTURE[fmt]], "speculators_model_type": "eagle3",
-               "transformer_layer_config": layer, "draft_vocab_size": shape.draft_vocab_size,
-               "norm_before_residual": shape.norm_before_residual, "target_hidden_size": shape.target_hidden_size,
-               "eagle_aux_hidden_state_layer_ids": vllm_ids,
-               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                                      "verifier": {"name_or_path": (meta or {}).get("target")}}}
+        cfg = {
+            "architectures": [ARCHITECTURE[fmt]],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": shape.draft_vocab_size,
+            "norm_before_residual": shape.norm_before_residual,
+            "target_hidden_size": shape.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": vllm_ids,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "verifier": {"name_or_path": (meta or {}).get("target")},
+            },
+        }
     else:
-        cfg = {"architectures": [ARCHITECTURE[fmt]], **layer, "draft_vocab_size": shape.draft_vocab_size,
-               "eagle_aux_hidden_state_layer_ids": vllm_ids,
-               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in vllm_ids],
-                                "use_aux_hidden_state": True}}
+        cfg = {
+            "architectures": [ARCHITECTURE[fmt]],
+            **layer,
+            "draft_vocab_size": shape.draft_vocab_size,
+            "eagle_aux_hidden_state_layer_ids": vllm_ids,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in vllm_ids],
+                "use_aux_hidden_state": True,
+            },
+        }
         if shape.target_hidden_size != shape.hidden_size:
             cfg["target_hidden_size"] = shape.target_hidden_size
         if shape.norm_before_residual:
@@ -262,8 +327,15 @@ def config_dict(shape: Eagle3Shape, fmt: str = "specforge", meta: dict | None = 
     return cfg
 
 
-def write(out: str | Path, shape: Eagle3Shape, state: dict, meta: dict | None = None, fmt: str = "specforge",
-          dtype: torch.dtype = torch.bfloat16, int8: bool = False) -> None:
+def write(
+    out: str | Path,
+    shape: Eagle3Shape,
+    state: dict,
+    meta: dict | None = None,
+    fmt: str = "specforge",
+    dtype: torch.dtype = torch.bfloat16,
+    int8: bool = False,
+) -> None:
     """A checkpoint directory of ``fmt`` (weights in ``dtype``; d2t and t2d as they are), each file
     written whole then renamed into place, the config last: a reader never meets half a head.
     ``int8``: our compact storage (the large matrices as int8 rows with a scale each; only specdraft
@@ -276,9 +348,10 @@ def write(out: str | Path, shape: Eagle3Shape, state: dict, meta: dict | None = 
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
     tensors = {}
     for k, v in state.items():
-        name = prefix + k[len("midlayer."):] if k.startswith("midlayer.") else k
-        tensors[name] = v.detach().to("cpu").contiguous() if k in ("d2t", "t2d") else \
-            v.detach().to("cpu", dtype).contiguous()
+        name = prefix + k[len("midlayer.") :] if k.startswith("midlayer.") else k
+        tensors[name] = (
+            v.detach().to("cpu").contiguous() if k in ("d2t", "t2d") else v.detach().to("cpu", dtype).contiguous()
+        )
     if int8:
         tensors = int8_rows(tensors)
         meta = {**(meta or {}), "storage": "int8"}

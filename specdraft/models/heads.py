@@ -48,8 +48,13 @@ def target_signature(target) -> dict:
     few rows, compared with a relative tolerance so a bf16 or 4-bit copy of the same target passes)."""
     f = target.facts
     w = target.output_rows(torch.arange(min(64, target.vocab_size), device=HOST))
-    return {"model_type": f.model_type, "hidden_size": f.hidden_size, "vocab_size": f.vocab_size,
-            "num_hidden_layers": f.num_layers, "lm_head_fingerprint": float(w.detach().double().abs().sum())}
+    return {
+        "model_type": f.model_type,
+        "hidden_size": f.hidden_size,
+        "vocab_size": f.vocab_size,
+        "num_hidden_layers": f.num_layers,
+        "lm_head_fingerprint": float(w.detach().double().abs().sum()),
+    }
 
 
 FINGERPRINT_TOLERANCE = 2e-2  # relative: a Q4_0 copy's rows differ from the dense weights' by ~0.3% here
@@ -60,19 +65,25 @@ def check_signature(saved: dict, target, where: str, trained_for=None) -> None:
     now = target_signature(target)
     for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers"):
         if saved.get(key) != now[key]:
-            raise ConfigError(f"head {where} was trained for a target with {key}={saved.get(key)!r} "
-                              f"(target {trained_for!r}); this target has {key}={now[key]!r}")
+            raise ConfigError(
+                f"head {where} was trained for a target with {key}={saved.get(key)!r} "
+                f"(target {trained_for!r}); this target has {key}={now[key]!r}"
+            )
     a, b = saved.get("lm_head_fingerprint"), now["lm_head_fingerprint"]
     if not isinstance(a, (int, float)) or abs(a - b) > FINGERPRINT_TOLERANCE * max(abs(a), abs(b), 1e-6):
-        raise ConfigError(f"head {where} was trained for target {trained_for!r}, whose LM head weights "
-                          f"differ from this target's (fingerprint {a} vs {b}): a head only fits the model it was "
-                          "trained on")
+        raise ConfigError(
+            f"head {where} was trained for target {trained_for!r}, whose LM head weights "
+            f"differ from this target's (fingerprint {a} vs {b}): a head only fits the model it was "
+            "trained on"
+        )
 
 
 def needs_head_io(target, what: str) -> None:
     if not target.capabilities.head_io:
-        raise ConfigError(f"{what} needs the target's embedding and LM head, which {target.name} on the "
-                          f"{target.backend} backend does not offer")
+        raise ConfigError(
+            f"{what} needs the target's embedding and LM head, which {target.name} on the "
+            f"{target.backend} backend does not offer"
+        )
 
 
 # --- Medusa ----------------------------------------------------------------------------------
@@ -106,12 +117,21 @@ def one_layer_config(facts):
     """A one-layer Llama config of the target's attention and MLP shape (EAGLE-1's decoder layer)."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=1, hidden_size=facts.hidden_size, intermediate_size=facts.intermediate_size,
-                      num_hidden_layers=1, num_attention_heads=facts.num_attention_heads,
-                      num_key_value_heads=facts.num_key_value_heads, head_dim=facts.head_dim,
-                      rms_norm_eps=facts.rms_norm_eps, max_position_embeddings=facts.max_position_embeddings,
-                      rope_parameters={"rope_type": "default", "rope_theta": facts.rope_theta},
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=1,
+        hidden_size=facts.hidden_size,
+        intermediate_size=facts.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=facts.num_attention_heads,
+        num_key_value_heads=facts.num_key_value_heads,
+        head_dim=facts.head_dim,
+        rms_norm_eps=facts.rms_norm_eps,
+        max_position_embeddings=facts.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": facts.rope_theta},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -132,8 +152,9 @@ class EagleHead(nn.Module):
         self.body = body
         params = inspect.signature(body.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.register_buffer("draft_ids", draft_ids if draft_ids is not None else torch.empty(0, dtype=torch.long),
-                             persistent=True)
+        self.register_buffer(
+            "draft_ids", draft_ids if draft_ids is not None else torch.empty(0, dtype=torch.long), persistent=True
+        )
 
     def forward(self, feats, tok_emb, cache=None, position_ids=None, attention_mask=None):
         """feats, tok_emb [B, T, H] (f_t and embed(x_{t+1})) -> predicted features [B, T, H]."""
@@ -148,8 +169,7 @@ class EagleHead(nn.Module):
         return DynamicCache(config=self.cfg)
 
     def meta(self) -> dict:
-        return {"type": "eagle", "hidden_size": self.hidden,
-                "draft_vocab": int(self.draft_ids.numel()) or None}
+        return {"type": "eagle", "hidden_size": self.hidden, "draft_vocab": int(self.draft_ids.numel()) or None}
 
 
 # --- saving and loading ----------------------------------------------------------------------
@@ -173,8 +193,11 @@ def _int_at_least(low: int) -> Schema:
 
 
 _COUNT = _int_at_least(1)
-_COMMON = {"hidden_size": _COUNT, "train_s": nullable(NUMBER),
-           "target_signature": obj({"lm_head_fingerprint": nullable(NUMBER)}, keys=ANY)}
+_COMMON = {
+    "hidden_size": _COUNT,
+    "train_s": nullable(NUMBER),
+    "target_signature": obj({"lm_head_fingerprint": nullable(NUMBER)}, keys=ANY),
+}
 HEAD_SCHEMAS = {  # what building and loading a head reads of its config.json (training writes more)
     "medusa": obj({**_COMMON, "heads": _COUNT, "blocks": _COUNT}, required=("hidden_size", "heads"), keys=ANY),
     "eagle": obj({**_COMMON, "draft_vocab": nullable(_COUNT)}, required=("hidden_size",), keys=ANY),
@@ -191,12 +214,16 @@ def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
 
     p = Path(path)
     if not p.is_dir():
-        raise ConfigError(f"head directory {str(p)!r} not found (train one with `specdraft train medusa|eagle|eagle3 "
-                          "--target NAME -o DIR`)")
+        raise ConfigError(
+            f"head directory {str(p)!r} not found (train one with `specdraft train medusa|eagle|eagle3 "
+            "--target NAME -o DIR`)"
+        )
     cf = p / "config.json"
     if not cf.is_file():
-        raise ConfigError(f"{p} is not a head directory: it needs config.json (written by `specdraft train`, or an "
-                          "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)")
+        raise ConfigError(
+            f"{p} is not a head directory: it needs config.json (written by `specdraft train`, or an "
+            "EAGLE-3 checkpoint of SpecForge, vLLM or speculators)"
+        )
     try:
         meta = read_json_file(cf)
     except ValueError as e:
@@ -204,8 +231,10 @@ def read_head_config(path: str | Path, expect_type: str | None = None) -> dict:
     if is_eagle3_config(meta):
         meta = {**meta, "type": "eagle3"}
     elif not isinstance(meta, dict) or meta.get("type") not in HEAD_SCHEMAS:
-        raise ConfigError(f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_SCHEMAS)}, or an "
-                          "EAGLE-3 checkpoint's architectures)")
+        raise ConfigError(
+            f"{cf} has no valid head type (need 'type': one of {', '.join(HEAD_SCHEMAS)}, or an "
+            "EAGLE-3 checkpoint's architectures)"
+        )
     else:
         problem = HEAD_SCHEMAS[meta["type"]](meta, "")
         if problem:
@@ -286,8 +315,10 @@ def _load_eagle3(path, meta: dict, target) -> nn.Module:
 
     ck = read(path, meta, target.facts.num_layers)
     f, s = target.facts, ck.shape
-    for what, theirs, ours in (("target hidden size", s.target_hidden_size, f.hidden_size),
-                               ("vocabulary", s.vocab_size, f.vocab_size)):
+    for what, theirs, ours in (
+        ("target hidden size", s.target_hidden_size, f.hidden_size),
+        ("vocabulary", s.vocab_size, f.vocab_size),
+    ):
         if theirs != ours:
             raise ConfigError(f"head {path} was made for a target with {what} {theirs}; {target.name} has {ours}")
     if ck.meta.get("target_signature"):

@@ -38,8 +38,10 @@ def check_cache_layout(model) -> None:
     if kinds - {"DynamicLayer"}:
         from ..core.errors import ConfigError
 
-        raise ConfigError(f"{type(model).__name__} uses cache layers {sorted(kinds)} (sliding-window or hybrid "
-                          "attention); specdraft supports full-attention caches only (DynamicLayer)")
+        raise ConfigError(
+            f"{type(model).__name__} uses cache layers {sorted(kinds)} (sliding-window or hybrid "
+            "attention); specdraft supports full-attention caches only (DynamicLayer)"
+        )
 
 
 class HFModel:
@@ -65,8 +67,9 @@ class HFModel:
     # --- facts -------------------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None,
-                            head_io=True)
+        return Capabilities(
+            hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None, head_io=True
+        )
 
     @property
     def facts(self) -> ModelFacts:
@@ -74,14 +77,18 @@ class HFModel:
         heads = int(c.num_attention_heads)
         rope = getattr(c, "rope_parameters", None) or {}
         return ModelFacts(
-            model_type=str(getattr(c, "model_type", "")), hidden_size=int(c.hidden_size),
-            num_layers=int(c.num_hidden_layers), vocab_size=self.vocab_size, num_attention_heads=heads,
+            model_type=str(getattr(c, "model_type", "")),
+            hidden_size=int(c.hidden_size),
+            num_layers=int(c.num_hidden_layers),
+            vocab_size=self.vocab_size,
+            num_attention_heads=heads,
             num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
             intermediate_size=int(getattr(c, "intermediate_size", 0) or 4 * c.hidden_size),
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-            max_position_embeddings=self.max_context)
+            max_position_embeddings=self.max_context,
+        )
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids.to(self.device))
@@ -138,8 +145,10 @@ class HFModel:
         if bad or self._layers() is None:
             from ..core.errors import ConfigError
 
-            raise ConfigError(f"{self.name} has no decoder layer output {bad or list(layers)} to hand over "
-                              f"(hidden-states indices 1..{n} of model.model.layers)")
+            raise ConfigError(
+                f"{self.name} has no decoder layer output {bad or list(layers)} to hand over "
+                f"(hidden-states indices 1..{n} of model.model.layers)"
+            )
         self.feature_layers += tuple(int(i) for i in dict.fromkeys(layers) if int(i) not in self.feature_layers)
         return [1 + self.feature_layers.index(int(i)) for i in layers]
 
@@ -191,6 +200,16 @@ def _set(layer, k, v):
         layer.is_initialized = True
 
 
+def _left_pad(t, rows: int, have: int, new_len: int, ref: torch.Tensor) -> torch.Tensor:
+    """KV ``t`` [rows, H, have, D] left-padded with zeros to ``new_len`` positions; None: zeros (H, D: ``ref``'s)."""
+    H, D = ref.shape[1], ref.shape[3]
+    if t is None:
+        return ref.new_zeros(rows, H, new_len, D)
+    if new_len > have:
+        return torch.cat([t.new_zeros(rows, H, new_len - have, D), t], dim=2)
+    return t
+
+
 class HFRows:
     """A KV cache of B rows with per-row lengths (``lens``) and holes, over one HFModel's weights."""
 
@@ -239,8 +258,9 @@ class HFRows:
         if any(prefixes):
             new.forward(prefixes, keep=1, hidden=hidden)
             if hidden:
-                self.prefill_hidden = [new.last_hidden[i, : len(p)].clone() if p else None
-                                       for i, p in enumerate(prefixes)]
+                self.prefill_hidden = [
+                    new.last_hidden[i, : len(p)].clone() if p else None for i, p in enumerate(prefixes)
+                ]
                 new.last_hidden = None
             new.commit([len(p) for p in prefixes])
         first = self.B
@@ -277,8 +297,16 @@ class HFRows:
             kv = _kv(layer)
             if kv is None:
                 return []
-            out.append(tuple(x[r][:, sel.to(x.device)].transpose(0, 1).reshape(len(sel), -1)
-                             .to(device=HOST, dtype=torch.float16).numpy() for x in kv))
+            out.append(
+                tuple(
+                    x[r][:, sel.to(x.device)]
+                    .transpose(0, 1)
+                    .reshape(len(sel), -1)
+                    .to(device=HOST, dtype=torch.float16)
+                    .numpy()
+                    for x in kv
+                )
+            )
         return out
 
     def _append(self, other: "HFRows") -> None:
@@ -290,21 +318,12 @@ class HFRows:
             if a is None and r is None:
                 continue
             ref = (a or r)[0]
-            H, D = ref.shape[1], ref.shape[3]
-
-            def pad(t, rows, have):
-                if t is None:
-                    return ref.new_zeros(rows, H, newL, D)
-                if newL > have:
-                    return torch.cat([t.new_zeros(rows, H, newL - have, D), t], dim=2)
-                return t
-
-            k = torch.cat([pad(a and a[0], self.B, L), pad(r and r[0], B2, P)], dim=0)
-            v = torch.cat([pad(a and a[1], self.B, L), pad(r and r[1], B2, P)], dim=0)
+            k = torch.cat([_left_pad(a and a[0], self.B, L, newL, ref), _left_pad(r and r[0], B2, P, newL, ref)], 0)
+            v = torch.cat([_left_pad(a and a[1], self.B, L, newL, ref), _left_pad(r and r[1], B2, P, newL, ref)], 0)
             _set(layer, k, v)
         valid = torch.zeros(self.B + B2, newL, dtype=torch.bool, device=HOST)
-        valid[: self.B, newL - L:] = self.valid
-        valid[self.B:, newL - P:] = other.valid
+        valid[: self.B, newL - L :] = self.valid
+        valid[self.B :, newL - P :] = other.valid
         self.valid = valid
         self.lens = self.lens + other.lens
 
@@ -326,8 +345,9 @@ class HFRows:
         self.trim()
 
     @torch.inference_mode()
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         """Feed row r the tokens ``seqs[r]`` (ragged; may be empty) at positions lens[r].. in one
         forward; returns float32 logits [B, N, V], N = max len (row r's first len(seqs[r]) are real);
         ``keep`` returns only the last ``keep`` positions' logits (prefill).
@@ -352,8 +372,14 @@ class HFRows:
             m._hook_features()
             m.capture_hidden, m.last_hidden_batch = True, {}
         try:
-            out = m.model(input_ids=ids.to(dev), attention_mask=None if mask is None else mask.to(dev), position_ids=pos.to(dev),
-                          use_cache=True, logits_to_keep=keep or N, **kw)
+            out = m.model(
+                input_ids=ids.to(dev),
+                attention_mask=None if mask is None else mask.to(dev),
+                position_ids=pos.to(dev),
+                use_cache=True,
+                logits_to_keep=keep or N,
+                **kw,
+            )
         finally:
             if hidden:
                 m.capture_hidden = False
@@ -393,7 +419,7 @@ class HFRows:
         N, L = self._last_n, self.L
         if all(isinstance(x, int) for x in keep):
             k = torch.tensor(keep, dtype=torch.long, device=HOST)
-            self.valid[:, L - N:] = torch.arange(N, device=HOST)[None, :] < k[:, None]
+            self.valid[:, L - N :] = torch.arange(N, device=HOST)[None, :] < k[:, None]
             self.lens = [a + int(b) for a, b in zip(self.lens, keep)]
         else:
             new = torch.zeros(self.B, N, dtype=torch.bool, device=HOST)
@@ -402,7 +428,7 @@ class HFRows:
                     new[r, :x] = True
                 elif len(x):
                     new[r, torch.as_tensor(x, dtype=torch.long, device=HOST)] = True
-            self.valid[:, L - N:] = new
+            self.valid[:, L - N :] = new
             self.lens = [a + (x if isinstance(x, int) else len(x)) for a, x in zip(self.lens, keep)]
         self.trim()
         if self.L - max(self.lens, default=0) >= self.compact_slack:
@@ -441,8 +467,8 @@ class HFRows:
         valid = torch.zeros(B, L2, dtype=torch.bool, device=HOST)
         for r in range(B):
             slots = self.valid[r].nonzero().flatten()
-            idx[r, L2 - slots.numel():] = slots
-            valid[r, L2 - slots.numel():] = True
+            idx[r, L2 - slots.numel() :] = slots
+            valid[r, L2 - slots.numel() :] = True
 
         def gather(t):
             i = idx.to(t.device)[:, None, :, None].expand(B, t.shape[1], L2, t.shape[3])
@@ -453,5 +479,3 @@ class HFRows:
 
     def holes(self) -> int:
         return int(self.B * self.L - int(self.valid.sum()))
-
-

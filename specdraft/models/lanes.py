@@ -110,8 +110,9 @@ class RowLanes:
                 lane.remove_rows(gone)  # an own lane left empty is let go with its last row
         self.lane_of = [lane for r, lane in enumerate(self.lane_of) if r not in drop]
 
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         """One forward per lane; logits [B, N, V] (N: the longest feed; ``keep``: each lane's last
         ``keep`` positions), ``last_hidden`` likewise; row r's first len(seqs[r]) positions are real."""
         parts = []

@@ -94,8 +94,10 @@ def lib():
     return llama_cpp
 
 
-CUDA_BUILD = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python '
-              '(`make setup` builds it for the CPU)')
+CUDA_BUILD = (
+    'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python '
+    "(`make setup` builds it for the CPU)"
+)
 
 
 def gpu_offload(device: str, flag: str = "--device") -> bool:
@@ -106,12 +108,16 @@ def gpu_offload(device: str, flag: str = "--device") -> bool:
     if device == "cpu":
         return False
     if device not in ("auto", "cuda"):
-        raise ConfigError(f"{flag} {device}: the llama backend takes --device cuda (llama.cpp spreads the layers "
-                          "over the GPUs it sees; CUDA_VISIBLE_DEVICES picks them)")
+        raise ConfigError(
+            f"{flag} {device}: the llama backend takes --device cuda (llama.cpp spreads the layers "
+            "over the GPUs it sees; CUDA_VISIBLE_DEVICES picks them)"
+        )
     can = bool(lib().llama_supports_gpu_offload())
     if device == "cuda" and not can:
-        raise ConfigError(f"{flag} cuda: this llama-cpp-python cannot offload to a GPU (a CPU-only build, or no "
-                          f"GPU found); for NVIDIA GPUs install a CUDA build: {CUDA_BUILD}")
+        raise ConfigError(
+            f"{flag} cuda: this llama-cpp-python cannot offload to a GPU (a CPU-only build, or no "
+            f"GPU found); for NVIDIA GPUs install a CUDA build: {CUDA_BUILD}"
+        )
     return can
 
 
@@ -150,16 +156,21 @@ def safe_extra_bufts(path: Path, name: str) -> bool:
     if rec["extra_bufts"] is None and not rec["crashed"]:  # the file, not the build: llama.cpp cannot read it
         raise ModelFileError(f"llama.cpp cannot load {name} from {path} (a probe {rec['default']})")
     if rec["extra_bufts"] is None:
-        raise ConfigError(f"llama.cpp cannot decode multi-token batches of {name} on this CPU (a probe "
-                          f"{rec['default']} with its default buffers, {rec['fallback']} without them); "
-                          "`make setup` rebuilds it for this CPU, or use --backend hf")
+        raise ConfigError(
+            f"llama.cpp cannot decode multi-token batches of {name} on this CPU (a probe "
+            f"{rec['default']} with its default buffers, {rec['fallback']} without them); "
+            "`make setup` rebuilds it for this CPU, or use --backend hf"
+        )
     if not rec["extra_bufts"] and name not in _warned:
         _warned.add(name)
         import sys
 
-        print(f"[specdraft] llama.cpp's default weight buffers crash on this CPU (a probe {rec['default']}); "
-              f"loading {name} without its extra buffer types (slower batches; `make setup` rebuilds llama.cpp "
-              "without the feature that crashes)", file=sys.stderr)
+        print(
+            f"[specdraft] llama.cpp's default weight buffers crash on this CPU (a probe {rec['default']}); "
+            f"loading {name} without its extra buffer types (slower batches; `make setup` rebuilds llama.cpp "
+            "without the feature that crashes)",
+            file=sys.stderr,
+        )
     return bool(rec["extra_bufts"])
 
 
@@ -169,7 +180,7 @@ _warned: set[str] = set()
 def _per_row(feats: np.ndarray, lengths: list[int]) -> list:
     """Features of tokens fed row after row -> each row's [its tokens, W] (None: it fed none)."""
     ends = np.cumsum(lengths, dtype=np.int64)
-    return [feats[e - n: e] if n else None for n, e in zip(lengths, ends.tolist())]
+    return [feats[e - n : e] if n else None for n, e in zip(lengths, ends.tolist())]
 
 
 def threads() -> int:
@@ -185,8 +196,9 @@ class LlamaModel(GGUFHeadIO):
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
 
-    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None,
-                 offload: bool = False):
+    def __init__(
+        self, path: str | Path, tokenizer=None, name: str | None = None, n_ctx: int | None = None, offload: bool = False
+    ):
         """``offload``: every layer on the GPU (``gpu_offload``); else none, whatever the build's default."""
         ll = lib()
         path = Path(path)
@@ -198,7 +210,9 @@ class LlamaModel(GGUFHeadIO):
         self.extra_bufts = mp.use_extra_bufts = safe_extra_bufts(path, name or path.stem)
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
-            raise ModelFileError(f"llama.cpp could not load {path}: not a valid GGUF model file (corrupt or truncated?)")
+            raise ModelFileError(
+                f"llama.cpp could not load {path}: not a valid GGUF model file (corrupt or truncated?)"
+            )
         self.path = self.gguf = path
         self.name = name or path.stem
         self.tokenizer = tokenizer
@@ -314,8 +328,9 @@ class LlamaModel(GGUFHeadIO):
             return None
         m = self._model
         interleaved = ll.llama_model_rope_type(m) == ll.LLAMA_ROPE_TYPE_NORM
-        return dataclasses.replace(layout, head_dim=ll.llama_model_n_embd(m) // ll.llama_model_n_head(m),
-                                   interleaved=interleaved)
+        return dataclasses.replace(
+            layout, head_dim=ll.llama_model_n_embd(m) // ll.llama_model_n_head(m), interleaved=interleaved
+        )
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """llama.cpp's own tokenizer (the tests compare it with the transformers tokenizer)."""
@@ -396,8 +411,10 @@ class LlamaRows:
     def _decode(self, b) -> None:
         rc = on_ggml_thread(self.ll.llama_decode, self.ctx, b)
         if rc == 1:
-            raise ContextLengthError(f"the llama.cpp context of {self.model.n_ctx} tokens (all rows together) is full; "
-                                     "raise SPECDRAFT_LLAMA_CTX or admit fewer requests at once")
+            raise ContextLengthError(
+                f"the llama.cpp context of {self.model.n_ctx} tokens (all rows together) is full; "
+                "raise SPECDRAFT_LLAMA_CTX or admit fewer requests at once"
+            )
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
@@ -420,8 +437,11 @@ class LlamaRows:
         first = self.B
         self.seq += new
         self.lens += [len(p) for p in prefixes]
-        self.prefill_hidden = [None] * len(prefixes) if feats is None else [
-            None if x is None else torch.from_numpy(x) for x in _per_row(feats, [len(p) for p in prefixes])]
+        self.prefill_hidden = (
+            [None] * len(prefixes)
+            if feats is None
+            else [None if x is None else torch.from_numpy(x) for x in _per_row(feats, [len(p) for p in prefixes])]
+        )
         return list(range(first, self.B))
 
     def adopt_rows(self, src, idx: list[int]) -> list[int]:
@@ -461,8 +481,9 @@ class LlamaRows:
         self.lens = [n for r, n in enumerate(self.lens) if r not in drop]
 
     # --- one forward ---------------------------------------------------------------------------
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         """As ``SequenceRows.forward``; ``hidden``: ``last_hidden`` [B, N, layers * H] gets the feature
         layers' outputs at every fed position (zeros past a row's feed; blocks: ``add_feature_layers``)."""
         layers = self._feature_layers(hidden)
@@ -479,11 +500,15 @@ class LlamaRows:
         if not hidden:
             return ()
         if not self.model.feature_layers:
-            raise ConfigError(f"{self.model.name} on the llama backend hands over decoder layers' outputs only "
-                              "(no final-norm features): hidden=True needs add_feature_layers first")
+            raise ConfigError(
+                f"{self.model.name} on the llama backend hands over decoder layers' outputs only "
+                "(no final-norm features): hidden=True needs add_feature_layers first"
+            )
         if self.tap is None:
-            raise ConfigError(f"these rows of {self.model.name} were made before add_feature_layers; only rows made "
-                              "after it hand over the layers' outputs")
+            raise ConfigError(
+                f"these rows of {self.model.name} were made before add_feature_layers; only rows made "
+                "after it hand over the layers' outputs"
+            )
         return self.model.feature_layers
 
     def _forward(self, seqs, keep, trees, layers) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -498,8 +523,14 @@ class LlamaRows:
             else:
                 node_seqs, offsets = self._tree_sequences(r, t[0]), t[1].tolist()
             for i, tok in enumerate(s):
-                items.append((int(tok), self.lens[r] + int(offsets[i]), node_seqs[i],
-                              (r, i - first_out) if i >= first_out else None))
+                items.append(
+                    (
+                        int(tok),
+                        self.lens[r] + int(offsets[i]),
+                        node_seqs[i],
+                        (r, i - first_out) if i >= first_out else None,
+                    )
+                )
         logits, feats = self._feed(items, N, N - first_out, layers)
         if feats is None:
             return logits, None
@@ -515,12 +546,11 @@ class LlamaRows:
             src = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(len(where), self.V))
             read = [k for k, w in enumerate(where) if w is not None]
             if whole:  # its logits as llama.cpp laid them out (the last rows), one copy
-                out = torch.from_numpy(src[read[0]:].copy()).view(1, n_out, self.V)
+                out = torch.from_numpy(src[read[0] :].copy()).view(1, n_out, self.V)
                 return
             src = src if len(read) == len(where) else src[read]
             rows, cols = [where[k][0] for k in read], [where[k][1] for k in read]
-            out[torch.tensor(rows, device=HOST), torch.tensor(cols, device=HOST)] = \
-                torch.from_numpy(src)
+            out[torch.tensor(rows, device=HOST), torch.tensor(cols, device=HOST)] = torch.from_numpy(src)
 
         feats = self._decodes(items, layers, take)
         return out, feats
@@ -536,7 +566,7 @@ class LlamaRows:
             self.tap.begin(layers)
         try:
             for at in range(0, len(items), N_BATCH):
-                where = self._decode_items(items[at: at + N_BATCH], every)
+                where = self._decode_items(items[at : at + N_BATCH], every)
                 if take is not None and any(w is not None for w in where):
                     take(where)
             return self.tap.end(len(items), layers) if layers else None
@@ -583,8 +613,9 @@ class LlamaRows:
                 has_child[p] = True
         leaves = [i for i in range(n) if not has_child[i]]
         if len(leaves) - 1 > len(self.free):
-            raise ContextLengthError(f"a token tree of {len(leaves)} leaves needs more than the {MAX_SEQ} sequences "
-                                     "llama.cpp holds")
+            raise ContextLengthError(
+                f"a token tree of {len(leaves)} leaves needs more than the {MAX_SEQ} sequences llama.cpp holds"
+            )
         spare = [self.free.pop() for _ in leaves[1:]]
         ids = [self.seq[r]] + spare
         for s in spare:

@@ -35,10 +35,14 @@ def ggml():
 
     lib = _ggml.libggml
     t = ctypes.c_void_p
-    for name, res, args in [("ggml_get_name", ctypes.c_char_p, [t]), ("ggml_nelements", ctypes.c_int64, [t]),
-                            ("ggml_nrows", ctypes.c_int64, [t]), ("ggml_nbytes", ctypes.c_size_t, [t]),
-                            ("ggml_is_contiguous", ctypes.c_bool, [t]),
-                            ("ggml_backend_tensor_get", None, [t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])]:
+    for name, res, args in [
+        ("ggml_get_name", ctypes.c_char_p, [t]),
+        ("ggml_nelements", ctypes.c_int64, [t]),
+        ("ggml_nrows", ctypes.c_int64, [t]),
+        ("ggml_nbytes", ctypes.c_size_t, [t]),
+        ("ggml_is_contiguous", ctypes.c_bool, [t]),
+        ("ggml_backend_tensor_get", None, [t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+    ]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
@@ -77,8 +81,10 @@ class FeatureTap:
         for i, parts in zip(layers, seen):
             got = sum(len(p) for p in parts)
             if got != n_tokens:
-                raise RuntimeError(f"llama.cpp handed over {got} rows of {LAYER_OUT.format(i - 1)} for a feed of "
-                                   f"{n_tokens} tokens ({'no such tensor in its graph' if not parts else 'rows lost'})")
+                raise RuntimeError(
+                    f"llama.cpp handed over {got} rows of {LAYER_OUT.format(i - 1)} for a feed of "
+                    f"{n_tokens} tokens ({'no such tensor in its graph' if not parts else 'rows lost'})"
+                )
             blocks.append(np.concatenate(parts) if len(parts) > 1 else parts[0])
         return np.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
 

@@ -43,8 +43,7 @@ class StateLayout:
 
     def fits(self, kv: list) -> bool:
         """Whether ``kv`` (per layer: keys, values [n_tokens, n_embd]) is this model's shape."""
-        return (len(kv) == self.n_layer and kv[0][0].shape[1] == self.n_embd_k
-                and kv[0][1].shape[1] == self.n_embd_v)
+        return len(kv) == self.n_layer and kv[0][0].shape[1] == self.n_embd_k and kv[0][1].shape[1] == self.n_embd_v
 
 
 def parse_one_cell(blob: bytes) -> StateLayout | None:
@@ -82,9 +81,11 @@ def state_blob(layout: StateLayout, seq_id: int, kv: list[tuple[np.ndarray, np.n
     """A sequence state holding ``kv`` (per layer: keys and values [n_tokens, n_embd], float16) at
     positions 0..n-1."""
     n = kv[0][0].shape[0] if kv else 0
-    parts = [struct.pack("<IiII", layout.magic, seq_id, 1, n),
-             np.rec.fromarrays([np.arange(n, dtype="<i4"), np.ones(n, "<u4"), np.full(n, seq_id, "<i4")]).tobytes(),
-             struct.pack("<II", int(layout.v_trans), layout.n_layer)]
+    parts = [
+        struct.pack("<IiII", layout.magic, seq_id, 1, n),
+        np.rec.fromarrays([np.arange(n, dtype="<i4"), np.ones(n, "<u4"), np.full(n, seq_id, "<i4")]).tobytes(),
+        struct.pack("<II", int(layout.v_trans), layout.n_layer),
+    ]
     for k, _ in kv:
         k = _interleave(k, layout.head_dim) if layout.interleaved else k
         parts += [struct.pack("<iQ", F16, 2 * layout.n_embd_k), np.ascontiguousarray(k, "<f2").tobytes()]

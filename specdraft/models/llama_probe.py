@@ -25,8 +25,21 @@ from pathlib import Path
 SIZES = (1, 2, 8, 32)
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 CRASH_HOOK = "SPECDRAFT_LLAMA_PROBE_CRASH"  # tests: "extra" kills the child when extra buffers are on, "all" always
-CPU_FLAGS = ("avx", "avx2", "avx_vnni", "fma", "f16c", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16",
-             "amx_tile", "amx_int8", "amx_bf16")  # what a llama.cpp build can be compiled for
+CPU_FLAGS = (
+    "avx",
+    "avx2",
+    "avx_vnni",
+    "fma",
+    "f16c",
+    "bmi2",
+    "avx512f",
+    "avx512vbmi",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)  # what a llama.cpp build can be compiled for
 
 
 @dataclass(frozen=True)
@@ -142,8 +155,10 @@ def _seen(file: Path) -> dict:
     (Imported here: this module also runs as the child script, outside the package.)"""
     from ..core import homefiles as h
 
-    verdict = h.obj({"extra_bufts": h.nullable(h.BOOL), "crashed": h.BOOL, "default": h.TEXT,
-                     "fallback": h.nullable(h.TEXT)}, required=("extra_bufts", "crashed", "default", "fallback"))
+    verdict = h.obj(
+        {"extra_bufts": h.nullable(h.BOOL), "crashed": h.BOOL, "default": h.TEXT, "fallback": h.nullable(h.TEXT)},
+        required=("extra_bufts", "crashed", "default", "fallback"),
+    )
     try:
         return h.read_json(file, h.obj({}, keys=h.TEXT, values=verdict), "the llama.cpp probe record") or {}
     except h.HomeFileError as e:
@@ -169,8 +184,12 @@ def probe_record(path: str | Path, fresh: bool = False) -> dict:
         return seen[_key(path)]
     default = run_probe(path, True)
     fallback = None if default.ok else run_probe(path, False)
-    rec = {"extra_bufts": True if default.ok else (False if fallback.ok else None), "crashed": default.crashed,
-           "default": default.detail, "fallback": fallback and fallback.detail}
+    rec = {
+        "extra_bufts": True if default.ok else (False if fallback.ok else None),
+        "crashed": default.crashed,
+        "default": default.detail,
+        "fallback": fallback and fallback.detail,
+    }
     if not (default.ok or default.crashed):
         return rec
     seen[_key(path)] = rec

@@ -32,15 +32,31 @@ from ..core.extras import needs_extra
 from .llama_probe import cpu_flags, probe_record
 
 # (variant, CPU flags it needs to be worth trying, feature groups turned off: None = GGML_NATIVE)
-VARIANTS = [("native", (), None), ("amx-clang", ("amx_int8",), set()), ("no-amx", ("amx_tile",), {"amx"}),
-            ("no-avx512", ("avx512f",), {"amx", "avx512"})]
+VARIANTS = [
+    ("native", (), None),
+    ("amx-clang", ("amx_int8",), set()),
+    ("no-amx", ("amx_tile",), {"amx"}),
+    ("no-avx512", ("avx512f",), {"amx", "avx512"}),
+]
 # GCC 12's _tile_loadconfig declares an 8-byte read of the 64-byte tile config, so the optimizer may drop
 # ggml's stores to the rest of it and ldtilecfg faults (docs/benchmarks.md). clang compiles it right but
 # spells the macro __AMXINT8__ where ggml tests __AMX_INT8__: the amx-clang variant defines ggml's names.
 AMX_MACROS = "-D__AMX_INT8__=1 -D__AMX_TILE__=1"
-CMAKE_OPTION = {"avx": "AVX", "avx2": "AVX2", "avx_vnni": "AVX_VNNI", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
-                "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
-                "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE", "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16"}
+CMAKE_OPTION = {
+    "avx": "AVX",
+    "avx2": "AVX2",
+    "avx_vnni": "AVX_VNNI",
+    "fma": "FMA",
+    "f16c": "F16C",
+    "bmi2": "BMI2",
+    "avx512f": "AVX512",
+    "avx512vbmi": "AVX512_VBMI",
+    "avx512_vnni": "AVX512_VNNI",
+    "avx512_bf16": "AVX512_BF16",
+    "amx_tile": "AMX_TILE",
+    "amx_int8": "AMX_INT8",
+    "amx_bf16": "AMX_BF16",
+}
 BUILD_MINUTES = 6  # measured on 2 cores (4.5-6 min)
 
 
@@ -55,8 +71,10 @@ def cmake_args(off: set[str] | None) -> str:
     if off is None:
         return f"-DGGML_NATIVE=ON {base}"
     have, off_prefixes = set(cpu_flags()), tuple(off)
-    opts = [f"-DGGML_{opt}={'ON' if flag in have and not flag.startswith(off_prefixes) else 'OFF'}"
-            for flag, opt in CMAKE_OPTION.items()]
+    opts = [
+        f"-DGGML_{opt}={'ON' if flag in have and not flag.startswith(off_prefixes) else 'OFF'}"
+        for flag, opt in CMAKE_OPTION.items()
+    ]
     return " ".join(["-DGGML_NATIVE=OFF", *opts, base])
 
 
@@ -71,16 +89,20 @@ def build_wheel(variant: str, off: set[str] | None, out: Path) -> Path:
     t0 = time.time()
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        print(f"[specdraft] building {pin()} for this CPU ({variant}), about {BUILD_MINUTES} min on 2 cores",
-              file=sys.stderr)
+        print(
+            f"[specdraft] building {pin()} for this CPU ({variant}), about {BUILD_MINUTES} min on 2 cores",
+            file=sys.stderr,
+        )
         while True:
             try:
                 p.wait(timeout=30)
                 break
             except subprocess.TimeoutExpired:
                 el = time.time() - t0
-                print(f"[specdraft]   {el / 60:.1f} min, about {max(BUILD_MINUTES - el / 60, 0.5):.0f} min left",
-                      file=sys.stderr)
+                print(
+                    f"[specdraft]   {el / 60:.1f} min, about {max(BUILD_MINUTES - el / 60, 0.5):.0f} min left",
+                    file=sys.stderr,
+                )
     if p.returncode != 0:
         sys.exit(f"error: building {pin()} ({variant}) failed; see {log}")
     return next(out.glob("llama_cpp_python-*.whl"))
@@ -115,10 +137,13 @@ def viable(name: str, needs: tuple, have: set[str]) -> bool:
 def next_try(variant: str, have: set[str]) -> str:
     """What the variant after ``variant`` changes, in words, for the one line setup prints."""
     names = [v[0] for v in VARIANTS]
-    for name, needs, _ in VARIANTS[names.index(variant) + 1:]:
+    for name, needs, _ in VARIANTS[names.index(variant) + 1 :]:
         if viable(name, needs, have):
-            return {"amx-clang": "with clang and ggml's AMX kernels", "no-amx": "without AMX",
-                    "no-avx512": "without AVX-512"}[name]
+            return {
+                "amx-clang": "with clang and ggml's AMX kernels",
+                "no-amx": "without AMX",
+                "no-avx512": "without AVX-512",
+            }[name]
     return "none left"
 
 
@@ -132,7 +157,7 @@ def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=pro
     start = chosen.read_text() if chosen.exists() else "native"
     names = [v[0] for v in VARIANTS]
     model = None
-    for variant, needs, off in VARIANTS[names.index(start):]:
+    for variant, needs, off in VARIANTS[names.index(start) :]:
         if not viable(variant, needs, have):
             continue
         wheels = sorted((root / variant).glob("llama_cpp_python-*.whl"))
@@ -146,10 +171,15 @@ def setup(venv_marker: Path, build=build_wheel, install=install, probe_model=pro
             return variant
         if not rec["crashed"]:
             sys.exit(f"error: llama.cpp's {variant} build does not run here (a probe {rec['default']}); see above")
-        print(f"[specdraft] llama.cpp's {variant} build crashed on this CPU (a probe {rec['default']}); "
-              f"trying the next build ({next_try(variant, have)})", file=sys.stderr)
-    sys.exit("error: no llama.cpp build decodes multi-token batches on this CPU; the llama backend is unavailable "
-             "(--backend hf works); the probe's outcomes are under " + str(root))
+        print(
+            f"[specdraft] llama.cpp's {variant} build crashed on this CPU (a probe {rec['default']}); "
+            f"trying the next build ({next_try(variant, have)})",
+            file=sys.stderr,
+        )
+    sys.exit(
+        "error: no llama.cpp build decodes multi-token batches on this CPU; the llama backend is unavailable "
+        "(--backend hf works); the probe's outcomes are under " + str(root)
+    )
 
 
 def build_variant(works) -> str:
@@ -191,11 +221,17 @@ def check_build(r) -> bool:
     if rec["extra_bufts"]:
         r.say("probe", f"{model_path.name}: default buffers {rec['default']}")
     elif rec["extra_bufts"] is False:
-        r.say("probe", f"{model_path.name}: default buffers {rec['default']}; loads without extra buffer types "
-                       f"({rec['fallback']}); `make setup` rebuilds llama.cpp without the feature that crashes")
+        r.say(
+            "probe",
+            f"{model_path.name}: default buffers {rec['default']}; loads without extra buffer types "
+            f"({rec['fallback']}); `make setup` rebuilds llama.cpp without the feature that crashes",
+        )
     else:
-        r.problem("probe", f"{model_path.name}: llama.cpp {rec['default']} (default buffers), {rec['fallback']} "
-                           "(without extra buffer types): the llama backend is unusable here")
+        r.problem(
+            "probe",
+            f"{model_path.name}: llama.cpp {rec['default']} (default buffers), {rec['fallback']} "
+            "(without extra buffer types): the llama backend is unusable here",
+        )
         return False
     return True
 

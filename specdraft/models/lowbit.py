@@ -43,11 +43,13 @@ class Quant(NamedTuple):
 
 
 def parse_quant(q: str) -> Quant:
-    """"int8" -> (8, 0); "int4" -> (4, 128); "int4-g64" -> (4, 64); "w8a8" -> (8, 0, dynamic)."""
+    """ "int8" -> (8, 0); "int4" -> (4, 128); "int4-g64" -> (4, 64); "w8a8" -> (8, 0, dynamic)."""
     m = QUANT_RE.match(q)
     if not m or (m.group(1) == "8" and m.group(2)):
-        raise ConfigError(f"unknown weight quantization {q!r} on the hf backend; use int8, int4, int4-gN "
-                          "(N: the group size, 32, 64, 128 or 256; e.g. int4-g64) or w8a8")
+        raise ConfigError(
+            f"unknown weight quantization {q!r} on the hf backend; use int8, int4, int4-gN "
+            "(N: the group size, 32, 64, 128 or 256; e.g. int4-g64) or w8a8"
+        )
     if m.group(3):
         return Quant(8, 0, True)
     bits, group = int(m.group(1)), int(m.group(2) or (DEFAULT_GROUP if m.group(1) == "4" else 0))
@@ -115,8 +117,9 @@ class W8A8Linear(Int8Linear):
         # uint8 with zero point 128: oneDNN's one-row kernel is 5x slower on signed inputs (docs/results/w8a8)
         xq = torch.div(x2, row_scale).round_().add_(128).to(torch.uint8)  # |x / scale| <= 127 by construction
         # x_scale 1 and the row scales applied after: oneDNN takes one activation scale per call
-        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points,
-                                               None, 1.0, 0, torch.float32, "none", [], "")
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq, 1.0, 128, self.packed, self.scales_f32, self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
         y = y.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias.float(), y, row_scale)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -139,7 +142,7 @@ class W8A8Part(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.fused[0].weight[self.lo:self.hi]
+        return self.fused[0].weight[self.lo : self.hi]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (input, product, members that read it): a member reading twice, or another input, recomputes.
@@ -151,7 +154,7 @@ class W8A8Part(nn.Module):
         memo[2].add(self.lo)
         if len(memo[2]) == self.members:  # every sibling has read it: drop the input and the product
             fused.memo = None
-        return memo[1][..., self.lo:self.hi]
+        return memo[1][..., self.lo : self.hi]
 
 
 def fuse_siblings(parent: nn.Module) -> int:
@@ -160,18 +163,24 @@ def fuse_siblings(parent: nn.Module) -> int:
     done = 0
     for names in SIBLINGS:
         lins = [getattr(parent, n, None) for n in names]
-        if not all(isinstance(l, nn.Linear) and l.in_features == lins[0].in_features for l in lins):
+        if not all(isinstance(lin, nn.Linear) and lin.in_features == lins[0].in_features for lin in lins):
             continue
-        cat = nn.Linear(lins[0].in_features, sum(l.out_features for l in lins),
-                        bias=any(l.bias is not None for l in lins), dtype=lins[0].weight.dtype)
+        cat = nn.Linear(
+            lins[0].in_features,
+            sum(lin.out_features for lin in lins),
+            bias=any(lin.bias is not None for lin in lins),
+            dtype=lins[0].weight.dtype,
+        )
         with torch.no_grad():
-            cat.weight.copy_(torch.cat([l.weight for l in lins]))
+            cat.weight.copy_(torch.cat([lin.weight for lin in lins]))
             if cat.bias is not None:
-                cat.bias.copy_(torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features) for l in lins]))
+                cat.bias.copy_(
+                    torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in lins])
+                )
         fused, lo = W8A8Linear(cat), 0
-        for n, l in zip(names, lins):
-            setattr(parent, n, W8A8Part(fused, lo, lo + l.out_features, len(names)))
-            lo += l.out_features
+        for n, lin in zip(names, lins):
+            setattr(parent, n, W8A8Part(fused, lo, lo + lin.out_features, len(names)))
+            lo += lin.out_features
         done += len(names)
     return done
 
@@ -191,8 +200,9 @@ class Int4Linear(nn.Module):
         # the same codes two per byte, for prefills (the kernel's layout is opaque): as much memory again
         self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
         zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-                             .to(lin.weight.dtype))
+        self.register_buffer(
+            "scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(lin.weight.dtype)
+        )
         self.bias = lin.bias
         self.group = group
         self.in_features, self.out_features = k, n
@@ -265,5 +275,11 @@ def quantize_linears(model: nn.Module, quant: str, dense_from: nn.Module | None 
                 new.dense_source = (src,)  # a tuple: not registered as a submodule of this model
             setattr(parent, name, new)
             count += 1
-    return {"bits": bits, "group": group, "dynamic": dynamic, "layers": count, "groups_used": sorted(used),
-            "shares_dense_prefill": bool(dense)}
+    return {
+        "bits": bits,
+        "group": group,
+        "dynamic": dynamic,
+        "layers": count,
+        "groups_used": sorted(used),
+        "shares_dense_prefill": bool(dense),
+    }

@@ -75,7 +75,8 @@ def check_readable(gguf: Path, name: str) -> None:
         raise ModelFileError(
             f"OpenVINO GenAI cannot read {gguf.name}: it holds {', '.join(other)} tensors (it reads "
             f"{', '.join(sorted(READABLE_TYPES))}); `specdraft models quantize {base} --type Q4_0` makes a copy "
-            f"it reads ({base}:Q4_0), or use another backend")
+            f"it reads ({base}:Q4_0), or use another backend"
+        )
 
 
 def ir_path(gguf: Path, name: str) -> Path:
@@ -148,14 +149,19 @@ def check_conversion(model: "OVModel") -> dict:
         top = want.topk(2, -1).values
         clear = (top[:, 0] - top[:, 1]) > CHECK_TOLERANCE
         diff = (got - want).abs().max(-1).values  # per position
-        stamp.update(median_diff=round(float(diff.median()), 3), max_diff=round(float(diff.max()), 3),
-                     argmax_agree=bool((got.argmax(-1) == want.argmax(-1))[clear].all()))
+        stamp.update(
+            median_diff=round(float(diff.median()), 3),
+            max_diff=round(float(diff.max()), 3),
+            argmax_agree=bool((got.argmax(-1) == want.argmax(-1))[clear].all()),
+        )
         (d / "stamp.json").write_text(json.dumps(stamp))
     if stamp["median_diff"] > CHECK_TOLERANCE or not stamp["argmax_agree"]:
-        raise ModelFileError(f"OpenVINO converts {model.name} wrongly: its logits differ from llama.cpp's on the same "
-                             f"GGUF file by {stamp['median_diff']} at the median position (tolerance {CHECK_TOLERANCE}"
-                             f"{'' if stamp['argmax_agree'] else ', and the top token differs'}); the llama backend "
-                             "decodes it right")
+        raise ModelFileError(
+            f"OpenVINO converts {model.name} wrongly: its logits differ from llama.cpp's on the same "
+            f"GGUF file by {stamp['median_diff']} at the median position (tolerance {CHECK_TOLERANCE}"
+            f"{'' if stamp['argmax_agree'] else ', and the top token differs'}); the llama backend "
+            "decodes it right"
+        )
     return stamp
 
 
@@ -171,8 +177,10 @@ def _with_feature_outputs(model, layers: tuple[int, ...]):
     by_name = {n.get_friendly_name(): n for n in model.get_ordered_ops()}
     missing = [i for i in layers if FEATURE_ADD.format(i - 1) not in by_name]
     if missing:
-        raise ModelFileError(f"unexpected OpenVINO graph: no node {FEATURE_ADD.format(missing[0] - 1)!r} to hand "
-                             f"over layer output {missing[0]} from")
+        raise ModelFileError(
+            f"unexpected OpenVINO graph: no node {FEATURE_ADD.format(missing[0] - 1)!r} to hand "
+            f"over layer output {missing[0]} from"
+        )
     for out in [norm] + [by_name[FEATURE_ADD.format(i - 1)].output(0) for i in layers]:
         model.add_outputs(out)
     return model
@@ -191,8 +199,9 @@ def _with_keep_input(model):
     keep.output(0).set_names({KEEP})
     start = ops.negative(keep)
     stop = ops.constant(np.array([np.iinfo(np.int64).max], np.int64))
-    hidden = ops.slice(head.input_value(0), start, stop, ops.constant(np.array([1], np.int64)),
-                       ops.constant(np.array([1], np.int64)))
+    hidden = ops.slice(
+        head.input_value(0), start, stop, ops.constant(np.array([1], np.int64)), ops.constant(np.array([1], np.int64))
+    )
     head.input(0).replace_source_output(hidden.output(0))
     model.add_parameters([keep])
     model.validate_nodes_and_infer_types()
@@ -226,8 +235,9 @@ class OVModel(GGUFHeadIO):
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
     capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True)
 
-    def __init__(self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None,
-                 ov_device: str = "CPU"):
+    def __init__(
+        self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None, ov_device: str = "CPU"
+    ):
         """``ov_device``: OpenVINO's device name (CPU, or GPU: an Intel GPU)."""
         ov = runtime()
         gguf = Path(gguf)
@@ -344,17 +354,23 @@ class OVRows:
         n = len(tokens)
         live = self.live[r]
         if len(live) + n > self.model.n_ctx:
-            raise ContextLengthError(f"row of {self.lens[r]} tokens + {n} fed passes the openvino backend's "
-                                     f"{self.model.n_ctx} cache slots (SPECDRAFT_OV_CTX)")
+            raise ContextLengthError(
+                f"row of {self.lens[r]} tokens + {n} fed passes the openvino backend's "
+                f"{self.model.n_ctx} cache slots (SPECDRAFT_OV_CTX)"
+            )
         allow = np.tril(np.ones((n, n), bool)) if tree is None else np.asarray(tree[0], bool)
         offsets = np.arange(n) if tree is None else np.asarray(tree[1], np.int64)
         bias = np.full((1, 1, n, len(live) + n), MASKED, np.float32)
         bias[0, 0, :, np.flatnonzero(live)] = 0.0
-        bias[0, 0, :, len(live):][allow] = 0.0
-        feed = {"input_ids": np.asarray([tokens], np.int64),
-                "attention_mask": np.concatenate([live, np.ones(n, bool)]).astype(np.int64)[None],
-                "position_ids": (self.lens[r] + offsets).astype(np.int64)[None], BIAS: bias,
-                "beam_idx": np.zeros(1, np.int32), KEEP: np.asarray([keep], np.int64)}
+        bias[0, 0, :, len(live) :][allow] = 0.0
+        feed = {
+            "input_ids": np.asarray([tokens], np.int64),
+            "attention_mask": np.concatenate([live, np.ones(n, bool)]).astype(np.int64)[None],
+            "position_ids": (self.lens[r] + offsets).astype(np.int64)[None],
+            BIAS: bias,
+            "beam_idx": np.zeros(1, np.int32),
+            KEEP: np.asarray([keep], np.int64),
+        }
         req = self.reqs[r][0]
         req.infer(feed)
         self.live[r] = np.concatenate([live, np.ones(n, bool)])
@@ -368,7 +384,7 @@ class OVRows:
         H = parts[0].shape[-1] if parts else 0
         out = np.zeros((n, H * self.model.blocks) if parts else (n, 0), np.float32)
         for k, x in enumerate(parts):
-            out[:, k * H:(k + 1) * H] = x
+            out[:, k * H : (k + 1) * H] = x
         return out
 
     def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
@@ -402,8 +418,9 @@ class OVRows:
         self.lens = [self.lens[r] for r in keep]
         self.fed = [self.fed[r] for r in keep]
 
-    def forward(self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None,
-                hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, seqs: list[list[int]], keep: int | None = None, trees: list | None = None, hidden: bool = False
+    ) -> torch.Tensor:
         N = max(max((len(s) for s in seqs), default=0), 1)
         n_out = keep or N
         # numpy, not torch: a torch fill or copy of this size wakes torch's OpenMP workers, whose spinning
@@ -426,7 +443,7 @@ class OVRows:
     def commit(self, keep: list) -> None:
         for r, k in enumerate(keep):
             n = self.fed[r]
-            slots = np.flatnonzero(self.live[r])[self.lens[r]:]  # the fed slots, in feed order
+            slots = np.flatnonzero(self.live[r])[self.lens[r] :]  # the fed slots, in feed order
             kept = range(k) if isinstance(k, int) else k
             drop = np.ones(n, bool)
             drop[list(kept)] = False

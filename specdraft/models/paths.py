@@ -10,8 +10,8 @@ A *path* is a backend and the variant of the target's weights it reads: ``hf`` (
 2. else the cost curves ``specdraft doctor`` measured for this model here: the cheapest one-token
    forward. ``auto`` never runs much slower than plain decoding on its path, and without the
    workload's acceptance that floor is all a curve can promise;
-3. else nothing was measured: the curves of each backend's first path (``Backend.paths``) are measured now (about a minute per
-   path, once per model and CPU kind) and kept.
+3. else nothing was measured: the curves of each backend's first path (``Backend.paths``) are measured now (about a
+   minute per path, once per model and CPU kind) and kept.
 
 Given a request's shape (``RequestShape``: its prompt's tokens and the tokens it may generate; the CLI's
 ``generate`` knows both, the library takes ``SpecDecoder.load(..., shape=)``), ``--backend auto`` takes the
@@ -60,8 +60,10 @@ class ModelPath:
 
         backend, _, variant = text.strip().partition(":")
         if backend not in BACKENDS:
-            raise ConfigError(f"path {text!r}: unknown backend {backend!r}; a path is BACKEND or BACKEND:VARIANT "
-                              f"(e.g. llama:Q4_0, hf:w8a8) with BACKEND one of {', '.join(BACKENDS)}")
+            raise ConfigError(
+                f"path {text!r}: unknown backend {backend!r}; a path is BACKEND or BACKEND:VARIANT "
+                f"(e.g. llama:Q4_0, hf:w8a8) with BACKEND one of {', '.join(BACKENDS)}"
+            )
         return cls(backend, variant)
 
     def target(self, model: str) -> str:
@@ -72,8 +74,8 @@ class ModelPath:
 
 
 def file_for(model: str) -> Path:
-    from .cost_curve import cpu_key
     from .catalog import home
+    from .cost_curve import cpu_key
 
     return home() / "paths" / f"{model.replace('/', '-')}__{cpu_key()}.json"
 
@@ -91,18 +93,31 @@ def _path_text(v, at) -> str | None:
 
 # ASCII digits only: "²".isdigit() is True, yet int("²") raises (curves_of reads int(n))
 _TOKEN_COUNT = homefiles.of(lambda k: k.isascii() and k.isdigit(), "a token count")
-_CURVE = homefiles.obj({}, required=("1", "8"),  # what --backend auto and doctor read: 1 token, and 8 against it
-                       keys=_TOKEN_COUNT, values=homefiles.POSITIVE)
+_CURVE = homefiles.obj(
+    {},
+    required=("1", "8"),  # what --backend auto and doctor read: 1 token, and 8 against it
+    keys=_TOKEN_COUNT,
+    values=homefiles.POSITIVE,
+)
 _PREFILL = homefiles.obj({}, keys=_TOKEN_COUNT, values=homefiles.POSITIVE)
-SCHEMA = homefiles.obj({  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
-    "model": homefiles.TEXT, "cpu": homefiles.TEXT,
-    "curves": homefiles.obj({}, keys=_path_text, values=_CURVE),
-    "prefill": homefiles.obj({}, keys=_path_text, values=_PREFILL),
-    "pick": homefiles.obj({"path": _path_text, "tokens_per_s": homefiles.POSITIVE,
-                           "tried": homefiles.items(homefiles.obj({}, keys=homefiles.TEXT)),
-                           "prompts": homefiles.items(homefiles.ANY), "sampling": homefiles.obj({}, keys=homefiles.TEXT)},
-                          required=("path", "tokens_per_s")),
-})
+SCHEMA = homefiles.obj(
+    {  # what write() keeps: ms per forward of n tokens per path; autotune --paths' pick
+        "model": homefiles.TEXT,
+        "cpu": homefiles.TEXT,
+        "curves": homefiles.obj({}, keys=_path_text, values=_CURVE),
+        "prefill": homefiles.obj({}, keys=_path_text, values=_PREFILL),
+        "pick": homefiles.obj(
+            {
+                "path": _path_text,
+                "tokens_per_s": homefiles.POSITIVE,
+                "tried": homefiles.items(homefiles.obj({}, keys=homefiles.TEXT)),
+                "prompts": homefiles.items(homefiles.ANY),
+                "sampling": homefiles.obj({}, keys=homefiles.TEXT),
+            },
+            required=("path", "tokens_per_s"),
+        ),
+    }
+)
 
 
 def read(model: str) -> dict:
@@ -132,18 +147,21 @@ def write(model: str, **fields) -> Path:
     return f
 
 
-def measure_curves(model: str, paths: list[str], dtype: str | None = None, say=print, fail=None,
-                   repeats: int = 3) -> dict[str, dict[int, float]]:
+def measure_curves(
+    model: str, paths: list[str], dtype: str | None = None, say=print, fail=None, repeats: int = 3
+) -> dict[str, dict[int, float]]:
     """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
     time), the median of ``repeats``, and ms to prefill prompts of PREFILL_TOKENS; a path that cannot run
     here goes to ``fail(path, message)`` (default: said) and is skipped. Kept in the model's file."""
-    from .cost_curve import measure_costs, measure_prefill
     from .backends import load_model
+    from .cost_curve import measure_costs, measure_prefill
 
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores / 2:  # other processes' threads stall a backend's own (llama.cpp's most)
-        say(f"note: load average {load:.1f} on {cores} cores: other work shares this CPU, so these costs may be "
-            f"off (`specdraft doctor` measures again)")
+        say(
+            f"note: load average {load:.1f} on {cores} cores: other work shares this CPU, so these costs may be "
+            f"off (`specdraft doctor` measures again)"
+        )
     curves, prefill = {}, {}
     for text in paths:
         p = ModelPath.parse(text)
@@ -158,12 +176,19 @@ def measure_curves(model: str, paths: list[str], dtype: str | None = None, say=p
             continue
         del m
         curves[text] = c
-        say(f"{text:11s} {c[1]:6.0f} ms | " + " | ".join(f"{n}: {c[n] / c[1]:.2f}x" for n in CURVE_TOKENS[1:])
-            + " | prefill " + " / ".join(f"{n}: {ms:.0f} ms" for n, ms in prefill[text].items())
-            + f"   ({time.time() - t0:.0f} s)")
+        say(
+            f"{text:11s} {c[1]:6.0f} ms | "
+            + " | ".join(f"{n}: {c[n] / c[1]:.2f}x" for n in CURVE_TOKENS[1:])
+            + " | prefill "
+            + " / ".join(f"{n}: {ms:.0f} ms" for n, ms in prefill[text].items())
+            + f"   ({time.time() - t0:.0f} s)"
+        )
     if curves:
-        write(model, curves={k: {str(n): v for n, v in c.items()} for k, c in curves.items()},
-              prefill={k: {str(n): v for n, v in c.items()} for k, c in prefill.items()})
+        write(
+            model,
+            curves={k: {str(n): v for n, v in c.items()} for k, c in curves.items()},
+            prefill={k: {str(n): v for n, v in c.items()} for k, c in prefill.items()},
+        )
     return curves
 
 
@@ -184,6 +209,7 @@ CHAT_TOKENS = 30  # what a chat template adds (Qwen2.5's system turn and role ma
 class RequestShape:
     """A request's size, as --backend auto weighs prefill against decoding: its prompt's tokens and the
     tokens it may generate (max_new_tokens)."""
+
     prompt_tokens: int
     new_tokens: int
 
@@ -197,6 +223,7 @@ class RequestShape:
 class PathCost:
     """What a request costs on one path, as measured here: ms to prefill prompts of n tokens, ms per
     decoded token, and where the decoding speed comes from."""
+
     prefill_ms: dict[int, float]
     decode_ms: float
     decode_from: str
@@ -232,7 +259,9 @@ def path_costs(doc: dict) -> dict[str, PathCost]:
     return out
 
 
-def by_shape(doc: dict, model: str, allowed: list[str], shape: RequestShape, say) -> list[tuple["ModelPath", str]] | None:
+def by_shape(
+    doc: dict, model: str, allowed: list[str], shape: RequestShape, say
+) -> list[tuple["ModelPath", str]] | None:
     """The measured paths on ``allowed`` backends, fastest end to end for ``shape`` first, each with why; None
     (said) when a path lacks its prefill or decoding costs (a file written before prefill was measured)."""
     known = set(curves_of(doc)) | ({doc["pick"]["path"]} if doc.get("pick") else set())
@@ -240,8 +269,10 @@ def by_shape(doc: dict, model: str, allowed: list[str], shape: RequestShape, say
     costs = {k: c for k, c in path_costs(doc).items() if k in known}
     missing = sorted(known - set(costs))
     if missing or not costs:
-        say(f"backend auto: no prefill costs kept for {', '.join(missing) or model} (`specdraft doctor --model "
-            f"{model}` measures them); choosing without the request's shape")
+        say(
+            f"backend auto: no prefill costs kept for {', '.join(missing) or model} (`specdraft doctor --model "
+            f"{model}` measures them); choosing without the request's shape"
+        )
         return None
     times = {k: c.seconds(shape) for k, c in costs.items()}
     order = sorted(times, key=lambda k: sum(times[k]))
@@ -249,9 +280,12 @@ def by_shape(doc: dict, model: str, allowed: list[str], shape: RequestShape, say
     def why(k: str) -> str:
         pre, dec = times[k]
         others = ", ".join(f"{o} {sum(times[o]):.1f} s" for o in order if o != k)
-        return (f"{'the fastest' if k == order[0] else 'a'} path end to end for {shape.prompt_tokens} prompt tokens "
-                f"and {shape.new_tokens} new tokens: about {pre + dec:.1f} s (prefill {pre:.1f} s, decoding at "
-                f"{1000 / costs[k].decode_ms:.1f} tok/s, {costs[k].decode_from})" + (f"; {others}" if others else ""))
+        return (
+            f"{'the fastest' if k == order[0] else 'a'} path end to end for {shape.prompt_tokens} prompt tokens "
+            f"and {shape.new_tokens} new tokens: about {pre + dec:.1f} s (prefill {pre:.1f} s, decoding at "
+            f"{1000 / costs[k].decode_ms:.1f} tok/s, {costs[k].decode_from})" + (f"; {others}" if others else "")
+        )
+
     return [(ModelPath.parse(k), why(k)) for k in order]
 
 
@@ -263,6 +297,7 @@ def _say(line: str) -> None:
 class Allowed:
     """The backends ``--backend auto`` may take a path on (those that run the method and honour every option
     given); ``because`` says what narrowed them, in auto's line."""
+
     backends: tuple[str, ...] | None = None  # None: every backend
     because: tuple[str, ...] = ()  # e.g. ("runs this method", "honours --dtype float32")
 
@@ -270,8 +305,9 @@ class Allowed:
         return " and ".join(self.because) or "is allowed"
 
 
-def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_backend: str | None,
-                device: str = AUTO) -> Allowed:
+def allowed_for(
+    method_backends: tuple[str, ...] | None, needs: list, draft_backend: str | None, device: str = AUTO
+) -> Allowed:
     """What ``--backend auto`` may take for the target: the backends the method runs on (None: any) that run on
     ``device``'s kind and honour every option given (``backends.option_needs``) which the target's backend
     answers for: a draft's, when the draft follows the target's backend (``draft_backend`` None: so it does,
@@ -296,8 +332,14 @@ def allowed_for(method_backends: tuple[str, ...] | None, needs: list, draft_back
     return Allowed(tuple(b for b in BACKENDS if b in names), tuple(because))
 
 
-def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-           shape: RequestShape | None = None, device: str = AUTO) -> list[tuple[ModelPath, str]]:
+def ranked(
+    model: str,
+    dtype: str | None = None,
+    say=None,
+    allowed: Allowed = Allowed(),
+    shape: RequestShape | None = None,
+    device: str = AUTO,
+) -> list[tuple[ModelPath, str]]:
     """``--backend auto``'s candidates for ``model``, best first, each with why it ranks there; only paths
     on ``allowed``'s backends count; on a CUDA GPU (``device`` auto or cuda where torch sees one) the backend
     that runs dense weights there; with a request's ``shape``, fastest end to end for it first (by_shape)
@@ -307,8 +349,10 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
 
     say = say or _say
     if model not in catalog.MODELS:  # (a NAME:VARIANT is one path already)
-        raise ConfigError(f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
-                          f"{model!r} is not one: name a backend (--backend {' | '.join(BACKENDS)})")
+        raise ConfigError(
+            f"--backend auto chooses among a catalog model's paths (`specdraft models list`); "
+            f"{model!r} is not one: name a backend (--backend {' | '.join(BACKENDS)})"
+        )
     names = [b for b in BACKENDS if allowed.backends is None or b in allowed.backends]
     if len(names) == 1:  # nothing to measure: its dense weights (a variant's would not be in --dtype)
         return [(ModelPath(names[0]), f"the only backend that {allowed.reason()}")]
@@ -320,22 +364,27 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
     pick = doc.get("pick")
     among = f" (of the paths on backends that {allowed.reason()})" if allowed.because else ""
     if pick and ModelPath.parse(pick["path"]).backend in names:
-        out.append((ModelPath.parse(pick["path"]),
-                    f"`specdraft autotune --paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s){among}"))
+        out.append(
+            (
+                ModelPath.parse(pick["path"]),
+                f"`specdraft autotune --paths` measured it fastest here ({pick['tokens_per_s']:.2f} tok/s){among}",
+            )
+        )
     curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in names}
     if not out and not curves:
         check_writable(model)
         todo = [BACKENDS[b].paths[0] for b in names if BACKENDS[b].paths]  # what auto measures when nothing was
-        say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in "
-            f"{file_for(model)})")
+        say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in {file_for(model)})")
         curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s), repeats=1)  # doctor: 3 repeats
         if not curves:
             raise ConfigError(f"--backend auto: no backend could run {model} here")
         doc = read(model)
     if shape is not None and (fit := by_shape(doc, model, names, shape, say)):
         return fit
-    why = ("the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole "
-           f"requests){among}")
+    why = (
+        "the cheapest one-token forward of the measured paths (`specdraft autotune --paths` measures whole "
+        f"requests){among}"
+    )
     out += [(ModelPath.parse(k), why) for k in sorted(curves, key=lambda k: curves[k][1])]
     unique = {}
     for p, why in out:  # the pick is also among the curves
@@ -343,8 +392,15 @@ def ranked(model: str, dtype: str | None = None, say=None, allowed: Allowed = Al
     return list(unique.values())
 
 
-def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-                 shape: RequestShape | None = None, device: str = AUTO, companion=None):
+def load_fastest(
+    model: str,
+    dtype: str | None = None,
+    say=None,
+    allowed: Allowed = Allowed(),
+    shape: RequestShape | None = None,
+    device: str = AUTO,
+    companion=None,
+):
     """The model on the best of ``ranked``'s paths (for a request of ``shape``, if given) that loads here, on
     ``device`` -> (model, ModelPath); a path that fails to load (a backend missing on this machine, a file
     its backend cannot read) is said and the next one taken. ``companion(model, path)``, if given, loads
@@ -369,10 +425,15 @@ def load_fastest(model: str, dtype: str | None = None, say=None, allowed: Allowe
     raise ConfigError(f"--backend auto: none of {model}'s measured paths loads here")
 
 
-def resolve(model: str, dtype: str | None = None, say=None, allowed: Allowed = Allowed(),
-            shape: RequestShape | None = None, device: str = AUTO) -> tuple[str, str]:
+def resolve(
+    model: str,
+    dtype: str | None = None,
+    say=None,
+    allowed: Allowed = Allowed(),
+    shape: RequestShape | None = None,
+    device: str = AUTO,
+) -> tuple[str, str]:
     """``--backend auto`` for ``model`` without loading it: -> (the target name to load, its backend)."""
     p, why = ranked(model, dtype, say, allowed, shape, device)[0]
-    (say or _say)(
-        f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
+    (say or _say)(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
     return p.target(model), p.backend

@@ -19,16 +19,33 @@ from ..core.errors import ConfigError, ModelFileError
 from . import catalog
 from .llama_probe import is_gguf
 
-TYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_0": 2, "Q4_1": 3, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_0": 8, "Q5_1": 9,
-         "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1}  # llama_ftype values
+TYPES = {
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q4_K_S": 14,
+    "Q4_K_M": 15,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "Q8_0": 7,
+    "F16": 1,
+}  # llama_ftype values
 
 
 def _index_path() -> Path:
     return catalog.home() / "quantized.json"
 
 
-INDEX = homefiles.obj({}, keys=homefiles.TEXT, values=homefiles.obj(  # {"NAME:TYPE": the record quantize() writes}
-    {"path": homefiles.TEXT, "size": homefiles.POSITIVE}, required=("path", "size"), keys=homefiles.TEXT))
+INDEX = homefiles.obj(
+    {},
+    keys=homefiles.TEXT,
+    values=homefiles.obj(  # {"NAME:TYPE": the record quantize() writes}
+        {"path": homefiles.TEXT, "size": homefiles.POSITIVE}, required=("path", "size"), keys=homefiles.TEXT
+    ),
+)
 
 
 def _index() -> dict:
@@ -54,14 +71,20 @@ def variant_path(base: str, qtype: str) -> Path:
         return catalog.gguf_path(base)
     rec = _index().get(f"{base}:{qtype}")
     if rec is None:
-        raise ModelFileError(f"no {qtype} variant of {base}; make it with `specdraft models quantize {base} --type {qtype}`")
+        raise ModelFileError(
+            f"no {qtype} variant of {base}; make it with `specdraft models quantize {base} --type {qtype}`"
+        )
     p = Path(rec["path"])
     if not p.exists() or p.stat().st_size != rec["size"]:
-        raise ModelFileError(f"{p} is missing or not the registered file ({rec['size']} bytes); "
-                             f"run `specdraft models quantize {base} --type {qtype}` again")
+        raise ModelFileError(
+            f"{p} is missing or not the registered file ({rec['size']} bytes); "
+            f"run `specdraft models quantize {base} --type {qtype}` again"
+        )
     if not is_gguf(p):
-        raise ModelFileError(f"{p}, registered as {base}:{qtype}, is not a GGUF file; run `specdraft models "
-                             f"quantize {base} --type {qtype}` again")
+        raise ModelFileError(
+            f"{p}, registered as {base}:{qtype}, is not a GGUF file; run `specdraft models "
+            f"quantize {base} --type {qtype}` again"
+        )
     return p
 
 
@@ -75,15 +98,29 @@ def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
     out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
     with homefiles.locked(out.with_name(out.name + ".lock")):
         made = _index().get(f"{base}:{qtype}")
-        if (made and made.get("source_sha256") == spec.sha256 and out.is_file() and out.stat().st_size == made["size"]
-                and is_gguf(out)):
+        if (
+            made
+            and made.get("source_sha256") == spec.sha256
+            and out.is_file()
+            and out.stat().st_size == made["size"]
+            and is_gguf(out)
+        ):
             return out  # made before from the same file (its IR and caches stay valid)
         _write_quantized(src, out, qtype, threads)
         from .llama import LlamaModel
 
         LlamaModel(out, None, name=f"{base}:{qtype}")  # the check: llama.cpp loads what it wrote
-        _register(f"{base}:{qtype}", {"path": str(out), "size": out.stat().st_size, "sha256": catalog.sha256_file(out),
-                                      "type": qtype, "source": spec.gguf_name, "source_sha256": spec.sha256})
+        _register(
+            f"{base}:{qtype}",
+            {
+                "path": str(out),
+                "size": out.stat().st_size,
+                "sha256": catalog.sha256_file(out),
+                "type": qtype,
+                "source": spec.gguf_name,
+                "source_sha256": spec.sha256,
+            },
+        )
     return out
 
 

@@ -25,7 +25,9 @@ from .hf import HFModel
 def _decoder(model):
     inner = getattr(model, "model", None)
     if inner is None or not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
-        raise ConfigError(f"{type(model).__name__} has no model.layers ModuleList; layer skipping needs a decoder-only LM")
+        raise ConfigError(
+            f"{type(model).__name__} has no model.layers ModuleList; layer skipping needs a decoder-only LM"
+        )
     return inner
 
 
@@ -70,8 +72,12 @@ def load_skip_config(path: str | None, target) -> list[int]:
         raise ConfigError(f"skip_config {path} has no 'skip_layers' list (make one with `specdraft tune-skip`)")
     n = d.get("num_layers")
     if n is not None and n != target.num_layers:
-        raise ConfigError(f"skip_config {path} was tuned for a {n}-layer model; this target has {target.num_layers} layers")
+        raise ConfigError(
+            f"skip_config {path} was tuned for a {n}-layer model; this target has {target.num_layers} layers"
+        )
     if not d["skip_layers"]:
-        raise ConfigError(f"skip_config {path} skips no layer: tune-skip found no set that pays on the machine it "
-                          "ran on; use another method, or set skip_layers yourself")
+        raise ConfigError(
+            f"skip_config {path} skips no layer: tune-skip found no set that pays on the machine it "
+            "ran on; use another method, or set skip_layers yourself"
+        )
     return [int(i) for i in d["skip_layers"]]

@@ -56,16 +56,27 @@ def cluster_cpus() -> int:
 # --- worker actors (bench --ray, train --ray) -------------------------------------------------
 def add_ray_args(p, ray_help: str) -> None:
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help=ray_help)
-    p.add_argument("--ray-workers", type=int, default=None, metavar="N",
-                   help="with --ray: worker actors (default: the cluster's CPUs // --ray-worker-cpus, at least 1)")
-    p.add_argument("--ray-worker-cpus", type=int, default=None, metavar="C",
-                   help="with --ray: CPUs each worker reserves = its torch thread count (default: --threads, else 1)")
+    p.add_argument(
+        "--ray-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --ray: worker actors (default: the cluster's CPUs // --ray-worker-cpus, at least 1)",
+    )
+    p.add_argument(
+        "--ray-worker-cpus",
+        type=int,
+        default=None,
+        metavar="C",
+        help="with --ray: CPUs each worker reserves = its torch thread count (default: --threads, else 1)",
+    )
 
 
 @dataclass(frozen=True)
 class RayOptions:
     """``--ray [ADDRESS]``, ``--ray-workers``, ``--ray-worker-cpus`` of bench and train, with the command's
     ``--threads`` (the default CPUs per worker)."""
+
     address: str | None = None  # None: no Ray; "local" (or ""): a local instance; else a cluster's address
     workers: int | None = None
     worker_cpus: int | None = None

@@ -18,8 +18,8 @@ class ModelSide:
     """One model (``load_model(**source)``) on ``threads`` threads in this process."""
 
     def __init__(self, source: dict, threads: int):
-        from ..models.loading import set_threads
         from ..models.backends import load_model
+        from ..models.loading import set_threads
 
         set_threads(threads)
         self.threads = threads

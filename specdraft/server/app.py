@@ -1,5 +1,6 @@
 """The FastAPI application: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
-/v1/specdraft/methods, /health, /metrics, and the playground page at / (server/playground.html). Request handlers only parse, admit and relay; decoding runs on the worker thread."""
+/v1/specdraft/methods, /health, /metrics, and the playground page at / (server/playground.html). Request handlers only
+parse, admit and relay; decoding runs on the worker thread."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..api import ModelSettings, default_backend
 from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..core.errors import SpecDraftError
-from ..drafters.registry import REGISTRY, method as registered
-from .prometheus import ServerMetrics
-from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
-from .pacing import STREAM_MODES, StreamPacing, keepalive, pad, paced
+from ..drafters.registry import REGISTRY
+from ..drafters.registry import method as registered
 from .batch_worker import BatchWorker
 from .learning import LearnCollector, api_keys, curve_view, health_view, learns_from, tenancy_problem
-from .resources import LOAD_S, load as load_resources
+from .pacing import STREAM_MODES, StreamPacing, keepalive, paced, pad
+from .prometheus import ServerMetrics
+from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
+from .resources import LOAD_S
+from .resources import load as load_resources
 from .scheduler import Job, QueueFull, shutdown_error
 
 log = logging.getLogger("specdraft.server")
@@ -45,8 +48,12 @@ def _error(e: RequestError) -> JSONResponse:
 
 
 def _timeout_error(timeout_s) -> RequestError:
-    return RequestError(f"the request did not finish within the server's timeout of {timeout_s:g} s", status=408,
-                        type="timeout_error", code="request_timeout")
+    return RequestError(
+        f"the request did not finish within the server's timeout of {timeout_s:g} s",
+        status=408,
+        type="timeout_error",
+        code="request_timeout",
+    )
 
 
 def _engine_error(err: Exception) -> RequestError:
@@ -54,8 +61,12 @@ def _engine_error(err: Exception) -> RequestError:
         return err
     if isinstance(err, SpecDraftError):
         return RequestError(str(err))
-    return RequestError(f"internal server error ({type(err).__name__}); see the server log", status=500,
-                        type="server_error", code="internal_error")
+    return RequestError(
+        f"internal server error ({type(err).__name__}); see the server log",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )
 
 
 class _Outcome:
@@ -94,8 +105,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     reading a chunked body)."""
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the request body is {int(declared)} bytes; this server takes at most {limit}",
-                           status=413, code="body_too_large")
+        raise RequestError(
+            f"the request body is {int(declared)} bytes; this server takes at most {limit}",
+            status=413,
+            code="body_too_large",
+        )
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
@@ -205,13 +219,17 @@ def origin_check(allowed_hosts: tuple[str, ...]):
     async def check(request: Request, call_next):
         host = _host_name(request.headers.get("host", "").lower())
         if host not in allowed:
-            e = RequestError(f"the Host header {host!r} is not one this server answers to", status=421,
-                             code="misdirected_request")
+            e = RequestError(
+                f"the Host header {host!r} is not one this server answers to", status=421, code="misdirected_request"
+            )
             return JSONResponse(e.body(), status_code=421)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if request.method == "POST" and ctype != "application/json":
-            e = RequestError(f"the request body must be sent as Content-Type: application/json, got {ctype or 'none'!r}",
-                             status=415, code="unsupported_media_type")
+            e = RequestError(
+                f"the request body must be sent as Content-Type: application/json, got {ctype or 'none'!r}",
+                status=415,
+                code="unsupported_media_type",
+            )
             return JSONResponse(e.body(), status_code=415)
         return await call_next(request)
 
@@ -227,8 +245,12 @@ def drain_check(app: FastAPI):
             return await call_next(request)
         if request.url.path == "/health":
             return JSONResponse({"status": "draining"}, status_code=503)
-        e = RequestError("the server is shutting down; retry on another replica", status=503, type="server_error",
-                         code="shutting_down")
+        e = RequestError(
+            "the server is shutting down; retry on another replica",
+            status=503,
+            type="server_error",
+            code="shutting_down",
+        )
         return JSONResponse(e.body(), status_code=503, headers={"Retry-After": "5"})
 
     return check
@@ -238,10 +260,14 @@ def check_method(decoder, spec: SpecConfig):
     """A RequestError (param ``spec``) when this decoder cannot run ``spec.method`` (its backend, a draft
     model it lacks); else the method's registry entry (its ``load_resource`` is run by the caller)."""
     m = registered(spec.method)
-    problem = m.unavailable(decoder.backend, decoder.draft is not None, subject="spec.method",
-                            where=" this server runs",
-                            no_draft=f"spec.method {m.name!r} needs a draft model; this server was started "
-                                     "without --draft (use auto, prompt_lookup or plain)")
+    problem = m.unavailable(
+        decoder.backend,
+        decoder.draft is not None,
+        subject="spec.method",
+        where=" this server runs",
+        no_draft=f"spec.method {m.name!r} needs a draft model; this server was started "
+        "without --draft (use auto, prompt_lookup or plain)",
+    )
     if not problem and not m.served:
         problem = f"spec.method {m.name!r} is not served: it starts a process of its own (bench and library only)"
     if problem:
@@ -249,8 +275,9 @@ def check_method(decoder, spec: SpecConfig):
     return m
 
 
-def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resources: dict,
-                    stream_mode: str = "normal") -> dict:
+def methods_listing(
+    decoder, model_name: str, default_spec: SpecConfig, resources: dict, stream_mode: str = "normal"
+) -> dict:
     """GET /v1/specdraft/methods: every registered method (auto first), whether a request's
     ``{"spec": {"method": NAME}}`` runs here (else why not), and its knobs (trees, schedules); the server's
     ``stream_mode`` ("normal", "fixed" or "fixed-only"), which says whether include_steps may be asked."""
@@ -263,22 +290,42 @@ def methods_listing(decoder, model_name: str, default_spec: SpecConfig, resource
             reason = None
         except RequestError as e:
             reason = e.message
-        data.append({"id": name, "object": "method", "summary": m.summary, "needs": m.needs,
-                     "available": reason is None, "reason": reason, "trees": list(m.trees),
-                     "schedules": list(m.schedules), "backends": list(m.backends)})
+        data.append(
+            {
+                "id": name,
+                "object": "method",
+                "summary": m.summary,
+                "needs": m.needs,
+                "available": reason is None,
+                "reason": reason,
+                "trees": list(m.trees),
+                "schedules": list(m.schedules),
+                "backends": list(m.backends),
+            }
+        )
     d = default_spec.to_dict()
-    return {"object": "list", "model": model_name, "backend": decoder.backend, "stream_mode": stream_mode,
-            "draft": getattr(decoder.draft, "name", None),
-            "default_spec": {k: d[k] for k in ("method", "k", "max_k", "schedule", "tree")}, "data": data}
+    return {
+        "object": "list",
+        "model": model_name,
+        "backend": decoder.backend,
+        "stream_mode": stream_mode,
+        "draft": getattr(decoder.draft, "name", None),
+        "default_spec": {k: d[k] for k in ("method", "k", "max_k", "schedule", "tree")},
+        "data": data,
+    }
 
 
-PLAYGROUND = {"/": ("playground.html", "text/html; charset=utf-8"),  # package data beside this module: static,
-              "/playground.js": ("playground.js", "text/javascript; charset=utf-8"),  # no build step
-              "/playground.css": ("playground.css", "text/css; charset=utf-8")}
+PLAYGROUND = {
+    "/": ("playground.html", "text/html; charset=utf-8"),  # package data beside this module: static,
+    "/playground.js": ("playground.js", "text/javascript; charset=utf-8"),  # no build step
+    "/playground.css": ("playground.css", "text/css; charset=utf-8"),
+}
 # the page's scripts and styles come from its own files only (no inline script: a server string that reached
 # markup could not run), it talks to this origin only, and no other site may frame it (clickjacking)
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; "
-            "form-action 'none'; frame-ancestors 'none'")
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def add_playground(app: FastAPI) -> None:
@@ -286,17 +333,23 @@ def add_playground(app: FastAPI) -> None:
     with an API key it asks for the key and sends it as a Bearer token with its own requests."""
     from importlib.resources import files
 
-    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Content-Security-Policy": PAGE_CSP,
-               "X-Frame-Options": "DENY"}
+    headers = {
+        "Cache-Control": "no-cache",
+        "X-Content-Type-Options": "nosniff",
+        "Content-Security-Policy": PAGE_CSP,
+        "X-Frame-Options": "DENY",
+    }
 
     def route(body: str, media_type: str):
         async def static():
             return Response(body, media_type=media_type, headers=headers)
+
         return static
 
     for path, (name, media_type) in PLAYGROUND.items():
-        app.get(path, include_in_schema=False)(route(files(__package__).joinpath(name).read_text(encoding="utf-8"),
-                                                     media_type))
+        app.get(path, include_in_schema=False)(
+            route(files(__package__).joinpath(name).read_text(encoding="utf-8"), media_type)
+        )
 
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is parsed
@@ -309,10 +362,10 @@ class ServerSettings:
     fields to server.local.serve_in_thread).
 
     ``max_batch``: the rows the worker (BatchWorker) decodes together, 1 = one request at a time; with more,
-    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``: every endpoint but /health (and /metrics with
-    ``open_metrics``) requires it (or, given several, one of them) as a Bearer token. ``learn_keys``: on a
-    decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the head; None: every
-    request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
+    the draft length is halved from ``spec_shrink_at`` rows and speculation is off from ``spec_off_at``. ``api_key``:
+    every endpoint but /health (and /metrics with ``open_metrics``) requires it (or, given several, one of them) as a
+    Bearer token. ``learn_keys``: on a decoder that learns (SpecDecoder(learn=...)), the keys whose requests teach the
+    head; None: every request, which a server with several keys or in fixed stream mode refuses (server/learning.py).
     ``max_body_bytes``: larger request bodies get a 413.
     ``stream_mode``: a stream's mode when the request names none ("normal" or "fixed", server/pacing.py);
     ``stream_pacing``: the fixed mode's chunk, cadence, padding, and whether requests must use it.
@@ -320,6 +373,7 @@ class ServerSettings:
     name (by name; never a path). Without an API key, requests must be JSON and name a loopback host or one
     of ``allowed_hosts`` (``origin_check``). /health answers 503 when the worker died or one step has run
     ``stuck_after_s``."""
+
     model_name: str
     default_spec: SpecConfig | dict
     max_queue: int = 64
@@ -344,6 +398,7 @@ class ServerSettings:
 class _Serving:
     """What the route handlers read (``app.state.serving``). What a measurement may change while the server
     runs stays on ``app.state``: ``resources`` and ``stream_pacing``, read per request."""
+
     decoder: object
     settings: ServerSettings
     default_spec: SpecConfig
@@ -362,8 +417,14 @@ def _serving(request: Request) -> _Serving:
 
 def make_worker(decoder, metrics: ServerMetrics, settings: ServerSettings) -> BatchWorker:
     """The worker of ``settings.max_batch`` rows (not started)."""
-    return BatchWorker(decoder, metrics, settings.max_queue, max_batch=settings.max_batch,
-                       spec_shrink_at=settings.spec_shrink_at, spec_off_at=settings.spec_off_at)
+    return BatchWorker(
+        decoder,
+        metrics,
+        settings.max_queue,
+        max_batch=settings.max_batch,
+        spec_shrink_at=settings.spec_shrink_at,
+        spec_off_at=settings.spec_off_at,
+    )
 
 
 def create_app(decoder, settings: ServerSettings) -> FastAPI:
@@ -396,8 +457,9 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
     app.state.resources = {k: dict(v) for k, v in (settings.resources or {}).items()}
     app.state.stream_pacing = pacing  # read per stream, so a measurement may retune it (specdraft leak)
     app.state.metrics = metrics
-    app.state.serving = _Serving(decoder, settings, default_spec, "fixed" if pacing.locked else settings.stream_mode,
-                                 worker, metrics)
+    app.state.serving = _Serving(
+        decoder, settings, default_spec, "fixed" if pacing.locked else settings.stream_mode, worker, metrics
+    )
     app.exception_handler(Exception)(_unhandled)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
@@ -424,8 +486,10 @@ def start_learning(decoder, settings: ServerSettings, default_spec: SpecConfig, 
     if default_spec.head is not None and default_spec.method in ("eagle3", "auto"):
         decoder.head(default_spec)
     elif not (settings.resources or {}).get("head"):
-        log.warning("--learn: this server serves no EAGLE-3 head (--head, --resource head:NAME=DIR); only the "
-                    "suffix drafters' store of recent outputs learns")
+        log.warning(
+            "--learn: this server serves no EAGLE-3 head (--head, --resource head:NAME=DIR); only the "
+            "suffix drafters' store of recent outputs learns"
+        )
     metrics.engine.register(LearnCollector(learner))
 
 
@@ -444,8 +508,18 @@ async def chat_completions(request: Request):
 
 async def list_models(request: Request):
     sv = _serving(request)
-    return {"object": "list", "data": [{"id": sv.settings.model_name, "object": "model", "created": 0,
-                                        "owned_by": "specdraft", "max_model_len": sv.decoder.target.max_context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": sv.settings.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "specdraft",
+                "max_model_len": sv.decoder.target.max_context,
+            }
+        ],
+    }
 
 
 async def list_methods(request: Request):
@@ -460,8 +534,16 @@ async def health(request: Request):
     state = worker.health(sv.settings.stuck_after_s)
     body = {"status": "ok" if state == "ok" else f"worker {state}"}
     if health_details(request, sv.settings.api_key, hidden=fixed_by_default(request)):
-        body.update({"model": sv.settings.model_name, "scheduler": worker.kind, **worker.stats(), **worker.state(),
-                     "rss_mb": _rss_mb(), "worker_restarts": worker.restarts})
+        body.update(
+            {
+                "model": sv.settings.model_name,
+                "scheduler": worker.kind,
+                **worker.stats(),
+                **worker.state(),
+                "rss_mb": _rss_mb(),
+                "worker_restarts": worker.restarts,
+            }
+        )
         if sv.decoder.learner is not None:
             body["learning"] = health_view(sv.decoder.learner)
     return JSONResponse(body, status_code=200 if state == "ok" else 503)
@@ -487,20 +569,33 @@ async def parse(request: Request, sv: _Serving, chat: bool):
     """The request read, parsed and checked against this server (its method can run here, its resource loads,
     its stream mode is allowed); a RequestError otherwise."""
     body = await _read_json(request, sv.settings.max_body_bytes)
-    p = parse_request(body, chat=chat, model_name=sv.settings.model_name, target=sv.decoder.target, tokenizer=sv.tok,
-                      default_spec=sv.default_spec, default_max_tokens=sv.settings.default_max_tokens,
-                      resources=request.app.state.resources)
+    p = parse_request(
+        body,
+        chat=chat,
+        model_name=sv.settings.model_name,
+        target=sv.decoder.target,
+        tokenizer=sv.tok,
+        default_spec=sv.default_spec,
+        default_max_tokens=sv.settings.default_max_tokens,
+        resources=request.app.state.resources,
+    )
     check_method(sv.decoder, p.spec)  # what the method needs must exist before admission
     named = {k: v for k, v in (body.get("spec") or {}).items() if k in PATH_FIELDS}
     limit = min(LOAD_S, sv.settings.timeout_s or LOAD_S)  # checked and loaded where timeout and shutdown reach
     await load_resources(sv.decoder, p.spec, named, limit, lambda: request.app.state.draining)
     p.stream_mode = p.stream_mode or sv.stream_mode
     if request.app.state.stream_pacing.locked and p.stream_mode != "fixed":
-        raise RequestError("this server streams only in stream_mode \"fixed\" (it hides what speculation "
-                           "accepted); leave stream_mode out or set it to \"fixed\"", param="stream_mode")
+        raise RequestError(
+            'this server streams only in stream_mode "fixed" (it hides what speculation '
+            'accepted); leave stream_mode out or set it to "fixed"',
+            param="stream_mode",
+        )
     if p.include_steps and p.stream_mode == "fixed":
-        raise RequestError("stream_options.include_steps shows what speculation accepted, which stream_mode "
-                           "\"fixed\" hides; leave one out", param="stream_options.include_steps")
+        raise RequestError(
+            "stream_options.include_steps shows what speculation accepted, which stream_mode "
+            '"fixed" hides; leave one out',
+            param="stream_options.include_steps",
+        )
     return p
 
 
@@ -524,8 +619,14 @@ async def handle(request: Request, chat: bool):
     rb = ResponseBuilder(chat, sv.settings.model_name, sv.tok, hide_acceptance=p.stream_mode == "fixed")
     if p.stream:
         outcome = _Outcome(lambda status: count(endpoint, status))
-        return _JobStream(stream(sv, job, request, rb, p, outcome), job, sv.worker, outcome.settle,
-                          media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _JobStream(
+            stream(sv, job, request, rb, p, outcome),
+            job,
+            sv.worker,
+            outcome.settle,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return await answer(sv, job, request, rb, p, lambda status: count(endpoint, status).inc())
 
 
@@ -535,7 +636,7 @@ async def answer(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, 
     try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
         events = job_events(sv.worker, job, request, watch_disconnect=True)
         fixed = p.stream_mode == "fixed"
-        async for kind, payload in (paced(events, request.app.state.stream_pacing, job.t_arrive) if fixed else events):
+        async for kind, payload in paced(events, request.app.state.stream_pacing, job.t_arrive) if fixed else events:
             if kind == "done":
                 break
             if kind == "timeout":
@@ -605,7 +706,7 @@ async def stream(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, 
     if rb.chat:
         yield sse(rb.chunk(None, first=True))
     events = job_events(sv.worker, job, request)
-    async for kind, payload in (paced(events, pacing, job.t_arrive) if fixed else events):
+    async for kind, payload in paced(events, pacing, job.t_arrive) if fixed else events:
         if kind == "tokens":
             new, lps, at = payload[0], payload[1], ts.sent
             delta = ts.push(new)
@@ -632,8 +733,11 @@ async def stream(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, 
             last = ts.push([], final=True)
             steps = trace.tail(at, last) if trace else None
             outcome.settle("ok")
-            yield (sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
-                   + (sse(rb.usage_chunk(res.stats, p.spec.method)) if p.include_usage else "") + done_line)
+            yield (
+                sse(rb.chunk(last or None, finish=finish_reason(res.stats), steps=steps))
+                + (sse(rb.usage_chunk(res.stats, p.spec.method)) if p.include_usage else "")
+                + done_line
+            )
             return
 
 
@@ -643,9 +747,13 @@ def build_server_app(models: ModelSettings, settings: ServerSettings, method_def
     can run (SpecDecoder.usable) once the models are loaded."""
     dec = models.load(learn=settings.learn)
     if (models.backend or default_backend(models.target)) == "auto":
-        print("serve: one path stays loaded for every request, the one --backend auto took above without a "
-              "request's shape (`specdraft generate` and the library weigh each request's prompt and answer "
-              "lengths)", file=sys.stderr, flush=True)
+        print(
+            "serve: one path stays loaded for every request, the one --backend auto took above without a "
+            "request's shape (`specdraft generate` and the library weigh each request's prompt and answer "
+            "lengths)",
+            file=sys.stderr,
+            flush=True,
+        )
     if method_defaulted:
         settings = replace(settings, default_spec=dec.usable(settings.default_spec))
     return create_app(dec, settings)

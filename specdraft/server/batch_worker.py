@@ -8,17 +8,24 @@ from __future__ import annotations
 import time
 
 from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
-from ..engine import Engine, Job, StepHook
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
+from ..engine import Engine, Job, StepHook
 from .scheduler import BaseWorker, log, make_drafter
 
 
 class BatchWorker(BaseWorker):
     kind = "batch"
 
-    def __init__(self, decoder, metrics, max_queue: int, max_batch: int = 16, spec_shrink_at: int = SPEC_SHRINK_AT,
-                 spec_off_at: int = SPEC_OFF_AT):
+    def __init__(
+        self,
+        decoder,
+        metrics,
+        max_queue: int,
+        max_batch: int = 16,
+        spec_shrink_at: int = SPEC_SHRINK_AT,
+        spec_off_at: int = SPEC_OFF_AT,
+    ):
         super().__init__(decoder, metrics, max_queue)
         self.max_batch = max_batch
         if max_batch == 1:  # one request at a time: no batch to shrink drafts for (/health says "single")
@@ -50,13 +57,23 @@ class BatchWorker(BaseWorker):
                 if job.t_first is None:
                     m.ttft.observe(time.monotonic() - job.t_arrive)
                 return job.on_emit(new, logprobs)
+
             return on_emit
 
         items: list[Job] = []  # tagged by the server's job
         for job in jobs:
             try:
-                items.append(Job(job.prompt_ids, job.sampling, make_drafter(self.decoder, job.spec), on_emit=wrap(job),
-                                 tag=job, length=self.decoder.draft_length(job.spec), lossy=job.spec.lossy_rule()))
+                items.append(
+                    Job(
+                        job.prompt_ids,
+                        job.sampling,
+                        make_drafter(self.decoder, job.spec),
+                        on_emit=wrap(job),
+                        tag=job,
+                        length=self.decoder.draft_length(job.spec),
+                        lossy=job.spec.lossy_rule(),
+                    )
+                )
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):
                     log.exception("making the drafter of request %s failed", job.id)

@@ -101,16 +101,25 @@ class _Front:
 
     async def replica_get(self, path: str, headers: dict | None = None) -> list:
         """GET ``path`` of every replica (None where one did not answer), with the front's key unless ``headers``."""
+
         async def one(u):
             try:
                 return await self.client.get(u + path, headers=self.auth if headers is None else headers, timeout=10)
             except httpx.HTTPError:
                 return None
+
         return await asyncio.gather(*(one(u) for u in self.urls))
 
 
-def create_front(urls: list[str], *, api_key: str | None = None, open_metrics: bool = False,
-                 on_stop=None, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+def create_front(
+    urls: list[str],
+    *,
+    api_key: str | None = None,
+    open_metrics: bool = False,
+    on_stop=None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    allowed_hosts: tuple[str, ...] = (),
+) -> FastAPI:
     """The one endpoint in front of the replicas at ``urls``: the same key, origin and body-size rules as a
     replica, checked before a body is held in memory or relayed."""
     front = _Front(urls, api_key, max_body_bytes)
@@ -152,8 +161,10 @@ async def relay(request: Request):
     i = router.acquire()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     try:
-        up = await client.send(client.build_request(request.method, front.urls[i] + request.url.path,
-                                                    headers=headers, content=content), stream=True)
+        up = await client.send(
+            client.build_request(request.method, front.urls[i] + request.url.path, headers=headers, content=content),
+            stream=True,
+        )
     except httpx.HTTPError as e:
         router.release(i)
         return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
@@ -175,9 +186,16 @@ async def front_health(request: Request):
     front = request.app.state.front
     router = front.router
     answers = await front.replica_get("/health")
-    replicas = [{"replica": i, "url": u, "running": router.running[i], "routed": router.routed[i],
-                 **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"})}
-                for i, (u, r) in enumerate(zip(front.urls, answers))]
+    replicas = [
+        {
+            "replica": i,
+            "url": u,
+            "running": router.running[i],
+            "routed": router.routed[i],
+            **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"}),
+        }
+        for i, (u, r) in enumerate(zip(front.urls, answers))
+    ]
     ok = all(r["status"] == "ok" for r in replicas)
     body = {"status": "ok" if ok else "degraded"}
     if health_details(request, front.api_key):  # replica addresses and loads: the key's holders only
@@ -189,5 +207,7 @@ async def front_metrics(request: Request):
     # with the caller's own key (or none): a replica shows its engine series to whom it would show them
     auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
     answers = await request.app.state.front.replica_get("/metrics", headers=auth)
-    return Response(merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
-                    media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        merge_metrics([r.text if r is not None and r.status_code == 200 else "" for r in answers]),
+        media_type=CONTENT_TYPE_LATEST,
+    )

@@ -38,8 +38,12 @@ class GracefulServer(uvicorn.Server):
             time.sleep(0.05)
         left = worker.stats()
         if any(left.values()):
-            log.warning("shutdown: cancelling %d running and %d waiting request(s) after %.0f s",
-                        left["running"], left["waiting"], self.drain_s)
+            log.warning(
+                "shutdown: cancelling %d running and %d waiting request(s) after %.0f s",
+                left["running"],
+                left["waiting"],
+                self.drain_s,
+            )
         worker.stop()
         self.should_exit = True
 

@@ -30,12 +30,16 @@ def tenancy_problem(keys: tuple[str, ...], fixed: bool, learn_keys: tuple[str, .
             return f"--learn-keys names {len(unknown)} key(s) that are not among the server's --api-key keys"
         return None
     if len(keys) > 1:
-        return ("with several API keys, --learn learns only from the requests of the keys named by --learn-keys "
-                "(a head taught by one client changes the others' timing: docs/server.md)")
+        return (
+            "with several API keys, --learn learns only from the requests of the keys named by --learn-keys "
+            "(a head taught by one client changes the others' timing: docs/server.md)"
+        )
     if fixed:
-        return ("in fixed stream mode, --learn learns only from the requests of the API keys named by --learn-keys "
-                "(a head taught by one client changes the others' timing: docs/server.md)" +
-                ("" if keys else "; this server has no --api-key"))
+        return (
+            "in fixed stream mode, --learn learns only from the requests of the API keys named by --learn-keys "
+            "(a head taught by one client changes the others' timing: docs/server.md)"
+            + ("" if keys else "; this server has no --api-key")
+        )
     return None
 
 
@@ -48,11 +52,25 @@ def health_view(learner) -> dict:
     """/health's details on the learner."""
     s = learner.status()
     p = s.progress
-    return {"state": s.state, "head": s.head, "adapted": s.adapted, "updates": s.updates, "kept": s.kept,
-            "rollbacks": s.rollbacks, "on_trial": s.on_trial, "acceptance": s.acceptance,
-            "acceptance_before_update": s.acceptance_before, "buffer_tokens": p.buffer_tokens,
-            "optimizer_steps": p.steps, "loss": p.loss, "busy_share": p.busy_share, "sequences_sent": s.sent,
-            "sequences_dropped": s.dropped, "served_tokens": s.served_tokens, "warning": p.warning}
+    return {
+        "state": s.state,
+        "head": s.head,
+        "adapted": s.adapted,
+        "updates": s.updates,
+        "kept": s.kept,
+        "rollbacks": s.rollbacks,
+        "on_trial": s.on_trial,
+        "acceptance": s.acceptance,
+        "acceptance_before_update": s.acceptance_before,
+        "buffer_tokens": p.buffer_tokens,
+        "optimizer_steps": p.steps,
+        "loss": p.loss,
+        "busy_share": p.busy_share,
+        "sequences_sent": s.sent,
+        "sequences_dropped": s.dropped,
+        "served_tokens": s.served_tokens,
+        "warning": p.warning,
+    }
 
 
 def curve_view(learner) -> dict:
@@ -60,8 +78,12 @@ def curve_view(learner) -> dict:
     if learner is None:
         return {"learning": False}
     s = learner.status()
-    return {"learning": True, **health_view(learner), "window": learner.cfg.window,
-            "curve": [{"t": t, "acceptance": a} for t, a in s.curve]}
+    return {
+        "learning": True,
+        **health_view(learner),
+        "window": learner.cfg.window,
+        "curve": [{"t": t, "acceptance": a} for t, a in s.curve],
+    }
 
 
 class LearnCollector:
@@ -74,24 +96,29 @@ class LearnCollector:
     def collect(self):
         s = self.learner.status()
         p = s.progress
-        counters = {"updates": (s.updates, "weight updates copied into the head"),
-                    "kept": (s.kept, "updates kept after their acceptance window"),
-                    "rollbacks": (s.rollbacks, "updates rolled back: their window's acceptance fell too far"),
-                    "optimizer_steps": (p.steps, "optimizer steps of the training process")}
+        counters = {
+            "updates": (s.updates, "weight updates copied into the head"),
+            "kept": (s.kept, "updates kept after their acceptance window"),
+            "rollbacks": (s.rollbacks, "updates rolled back: their window's acceptance fell too far"),
+            "optimizer_steps": (p.steps, "optimizer steps of the training process"),
+        }
         for name, (v, doc) in counters.items():
             c = CounterMetricFamily(f"specdraft_learn_{name}", doc)
             c.add_metric([], v)
             yield c
-        seqs = CounterMetricFamily("specdraft_learn_sequences", "served sequences for the learner, by outcome",
-                                   labels=["outcome"])
+        seqs = CounterMetricFamily(
+            "specdraft_learn_sequences", "served sequences for the learner, by outcome", labels=["outcome"]
+        )
         seqs.add_metric(["sent"], s.sent)
         seqs.add_metric(["dropped"], s.dropped)
         yield seqs
-        gauges = {"buffer_tokens": (p.buffer_tokens, "tokens in the replay buffer"),
-                  "served_tokens": (s.served_tokens, "tokens of recent outputs the suffix drafters search"),
-                  "acceptance": (s.acceptance, "accepted / drafted of the head's steps over the latest window"),
-                  "busy_share": (p.busy_share, "the training process's share of the machine's CPU time so far"),
-                  "up": (1 if s.state == "learning" else 0, "1 while the learner learns")}
+        gauges = {
+            "buffer_tokens": (p.buffer_tokens, "tokens in the replay buffer"),
+            "served_tokens": (s.served_tokens, "tokens of recent outputs the suffix drafters search"),
+            "acceptance": (s.acceptance, "accepted / drafted of the head's steps over the latest window"),
+            "busy_share": (p.busy_share, "the training process's share of the machine's CPU time so far"),
+            "up": (1 if s.state == "learning" else 0, "1 while the learner learns"),
+        }
         for name, (v, doc) in gauges.items():
             g = GaugeMetricFamily(f"specdraft_learn_{name}", doc)
             g.add_metric([], float(v or 0.0))

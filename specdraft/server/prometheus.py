@@ -27,16 +27,23 @@ class _SpecCollector:
 
     def collect(self):
         steps = self.owner.window_steps()
-        mat = GaugeMetricFamily("specdraft_mean_accepted_tokens",
-                                "MAT (accepted drafts + 1 per verification step) over the last steps window")
+        mat = GaugeMetricFamily(
+            "specdraft_mean_accepted_tokens",
+            "MAT (accepted drafts + 1 per verification step) over the last steps window",
+        )
         mat.add_metric([], mean_accepted_tokens(steps) or 0.0)
         yield mat
-        rate = GaugeMetricFamily("specdraft_acceptance_rate",
-                                 "accepted / drafted tokens over the last steps window (0 when nothing was drafted)")
+        rate = GaugeMetricFamily(
+            "specdraft_acceptance_rate",
+            "accepted / drafted tokens over the last steps window (0 when nothing was drafted)",
+        )
         rate.add_metric([], acceptance_rate(steps) or 0.0)
         yield rate
-        pos = GaugeMetricFamily("specdraft_position_acceptance",
-                                "P(draft position i accepted | drafted) over the last steps window", labels=["position"])
+        pos = GaugeMetricFamily(
+            "specdraft_position_acceptance",
+            "P(draft position i accepted | drafted) over the last steps window",
+            labels=["position"],
+        )
         for i, p in enumerate(per_position_acceptance(steps)):
             pos.add_metric([str(i)], p)
         yield pos
@@ -45,20 +52,31 @@ class _SpecCollector:
 class ServerMetrics:
     def __init__(self, window: int = 4096):
         self.public = CollectorRegistry()
-        self.requests = Counter("specdraft_requests", "HTTP generation requests by endpoint and outcome",
-                                ["endpoint", "status"], registry=self.public)
+        self.requests = Counter(
+            "specdraft_requests",
+            "HTTP generation requests by endpoint and outcome",
+            ["endpoint", "status"],
+            registry=self.public,
+        )
         self.engine = r = CollectorRegistry()
         self.prompt_tokens = Counter("specdraft_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("specdraft_generation_tokens", "tokens generated", registry=r)
         self.drafted = Counter("specdraft_draft_tokens", "draft tokens scored by the target", registry=r)
         self.accepted = Counter("specdraft_accepted_tokens", "draft tokens accepted by the verifier", registry=r)
-        self.steps = Counter("specdraft_verify_steps", "verification steps (one target forward per sequence)", registry=r)
+        self.steps = Counter(
+            "specdraft_verify_steps", "verification steps (one target forward per sequence)", registry=r
+        )
         self.queue_depth = Gauge("specdraft_queue_depth", "requests waiting for the worker", registry=r)
         self.running = Gauge("specdraft_running", "requests being decoded", registry=r)
-        self.step_latency = Histogram("specdraft_step_seconds", "seconds per engine step (draft + verify)",
-                                      buckets=STEP_BUCKETS, registry=r)
-        self.ttft = Histogram("specdraft_time_to_first_token_seconds", "seconds from arrival to the first token",
-                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.step_latency = Histogram(
+            "specdraft_step_seconds", "seconds per engine step (draft + verify)", buckets=STEP_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "specdraft_time_to_first_token_seconds",
+            "seconds from arrival to the first token",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._window: deque[StepRecord] = deque(maxlen=window)
         r.register(_SpecCollector(self))

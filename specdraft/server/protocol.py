@@ -11,8 +11,8 @@ default 1.0; 0 = greedy), ``top_p``, ``stop``, ``seed``, ``stream``, ``stream_op
 ``structured_outputs`` object with ``json`` / ``regex`` / ``grammar`` / ``choice``) and ``spec`` (a
 SpecConfig object merged over the server's default), ``stream_mode`` (``"normal"`` or ``"fixed"``,
 server/pacing.py), ``stream_options.include_steps`` (each chunk of a stream gains a ``specdraft`` object:
-the step's draft and acceptance and the origin of every token, see ``StepTrace``). Parameters this server cannot honour get a 400
-naming them rather than being silently ignored.
+the step's draft and acceptance and the origin of every token, see ``StepTrace``). Parameters this server cannot honour
+get a 400 naming them rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -26,16 +26,22 @@ from dataclasses import dataclass
 
 from ..core.config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
 from ..core.errors import ConfigError, ContextLengthError, SpecDraftError
-from ..engine import check_fits
 from ..core.processors import RequestProcessor
+from ..engine import check_fits
 from .pacing import STREAM_MODES
 
 
 class RequestError(SpecDraftError):
     """An error answered to the client as OpenAI error JSON."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
@@ -45,13 +51,30 @@ class RequestError(SpecDraftError):
 
 # accepted only at their "off" value; anything else is refused with a precise message
 UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "parallel_tool_calls": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "parallel_tool_calls": (None,),
 }
-SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias", "min_tokens": "min_tokens", "logprobs": "logprobs", "min_p": "min_p"}
+SAMPLING_PARAM = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "min_tokens": "min_tokens",
+    "logprobs": "logprobs",
+    "min_p": "min_p",
+}
 # vLLM's names for structured output: the flat guided_* fields and the keys of structured_outputs
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
@@ -78,21 +101,35 @@ def _is_num(v) -> bool:
 
 def _check_types(body: dict) -> None:
     for name, kind, ok in [
-        ("max_tokens", "an integer", _is_int), ("max_completion_tokens", "an integer", _is_int),
-        ("temperature", "a number", _is_num), ("top_p", "a number", _is_num), ("top_k", "an integer", _is_int),
-        ("seed", "an integer", _is_int), ("n", "an integer", _is_int), ("stream", "a boolean", lambda v: isinstance(v, bool)),
-        ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)), ("presence_penalty", "a number", _is_num),
-        ("frequency_penalty", "a number", _is_num), ("repetition_penalty", "a number", _is_num),
-        ("min_tokens", "an integer", _is_int), ("top_logprobs", "an integer", _is_int), ("min_p", "a number", _is_num),
+        ("max_tokens", "an integer", _is_int),
+        ("max_completion_tokens", "an integer", _is_int),
+        ("temperature", "a number", _is_num),
+        ("top_p", "a number", _is_num),
+        ("top_k", "an integer", _is_int),
+        ("seed", "an integer", _is_int),
+        ("n", "an integer", _is_int),
+        ("stream", "a boolean", lambda v: isinstance(v, bool)),
+        ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)),
+        ("presence_penalty", "a number", _is_num),
+        ("frequency_penalty", "a number", _is_num),
+        ("repetition_penalty", "a number", _is_num),
+        ("min_tokens", "an integer", _is_int),
+        ("top_logprobs", "an integer", _is_int),
+        ("min_p", "a number", _is_num),
         ("logit_bias", "an object", lambda v: isinstance(v, dict)),
     ]:
         v = body.get(name)
         if v is not None and not ok(v):
             raise RequestError(f"{name} must be {kind}, got {v!r}", param=name, code="invalid_type")
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop", code="invalid_type")
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestError(
+            f"stop must be a string or a list of strings, got {stop!r}", param="stop", code="invalid_type"
+        )
     if isinstance(stop, list) and len(stop) > 4:
         raise RequestError(f"stop takes at most 4 strings, got {len(stop)}", param="stop")
     n = body.get("n")
@@ -107,15 +144,19 @@ def _check_types(body: dict) -> None:
     for name in ("include_usage", "include_steps"):
         v = (so or {}).get(name)
         if v is not None and not isinstance(v, bool):
-            raise RequestError(f"stream_options.{name} must be a boolean, got {v!r}", param=f"stream_options.{name}",
-                               code="invalid_type")
+            raise RequestError(
+                f"stream_options.{name} must be a boolean, got {v!r}",
+                param=f"stream_options.{name}",
+                code="invalid_type",
+            )
     steps = (so or {}).get("include_steps")
     if steps and not body.get("stream"):
-        raise RequestError("stream_options.include_steps needs \"stream\": true", param="stream_options.include_steps")
+        raise RequestError('stream_options.include_steps needs "stream": true', param="stream_options.include_steps")
     mode = body.get("stream_mode")
     if mode is not None and mode not in STREAM_MODES:
-        raise RequestError(f"stream_mode must be one of {', '.join(map(repr, STREAM_MODES))}, got {mode!r}",
-                           param="stream_mode")
+        raise RequestError(
+            f"stream_mode must be one of {', '.join(map(repr, STREAM_MODES))}, got {mode!r}", param="stream_mode"
+        )
 
 
 def _is_text(s: str) -> bool:
@@ -144,15 +185,20 @@ def _check_text(body: dict) -> None:
         path, obj = todo.popleft()
         if isinstance(obj, list) and set(map(type, obj)) <= _SCALARS:  # token ids: skipped at C speed
             continue
-        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+        for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
             if isinstance(k, str) and not _is_text(k):
                 where = _field_name(path)
-                raise RequestError(f"{where or 'the request body'} has a key that holds a lone surrogate (an "
-                                   "unpaired \\ud800-\\udfff escape): not Unicode text", param=where or None)
+                raise RequestError(
+                    f"{where or 'the request body'} has a key that holds a lone surrogate (an "
+                    "unpaired \\ud800-\\udfff escape): not Unicode text",
+                    param=where or None,
+                )
             if isinstance(v, str) and not _is_text(v):
                 where = _field_name(path + (k,))
-                raise RequestError(f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not "
-                                   "Unicode text", param=where)
+                raise RequestError(
+                    f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not Unicode text",
+                    param=where,
+                )
             if isinstance(v, (dict, list)):
                 todo.append((path + (k,), v))
 
@@ -168,11 +214,15 @@ def spec_over(s, default: SpecConfig, resources: dict | None = None) -> SpecConf
     of ``resources`` ({field: {name: path}}, the operator's, from the server's start): a request never
     names a path (a FIFO or /dev/zero would block the server; error messages would tell which files exist)."""
     if not isinstance(s, dict):
-        raise RequestError(f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec",
-                           code="invalid_type")
+        raise RequestError(
+            f"spec must be a JSON object (a SpecConfig), got {type(s).__name__}", param="spec", code="invalid_type"
+        )
     if "params" in s:  # merged over the default's flat keys, a nested object would be dropped unread
-        raise RequestError("spec.params is not a spec key: a method's own parameters are flat keys of spec "
-                           "(e.g. {\"method\": \"auto\", \"learn_costs\": false})", param="spec.params")
+        raise RequestError(
+            "spec.params is not a spec key: a method's own parameters are flat keys of spec "
+            '(e.g. {"method": "auto", "learn_costs": false})',
+            param="spec.params",
+        )
     s = {k: (_resource(k, v, resources or {}) if k in PATH_FIELDS else v) for k, v in s.items()}
     d = for_method(default.to_dict(), s.get("method", default.method))
     if "k" in s and "max_k" not in s:
@@ -192,8 +242,10 @@ def _resource(field: str, name, resources: dict):
     if isinstance(name, str) and name in table:
         return table[name]
     names = ", ".join(map(repr, sorted(table))) or "none are configured"
-    raise RequestError(f"spec.{field} must name a {field} this server was started with ({names}); a request may "
-                       "not name a file path", param=f"spec.{field}")
+    raise RequestError(
+        f"spec.{field} must name a {field} this server was started with ({names}); a request may not name a file path",
+        param=f"spec.{field}",
+    )
 
 
 def spec_param(message: str) -> str:
@@ -210,8 +262,12 @@ CHARS_PER_TOKEN = 32  # a text longer than the context x this cannot fit: refuse
 
 def _check_chars(n_chars: int, ctx: int, param: str) -> None:
     if n_chars > CHARS_PER_TOKEN * ctx:
-        raise RequestError(f"the {param} has {n_chars} characters; the model's context of {ctx} tokens takes at "
-                           f"most {CHARS_PER_TOKEN * ctx}", param=param, code="context_length_exceeded")
+        raise RequestError(
+            f"the {param} has {n_chars} characters; the model's context of {ctx} tokens takes at "
+            f"most {CHARS_PER_TOKEN * ctx}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _messages_ids(tokenizer, messages, ctx: int) -> list[int]:
@@ -222,17 +278,21 @@ def _messages_ids(tokenizer, messages, ctx: int) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
         if m["role"] not in ("system", "developer", "user", "assistant"):
-            raise RequestError(f"messages[{i}].role {m['role']!r} is not supported; use system, user or assistant",
-                               param=f"messages[{i}].role")
+            raise RequestError(
+                f"messages[{i}].role {m['role']!r} is not supported; use system, user or assistant",
+                param=f"messages[{i}].role",
+            )
         c = m.get("content")
         if isinstance(c, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
-                raise RequestError(f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages[{i}].content")
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                )
             c = "".join(p["text"] for p in c)
         if not isinstance(c, str):
-            raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
-                               param=f"messages[{i}].content")
+            raise RequestError(
+                f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content"
+            )
         msgs.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
     _check_chars(sum(len(m["content"]) for m in msgs), ctx, "messages")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -258,8 +318,9 @@ def _prompt_ids(tokenizer, prompt, vocab: int, ctx: int) -> list[int]:
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise RequestError(f"one prompt per request is supported, got {len(prompt)}", param="prompt")
-    raise RequestError("prompt must be a string, a list with one string, or a non-empty list of token ids",
-                       param="prompt")
+    raise RequestError(
+        "prompt must be a string, a list with one string, or a non-empty list of token ids", param="prompt"
+    )
 
 
 def _regex_literal(s: str) -> str:
@@ -273,18 +334,23 @@ def _constraint(body: dict) -> tuple[dict, str | None]:
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise RequestError("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                               param="response_format")
+            raise RequestError(
+                'response_format must be {"type": "text" | "json_object" | "json_schema"}', param="response_format"
+            )
         if rf["type"] == "json_object":
             found.append(("response_format", "json", {"type": "object"}))
         elif rf["type"] == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
-                raise RequestError("response_format.json_schema must be an object with a 'schema' (a JSON schema)",
-                                   param="response_format.json_schema")
+                raise RequestError(
+                    "response_format.json_schema must be an object with a 'schema' (a JSON schema)",
+                    param="response_format.json_schema",
+                )
             if js["schema"] is False:
-                raise RequestError("response_format.json_schema.schema is false: no document is valid",
-                                   param="response_format.json_schema")
+                raise RequestError(
+                    "response_format.json_schema.schema is false: no document is valid",
+                    param="response_format.json_schema",
+                )
             schema = js["schema"] if isinstance(js["schema"], dict) else {}  # true: any JSON value
             found.append(("response_format", "json", schema))
     for name, kind in GUIDED.items():
@@ -298,8 +364,9 @@ def _constraint(body: dict) -> tuple[dict, str | None]:
     if not found:
         return {}, None
     if len(found) > 1:
-        raise RequestError(f"set one structured-output constraint, got {', '.join(f[0] for f in found)}",
-                           param=found[1][0])
+        raise RequestError(
+            f"set one structured-output constraint, got {', '.join(f[0] for f in found)}", param=found[1][0]
+        )
     param, kind, v = found[0]
     if kind == "choice":
         if not (isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)):
@@ -321,10 +388,15 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         return (top or 0) if lp else None
     if top is not None:
-        raise RequestError("top_logprobs is a chat parameter; completions take logprobs: <number>", param="top_logprobs")
+        raise RequestError(
+            "top_logprobs is a chat parameter; completions take logprobs: <number>", param="top_logprobs"
+        )
     if lp is not None and not _is_int(lp):
-        raise RequestError(f"logprobs must be an integer (the number of alternatives), got {lp!r}", param="logprobs",
-                           code="invalid_type")
+        raise RequestError(
+            f"logprobs must be an integer (the number of alternatives), got {lp!r}",
+            param="logprobs",
+            code="invalid_type",
+        )
     return lp
 
 
@@ -332,7 +404,9 @@ def _prompt(body: dict, chat: bool, target, tokenizer) -> tuple[list[int], objec
     """-> (the prompt's token ids, the requested max_tokens or None)."""
     if chat:
         if "messages" not in body:
-            raise RequestError("missing required parameter: messages", param="messages", code="missing_required_parameter")
+            raise RequestError(
+                "missing required parameter: messages", param="messages", code="missing_required_parameter"
+            )
         ids = _messages_ids(tokenizer, body["messages"], target.max_context)
         prompt_param = "messages"
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -346,8 +420,11 @@ def _prompt(body: dict, chat: bool, target, tokenizer) -> tuple[list[int], objec
         raise RequestError("the prompt is empty: need at least one token", param=prompt_param)
     ctx = target.max_context
     if len(ids) >= ctx:
-        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {ctx} tokens",
-                           param=prompt_param, code="context_length_exceeded")
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens; the model's context is {ctx} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     return ids, max_tokens
 
 
@@ -380,24 +457,40 @@ def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, t
     try:  # compiles the grammar and checks logit_bias ids now, so that a bad one is a 400 before queueing
         RequestProcessor.for_request(sp, ids, target.vocab_size, target.eos_token_ids(), tokenizer)
     except ConfigError as e:
-        raise RequestError(str(e), param=cparam if sp.constrained and "logit_bias" not in str(e) else "logit_bias") from None
+        raise RequestError(
+            str(e), param=cparam if sp.constrained and "logit_bias" not in str(e) else "logit_bias"
+        ) from None
     try:
         check_fits(target, len(ids), sp)
     except ContextLengthError as e:
-        raise RequestError(str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens",
-                           code="context_length_exceeded") from None
+        raise RequestError(
+            str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens", code="context_length_exceeded"
+        ) from None
     return sp
 
 
-def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, default_spec: SpecConfig,
-                  default_max_tokens: int, resources: dict | None = None) -> ParsedRequest:
+def parse_request(
+    body,
+    *,
+    chat: bool,
+    model_name: str,
+    target,
+    tokenizer,
+    default_spec: SpecConfig,
+    default_max_tokens: int,
+    resources: dict | None = None,
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _check_text(body)
     model = body.get("model")
     if model is not None and model != model_name:
-        raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
-                           code="model_not_found", status=404)
+        raise RequestError(
+            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
     _check_types(body)
     ids, max_tokens = _prompt(body, chat, target, tokenizer)
     if max_tokens is None:
@@ -405,8 +498,16 @@ def parse_request(body, *, chat: bool, model_name: str, target, tokenizer, defau
     sp = _sampling(body, chat, ids, max_tokens, target, tokenizer)
     spec = _spec(body, default_spec, resources)
     so = body.get("stream_options") or {}
-    return ParsedRequest(ids, sp, spec, bool(body.get("stream", False)), bool(so.get("include_usage", False)), chat,
-                         body.get("stream_mode"), bool(so.get("include_steps", False)))
+    return ParsedRequest(
+        ids,
+        sp,
+        spec,
+        bool(body.get("stream", False)),
+        bool(so.get("include_usage", False)),
+        chat,
+        body.get("stream_mode"),
+        bool(so.get("include_steps", False)),
+    )
 
 
 def usage(stats, method: str, hide_acceptance: bool = False) -> dict:
@@ -419,8 +520,15 @@ def usage(stats, method: str, hide_acceptance: bool = False) -> dict:
         "method": method,  # extensions: speculative decoding of this request
     }
     if not hide_acceptance:
-        u.update({"steps": len(stats.steps), "drafted": stats.drafted, "accepted": stats.accepted,
-                  "mean_accepted_tokens": stats.mat, "acceptance_rate": stats.acceptance_rate})
+        u.update(
+            {
+                "steps": len(stats.steps),
+                "drafted": stats.drafted,
+                "accepted": stats.accepted,
+                "mean_accepted_tokens": stats.mat,
+                "acceptance_rate": stats.acceptance_rate,
+            }
+        )
     if getattr(stats, "lossy", None):  # an opt-in lossy verification rule made this output
         u["lossy"] = stats.lossy
     if getattr(stats, "arms", None) and not hide_acceptance:  # a composite drafter (auto, hybrid): steps per arm
@@ -451,16 +559,23 @@ class ResponseBuilder:
         lp = self.logprobs(logprobs)
         if self.chat:
             d = self._base("chat.completion")
-            d["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                             "finish_reason": fr}]
+            d["choices"] = [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": fr}
+            ]
         else:
             d = self._base("text_completion")
             d["choices"] = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": fr}]
         d["usage"] = usage(stats, method, self.hide_acceptance)
         return d
 
-    def chunk(self, delta: str | None, finish: str | None = None, first: bool = False,
-              logprobs: list | None = None, steps: dict | None = None) -> dict:
+    def chunk(
+        self,
+        delta: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        logprobs: list | None = None,
+        steps: dict | None = None,
+    ) -> dict:
         lp = self.logprobs(logprobs)
         if self.chat:
             d = self._base("chat.completion.chunk")
@@ -482,19 +597,29 @@ class ResponseBuilder:
             return None
         word = (lambda t: self.tok.decode([t])) if self.tok is not None else str
         if self.chat:
+
             def item(t, lp):
                 w = word(t)
                 return {"token": w, "logprob": lp, "bytes": list(w.encode("utf-8"))}
-            return {"content": [{**item(e["token_id"], e["logprob"]),
-                                 "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries],
-                    "refusal": None}
+
+            return {
+                "content": [
+                    {**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                    for e in entries
+                ],
+                "refusal": None,
+            }
         words = [word(e["token_id"]) for e in entries]
         offsets, at = [], 0
         for w in words:
             offsets.append(at)
             at += len(w)
-        return {"tokens": words, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{word(t): lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
+        return {
+            "tokens": words,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{word(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets,
+        }
 
     def usage_chunk(self, stats, method: str) -> dict:
         d = self._base("chat.completion.chunk" if self.chat else "text_completion")
@@ -518,14 +643,14 @@ class Detokenizer:
         self.done = 0  # characters of the window's text already returned
 
     def _decode(self) -> str:
-        return self.tok.decode(self.ids[self.start:], skip_special_tokens=True)
+        return self.tok.decode(self.ids[self.start :], skip_special_tokens=True)
 
     def push(self, new: list[int]) -> str:
         """The text the ``new`` tokens complete."""
         self.ids.extend(int(t) for t in new)
         window = self._decode()
         ready = window.rstrip("\ufffd")
-        delta = ready[self.done:]
+        delta = ready[self.done :]
         self.done = max(self.done, len(ready))
         if len(ready) == len(window) and len(self.ids) - self.start > 2 * self.CONTEXT:  # nothing held: slide
             self.start = len(self.ids) - self.CONTEXT
@@ -563,7 +688,7 @@ class TextStream:
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True
         t = self.text if final or self.stopped else self.text[: max(self.sent, len(self.text) - self.hold)]
-        delta = t[self.sent:]
+        delta = t[self.sent :]
         self.sent = max(self.sent, len(t))
         return delta
 
@@ -594,8 +719,11 @@ class StepTrace:
             if logprobs is not None and j < len(logprobs):
                 tok["logprob"] = logprobs[j]["logprob"]
             tokens.append(tok)
-        step = None if rec is None else {"n": self.n, "drafted": rec.drafted, "accepted": rec.accepted,
-                                         "emitted": rec.emitted, "arm": arm}
+        step = (
+            None
+            if rec is None
+            else {"n": self.n, "drafted": rec.drafted, "accepted": rec.accepted, "emitted": rec.emitted, "arm": arm}
+        )
         return {"step": step, "tokens": tokens, "pieces": self.pieces(start, delta)}
 
     def pieces(self, start: int, delta: str) -> list:
@@ -605,7 +733,7 @@ class StepTrace:
         while at < stop:
             end = min(self.ends[i], stop) if i < len(self.ends) - 1 else stop  # the last token takes the rest
             if end > at:
-                out.append([delta[at - start:end - start], min(i, len(self.ends) - 1)])
+                out.append([delta[at - start : end - start], min(i, len(self.ends) - 1)])
                 at = end
             i += 1
         return out

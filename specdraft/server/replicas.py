@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from fastapi import FastAPI
 
 from ..core.errors import SpecDraftError
-from .front import create_front
 from ..scale.cluster import connect
+from .front import create_front
 
 
 class ReplicaServer:
@@ -55,6 +55,7 @@ def _node_ip() -> str:
 @dataclass(frozen=True)
 class ReplicaOptions:
     """``specdraft serve --replicas N``'s options."""
+
     replicas: int = 1
     ray_address: str | None = None  # None / "local": a local Ray instance
     replica_cpus: int | None = None  # default: the cluster's CPUs / replicas
@@ -67,13 +68,16 @@ def start_replicas(models, settings, opts: ReplicaOptions, method_defaulted: boo
     replicas listen on their nodes' addresses, so they need an API key."""
     local = opts.ray_address in (None, "", "local")
     if not local and not settings.api_key and not opts.insecure:
-        raise SpecDraftError("replicas on a Ray cluster listen on their nodes' addresses: set --api-key KEY (or "
-                             "SPECDRAFT_API_KEY), or pass --insecure")
+        raise SpecDraftError(
+            "replicas on a Ray cluster listen on their nodes' addresses: set --api-key KEY (or "
+            "SPECDRAFT_API_KEY), or pass --insecure"
+        )
     if opts.replica_cpus is not None and opts.replica_cpus < 1:
         raise SpecDraftError(f"--replica-cpus must be >= 1, got {opts.replica_cpus}")
     # a local instance offers at least one CPU per replica, so no replica waits forever for a CPU
-    ray = connect(opts.ray_address,
-                  None if not local else max(os.cpu_count(), opts.replicas * (opts.replica_cpus or 1)))
+    ray = connect(
+        opts.ray_address, None if not local else max(os.cpu_count(), opts.replicas * (opts.replica_cpus or 1))
+    )
     cpus = opts.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // opts.replicas)
     models = replace(models, threads=models.threads or cpus)
     actor = ray.remote(num_cpus=cpus)(ReplicaServer)
@@ -88,8 +92,15 @@ def start_replicas(models, settings, opts: ReplicaOptions, method_defaulted: boo
     def stop():
         for h in handles:
             ray.kill(h)
-    front = create_front(urls, api_key=settings.api_key, open_metrics=settings.open_metrics, on_stop=stop,
-                         max_body_bytes=settings.max_body_bytes, allowed_hosts=settings.allowed_hosts)
+
+    front = create_front(
+        urls,
+        api_key=settings.api_key,
+        open_metrics=settings.open_metrics,
+        on_stop=stop,
+        max_body_bytes=settings.max_body_bytes,
+        allowed_hosts=settings.allowed_hosts,
+    )
     front.state.replicas = handles
     return front
 

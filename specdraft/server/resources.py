@@ -25,8 +25,12 @@ log = logging.getLogger("specdraft.server")
 # field: the files a loader reads, relative to the path ("" is the path itself, a file); a directory otherwise.
 # A tuple in the list: the loader reads the first of these that exists (a head's weights: ours, or an
 # EAGLE-3 checkpoint's).
-FILES = {"skip_config": ("",), "autotune": ("",), "datastore": ("meta.json", "tokens.npy", "sa.npy"),
-         "head": ("config.json", ("head.safetensors", "model.safetensors", "pytorch_model.bin"))}
+FILES = {
+    "skip_config": ("",),
+    "autotune": ("",),
+    "datastore": ("meta.json", "tokens.npy", "sa.npy"),
+    "head": ("config.json", ("head.safetensors", "model.safetensors", "pytorch_model.bin")),
+}
 MAX_JSON_BYTES = 1 << 20  # a JSON file (skip config, autotune file, a manifest) larger than this is refused unread
 LOAD_S = 60.0  # the longest one request's resources may take to load (less with a shorter --timeout)
 
@@ -67,9 +71,12 @@ def check_all(resources: dict[str, dict[str, str]]) -> None:
                 raise SpecDraftError(f"--resource {field}:{name}={path}: {why}")
 
 
-LOADERS = {"head": lambda dec, spec: dec.head(spec), "datastore": lambda dec, spec: dec.datastore(spec.datastore),
-           "skip_config": lambda dec, spec: dec.skip_config(spec.skip_config),
-           "autotune": lambda dec, spec: _arms_resources(dec, spec.autotune)}
+LOADERS = {
+    "head": lambda dec, spec: dec.head(spec),
+    "datastore": lambda dec, spec: dec.datastore(spec.datastore),
+    "skip_config": lambda dec, spec: dec.skip_config(spec.skip_config),
+    "autotune": lambda dec, spec: _arms_resources(dec, spec.autotune),
+}
 
 
 def _read(decoder, spec, fields: list[str], on_field=lambda field: None) -> None:
@@ -131,9 +138,13 @@ async def load(decoder, spec, named: dict, limit_s: float, draining) -> None:
     except TimeoutError:
         field = at["field"]
         what = dict(fields)[field] if field else "the method's resource"
-        raise RequestError(f"spec{'.' + field if field else ''}: {what} did not load within {limit_s:g} s",
-                           param=f"spec.{field}" if field else "spec", status=408, type="timeout_error",
-                           code="request_timeout") from None
+        raise RequestError(
+            f"spec{'.' + field if field else ''}: {what} did not load within {limit_s:g} s",
+            param=f"spec.{field}" if field else "spec",
+            status=408,
+            type="timeout_error",
+            code="request_timeout",
+        ) from None
     except Exception as e:
         if at["field"] is not None:  # reading an operator's file (a corrupt one fails in numpy, safetensors...)
             raise _unavailable(at["field"], dict(fields)[at["field"]], spec, e) from None

@@ -45,8 +45,12 @@ def make_drafter(decoder, spec):
 def shutdown_error():
     from .protocol import RequestError
 
-    return RequestError("the server shut down before this request finished; retry on another replica", status=503,
-                        type="server_error", code="shutting_down")
+    return RequestError(
+        "the server shut down before this request finished; retry on another replica",
+        status=503,
+        type="server_error",
+        code="shutting_down",
+    )
 
 
 class Job:
@@ -153,7 +157,7 @@ class BaseWorker:
                     log.exception("recovering the worker failed")
 
     def health(self, stuck_after_s: float) -> str:
-        """"ok", "dead" (the thread ended while the server runs) or "stuck" (one step has run for more than
+        """ "ok", "dead" (the thread ended while the server runs) or "stuck" (one step has run for more than
         ``stuck_after_s``), for /health."""
         if not self._thread.is_alive() and not self._stop:
             return "dead"

@@ -56,8 +56,16 @@ def send(client, body: dict, cut_after: int | None = None) -> dict:
     except httpx.HTTPError as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     end = time.perf_counter()
-    return {"ok": True, "start": t0, "end": end, "latency": end - t0, "ttft": (first or end) - t0,
-            "text": "".join(text), "tokens": usage["completion_tokens"] if usage else None, "usage": usage}
+    return {
+        "ok": True,
+        "start": t0,
+        "end": end,
+        "latency": end - t0,
+        "ttft": (first or end) - t0,
+        "text": "".join(text),
+        "tokens": usage["completion_tokens"] if usage else None,
+        "usage": usage,
+    }
 
 
 def pct(xs, q):

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from ..api import ModelSettings
+from ..commands.flags import add_model_args
+from ..core.errors import SpecDraftError
 from ..core.extras import require_extra
 from ..models.cost_curve import cpu_name
-from ..core.errors import SpecDraftError
-from ..commands.flags import add_model_args
 
 K_EVENTS = 32  # events per request the features describe (zero-padded)
 CLASSES = ("Repeat the following text word for word.\n\n{p}", "Write a short poem about the following text.\n\n{p}")
@@ -44,6 +44,7 @@ MODES = {  # name -> (request's spec, stream_mode)
 @dataclass(frozen=True)
 class LeakOptions:
     """``specdraft leak``'s flags."""
+
     models: ModelSettings
     method: str = "prompt_lookup"  # the speculative method measured
     per_class: int = 40  # prompts per class (>= 10)
@@ -58,16 +59,22 @@ class LeakOptions:
 
 
 def add_parser(sub):
-    lk = sub.add_parser("leak", help="measure what streamed responses' timing and sizes tell an observer, normal "
-                        "vs stream_mode fixed (docs/server.md)")
+    lk = sub.add_parser(
+        "leak",
+        help="measure what streamed responses' timing and sizes tell an observer, normal "
+        "vs stream_mode fixed (docs/server.md)",
+    )
     add_model_args(lk, default_target="smollm2-135m")
     lk.add_argument("--method", default="prompt_lookup", help="the speculative method measured (default prompt_lookup)")
     lk.add_argument("--per-class", type=int, default=40, help="prompts per class (>= 10)")
     lk.add_argument("--max-tokens", type=int, default=48, help="tokens per response (ignore_eos: all the same length)")
     lk.add_argument("--chunk", type=int, default=4, help="fixed streams: tokens per event")
-    lk.add_argument("--interval-ms", type=float, default=None,
-                    help="fixed streams: ms between events (default: calibrated, chunk at --margin of the slowest "
-                         "warm-up rate)")
+    lk.add_argument(
+        "--interval-ms",
+        type=float,
+        default=None,
+        help="fixed streams: ms between events (default: calibrated, chunk at --margin of the slowest warm-up rate)",
+    )
     lk.add_argument("--margin", type=float, default=0.7, help="fraction of the slowest warm-up rate the cadence uses")
     lk.add_argument("--pad-bytes", type=int, default=512, help="fixed streams: events padded to a multiple of this")
     lk.add_argument("--dataset", default=None, help="Spec-Bench question.jsonl (default: the shared copy)")
@@ -86,7 +93,7 @@ def passages(n: int, path: Path) -> list[str]:
         text = re.sub(r"\s+", " ", row["turns"][0].split("\n", 1)[-1]).strip()
         cut = text.rfind(". ", 0, 320)
         if cut > 150:
-            out.append(text[:cut + 1])
+            out.append(text[: cut + 1])
         if len(out) == n:
             return out
     raise SpecDraftError(f"the dataset has only {len(out)} usable summarization passages; asked for {n}")
@@ -126,7 +133,7 @@ def features(obs: dict) -> np.ndarray:
     f = np.zeros(3 + 2 * K_EVENTS)
     f[:3] = len(t), t[-1], s.sum()
     n = min(K_EVENTS, len(t))
-    f[3:3 + n], f[3 + K_EVENTS:3 + K_EVENTS + n] = gaps[:n], s[:n]
+    f[3 : 3 + n], f[3 + K_EVENTS : 3 + K_EVENTS + n] = gaps[:n], s[:n]
     return f
 
 
@@ -140,8 +147,10 @@ def classifier_accuracy(X: np.ndarray, y: np.ndarray) -> dict:
 
     cv = StratifiedKFold(5, shuffle=True, random_state=0)
     out = {}
-    for name, clf in [("logistic_regression", make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))),
-                      ("random_forest", RandomForestClassifier(200, random_state=0))]:
+    for name, clf in [
+        ("logistic_regression", make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000))),
+        ("random_forest", RandomForestClassifier(200, random_state=0)),
+    ]:
         acc = cross_val_score(clf, X, y, cv=cv, scoring="accuracy")
         out[name] = {"mean": round(float(acc.mean()), 3), "std": round(float(acc.std()), 3)}
     return out
@@ -171,8 +180,14 @@ def main_leak(opts: LeakOptions) -> int:
     pacing = StreamPacing(opts.chunk, 1.0, opts.pad_bytes)  # the interval is set below, after calibration
 
     def body(cls: int, i: int) -> dict:
-        return {"model": "m", "messages": [{"role": "user", "content": CLASSES[cls].format(p=texts[i])}],
-                "max_tokens": opts.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        return {
+            "model": "m",
+            "messages": [{"role": "user", "content": CLASSES[cls].format(p=texts[i])}],
+            "max_tokens": opts.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
 
     with serve_in_thread(dec, model_name="m", default_spec={"method": opts.method}, stream_pacing=pacing) as (url, app):
         warm = [body(c, opts.per_class + j) for j in range(2) for c in (0, 1)]
@@ -180,17 +195,32 @@ def main_leak(opts: LeakOptions) -> int:
         if opts.interval_ms:
             interval = opts.interval_ms / 1000
         app.state.stream_pacing = StreamPacing(opts.chunk, interval, opts.pad_bytes)
-        print(f"slowest warm-up rate {slowest:.1f} tok/s; fixed streams: {opts.chunk} tokens every "
-              f"{interval * 1000:.0f} ms, padded to {opts.pad_bytes} B", file=sys.stderr)
+        print(
+            f"slowest warm-up rate {slowest:.1f} tok/s; fixed streams: {opts.chunk} tokens every "
+            f"{interval * 1000:.0f} ms, padded to {opts.pad_bytes} B",
+            file=sys.stderr,
+        )
         obs, labels = observe_modes(url, body, opts.per_class, opts.quiet)
     y = np.array(labels)
-    report = {"target": opts.models.target, "backend": dec.backend, "dtype": opts.models.weights(dec.backend),
-              "method": opts.method, "cpu": cpu_name(), "per_class": opts.per_class, "max_tokens": opts.max_tokens,
-              "chunk_tokens": opts.chunk, "interval_ms": round(interval * 1000, 1), "pad_bytes": opts.pad_bytes,
-              "slowest_warmup_tok_s": round(slowest, 2), "chance_band_95": _chance_band(len(y)),
-              "modes": {m: mode_report(os_, y) for m, os_ in obs.items()}}
-    same = all(obs["speculation, fixed stream"][j]["text"] == obs["speculation, normal stream"][j]["text"]
-               for j in range(len(y)))
+    report = {
+        "target": opts.models.target,
+        "backend": dec.backend,
+        "dtype": opts.models.weights(dec.backend),
+        "method": opts.method,
+        "cpu": cpu_name(),
+        "per_class": opts.per_class,
+        "max_tokens": opts.max_tokens,
+        "chunk_tokens": opts.chunk,
+        "interval_ms": round(interval * 1000, 1),
+        "pad_bytes": opts.pad_bytes,
+        "slowest_warmup_tok_s": round(slowest, 2),
+        "chance_band_95": _chance_band(len(y)),
+        "modes": {m: mode_report(os_, y) for m, os_ in obs.items()},
+    }
+    same = all(
+        obs["speculation, fixed stream"][j]["text"] == obs["speculation, normal stream"][j]["text"]
+        for j in range(len(y))
+    )
     report["fixed_text_equals_normal"] = same
     report["examples"] = {m: [{k: os_[j][k] for k in ("times", "sizes")} for j in (0, 1)] for m, os_ in obs.items()}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
@@ -224,10 +254,12 @@ def mode_report(os_: list[dict], y: np.ndarray) -> dict:
     return {
         "accuracy": classifier_accuracy(X, y),
         "mean_total_s": round(statistics.fmean(o["total_s"] for o in os_), 3),
-        "mean_total_s_by_class": [round(statistics.fmean(o["total_s"] for o, c in zip(os_, y) if c == k), 3)
-                                  for k in (0, 1)],
-        "mean_events_by_class": [round(statistics.fmean(len(o["times"]) for o, c in zip(os_, y) if c == k), 2)
-                                 for k in (0, 1)],
+        "mean_total_s_by_class": [
+            round(statistics.fmean(o["total_s"] for o, c in zip(os_, y) if c == k), 3) for k in (0, 1)
+        ],
+        "mean_events_by_class": [
+            round(statistics.fmean(len(o["times"]) for o, c in zip(os_, y) if c == k), 2) for k in (0, 1)
+        ],
         "mean_first_text_s": round(statistics.fmean(o["first_text_s"] for o in os_ if o["first_text_s"]), 3),
         "mean_events": round(statistics.fmean(len(o["times"]) for o in os_), 1),
         "distinct_event_sizes": len({s for o in os_ for s in o["sizes"]}),
@@ -236,14 +268,19 @@ def mode_report(os_: list[dict], y: np.ndarray) -> dict:
 
 def table(r: dict) -> str:
     lo, hi = r["chance_band_95"]
-    rows = [f"{r['per_class']} prompts per class, {r['max_tokens']} tokens each; chance: 0.50 (95% band of a coin "
-            f"{lo:.2f}-{hi:.2f})", "",
-            "| mode | logistic regression | random forest | mean total s | mean time to first text s | events |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        f"{r['per_class']} prompts per class, {r['max_tokens']} tokens each; chance: 0.50 (95% band of a coin "
+        f"{lo:.2f}-{hi:.2f})",
+        "",
+        "| mode | logistic regression | random forest | mean total s | mean time to first text s | events |",
+        "|---|---|---|---|---|---|",
+    ]
     for m, d in r["modes"].items():
         lr, rf = d["accuracy"]["logistic_regression"], d["accuracy"]["random_forest"]
-        rows.append(f"| {m} | {lr['mean']:.2f} ± {lr['std']:.2f} | {rf['mean']:.2f} ± {rf['std']:.2f} | "
-                    f"{d['mean_total_s']:.2f} | {d['mean_first_text_s']:.2f} | {d['mean_events']:.0f} |")
+        rows.append(
+            f"| {m} | {lr['mean']:.2f} ± {lr['std']:.2f} | {rf['mean']:.2f} ± {rf['std']:.2f} | "
+            f"{d['mean_total_s']:.2f} | {d['mean_first_text_s']:.2f} | {d['mean_events']:.0f} |"
+        )
     return "\n".join(rows)
 
 

@@ -31,6 +31,7 @@ MAX_CONCURRENCY = 64
 @dataclass(frozen=True)
 class LoadtestOptions:
     """``specdraft loadtest``'s flags."""
+
     url: str = "http://127.0.0.1:8000"  # loopback only
     concurrency: str = "1,4,16"  # a comma list of concurrent clients
     requests: int = 16  # per concurrency level and mode
@@ -56,9 +57,13 @@ def add_parser(sub):
     lt.add_argument("--spec", default=None, help="SpecConfig JSON for the spec mode (default: the server's)")
     lt.add_argument("--out", default="loadtest.json", help="JSON results file")
     lt.add_argument("--api-key", default=None, help="the server's API key (default: $SPECDRAFT_API_KEY)")
-    lt.add_argument("--soak", action="store_true", help="mixed load at each --concurrency level (--requests each), "
-                    "every greedy answer checked against the same request alone, then --disconnects requests whose "
-                    "clients leave at random points, and the server's /health before and after")
+    lt.add_argument(
+        "--soak",
+        action="store_true",
+        help="mixed load at each --concurrency level (--requests each), "
+        "every greedy answer checked against the same request alone, then --disconnects requests whose "
+        "clients leave at random points, and the server's /health before and after",
+    )
     lt.add_argument("--disconnects", type=int, default=1000, help="--soak: requests whose clients disconnect")
     lt.add_argument("--soak-methods", default="prompt_lookup,plain", help="--soak: methods the requests draw from")
     return lt
@@ -69,8 +74,9 @@ def check_url(url: str) -> str:
     if u.scheme != "http" or not u.hostname:
         raise SpecDraftError(f"--url must be an http:// URL of a local server, got {url!r}")
     if u.hostname not in LOOPBACK:
-        raise SpecDraftError(f"loadtest only targets a server on this machine (127.0.0.1, localhost or ::1); "
-                             f"refusing {u.hostname!r}")
+        raise SpecDraftError(
+            f"loadtest only targets a server on this machine (127.0.0.1, localhost or ::1); refusing {u.hostname!r}"
+        )
     return url.rstrip("/")
 
 
@@ -84,12 +90,20 @@ def parse_levels(s: str) -> list[int]:
     return levels
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float,
-                headers: dict | None = None) -> dict:
+def one_request(
+    url: str, model: str, prompt: str, max_tokens: int, spec: dict | None, timeout: float, headers: dict | None = None
+) -> dict:
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if spec is not None:
         body["spec"] = spec
     with httpx.Client(base_url=url, timeout=timeout, headers=headers) as c:
@@ -125,12 +139,21 @@ def run_level(url, model, conc, n_requests, max_tokens, spec, deadline, headers=
     acc = sum(r["usage"]["accepted"] for r in ok)
     drafted = sum(r["usage"]["drafted"] for r in ok)
     return {
-        "concurrency": conc, "requests": n_requests, "ok": len(ok), "errors": len(results) - len(ok),
+        "concurrency": conc,
+        "requests": n_requests,
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if not r["ok"]), None),
-        "wall_s": wall, "output_tokens": tokens, "throughput_tok_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": pct([r["ttft"] for r in ok], 50), "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
-        "tpot_p50_s": pct([r["tpot"] for r in ok], 50), "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
-        "drafted": drafted, "accepted": acc, "steps": steps,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "throughput_tok_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": pct([r["tpot"] for r in ok], 50),
+        "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
+        "drafted": drafted,
+        "accepted": acc,
+        "steps": steps,
         "mean_accepted_tokens": mean_accepted_tokens_from_totals(acc, steps),
     }
 
@@ -140,14 +163,18 @@ def _fmt(v, scale=1.0, digits=1):
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'mode':6s} {'conc':>4s} {'ok':>5s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} " \
-           f"{'TPOT p50':>9s} {'TPOT p99':>9s} {'MAT':>5s}"
+    head = (
+        f"{'mode':6s} {'conc':>4s} {'ok':>5s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+        f"{'TPOT p50':>9s} {'TPOT p99':>9s} {'MAT':>5s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['mode']:6s} {r['concurrency']:4d} {r['ok']:>2d}/{r['requests']:<2d} "
-                     f"{_fmt(r['throughput_tok_s']):>7s} {_fmt(r['ttft_p50_s'], 1e3, 0):>7s}ms "
-                     f"{_fmt(r['ttft_p99_s'], 1e3, 0):>7s}ms {_fmt(r['tpot_p50_s'], 1e3, 0):>7s}ms "
-                     f"{_fmt(r['tpot_p99_s'], 1e3, 0):>7s}ms {_fmt(r['mean_accepted_tokens'], 1, 2):>5s}")
+        lines.append(
+            f"{r['mode']:6s} {r['concurrency']:4d} {r['ok']:>2d}/{r['requests']:<2d} "
+            f"{_fmt(r['throughput_tok_s']):>7s} {_fmt(r['ttft_p50_s'], 1e3, 0):>7s}ms "
+            f"{_fmt(r['ttft_p99_s'], 1e3, 0):>7s}ms {_fmt(r['tpot_p50_s'], 1e3, 0):>7s}ms "
+            f"{_fmt(r['tpot_p99_s'], 1e3, 0):>7s}ms {_fmt(r['mean_accepted_tokens'], 1, 2):>5s}"
+        )
     return "\n".join(lines)
 
 
@@ -166,12 +193,16 @@ def _soak(opts: LoadtestOptions, url, headers, levels) -> int:
 
 
 def soak_table(out: dict) -> str:
-    lines = ["| clients | requests | completed | errored | tok/s | latency p50 / p99 | TTFT p50 / p99 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| clients | requests | completed | errored | tok/s | latency p50 / p99 | TTFT p50 / p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in out["levels"]:
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['completed']} | {r['errored']} | "
-                     f"{_fmt(r['tokens_per_s'])} | {_fmt(r['latency_p50_s'], 1, 2)} / {_fmt(r['latency_p99_s'], 1, 2)} s | "
-                     f"{_fmt(r['ttft_p50_s'], 1, 2)} / {_fmt(r['ttft_p99_s'], 1, 2)} s |")
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['completed']} | {r['errored']} | "
+            f"{_fmt(r['tokens_per_s'])} | {_fmt(r['latency_p50_s'], 1, 2)} / {_fmt(r['latency_p99_s'], 1, 2)} s | "
+            f"{_fmt(r['ttft_p50_s'], 1, 2)} / {_fmt(r['ttft_p99_s'], 1, 2)} s |"
+        )
     g, d = out["greedy"], out["disconnects"]
     lines.append(f"\ngreedy under load vs alone: {g['identical']}/{g['greedy_checked']} identical")
     lines.append(f"disconnects: {d}")
@@ -215,19 +246,35 @@ def main_loadtest(opts: LoadtestOptions) -> int:
     rows = []
     for conc in levels:
         for mode in modes:
-            r = run_level(url, model, conc, opts.requests, opts.max_tokens,
-                          {"method": "plain"} if mode == "plain" else spec, deadline, headers)
+            r = run_level(
+                url,
+                model,
+                conc,
+                opts.requests,
+                opts.max_tokens,
+                {"method": "plain"} if mode == "plain" else spec,
+                deadline,
+                headers,
+            )
             r["mode"] = mode
             rows.append(r)
             print(table([r]).splitlines()[-1], file=sys.stderr, flush=True)
-    out = {"url": url, "model": model, "scheduler": h.get("scheduler"), "max_tokens": opts.max_tokens,
-           "spec": spec, "results": rows}
+    out = {
+        "url": url,
+        "model": model,
+        "scheduler": h.get("scheduler"),
+        "max_tokens": opts.max_tokens,
+        "spec": spec,
+        "results": rows,
+    }
     print(table(rows))
     with open(opts.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"saved {opts.out}", file=sys.stderr)
     errors = sum(r["errors"] for r in rows)
     if errors:
-        print(f"warning: {errors} request(s) failed; first: {next(r['first_error'] for r in rows if r['errors'])}",
-              file=sys.stderr)
+        print(
+            f"warning: {errors} request(s) failed; first: {next(r['first_error'] for r in rows if r['errors'])}",
+            file=sys.stderr,
+        )
     return 0

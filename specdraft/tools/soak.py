@@ -29,9 +29,14 @@ MAX_TOKENS = (8, 16, 32, 64)
 
 def _request(i: int, rng: random.Random, methods: list[str], lengths=MAX_TOKENS) -> dict:
     greedy = rng.random() < 0.6
-    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": rng.choice(lengths), "ignore_eos": True,
-            "temperature": 0 if greedy else 0.8, "spec": {"method": rng.choice(methods)},
-            "stream": rng.random() < 0.5}
+    body = {
+        "prompt": PROMPTS[i % len(PROMPTS)],
+        "max_tokens": rng.choice(lengths),
+        "ignore_eos": True,
+        "temperature": 0 if greedy else 0.8,
+        "spec": {"method": rng.choice(methods)},
+        "stream": rng.random() < 0.5,
+    }
     if not greedy:
         body["seed"] = i
     if body["stream"]:
@@ -57,11 +62,19 @@ def mixed_level(client_for, conc: int, n: int, methods: list[str], seed: int, le
     wall = time.perf_counter() - t0
     ok = [r for r in out if r["ok"]]
     tokens = sum(r["tokens"] or 0 for r in ok)
-    row = {"concurrency": conc, "requests": n, "completed": len(ok), "errored": n - len(ok),
-           "first_error": next((r.get("error") for r in out if not r["ok"]), None), "wall_s": wall,
-           "tokens_per_s": tokens / wall, "latency_p50_s": pct([r["latency"] for r in ok], 50),
-           "latency_p99_s": pct([r["latency"] for r in ok], 99), "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
-           "ttft_p99_s": pct([r["ttft"] for r in ok], 99)}
+    row = {
+        "concurrency": conc,
+        "requests": n,
+        "completed": len(ok),
+        "errored": n - len(ok),
+        "first_error": next((r.get("error") for r in out if not r["ok"]), None),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": pct([r["latency"] for r in ok], 50),
+        "latency_p99_s": pct([r["latency"] for r in ok], 99),
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
+    }
     return row, list(zip(bodies, out))
 
 
@@ -99,8 +112,9 @@ def disconnects(client_for, n: int, conc: int, methods: list[str], seed: int, ma
     def task(i):
         body, cut = plans[i]
         if cut == 0:
-            c = httpx.Client(base_url=client_for().base_url, timeout=rng.uniform(0.01, 0.3),
-                             headers=client_for().headers)
+            c = httpx.Client(
+                base_url=client_for().base_url, timeout=rng.uniform(0.01, 0.3), headers=client_for().headers
+            )
             r = send(c, body)
             c.close()
             kind = "completed" if r["ok"] else "cut_before_first_byte"
@@ -117,8 +131,16 @@ def disconnects(client_for, n: int, conc: int, methods: list[str], seed: int, ma
     return counts
 
 
-def run_soak(url: str, headers: dict | None, levels: list[int], per_level: int, n_disconnects: int,
-             methods: list[str], timeout: float, lengths=MAX_TOKENS) -> dict:
+def run_soak(
+    url: str,
+    headers: dict | None,
+    levels: list[int],
+    per_level: int,
+    n_disconnects: int,
+    methods: list[str],
+    timeout: float,
+    lengths=MAX_TOKENS,
+) -> dict:
     """``lengths``: the max_tokens values requests draw from (the disconnect phase uses the largest)."""
     local = threading.local()
 

@@ -1,4 +1,5 @@
 """Speedups of a bench run on the core18 and code_edit subsets (tokens / wall over the reference's)."""
+
 import json
 import sys
 
@@ -14,4 +15,9 @@ for name, keep in (("core18", lambda t: t not in edits), ("code_edit", lambda t:
             t[1] += r["wall_s"]
     base = tot[ref][0] / tot[ref][1]
     plain = tot["plain"][0] / tot["plain"][1]
-    print(name, "  ".join(f"{m}: {n / w:.2f} tok/s {n / w / base:.2f}x {ref}, {n / w / plain:.2f}x plain" for m, (n, w) in tot.items()))
+    print(
+        name,
+        "  ".join(
+            f"{m}: {n / w:.2f} tok/s {n / w / base:.2f}x {ref}, {n / w / plain:.2f}x plain" for m, (n, w) in tot.items()
+        ),
+    )

@@ -4,9 +4,9 @@ and the target's side apart, against each side alone. Run under different OpenMP
     .venv/bin/python docs/results/bf16_self_q4_0_epyc/spin.py            (defaults)
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python docs/results/bf16_self_q4_0_epyc/spin.py
 """
+
 import os
 import statistics
-import time
 
 from specdraft.api import SpecDecoder
 from specdraft.core.config import SamplingParams, SpecConfig
@@ -21,7 +21,10 @@ out = dec.generate(prompt, SamplingParams(max_new_tokens=96), SpecConfig(method=
 steps = out.stats.steps[1:]
 per_draft = [s.draft_s / s.drafted * 1000 for s in steps if s.drafted]
 per_verify = [s.verify_s * 1000 for s in steps if s.drafted == 6]
-print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}: alone: target 1 tok {alone_t[1]:.0f} ms, "
-      f"7 tok {alone_t[7]:.0f} ms, draft 1 tok {alone_d[1]:.0f} ms | in the decode: draft "
-      f"{statistics.median(per_draft):.0f} ms per drafted token, target forward of 7 {statistics.median(per_verify):.0f} ms "
-      f"(median of {len(per_verify)} steps); {out.stats.new_tokens / out.stats.wall_s:.2f} tok/s")
+print(
+    f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}: alone: target 1 tok {alone_t[1]:.0f} ms, "
+    f"7 tok {alone_t[7]:.0f} ms, draft 1 tok {alone_d[1]:.0f} ms | in the decode: draft "
+    f"{statistics.median(per_draft):.0f} ms per drafted token, "
+    f"target forward of 7 {statistics.median(per_verify):.0f} ms "
+    f"(median of {len(per_verify)} steps); {out.stats.new_tokens / out.stats.wall_s:.2f} tok/s"
+)

@@ -35,11 +35,15 @@ def prompt_sets(data_dir: Path, holdout: int, n_held: int, tasks: list[str] | No
 def mat_of(dec, head: str, prompts: list[str], draft: dict, k: int, new: int) -> dict:
     steps = []
     for p in prompts:
-        out = dec.generate(p, sampling={"max_new_tokens": new}, spec={"method": "eagle3", "head": head, "k": k, **draft},
-                           chat=True)
+        out = dec.generate(
+            p, sampling={"max_new_tokens": new}, spec={"method": "eagle3", "head": head, "k": k, **draft}, chat=True
+        )
         steps += out.stats.steps
-    return {"mat": round(mean_accepted_tokens(steps), 3), "steps": len(steps),
-            "per_position": [round(a, 3) for a in per_position_acceptance(steps)][:k]}
+    return {
+        "mat": round(mean_accepted_tokens(steps), 3),
+        "steps": len(steps),
+        "per_position": [round(a, 3) for a in per_position_acceptance(steps)][:k],
+    }
 
 
 def main() -> None:
@@ -60,8 +64,12 @@ def main() -> None:
     out = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     for head in a.heads:
         cfg = json.loads((Path(head) / "config.json").read_text())["specdraft"]
-        row = {"step": cfg["step"], "train_s": cfg.get("train_s"), "batch_size": cfg.get("batch_size"),
-               "answer_tokens": cfg.get("data_meta", {}).get("answer_tokens")}
+        row = {
+            "step": cfg["step"],
+            "train_s": cfg.get("train_s"),
+            "batch_size": cfg.get("batch_size"),
+            "answer_tokens": cfg.get("data_meta", {}).get("answer_tokens"),
+        }
         for name, prompts in sets.items():
             for draft, fields in DRAFTS.items():
                 row[f"{name}/{draft}"] = mat_of(dec, head, prompts, fields, a.k, a.max_new_tokens)

@@ -69,14 +69,25 @@ def main() -> None:
     prompts = [encode(gen.tokenizer, t, chat=True) for t in texts]
     layers = eagle3_layers(gen.num_layers)
     base = load_model(f"{a.target}:Q4_0", backend="llama")  # no layers registered: plain contexts
-    answer_s, feature_s, n2 = two_passes(base, load_model(a.target, "float32", backend="hf"), prompts, a.rows,
-                                         a.max_new_tokens, layers)
+    answer_s, feature_s, n2 = two_passes(
+        base, load_model(a.target, "float32", backend="hf"), prompts, a.rows, a.max_new_tokens, layers
+    )
     one_s, n1 = one_pass(gen, prompts, a.rows, a.max_new_tokens, layers)
-    out = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "rows": a.rows,
-           "max_new_tokens": a.max_new_tokens, "threads": a.threads,
-           "one_pass": {"seconds": round(one_s, 1), "answer_tokens": n1, "tok_s": round(n1 / one_s, 1)},
-           "two_passes": {"answer_s": round(answer_s, 1), "features_s": round(feature_s, 1), "answer_tokens": n2,
-                          "tok_s": round(n2 / (answer_s + feature_s), 1)}}
+    out = {
+        "cpu": cpu_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "prompts": len(prompts),
+        "rows": a.rows,
+        "max_new_tokens": a.max_new_tokens,
+        "threads": a.threads,
+        "one_pass": {"seconds": round(one_s, 1), "answer_tokens": n1, "tok_s": round(n1 / one_s, 1)},
+        "two_passes": {
+            "answer_s": round(answer_s, 1),
+            "features_s": round(feature_s, 1),
+            "answer_tokens": n2,
+            "tok_s": round(n2 / (answer_s + feature_s), 1),
+        },
+    }
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
 

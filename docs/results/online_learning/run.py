@@ -3,15 +3,15 @@ request, learning on against learning off.
 
     python docs/results/online_learning/run.py --head HEAD_DIR --out docs/results/online_learning/qwen
 
-The requests stream one at a time (``--idle`` seconds apart), greedy, with a chat template: ``--requests`` of the first domain
-(Spec-Bench's translation prompts by default, cycled, each pass under another instruction so no prompt
-repeats word for word), then ``--second`` of the second domain (math_reasoning), then ``--back`` of the
-first domain again, to check that what the head learned of the second domain did not cost it the first
-(the back phase against the frozen head's first-domain MAT). Both runs see the same requests; the learning
-run starts from the shipped head (``persist`` off: nothing is read from or written to the adapted store)
-and its training process takes ``--budget`` of the CPU. Writes OUT.json (every request's figures, the
-learner's counts, the phases' means, the date and CPU) and OUT.png (MAT and tokens/s against request
-number, a rolling mean, the phases marked).
+The requests stream one at a time (``--idle`` seconds apart), greedy, with a chat template: ``--requests`` of
+the first domain (Spec-Bench's translation prompts by default, cycled, each pass under another instruction so
+no prompt repeats word for word), then ``--second`` of the second domain (math_reasoning), then ``--back`` of
+the first domain again, to check that what the head learned of the second domain did not cost it the first
+(the back phase against the frozen head's first-domain MAT). Both runs see the same requests; the learning run
+starts from the shipped head (``persist`` off: nothing is read from or written to the adapted store) and its
+training process takes ``--budget`` of the CPU. Writes OUT.json (every request's figures, the learner's
+counts, the phases' means, the date and CPU) and OUT.png (MAT and tokens/s against request number, a rolling
+mean, the phases marked).
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ from specdraft.api import SpecDecoder
 from specdraft.core.prompts import preset_rows
 from specdraft.learning import LearnConfig
 
-VARIATIONS = ("", "Please answer the following.\n\n", "Answer carefully.\n\n", "Here is a task for you.\n\n",
-              "Respond to this request.\n\n", "Consider the following.\n\n")
+VARIATIONS = (
+    "",
+    "Please answer the following.\n\n",
+    "Answer carefully.\n\n",
+    "Here is a task for you.\n\n",
+    "Respond to this request.\n\n",
+    "Consider the following.\n\n",
+)
 
 
 def domain_prompts(task: str, n: int) -> list[str]:
@@ -39,9 +45,11 @@ def domain_prompts(task: str, n: int) -> list[str]:
 def schedule(a) -> list[tuple[str, str]]:
     """(phase, prompt) of every request, in order."""
     first, second = a.domains.split(",")
-    return ([("first", p) for p in domain_prompts(first, a.requests)]
-            + [("second", p) for p in domain_prompts(second, a.second)]
-            + [("back", p) for p in domain_prompts(first, a.requests + a.back)[a.requests:]])
+    return (
+        [("first", p) for p in domain_prompts(first, a.requests)]
+        + [("second", p) for p in domain_prompts(second, a.second)]
+        + [("back", p) for p in domain_prompts(first, a.requests + a.back)[a.requests :]]
+    )
 
 
 def run(a, learn: bool) -> list[dict]:
@@ -54,12 +62,23 @@ def run(a, learn: bool) -> list[dict]:
             out = dec.generate(prompt, sampling={"max_new_tokens": a.max_new_tokens}, spec=spec, chat=True)
             st = out.stats
             decode_s = max(st.wall_s - st.prefill_s, 1e-9)
-            row = {"i": i, "phase": phase, "new_tokens": st.new_tokens, "mat": st.mat,
-                   "decode_tok_s": round(st.new_tokens / decode_s, 2)}
+            row = {
+                "i": i,
+                "phase": phase,
+                "new_tokens": st.new_tokens,
+                "mat": st.mat,
+                "decode_tok_s": round(st.new_tokens / decode_s, 2),
+            }
             if learn:
                 s = dec.learner.status()
-                row.update(updates=s.updates, kept=s.kept, rollbacks=s.rollbacks, optimizer_steps=s.progress.steps,
-                           acceptance=s.acceptance, busy_share=s.progress.busy_share)
+                row.update(
+                    updates=s.updates,
+                    kept=s.kept,
+                    rollbacks=s.rollbacks,
+                    optimizer_steps=s.progress.steps,
+                    acceptance=s.acceptance,
+                    busy_share=s.progress.busy_share,
+                )
             rows.append(row)
             print(json.dumps({"learn": learn, **row}), flush=True)
             time.sleep(a.idle)  # the gap before the next request: the learner trains in idle time
@@ -73,14 +92,16 @@ def phase_means(rows: list[dict]) -> dict:
     for phase in ("first", "second", "back"):
         sel = [r for r in rows if r["phase"] == phase and r["mat"] is not None]
         if sel:
-            out[phase] = {"mat": round(sum(r["mat"] for r in sel) / len(sel), 3),
-                          "decode_tok_s": round(sum(r["decode_tok_s"] for r in sel) / len(sel), 2),
-                          "requests": len(sel)}
+            out[phase] = {
+                "mat": round(sum(r["mat"] for r in sel) / len(sel), 3),
+                "decode_tok_s": round(sum(r["decode_tok_s"] for r in sel) / len(sel), 2),
+                "requests": len(sel),
+            }
     return out
 
 
 def rolling(ys: list[float], n: int) -> list[float]:
-    return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1]) for i in range(len(ys))]
+    return [sum(ys[max(0, i - n + 1) : i + 1]) / len(ys[max(0, i - n + 1) : i + 1]) for i in range(len(ys))]
 
 
 def plot(runs: dict, out: Path, window: int) -> None:
@@ -114,8 +135,9 @@ def cpu_model() -> str:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")),
-                "unknown")
+    return next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "unknown"
+    )
 
 
 def main() -> None:
@@ -139,8 +161,13 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="OUT: writes OUT.json and OUT.png")
     a = ap.parse_args()
     runs = {m: run(a, learn=m == "on") for m in a.modes.split(",")}
-    doc = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "args": vars(a),
-           "means": {m: phase_means(rows) for m, rows in runs.items()}, "requests": runs}
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_model(),
+        "args": vars(a),
+        "means": {m: phase_means(rows) for m, rows in runs.items()},
+        "requests": runs,
+    }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -10,13 +10,14 @@ hf: the Qwen pair in bf16; llama: the Qwen pair's GGUF files; draft_model k=4 an
 A third argument names another target (e.g. qwen2.5-coder-1.5b:Q4_0, the fastest file on an AMX CPU), a
 fourth another draft (openvino reads the 0.5B's Q4_0 file, not its Q4_K_M: qwen2.5-coder-0.5b:Q4_0).
 """
+
 import os
 import sys
 import time
 
 import specdraft
-from specdraft.models.loading import set_threads
 from specdraft.models.backends import load_model
+from specdraft.models.loading import set_threads
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "hf"
 set_threads(2)
@@ -45,12 +46,15 @@ sp = specdraft.SamplingParams(max_new_tokens=48, ignore_eos=True)
 for method in os.environ.get("METHODS", "draft_model,prompt_lookup").split(","):
     spec = specdraft.SpecConfig(method=method, k=4)
     dec.generate(ids[:20], sampling=sp, spec=spec)  # warm-up
-    for rep in range(3):
+    for _ in range(3):
         inside[0] = 0.0
         t0 = time.perf_counter()
         r = dec.generate(ids, sampling=sp, spec=spec)
         wall = time.perf_counter() - t0
         n = len(r.stats.steps)
         out = wall - inside[0]
-        print(f"{backend} {method}: {n} steps, {1000 * wall / n:.1f} ms/step, engine {1000 * out / n:.2f} ms/step "
-              f"({100 * out / wall:.2f}%)", flush=True)
+        print(
+            f"{backend} {method}: {n} steps, {1000 * wall / n:.1f} ms/step, engine {1000 * out / n:.2f} ms/step "
+            f"({100 * out / wall:.2f}%)",
+            flush=True,
+        )

@@ -1,6 +1,7 @@
 """The 196 linear layers of Qwen2.5 1.5B (28 x q, k, v, o, gate, up, down; random weights, no LM head)
 through oneDNN's int8 matmul (what lowbit.W8A8Linear calls), signed vs unsigned inputs, 1-16 rows:
 ms for one pass over all of them (min of 3), 2 threads. `.venv/bin/python docs/results/w8a8/onednn_linears.py`"""
+
 import time
 
 import torch

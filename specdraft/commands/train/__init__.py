@@ -27,6 +27,7 @@ from .loop import STATE_FILE, Run, fit
 @dataclass(frozen=True)
 class TrainOptions:
     """``specdraft train``'s flags."""
+
     kind: str  # medusa | eagle | eagle3
     target: str
     data: str | None  # prompts jsonl (eagle3: or --synth)
@@ -78,78 +79,128 @@ class Kind:
 
 
 RAY = ("ray", "ray_workers", "ray_worker_cpus")
-EAGLE3_OWN = ("draft_vocab", "synth", "synth_max_tokens", "gen_backend", "gen_batch", "ttt_steps",
-              "intermediate_size", "max_len", "device", "storage", "holdout", "data_only", "train_only")
+EAGLE3_OWN = (
+    "draft_vocab",
+    "synth",
+    "synth_max_tokens",
+    "gen_backend",
+    "gen_batch",
+    "ttt_steps",
+    "intermediate_size",
+    "max_len",
+    "device",
+    "storage",
+    "holdout",
+    "data_only",
+    "train_only",
+)
 
 
 def _kinds() -> dict[str, Kind]:
     from . import eagle, eagle3, medusa
 
-    return {"medusa": Kind(partial(_heads_main, setup=medusa.setup), 256, 1e-3, ("heads", "blocks", *RAY)),
-            "eagle": Kind(partial(_heads_main, setup=eagle.setup), 4, 1e-3, ("draft_vocab", *RAY)),
-            "eagle3": Kind(eagle3.main, 2, 3e-4, EAGLE3_OWN, check=eagle3.check)}
+    return {
+        "medusa": Kind(partial(_heads_main, setup=medusa.setup), 256, 1e-3, ("heads", "blocks", *RAY)),
+        "eagle": Kind(partial(_heads_main, setup=eagle.setup), 4, 1e-3, ("draft_vocab", *RAY)),
+        "eagle3": Kind(eagle3.main, 2, 3e-4, EAGLE3_OWN, check=eagle3.check),
+    }
 
 
 KIND_NAMES = ("medusa", "eagle", "eagle3")
 
 
 def add_parser(sub):
-    t = sub.add_parser("train", help="train a Medusa, EAGLE or EAGLE-3 head on the target's own answers "
-                       "(self-distillation)")
+    t = sub.add_parser(
+        "train", help="train a Medusa, EAGLE or EAGLE-3 head on the target's own answers (self-distillation)"
+    )
     t.add_argument("kind", choices=KIND_NAMES, help="which head to train")
     t.add_argument("--target", required=True, help="the target model (name, NAME:VARIANT, directory or .gguf)")
-    t.add_argument("--data", default=None, help="prompts jsonl (turns / prompt / text field per line); eagle3: "
-                   "or --synth")
+    t.add_argument(
+        "--data", default=None, help="prompts jsonl (turns / prompt / text field per line); eagle3: or --synth"
+    )
     t.add_argument("-o", "--output", required=True, help="head directory (checkpoints, data)")
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--lr", type=float, default=None, help="default 1e-3 (medusa, eagle), 3e-4 (eagle3)")
-    t.add_argument("--batch-size", type=int, default=None,
-                   help="positions per step (medusa, default 256) or sequences per step (eagle 4, eagle3 2)")
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="positions per step (medusa, default 256) or sequences per step (eagle 4, eagle3 2)",
+    )
     t.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target answers per prompt")
     t.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
-    t.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip prompts longer than N tokens (long prompts cost most of the data time)")
+    t.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="skip prompts longer than N tokens (long prompts cost most of the data time)",
+    )
     t.add_argument("--heads", type=int, default=3, help="medusa: number of heads (K)")
     t.add_argument("--blocks", type=int, default=1, help="medusa: residual blocks per head")
-    t.add_argument("--draft-vocab", type=int, default=None,
-                   help="eagle, eagle3: draft over the N most frequent answer tokens only")
+    t.add_argument(
+        "--draft-vocab", type=int, default=None, help="eagle, eagle3: draft over the N most frequent answer tokens only"
+    )
     _add_eagle3_args(t)
     t.add_argument("--checkpoint-every", type=int, default=50)
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in -o DIR")
     t.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     t.add_argument("--threads", type=int, default=None)
     t.add_argument("--seed", type=int, default=0)
-    cluster.add_ray_args(t, "medusa, eagle: generate the training data on Ray worker actors, prompts sharded over "
-                 "them in batches, each worker loading the target once; the data is gathered here and saved as "
-                 "usual, and training runs here. No value: a local Ray instance; else a cluster address (auto, "
-                 "HOST:PORT); write --ray=ADDRESS, or --ray after KIND")
+    cluster.add_ray_args(
+        t,
+        "medusa, eagle: generate the training data on Ray worker actors, prompts sharded over "
+        "them in batches, each worker loading the target once; the data is gathered here and saved as "
+        "usual, and training runs here. No value: a local Ray instance; else a cluster address (auto, "
+        "HOST:PORT); write --ray=ADDRESS, or --ray after KIND",
+    )
     t.set_defaults(command=None)
     return t
 
 
 def _add_eagle3_args(t) -> None:
-    t.add_argument("--synth", type=int, default=None, metavar="N",
-                   help="eagle3: N prompts written by the target itself (Magpie: its chat template's user prefix, "
-                   "under a few generic system prompts, at mixed temperatures), seeded by --seed; kept in "
-                   "-o DIR/data/ and extended on the next run")
+    t.add_argument(
+        "--synth",
+        type=int,
+        default=None,
+        metavar="N",
+        help="eagle3: N prompts written by the target itself (Magpie: its chat template's user prefix, "
+        "under a few generic system prompts, at mixed temperatures), seeded by --seed; kept in "
+        "-o DIR/data/ and extended on the next run",
+    )
     t.add_argument("--synth-max-tokens", type=int, default=96, help="eagle3: longest synthesized prompt")
-    t.add_argument("--gen-backend", choices=["auto", "llama", "hf", "openvino"], default="auto",
-                   help="eagle3: the backend that writes prompts and answers, many rows per forward, and hands over "
-                   "the layers' outputs in the same forwards (auto: llama.cpp where the target has a GGUF file)")
+    t.add_argument(
+        "--gen-backend",
+        choices=["auto", "llama", "hf", "openvino"],
+        default="auto",
+        help="eagle3: the backend that writes prompts and answers, many rows per forward, and hands over "
+        "the layers' outputs in the same forwards (auto: llama.cpp where the target has a GGUF file)",
+    )
     t.add_argument("--gen-batch", type=int, default=16, help="eagle3: sequences decoded together")
     t.add_argument("--ttt-steps", type=int, default=5, help="eagle3: draft steps of the training-time test")
     t.add_argument("--intermediate-size", type=int, default=None, help="eagle3: the head's MLP width")
     t.add_argument("--max-len", type=int, default=768, help="eagle3: tokens per training sequence (cut)")
     t.add_argument("--device", default="auto", help="eagle3: cpu, cuda, cuda:N or auto")
-    t.add_argument("--storage", choices=["bfloat16", "float32", "int8"], default="bfloat16",
-                   help="eagle3: the head file's weights (int8: specdraft's compact rows; `specdraft heads export` "
-                   "writes the others' dtype)")
-    t.add_argument("--holdout", type=int, default=50, metavar="N",
-                   help="eagle3: prompt i with i %% N == 0 is kept out of training, for measuring the head on prompts "
-                   "of its own kind that it never saw (0: train on all)")
+    t.add_argument(
+        "--storage",
+        choices=["bfloat16", "float32", "int8"],
+        default="bfloat16",
+        help="eagle3: the head file's weights (int8: specdraft's compact rows; `specdraft heads export` "
+        "writes the others' dtype)",
+    )
+    t.add_argument(
+        "--holdout",
+        type=int,
+        default=50,
+        metavar="N",
+        help="eagle3: prompt i with i %% N == 0 is kept out of training, for measuring the head on prompts "
+        "of its own kind that it never saw (0: train on all)",
+    )
     t.add_argument("--data-only", action="store_true", help="eagle3: make (or extend) the data, do not train")
-    t.add_argument("--train-only", action="store_true",
-                   help="eagle3: train on -o DIR/data as it is (made by an earlier or a running --data-only job)")
+    t.add_argument(
+        "--train-only",
+        action="store_true",
+        help="eagle3: train on -o DIR/data as it is (made by an earlier or a running --data-only job)",
+    )
 
 
 def _foreign_option(opts: TrainOptions, kinds: dict[str, Kind]) -> str | None:
@@ -224,14 +275,40 @@ def _heads_main(opts: TrainOptions, resume: bool, ray_builder, setup) -> int:
     dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf", device="cpu")
     target = dec.target
     build = ray_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
-    seqs, data_meta = load_or_build_data(dec, out, opts.data, opts.target, opts.max_new_tokens, not opts.no_chat,
-                                         opts.max_prompts, opts.max_prompt_tokens, build)
+    seqs, data_meta = load_or_build_data(
+        dec,
+        out,
+        opts.data,
+        opts.target,
+        opts.max_new_tokens,
+        not opts.no_chat,
+        opts.max_prompts,
+        opts.max_prompt_tokens,
+        build,
+    )
     saved = read_head_config(out) if resume else None
     head, loss = setup(target, seqs, saved, opts)
     command = "specdraft " + " ".join(sys.argv[1:]) if opts.command is None else opts.command
-    extra = {"target": opts.target, "target_signature": target_signature(target), "data": str(opts.data),
-             "data_meta": data_meta, "command": command, "lr": opts.lr, "batch_size": opts.batch_size,
-             "seed": opts.seed}
-    run = Run(head, loss, save_head, out, opts.steps, opts.lr, opts.seed, opts.checkpoint_every, opts.kind,
-              vocab_size=target.vocab_size)
+    extra = {
+        "target": opts.target,
+        "target_signature": target_signature(target),
+        "data": str(opts.data),
+        "data_meta": data_meta,
+        "command": command,
+        "lr": opts.lr,
+        "batch_size": opts.batch_size,
+        "seed": opts.seed,
+    }
+    run = Run(
+        head,
+        loss,
+        save_head,
+        out,
+        opts.steps,
+        opts.lr,
+        opts.seed,
+        opts.checkpoint_every,
+        opts.kind,
+        vocab_size=target.vocab_size,
+    )
     return fit(run, resume, extra)

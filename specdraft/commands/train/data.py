@@ -78,8 +78,10 @@ def decode_stream(target, jobs, rows: int, on_done) -> None:
         if not eng.rows:
             if held is None:
                 return
-            raise SpecDraftError(f"a prompt of {len(held.prompt_ids)} tokens with {held.sampling.max_new_tokens} new "
-                                 f"ones does not fit {target.name}'s context of {target.max_context} tokens")
+            raise SpecDraftError(
+                f"a prompt of {len(held.prompt_ids)} tokens with {held.sampling.max_new_tokens} new "
+                f"ones does not fit {target.name}'s context of {target.max_context} tokens"
+            )
         for row in eng.step():
             claimed.pop(row, None)
             if row.error is not None:
@@ -101,14 +103,20 @@ def recorded(ids: list[int], result, recorder: FeatureRecorder) -> tuple[list[in
     return tokens, x
 
 
-def decode_recording(target, jobs: list[tuple[list[int], object]], cols: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+def decode_recording(
+    target, jobs: list[tuple[list[int], object]], cols: torch.Tensor
+) -> list[tuple[list[int], torch.Tensor]]:
     """(prompt ids, SamplingParams) jobs decoded together with plain steps; -> per job (prompt + answer
     tokens, features [len - 1, len(cols)] bf16 of every fed position)."""
     done: dict[int, tuple] = {}
     from ...engine import Job
 
-    decode_stream(target, [Job(ids, sp, FeatureRecorder(cols), tag=j) for j, (ids, sp) in enumerate(jobs)], len(jobs),
-                  lambda j, ids, res, rec: done.__setitem__(j, recorded(ids, res, rec)))
+    decode_stream(
+        target,
+        [Job(ids, sp, FeatureRecorder(cols), tag=j) for j, (ids, sp) in enumerate(jobs)],
+        len(jobs),
+        lambda j, ids, res, rec: done.__setitem__(j, recorded(ids, res, rec)),
+    )
     return [done[j] for j in range(len(jobs))]
 
 
@@ -124,12 +132,17 @@ def draft_vocab(tokens: list[torch.Tensor], n_prompt: list[int], n: int, vocab: 
 
 
 # --- DIR/data.pt (Medusa, EAGLE) ---------------------------------------------------------------------
-def encode_prompts(dec, prompts: list[str], max_new_tokens: int, chat: bool,
-                   max_prompt_tokens: int | None = None) -> list[list[int]]:
+def encode_prompts(
+    dec, prompts: list[str], max_new_tokens: int, chat: bool, max_prompt_tokens: int | None = None
+) -> list[list[int]]:
     """The prompts' token ids that fit the target's context (and ``max_prompt_tokens``), shortest first."""
     encoded = [dec.encode(p, chat=chat) for p in prompts]
-    encoded = [ids for ids in encoded if len(ids) + max_new_tokens <= dec.target.max_context
-               and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens)]
+    encoded = [
+        ids
+        for ids in encoded
+        if len(ids) + max_new_tokens <= dec.target.max_context
+        and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens)
+    ]
     encoded.sort(key=len)
     return encoded
 
@@ -140,16 +153,26 @@ def answer_batch(dec, chunk: list[list[int]], max_new_tokens: int) -> list[dict]
 
     target = dec.target
     if not target.capabilities.hidden:
-        raise SpecDraftError(f"{target.name} on the {target.backend} backend hands over no final-norm features; "
-                             "Medusa and EAGLE data need --backend hf")
-    done = decode_recording(target, [(c, SamplingParams(max_new_tokens=max_new_tokens)) for c in chunk],
-                            block_columns(target, [0]))
-    return [{"tokens": torch.tensor(t, dtype=torch.long), "hidden": x, "n_prompt": len(c)}
-            for c, (t, x) in zip(chunk, done)]
+        raise SpecDraftError(
+            f"{target.name} on the {target.backend} backend hands over no final-norm features; "
+            "Medusa and EAGLE data need --backend hf"
+        )
+    done = decode_recording(
+        target, [(c, SamplingParams(max_new_tokens=max_new_tokens)) for c in chunk], block_columns(target, [0])
+    )
+    return [
+        {"tokens": torch.tensor(t, dtype=torch.long), "hidden": x, "n_prompt": len(c)} for c, (t, x) in zip(chunk, done)
+    ]
 
 
-def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: int | None = None,
-               max_prompt_tokens: int | None = None) -> list[dict]:
+def build_data(
+    dec,
+    prompts: list[str],
+    max_new_tokens: int,
+    chat: bool,
+    batch: int | None = None,
+    max_prompt_tokens: int | None = None,
+) -> list[dict]:
     """The target's greedy answers and features (module doc), ``batch`` prompts of similar length per
     batch; prompts longer than ``max_prompt_tokens`` are skipped."""
     batch = batch or DATA_BATCH
@@ -157,8 +180,8 @@ def build_data(dec, prompts: list[str], max_new_tokens: int, chat: bool, batch: 
     seqs = []
     bar = progress(total=len(encoded), desc="target answers", unit="prompt")
     for i in range(0, len(encoded), batch):
-        seqs += answer_batch(dec, encoded[i: i + batch], max_new_tokens)
-        bar.update(len(encoded[i: i + batch]))
+        seqs += answer_batch(dec, encoded[i : i + batch], max_new_tokens)
+        bar.update(len(encoded[i : i + batch]))
     bar.close()
     return seqs
 
@@ -168,25 +191,50 @@ def _check_seqs(seqs, target, f: Path) -> None:
     hidden, vocab = target.facts.hidden_size, target.vocab_size
 
     def ok(s) -> bool:
-        if not (isinstance(s, dict) and torch.is_tensor(s.get("tokens")) and torch.is_tensor(s.get("hidden"))
-                and isinstance(s.get("n_prompt"), int)):
+        if not (
+            isinstance(s, dict)
+            and torch.is_tensor(s.get("tokens"))
+            and torch.is_tensor(s.get("hidden"))
+            and isinstance(s.get("n_prompt"), int)
+        ):
             return False
         t, h = s["tokens"], s["hidden"]
-        return (t.dtype == torch.long and t.dim() == 1 and t.numel() > 1 and 0 <= int(t.min()) <= int(t.max()) < vocab
-                and h.is_floating_point() and tuple(h.shape) == (t.numel() - 1, hidden)
-                and 0 <= s["n_prompt"] <= t.numel())
+        return (
+            t.dtype == torch.long
+            and t.dim() == 1
+            and t.numel() > 1
+            and 0 <= int(t.min()) <= int(t.max()) < vocab
+            and h.is_floating_point()
+            and tuple(h.shape) == (t.numel() - 1, hidden)
+            and 0 <= s["n_prompt"] <= t.numel()
+        )
+
     if not isinstance(seqs, list) or not all(ok(s) for s in seqs):
         raise SpecDraftError(f"cached training data {f} is not what specdraft train writes for this target; delete it")
 
 
-def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new_tokens: int, chat: bool,
-                       max_prompts: int | None, max_prompt_tokens: int | None = None,
-                       build=build_data) -> tuple[list[dict], dict]:
+def load_or_build_data(
+    dec,
+    out: Path,
+    data_path: str,
+    target_name: str,
+    max_new_tokens: int,
+    chat: bool,
+    max_prompts: int | None,
+    max_prompt_tokens: int | None = None,
+    build=build_data,
+) -> tuple[list[dict], dict]:
     """The cached data if it was made with these settings, else ``build``'s (build_data, or on Ray
     bench/shard.py's data_builder's), saved in DIR/data.pt."""
     f = out / DATA_FILE
-    want = {"target": target_name, "data": str(data_path), "max_new_tokens": max_new_tokens, "chat": chat,
-            "max_prompts": max_prompts, "features": "fed positions"}
+    want = {
+        "target": target_name,
+        "data": str(data_path),
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "max_prompts": max_prompts,
+        "features": "fed positions",
+    }
     if max_prompt_tokens is not None:  # only when set, so data cached before this option still matches
         want["max_prompt_tokens"] = max_prompt_tokens
     if f.exists():
@@ -206,13 +254,21 @@ def load_or_build_data(dec, out: Path, data_path: str, target_name: str, max_new
     t0 = time.perf_counter()
     seqs = build(dec, [r["prompt"] for r in rows], max_new_tokens, chat, max_prompt_tokens=max_prompt_tokens)
     if not seqs:
-        raise SpecDraftError(f"no prompt of {data_path} fits the target's context with {max_new_tokens} new tokens"
-                             + (f" and --max-prompt-tokens {max_prompt_tokens}" if max_prompt_tokens else ""))
-    meta = {**want, "n_seqs": len(seqs), "n_tokens": int(sum(s["tokens"].numel() for s in seqs)),
-            "build_s": round(time.perf_counter() - t0, 1)}
+        raise SpecDraftError(
+            f"no prompt of {data_path} fits the target's context with {max_new_tokens} new tokens"
+            + (f" and --max-prompt-tokens {max_prompt_tokens}" if max_prompt_tokens else "")
+        )
+    meta = {
+        **want,
+        "n_seqs": len(seqs),
+        "n_tokens": int(sum(s["tokens"].numel() for s in seqs)),
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
     out.mkdir(parents=True, exist_ok=True)
-    print(f"training data: {meta['n_seqs']} sequences, {meta['n_tokens']} tokens, built in {meta['build_s']} s",
-          file=sys.stderr)
+    print(
+        f"training data: {meta['n_seqs']} sequences, {meta['n_tokens']} tokens, built in {meta['build_s']} s",
+        file=sys.stderr,
+    )
     torch.save({"meta": want, "seqs": seqs, "stats": meta}, out / (DATA_FILE + ".tmp"))
     (out / (DATA_FILE + ".tmp")).replace(f)
     return seqs, want

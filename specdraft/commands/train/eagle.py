@@ -30,7 +30,7 @@ def batch(seqs: list[dict], idx: list[int], vocab_map: torch.Tensor | None):
         toks, hid, n0 = s["tokens"], s["hidden"].float(), s["n_prompt"]
         n = hid.shape[0] - 1
         f[b, :n], f_next[b, :n] = hid[:-1], hid[1:]
-        x_next[b, :n] = toks[1: n + 1]
+        x_next[b, :n] = toks[1 : n + 1]
         valid[b, :n] = True
         t = torch.arange(max(n0 - 1, 0), n)  # x_{t+2} is an answer token
         tt = toks[t + 2]
@@ -49,8 +49,10 @@ def setup(target, seqs: list[dict], saved: dict | None, opts):
     if ids is not None:
         vocab_map = torch.full((V,), -100, dtype=torch.long)
         vocab_map[ids] = torch.arange(ids.numel())
-    print(f"eagle: 1 decoder layer, {len(seqs)} sequences, draft vocabulary {ids.numel() if ids is not None else V}",
-          file=sys.stderr)
+    print(
+        f"eagle: 1 decoder layer, {len(seqs)} sequences, draft vocabulary {ids.numel() if ids is not None else V}",
+        file=sys.stderr,
+    )
 
     def loss(g):
         idx = torch.randint(0, len(seqs), (opts.batch_size,), generator=g).tolist()
@@ -60,8 +62,11 @@ def setup(target, seqs: list[dict], saved: dict | None, opts):
         pred = head(f, e)
         reg = nn.functional.smooth_l1_loss(pred[valid], f_next[valid])
         logits = nn.functional.linear(pred, w_cls)
-        ce = (nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-              if (y >= 0).any() else pred.sum() * 0)
+        ce = (
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+            if (y >= 0).any()
+            else pred.sum() * 0
+        )
         return reg + 0.1 * ce
 
     return head, loss

@@ -66,9 +66,15 @@ def generation_model(opts):
 
 def data_meta(opts, layers, gen, out: Path) -> dict:
     """What DIR/data was made with (module doc)."""
-    want = {"target": opts.target, "backend": gen.backend, "layers": list(layers),
-            "max_new_tokens": opts.max_new_tokens, "chat": not opts.no_chat,
-            "prompts": str(opts.data) if opts.data else "synth", "max_prompt_tokens": opts.max_prompt_tokens}
+    want = {
+        "target": opts.target,
+        "backend": gen.backend,
+        "layers": list(layers),
+        "max_new_tokens": opts.max_new_tokens,
+        "chat": not opts.no_chat,
+        "prompts": str(opts.data) if opts.data else "synth",
+        "max_prompt_tokens": opts.max_prompt_tokens,
+    }
     if opts.synth:
         want.update(seed=opts.seed, synth_max_tokens=opts.synth_max_tokens)
     f = out / "data" / "meta.json"
@@ -81,8 +87,10 @@ def data_meta(opts, layers, gen, out: Path) -> dict:
             raise SpecDraftError(f"{f}: {e}; use another -o DIR") from None
         if have != want:
             diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
-            raise ConfigError(f"{out}/data was made with other settings ({', '.join(diff)}: "
-                              f"{[have.get(k) for k in diff]}); use another -o DIR or the same settings")
+            raise ConfigError(
+                f"{out}/data was made with other settings ({', '.join(diff)}: "
+                f"{[have.get(k) for k in diff]}); use another -o DIR or the same settings"
+            )
     else:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(want, indent=1))
@@ -104,17 +112,24 @@ def make_data(opts, gen, layers, out: Path) -> dict:
     rounds = range(SYNTH_ROUND, opts.synth + SYNTH_ROUND, SYNTH_ROUND) if opts.synth else [None]
     for want in rounds:
         if opts.synth:
-            prompts = d3.synth_prompts(gen, gen.tokenizer, min(want, opts.synth), data, opts.gen_batch,
-                                       opts.synth_max_tokens, opts.seed)
+            prompts = d3.synth_prompts(
+                gen, gen.tokenizer, min(want, opts.synth), data, opts.gen_batch, opts.synth_max_tokens, opts.seed
+            )
         else:
             prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
-        r = d3.answer_with_features(gen, encode_all(gen, prompts, opts), data, layers, opts.gen_batch,
-                                    opts.max_new_tokens, opts.seed)
+        r = d3.answer_with_features(
+            gen, encode_all(gen, prompts, opts), data, layers, opts.gen_batch, opts.max_new_tokens, opts.seed
+        )
         made = {k: made[k] + r[k] for k in made}
     answers = [r for r in AppendedJsonl(data / "answers.jsonl", d3.ANSWER_FIELDS).rows if r["i"] < len(prompts)]
     d3.prefill_features(gen, answers, data, layers, opts.gen_batch)  # answers imported without features
-    return {**meta, "n_prompts": len(prompts), "n_seqs": len(answers),
-            "answer_tokens": sum(len(a["tokens"]) - a["n_prompt"] for a in answers), "made": made}
+    return {
+        **meta,
+        "n_prompts": len(prompts),
+        "n_seqs": len(answers),
+        "answer_tokens": sum(len(a["tokens"]) - a["n_prompt"] for a in answers),
+        "made": made,
+    }
 
 
 def existing_data(opts, layers, out: Path) -> dict:
@@ -124,10 +139,14 @@ def existing_data(opts, layers, out: Path) -> dict:
     try:
         meta = read_json_file(f)
     except ValueError as e:
-        raise SpecDraftError(f"--train-only: {f}: {e} (make the data first: --synth N or --data PROMPTS.jsonl)") from None
+        raise SpecDraftError(
+            f"--train-only: {f}: {e} (make the data first: --synth N or --data PROMPTS.jsonl)"
+        ) from None
     if not isinstance(meta, dict) or meta.get("target") != opts.target or meta.get("layers") != list(layers):
-        raise ConfigError(f"--train-only: {out}/data was made for target {meta.get('target')!r}, layers "
-                          f"{meta.get('layers')}; this run is for {opts.target!r}, layers {list(layers)}")
+        raise ConfigError(
+            f"--train-only: {out}/data was made for target {meta.get('target')!r}, layers "
+            f"{meta.get('layers')}; this run is for {opts.target!r}, layers {list(layers)}"
+        )
     return meta
 
 
@@ -143,8 +162,9 @@ def encode_all(gen, prompts: list[str], opts) -> list[tuple[int, list[int]]]:
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(t) for t in ids]
     return [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
@@ -162,8 +182,9 @@ def new_head(gen, data: Eagle3Data, layers, opts) -> Eagle3Head:
     the target's rows of them; its final norm starts at 1 (the target's scale on the untrained layer's
     output made the first losses 1.6x higher on SmolLM2)."""
     ids, covered = draft_vocab(data.tokens, data.n_prompt, opts.draft_vocab or EAGLE3_DRAFT_VOCAB, gen.vocab_size)
-    print(f"eagle3: draft vocabulary of {ids.numel()} tokens covers {covered:.1%} of the answer tokens",
-          file=sys.stderr)
+    print(
+        f"eagle3: draft vocabulary of {ids.numel()} tokens covers {covered:.1%} of the answer tokens", file=sys.stderr
+    )
     shape = Eagle3Shape.for_target(gen.facts, layers, ids.numel(), opts.intermediate_size or EAGLE3_INTERMEDIATE)
     head = Eagle3Head(shape)
     head.set_draft_ids(ids)
@@ -196,8 +217,10 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     shape = resumed_shape(out, gen) if resume else None
     layers = shape.layers if shape is not None else eagle3_layers(gen.num_layers)
     meta = existing_data(opts, layers, out) if opts.train_only else make_data(opts, gen, layers, out)
-    print(f"eagle3 data: {meta.get('n_seqs', '?')} sequences, {meta.get('answer_tokens', '?')} answer tokens",
-          file=sys.stderr)
+    print(
+        f"eagle3 data: {meta.get('n_seqs', '?')} sequences, {meta.get('answer_tokens', '?')} answer tokens",
+        file=sys.stderr,
+    )
     if opts.data_only:
         print(json.dumps({"data": str(out / "data"), **meta}))
         return 0
@@ -205,9 +228,12 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     head = Eagle3Head(shape) if shape is not None else new_head(gen, data, layers, opts)
     device = torch_device(opts.device)
     bf16 = device.type == "cuda" or native_bf16()
-    print(f"eagle3: layers {list(head.layers)}, {head.parameter_count() / 1e6:.1f}M parameters, draft vocabulary "
-          f"{head.shape.draft_vocab_size}, {len(data)} sequences ({data.answer_tokens} answer tokens), "
-          f"{opts.ttt_steps} draft steps, on {device}{' in bf16' if bf16 else ''}", file=sys.stderr)
+    print(
+        f"eagle3: layers {list(head.layers)}, {head.parameter_count() / 1e6:.1f}M parameters, draft vocabulary "
+        f"{head.shape.draft_vocab_size}, {len(data)} sequences ({data.answer_tokens} answer tokens), "
+        f"{opts.ttt_steps} draft steps, on {device}{' in bf16' if bf16 else ''}",
+        file=sys.stderr,
+    )
     head = head.to(device)
     t2d_index = torch.full((gen.vocab_size,), -100, dtype=torch.long)
 
@@ -224,7 +250,17 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     loss.ready = False
     command = "specdraft " + " ".join(sys.argv[1:]) if opts.command is None else opts.command
     extra = {"data_meta": meta, "command": command, "lr": opts.lr, "batch_size": opts.batch_size, "seed": opts.seed}
-    run = Run(head, loss, saver(gen, opts), out, opts.steps, opts.lr, opts.seed, opts.checkpoint_every, "eagle3",
-              clip=0.5, vocab_size=gen.vocab_size)  # EAGLE's clipping: early steps on large features spike
+    run = Run(
+        head,
+        loss,
+        saver(gen, opts),
+        out,
+        opts.steps,
+        opts.lr,
+        opts.seed,
+        opts.checkpoint_every,
+        "eagle3",
+        clip=0.5,
+        vocab_size=gen.vocab_size,
+    )  # EAGLE's clipping: early steps on large features spike
     return fit(run, resume, extra)
-

@@ -58,8 +58,10 @@ NGRAM = 8  # words in a run shared with a benchmark prompt that rejects a synthe
 def feature_columns(target, layers) -> torch.Tensor:
     """The columns of ``target``'s handed-over features that hold ``layers`` (registering them)."""
     if not target.capabilities.layers:
-        raise ConfigError(f"{target.name} on the {target.backend} backend does not hand over its layers' outputs; "
-                          "EAGLE-3 data needs a backend that does (hf, llama, openvino)")
+        raise ConfigError(
+            f"{target.name} on the {target.backend} backend does not hand over its layers' outputs; "
+            "EAGLE-3 data needs a backend that does (hf, llama, openvino)"
+        )
     return block_columns(target, target.add_feature_layers(layers))
 
 
@@ -94,8 +96,10 @@ class FeatureStore:
         self.bin.parent.mkdir(parents=True, exist_ok=True)
         size = self.bin.stat().st_size if self.bin.exists() else 0
         if size < self.rows * width * 2:
-            raise SpecDraftError(f"{self.bin} holds {size} bytes, less than the {self.rows * width * 2} that "
-                                 f"{self.index.path} names; delete both to make the features again")
+            raise SpecDraftError(
+                f"{self.bin} holds {size} bytes, less than the {self.rows * width * 2} that "
+                f"{self.index.path} names; delete both to make the features again"
+            )
         with open(self.bin, "ab") as f:
             f.truncate(self.rows * width * 2)
 
@@ -127,13 +131,13 @@ def benchmark_ngrams() -> set[tuple[str, ...]]:
         for r in load_prompts(f):
             for text in [r["prompt"], *r.get("turns", [])]:
                 w = _words(text)
-                grams.update(tuple(w[i: i + NGRAM]) for i in range(len(w) - NGRAM + 1))
+                grams.update(tuple(w[i : i + NGRAM]) for i in range(len(w) - NGRAM + 1))
     return grams
 
 
 def overlaps(text: str, grams: set) -> bool:
     w = _words(text)
-    return any(tuple(w[i: i + NGRAM]) in grams for i in range(len(w) - NGRAM + 1))
+    return any(tuple(w[i : i + NGRAM]) in grams for i in range(len(w) - NGRAM + 1))
 
 
 def user_prefix(tokenizer, system: str | None) -> list[int]:
@@ -193,8 +197,10 @@ def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: 
         n = first
         while len(kept) < want:
             if n - first >= SYNTH_TRIES * want + rows:
-                raise SpecDraftError(f"only {len(kept)} of {n} synthesized prompts ended within {max_tokens} tokens "
-                                     "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl")
+                raise SpecDraftError(
+                    f"only {len(kept)} of {n} synthesized prompts ended within {max_tokens} tokens "
+                    "and were new; raise --synth-max-tokens or pass --data PROMPTS.jsonl"
+                )
             d = Draw(n, seed)
             sp = SamplingParams(temperature=d.temperature, seed=d.sampling_seed, max_new_tokens=max_tokens)
             yield Job(prefixes[d.system], sp, NoDrafter(), tag=d)
@@ -202,8 +208,13 @@ def synth_prompts(gen, tokenizer, want: int, data: Path, rows: int, max_tokens: 
 
     def done(d, ids, result, drafter):
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
-        take = (result.stats.finish_reason != "length" and len(text) >= 8 and norm_text(text) not in seen
-                and not overlaps(text, grams) and len(kept) < want)
+        take = (
+            result.stats.finish_reason != "length"
+            and len(text) >= 8
+            and norm_text(text) not in seen
+            and not overlaps(text, grams)
+            and len(kept) < want
+        )
         if take:
             seen.add(norm_text(text))
             kept.append(text)
@@ -225,8 +236,9 @@ def answer_sampling(i: int, max_new_tokens: int, seed: int):
     return SamplingParams(max_new_tokens=max_new_tokens)
 
 
-def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, layers, rows: int,
-                         max_new_tokens: int, seed: int) -> dict:
+def answer_with_features(
+    gen, encoded: list[tuple[int, list[int]]], data: Path, layers, rows: int, max_new_tokens: int, seed: int
+) -> dict:
     """Answers and features of every (prompt index, prompt ids) not in answers.jsonl yet (module doc,
     stage 2), shortest prompts first, at most ``rows`` decoding at once; each answer is written as it
     finishes. -> {"tokens": answer tokens made, "seconds": wall time}."""
@@ -237,15 +249,24 @@ def answer_with_features(gen, encoded: list[tuple[int, list[int]]], data: Path, 
     cols = feature_columns(gen, layers)
     store = FeatureStore(data, cols.numel())
     todo = sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
-    bar = progress(total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})",
-                   unit="prompt")
+    bar = progress(
+        total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})", unit="prompt"
+    )
     t0, made = time.perf_counter(), [0]
 
     def done(i, ids, result, recorder):
         tokens, x = recorded(ids, result, recorder)
         store.append(i, tokens, x)  # features first: an answer row always finds its features
-        answers.append([{"i": i, "tokens": tokens, "n_prompt": len(ids), "sampled": i % ANSWER_SAMPLED_EVERY
-                         == ANSWER_SAMPLED_EVERY - 1}])
+        answers.append(
+            [
+                {
+                    "i": i,
+                    "tokens": tokens,
+                    "n_prompt": len(ids),
+                    "sampled": i % ANSWER_SAMPLED_EVERY == ANSWER_SAMPLED_EVERY - 1,
+                }
+            ]
+        )
         made[0] += len(tokens) - len(ids)
         bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")
         bar.update(1)
@@ -267,7 +288,7 @@ def prefill_features(gen, answers: list[dict], data: Path, layers, rows: int) ->
         return
     bar = progress(total=sum(len(a["tokens"]) for a in todo), desc=f"features ({gen.backend} prefill)", unit="tok")
     for b in range(0, len(todo), rows):
-        chunk = todo[b: b + rows]
+        chunk = todo[b : b + rows]
         kv = gen.new_rows()
         kv.add_rows([a["tokens"][:-1] for a in chunk], hidden=True)
         for a, h in zip(chunk, kv.prefill_hidden):

@@ -11,6 +11,7 @@ from ...core.errors import SpecDraftError
 from ...core.jsonl import AppendedJsonl
 from .eagle3_data import ANSWER_FIELDS, FEATURE_FIELDS, current_features
 
+
 class Eagle3Data:
     """The answered sequences with current features (DIR/data; eagle3_data.py), features memory-mapped
     (rows at the absolute offsets the index names); prompt i with i % ``holdout`` == 0 left out."""
@@ -28,8 +29,9 @@ class Eagle3Data:
         binf = data / "features.bin"
         n = binf.stat().st_size // (2 * width) if binf.exists() else 0
         if any(r["row"] + r["n"] > n for r in self.index):
-            raise SpecDraftError(f"{binf} is shorter than {data / 'features.jsonl'} says; delete both to make the "
-                                 "features again")
+            raise SpecDraftError(
+                f"{binf} is shorter than {data / 'features.jsonl'} says; delete both to make the features again"
+            )
         # copy-on-write: torch wants a writable array; nothing writes to it
         mm = np.memmap(binf, dtype=np.int16, mode="c", shape=(n, width))
         self.feats = torch.from_numpy(mm).view(torch.bfloat16)
@@ -44,4 +46,4 @@ class Eagle3Data:
 
     def features(self, k: int, n: int) -> torch.Tensor:
         r = self.index[k]["row"]
-        return self.feats[r: r + n].float()
+        return self.feats[r : r + n].float()

@@ -42,8 +42,10 @@ def load_saved(path: Path, what: str) -> dict:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise SpecDraftError(f"{what} {path} holds objects other than tensors and plain values; refused, since "
-                             "loading them could run code (delete it if you did not write it)") from None
+        raise SpecDraftError(
+            f"{what} {path} holds objects other than tensors and plain values; refused, since "
+            "loading them could run code (delete it if you did not write it)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - torn, not a torch file, unreadable: every way a file is not ours
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecDraftError(f"{what} {path} cannot be read ({why}); delete it") from None
@@ -81,8 +83,18 @@ def fit(run: Run, resume: bool, extra: dict) -> int:
             print(f"already at step {step} >= --steps {run.steps}; nothing to do", file=sys.stderr)
             return 0
     step, train_s = run_steps(run, opt, step, losses, train_s, extra)
-    print(json.dumps({"head": str(run.out), "type": run.desc, "step": step, "loss_first": losses[0],
-                      "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "train_s": round(train_s, 1)}))
+    print(
+        json.dumps(
+            {
+                "head": str(run.out),
+                "type": run.desc,
+                "step": step,
+                "loss_first": losses[0],
+                "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+                "train_s": round(train_s, 1),
+            }
+        )
+    )
     return 0
 
 
@@ -91,10 +103,18 @@ def restore(run: Run, opt) -> tuple[int, list[float], float]:
     f = run.out / STATE_FILE
     st = load_saved(f, "--resume: the training state")
     step, losses = st.get("step"), st.get("losses")
-    if not (isinstance(st.get("weights"), dict) and isinstance(st.get("optimizer"), dict) and isinstance(step, int)
-            and isinstance(losses, list) and len(losses) == step and all(isinstance(x, float) for x in losses)):
-        raise SpecDraftError(f"--resume: {f} is not a checkpoint of this specdraft version (it needs the weights, "
-                             "optimizer state, step and losses); train again without --resume")
+    if not (
+        isinstance(st.get("weights"), dict)
+        and isinstance(st.get("optimizer"), dict)
+        and isinstance(step, int)
+        and isinstance(losses, list)
+        and len(losses) == step
+        and all(isinstance(x, float) for x in losses)
+    ):
+        raise SpecDraftError(
+            f"--resume: {f} is not a checkpoint of this specdraft version (it needs the weights, "
+            "optimizer state, step and losses); train again without --resume"
+        )
     load_weights(run.head, st["weights"], run.vocab_size, str(f))
     try:
         opt.load_state_dict(st["optimizer"])
@@ -113,11 +133,24 @@ def saved_weights(out: Path) -> dict:
 
 
 def checkpoint(run: Run, opt, extra: dict, step: int, losses: list[float], train_s: float) -> None:
-    run.save(run.head, run.out, {**extra, "step": step, "loss_first": losses[0] if losses else None,
-                                 "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
-                                 "train_s": round(train_s, 1)})
-    state = {"optimizer": opt.state_dict(), "step": step, "losses": losses, "train_s": train_s,
-             "weights": {k: v.detach().cpu().clone() for k, v in run.head.state_dict().items()}}
+    run.save(
+        run.head,
+        run.out,
+        {
+            **extra,
+            "step": step,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": float(sum(losses[-10:]) / max(len(losses[-10:]), 1)) if losses else None,
+            "train_s": round(train_s, 1),
+        },
+    )
+    state = {
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "losses": losses,
+        "train_s": train_s,
+        "weights": {k: v.detach().cpu().clone() for k, v in run.head.state_dict().items()},
+    }
     torch.save(state, run.out / (STATE_FILE + ".tmp"))
     (run.out / (STATE_FILE + ".tmp")).replace(run.out / STATE_FILE)
 
