@@ -176,7 +176,6 @@ def test_bench_ray_resumes(ray_local, dataset, local_doc, tmp_path, capsys):
 # --- train --ray ----------------------------------------------------------------------------------
 def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys):
     from specdraft.api import SpecDecoder
-    from specdraft.commands import train
     from specdraft.commands.train import data as train_data
 
     monkeypatch.setattr(train_data, "DATA_BATCH", 2)  # 4 prompts: 2 batches, one per worker
@@ -215,7 +214,7 @@ def test_train_data_on_ray_equals_local(ray_local, tmp_path, monkeypatch, capsys
     assert "w0 on " in (err := capsys.readouterr().err) and "w1 on " in err and "1 batch(es)" in err
     blob = torch.load(out / "data.pt", weights_only=True)
     dec = SpecDecoder.load("smollm2-135m", dtype="float32", threads=1, backend="hf")
-    local = train.build_data(dec, prompts, 6, True)
+    local = train_data.build_data(dec, prompts, 6, True)
     assert len(blob["seqs"]) == len(local) == 4
     for s, t in zip(blob["seqs"], local):
         assert s["tokens"].tolist() == t["tokens"].tolist() and s["n_prompt"] == t["n_prompt"]
