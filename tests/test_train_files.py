@@ -129,6 +129,36 @@ def test_eagle3_features_of_a_changed_answer_are_made_again(tmp_path, tiny_dir):
     assert current_features(index, {r["i"]: r for r in rows})[1] is index[2]
 
 
+def _features_by_answer(d):
+    """Answer i -> its current features (bf16 rows of features.bin, as float32)."""
+    rows = {r["i"]: r for r in AppendedJsonl(d / "answers.jsonl").rows}
+    index = current_features(AppendedJsonl(d / "features.jsonl").rows, rows)
+    flat = torch.frombuffer(bytearray((d / "features.bin").read_bytes()), dtype=torch.bfloat16).float()
+    n_rows = sum(r["n"] for r in AppendedJsonl(d / "features.jsonl").rows)
+    width = flat.numel() // n_rows
+    table = flat.view(-1, width)
+    return {i: table[r["row"] : r["row"] + r["n"]] for i, r in index.items()}
+
+
+def test_eagle3_token_ids_alone_get_their_features_from_a_prefill(tmp_path, tiny_dir):
+    """A new machine given only the prompts and answers as token ids (what the repository keeps): the rerun
+    answers nothing again and makes every answer's features, those made while answering."""
+    data, out = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3]), tmp_path / "head"
+    args = [str(a) for a in eagle3(tiny_dir, data, out, 2, "--data-only")]
+    assert main(args) == 0
+    d = out / "data"
+    answers = (d / "answers.jsonl").read_text()
+    before = _features_by_answer(d)
+    (d / "features.jsonl").unlink()
+    (d / "features.bin").unlink()
+    assert main(args) == 0
+    assert (d / "answers.jsonl").read_text() == answers  # no answer made again
+    after = _features_by_answer(d)
+    assert sorted(after) == sorted(before) and len(before) == 3
+    for i, x in before.items():
+        torch.testing.assert_close(after[i], x, atol=2e-2, rtol=2e-2)  # bf16 rows, prefill vs step by step
+
+
 # --- nothing in -o DIR is unpickled into code ----------------------------------------------------------
 class Planted:
     """A pickle that runs a shell command when loaded."""
