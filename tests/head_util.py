@@ -78,3 +78,17 @@ def save_eagle3_head(target, out, draft_ids=None):
     meta = {"type": "eagle3", "target": target.name, "target_signature": target_signature(target)}
     head_formats.write(out, head.shape, head.state_dict(), meta, dtype=torch.float32)
     return out
+
+
+def break_sibling_residuals(monkeypatch):
+    """Broken on purpose, for the sampling tests: tree siblings drawn without replacement, but each records
+    the parent's full q (patched into the tree each draft grows)."""
+    from specdraft.drafters.tree_grower import GrowingTree
+
+    real = GrowingTree._children
+
+    def broken(self, logits, m, parent=-1):
+        kids = real(self, logits, m, parent)
+        return [(t, kids[0][1], lp) for t, _, lp in kids]
+
+    monkeypatch.setattr(GrowingTree, "_children", broken)

@@ -114,7 +114,7 @@ def test_backend_auto_takes_the_next_measured_path_when_one_fails_to_load(monkey
         return tiny_llama(vocab=16)
 
     monkeypatch.setattr("specdraft.models.backends.load_model", load)
-    m, p = paths.load_fastest("smollm2-135m")
+    m, p, _ = paths.load_fastest("smollm2-135m")
     assert tried == ["openvino", "llama"] and str(p) == "llama"
     err = capsys.readouterr().err
     assert "openvino cannot load here (No module named 'openvino'); taking the next measured path" in err

@@ -225,13 +225,16 @@ def test_backend_auto_takes_transformers_where_torch_sees_a_cuda_gpu(monkeypatch
         paths.ranked("smollm2-135m", device="auto")
 
 
-def test_a_cpu_only_llama_build_refuses_cuda_naming_the_build_flag():
+def test_a_cpu_only_llama_build_refuses_cuda_naming_the_build_flag(monkeypatch):
+    """The build's own answer decides (``llama_supports_gpu_offload``), set here both ways so the test holds
+    on a CPU-only and on a CUDA build alike."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    if llama_cpp.llama_supports_gpu_offload():
-        pytest.skip("this llama-cpp-python offloads to a GPU")
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
     with pytest.raises(ConfigError, match=r'cannot offload to a GPU .* CMAKE_ARGS="-DGGML_CUDA=on"'):
         placement("llama", "cuda")
     assert placement("llama", "auto") is False and placement("llama", "cpu") is False
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    assert placement("llama", "auto") is True and placement("llama", "cpu") is False
 
 
 @no_cuda

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from head_util import random_eagle3_head
+from head_util import break_sibling_residuals, random_eagle3_head
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import eagle as eagle_mod
@@ -221,15 +221,7 @@ def test_unnormalized_draft_vocabulary_q_is_detected(tiny_target, monkeypatch):
 
 def test_skipped_sibling_residual_is_detected(tiny_target, monkeypatch):
     """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
-    from specdraft.drafters.tree_grower import GrowingTree
-
-    real = GrowingTree._children
-
-    def broken(self, logits, m, parent=-1):
-        kids = real(self, logits, m, parent)
-        return [(t, kids[0][1], lp) for t, _, lp in kids]
-
-    monkeypatch.setattr(GrowingTree, "_children", broken)  # the tree each draft grows
+    break_sibling_residuals(monkeypatch)
     assert first_two(tiny_target, TREE, T1) < 1e-3
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama, tiny_model_dir
+from head_util import break_sibling_residuals
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.errors import ConfigError
@@ -350,15 +351,7 @@ def test_broken_medusa_variant_is_detected(tiny_target):
 
 def test_broken_eagle_tree_variant_is_detected(tiny_target, monkeypatch):
     """Broken on purpose: siblings drawn without replacement, but each records the parent's full q."""
-    from specdraft.drafters.tree_grower import GrowingTree
-
-    real = GrowingTree._children
-
-    def broken(self, logits, m, parent=-1):
-        kids = real(self, logits, m, parent)
-        return [(t, kids[0][1], lp) for t, _, lp in kids]
-
-    monkeypatch.setattr(GrowingTree, "_children", broken)  # the tree each draft grows
+    break_sibling_residuals(monkeypatch)
     make = factory(tiny_target, "eagle_tree")
     counts, drafted, _ = sample_first_three(tiny_target, make, TRUNC, 4, n=3 * N)  # a subtle bug: more samples
     assert drafted > 0

@@ -392,6 +392,9 @@ def ranked(
     return list(unique.values())
 
 
+LOAD_ERRORS = (SpecDraftError, RuntimeError, OSError, ImportError)  # what a path that cannot load here raises
+
+
 def load_fastest(
     model: str,
     dtype: str | None = None,
@@ -402,26 +405,26 @@ def load_fastest(
     companion=None,
 ):
     """The model on the best of ``ranked``'s paths (for a request of ``shape``, if given) that loads here, on
-    ``device`` -> (model, ModelPath); a path that fails to load (a backend missing on this machine, a file
+    ``device``; a path that fails to load (a backend missing on this machine, a file
     its backend cannot read) is said and the next one taken. ``companion(model, path)``, if given, loads
     what must run beside it on that path (a draft on the target's backend): its failure also moves on to
-    the next path; -> (model, ModelPath, what it returned)."""
+    the next path; -> (model, ModelPath, what ``companion`` returned or None)."""
     from .backends import device_kw, load_model
 
     say = say or _say
     for p, why in ranked(model, dtype, say, allowed, shape, device):
         try:
             m = load_model(p.target(model), dtype, backend=p.backend, **device_kw(device))
-        except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
+        except LOAD_ERRORS as e:
             say(f"backend auto: {p} cannot load here ({e}); taking the next measured path")
             continue
         try:
             beside = companion(m, p) if companion is not None else None
-        except (SpecDraftError, RuntimeError, OSError, ImportError) as e:
+        except LOAD_ERRORS as e:
             say(f"backend auto: {p} cannot run the draft here ({e}); taking the next measured path")
             continue
         say(f"backend auto: --backend {p.backend} --target {p.target(model)}: {why}")
-        return (m, p) if companion is None else (m, p, beside)
+        return m, p, beside
     raise ConfigError(f"--backend auto: none of {model}'s measured paths loads here")
 
 
