@@ -145,7 +145,7 @@ def _spec(d: dict):
 def sampling(s: Settings) -> dict:
     """The first two tokens' joint distribution against the exact one, per drafter, on the device."""
     from conftest import logits_of, tiny_llama
-    from head_util import random_eagle3_head
+    from head_util import head_spec, random_eagle3_head
     from specdraft.core.config import SamplingParams, SpecConfig
     from specdraft.core.device import torch_device
     from specdraft.core.sampling import probs_from_logits
@@ -164,11 +164,11 @@ def sampling(s: Settings) -> dict:
     p1 = p(prompt)
     exact = np.stack([(p1[a] * p(prompt + [a])).numpy() for a in range(V)])
     cases = {
-        "draft_model chain": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
+        "draft_model chain": lambda: DraftModelDrafter(draft, SpecConfig(method="draft_model", k=3).validate(), V),
         "draft_model dynamic tree": lambda: DraftTreeDrafter(
-            draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V
+            draft, SpecConfig(method="draft_model", tree="dynamic", k=3, tree_topk=2, tree_budget=6).validate(), V
         ),
-        "eagle3 chain": lambda: Eagle3Drafter(target, head, SpecConfig(method="eagle3", k=3)),
+        "eagle3 chain": lambda: Eagle3Drafter(target, head, head_spec("eagle3", k=3)),
     }
     out = {}
     for name, make in cases.items():

@@ -25,8 +25,9 @@ from .core.config import (
     with_method,
 )
 from .core.errors import ConfigError, TokenizerMismatchError
+from .core.methods import method
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
-from .drafters.registry import method
+from .drafters.runs_on import unavailable
 from .engine import GenerationResult, generate
 from .learning.config import learn_config
 from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
@@ -73,13 +74,12 @@ class SpecDecoder:
         return _cached(self._shared.setdefault(key[0], OrderedDict()), key, make, limit)
 
     def head(self, spec: SpecConfig):
-        """The trained head in ``spec.head``, loaded once per decoder and checked against the target and
+        """The trained head in the spec's ``head``, loaded once per decoder and checked against the target and
         against the head type ``spec.method`` drafts with (auto: its eagle3 arms', ``arms.head_type``)."""
         from .drafters.arms import head_type
 
         # keyed by type too: the type check is load_head's, and a medusa head is no eagle head
-        kind = head_type(spec.method)
-        path = spec.head
+        kind, path = head_type(spec.method), spec.get("head")
         if path is None:  # SpecConfig refuses a head method without one: only a spec built around it lands here
             raise ConfigError(f"method {spec.method!r} drafts with a trained head: give head=DIR (--head DIR)")
         return self.shared(("head", path, kind), lambda: self._load_head(path, kind), limit=None)
@@ -243,14 +243,14 @@ class SpecDecoder:
         return self.target.backend
 
     def make_drafter(self, spec: SpecConfig):
-        """The drafter for ``spec`` (the method registry's factory). The spec's opt-in lossy rule is the
-        engine's to apply (``spec.lossy_rule()``, passed with the request)."""
-        spec.validate()
+        """The drafter for ``spec`` (its method's factory, from the method table). The spec's opt-in lossy rule
+        is the engine's to apply (``spec.lossy_rule()``, passed with the request)."""
+        spec = spec.validate()
         m = method(spec.method)
-        problem = m.unavailable(self.backend, self.draft is not None)
+        problem = unavailable(m, self.backend, self.draft is not None)
         if problem:
             raise ConfigError(problem)
-        d = m.make(self, spec)
+        d = m.build(self, spec)
         if self.learner is not None and self.learner.drafts_with_head(d):
             d.reproducible = False  # its head changes with what the decoder serves (a composite reads its parts')
         return d
@@ -267,7 +267,7 @@ class SpecDecoder:
         try:
             return spec, self.make_drafter(spec)
         except ConfigError as e:
-            if spec.method != DEFAULT_METHOD or spec.head is not None:  # a head given is never dropped unsaid
+            if spec.method != DEFAULT_METHOD or spec.get("head") is not None:  # a head given is never dropped unsaid
                 raise
             fb = with_method(spec, fallback_method(self.draft is not None))
             logging.getLogger("specdraft").warning("method auto cannot run here (%s); using %s", e, fb.method)

@@ -17,10 +17,11 @@ import sys
 
 from .api import ModelSettings
 from .commands.flags import add_model_args, add_sampling_args, add_spec_args
+from .core import methods
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
 from .core.errors import SpecDraftError
 from .core.extras import require_extra
-from .drafters import registry as methods
+from .drafters import runs_on
 from .learning import LearnConfig
 from .models.paths import RequestShape
 
@@ -125,16 +126,19 @@ def _check_before_loading(spec, a) -> str | None:
     model, or a head of the method's type (auto's head: its head arms'), on a backend that runs it; and the
     model options against the backends named. Returns the need."""
     m = methods.method(spec.method)
-    problem = m.unavailable(_backend_for(a, m), bool(a.draft), no_draft=f"--method {m.name} needs --draft NAME")
+    problem = runs_on.unavailable(
+        m, _backend_for(a, m), bool(a.draft), no_draft=f"--method {m.name} needs --draft NAME"
+    )
     if problem:
         raise SpecDraftError(problem)
     head_method = _head_method(spec)
     if head_method is not None:
         from .models.heads import read_head_config
 
-        read_head_config(spec.head, expect_type=head_method)
+        head = spec.params.head
+        read_head_config(head, expect_type=head_method)
         hm = methods.method(head_method)  # (auto's: eagle3, which not every backend runs)
-        problem = hm.unavailable(_backend_for(a, hm), True, where=f" (--head {spec.head} is a {head_method} head)")
+        problem = runs_on.unavailable(hm, _backend_for(a, hm), True, where=f" (--head {head} is a {head_method} head)")
         if problem and hm is not m:
             raise SpecDraftError(problem)
     models_from_args(a, _runs_on(spec)).check()
@@ -145,16 +149,18 @@ def _head_method(spec) -> str | None:
     """The method that drafts with the spec's head: its own (medusa, eagle, eagle3), or auto's head arms'."""
     from .drafters.arms import HEAD_TYPE
 
-    if spec.head is None:
+    if spec.get("head") is None:
         return None
     return HEAD_TYPE if spec.method == DEFAULT_METHOD else spec.method
 
 
 def _runs_on(spec) -> tuple[str, ...]:
     """The backends the spec runs on: its method's, and with a head, those of the method that drafts with it."""
-    runs = methods.method(spec.method).backends
+    runs = runs_on.backends(methods.method(spec.method))
     head_method = _head_method(spec)
-    return runs if head_method is None else tuple(b for b in runs if b in methods.method(head_method).backends)
+    if head_method is None:
+        return runs
+    return tuple(b for b in runs if b in runs_on.backends(methods.method(head_method)))
 
 
 def cmd_models(a) -> int:
@@ -190,17 +196,18 @@ def _backend_for(a, m) -> str:
     from .api import default_backend
 
     named = getattr(a, "backend", None) or default_backend(a.target)
-    return m.backends[0] if named == "auto" else named
+    return runs_on.backends(m)[0] if named == "auto" else named
 
 
 def cmd_generate(a) -> int:
     sp = sampling_from_args(a)
     spec = spec_from_args(a)
     needs = _check_before_loading(spec, a)
-    if spec.datastore:  # fail on a missing or corrupt store before loading any model
+    store = spec.get("datastore")
+    if store:  # fail on a missing or corrupt store before loading any model
         from .drafters.datastore import Datastore
 
-        Datastore(spec.datastore)
+        Datastore(store)
     wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
     shape = RequestShape.of_text(a.prompt, sp.max_new_tokens, a.chat)  # --backend auto weighs prefill against decoding
     dec = models_from_args(a, _runs_on(spec)).load(draft=a.draft if wants_draft else None, shape=shape)

@@ -6,6 +6,14 @@ from __future__ import annotations
 import torch
 
 
+def head_spec(method: str, **keys):
+    """A validated spec of head method ``method`` for a drafter made here with its head object (so the spec's
+    ``head`` names no directory)."""
+    from specdraft.core.config import SpecConfig
+
+    return SpecConfig(method=method, head="(in memory)", **keys).validate()
+
+
 def greedy_continuations(target, prompts, n=20):
     seqs = []
     with torch.no_grad():

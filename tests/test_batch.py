@@ -36,8 +36,8 @@ def make(method, draft, k=3):
     if method == "plain":
         return NoDrafter()
     if method == "prompt_lookup":
-        return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=k, max_ngram=2))
-    return DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(k=k), V)
+        return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=k, max_ngram=2).validate())
+    return DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(method="draft_model", k=k).validate(), V)
 
 
 def single(target, draft, method, prompt, n):
@@ -216,7 +216,11 @@ def test_smollm2_greedy_rows_equal_batch1(smol_f32, smol_draft4, smol_plain, met
 
     def mk():
         if draft is not None:
-            return DraftModelDrafter(HFModel(draft.model, tok, name="d"), SpecConfig(k=4), smol_f32.vocab_size)
+            return DraftModelDrafter(
+                HFModel(draft.model, tok, name="d"),
+                SpecConfig(method="draft_model", k=4).validate(),
+                smol_f32.vocab_size,
+            )
         return make(method, None, k=4)
 
     refs = [smol_plain[tuple(p)][:n] for p, n in zip(prompts, SMOL_LENS)]
@@ -333,9 +337,9 @@ def test_draft_trees_batch_across_rows(pair):
     from specdraft.drafters.draft_tree import DraftTreeDrafter
 
     target, draft = pair
-    static = SpecConfig(tree="static", tree_branching=[2, 2, 1])
-    dynamic = SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6)
-    specs = [static, dynamic, static, SpecConfig(k=3)]
+    static = SpecConfig(method="draft_model", tree="static", tree_branching=[2, 2, 1]).validate()
+    dynamic = SpecConfig(method="draft_model", tree="dynamic", k=3, tree_topk=2, tree_budget=6).validate()
+    specs = [static, dynamic, static, SpecConfig(method="draft_model", k=3).validate()]
     mk = lambda s: DraftTreeDrafter(draft, s, V) if s.tree != "chain" else DraftModelDrafter(draft, s, V)  # noqa: E731
     sp = SamplingParams(max_new_tokens=12)
     eng = Engine(target, eos_ids=set())

@@ -11,9 +11,10 @@ from conftest import tiny_llama, tiny_model_dir
 from specdraft import api, cli
 from specdraft.api import SpecDecoder
 from specdraft.cli import _serve_settings, build_parser, models_from_args, spec_from_args
+from specdraft.core import methods
 from specdraft.core.config import SamplingParams, SpecConfig, spec_with_default
 from specdraft.core.errors import ConfigError
-from specdraft.drafters import registry as methods
+from specdraft.drafters.runs_on import backends as method_backends
 from specdraft.models import paths
 from specdraft.models.backends import BACKENDS
 
@@ -92,7 +93,7 @@ def test_a_named_backend_or_a_non_catalog_model_is_loaded_as_named(monkeypatch, 
     models_from_args(build_parser().parse_args(["generate", "--target", "smollm2-135m", "--backend", "hf", "x"])).load()
     SpecDecoder.load(str(tmp_path))  # a directory: transformers
     s = build_parser().parse_args(["generate", "--target", "smollm2-135m", "--method", "layer_skip", "x"])
-    models_from_args(s, methods.method("layer_skip").backends).load()  # auto among the method's backends
+    models_from_args(s, method_backends(methods.method("layer_skip"))).load()  # auto among the method's backends
     assert loads.calls == [
         ("hf", "smollm2-135m", None),
         ("hf", "smollm2-135m", None),
@@ -208,11 +209,11 @@ def test_auto_says_which_option_chose_its_path(monkeypatch, tmp_path, capsys):
     a = build_parser().parse_args(
         ["generate", "--target", "smollm2-135m", "--dtype", "float32", "--method", "plain", "x"]
     )
-    assert models_from_args(a, methods.method("plain").backends).load().backend == "hf"
+    assert models_from_args(a, method_backends(methods.method("plain"))).load().backend == "hf"
     assert got == [("hf", "float32")]  # nothing measured: the one path that honours it
     err = capsys.readouterr().err
     assert err == "backend auto: --backend hf --target smollm2-135m: the only backend that honours --dtype float32\n"
-    SpecDecoder.load("smollm2-135m", dtype="float32", backends=methods.method("layer_skip").backends)
+    SpecDecoder.load("smollm2-135m", dtype="float32", backends=method_backends(methods.method("layer_skip")))
     assert capsys.readouterr().err.endswith("the only backend that runs this method and honours --dtype float32\n")
 
 

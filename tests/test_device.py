@@ -17,7 +17,7 @@ import torch
 
 from conftest import tiny_llama, tiny_model_dir
 from device_util import ImplicitDevices
-from head_util import random_eagle3_head
+from head_util import head_spec, random_eagle3_head
 from specdraft import engine as engine_mod
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
@@ -47,7 +47,7 @@ def rows(dec):
     """(prompt, sampling, drafter) for a batch that runs every kind of drafter and verifier."""
     t = dec.target
     spec = lambda **kw: SpecConfig.from_dict({"k": 3, **kw})  # noqa: E731
-    head = lambda **kw: SpecConfig(k=3, **kw)  # noqa: E731  (the heads are made here, not read from a directory)
+    head = lambda method, **kw: head_spec(method, k=3, **kw)  # noqa: E731  (the heads are made here)
     made = lambda sp, **kw: (sp, dec.make_drafter(spec(**kw)))  # noqa: E731
     tree = {"tree": "dynamic", "tree_topk": 2, "tree_budget": 6}
     return [
@@ -64,11 +64,11 @@ def rows(dec):
         made(GREEDY, method="suffix"),
         made(SAMPLED, method="plain"),
         (SAMPLED, dec.make_drafter(spec(method="draft_model", lossy="typical"))),
-        (GREEDY, MedusaDrafter(t, MedusaHeads(32, 2), head(method="medusa", tree="static", tree_branching=[2, 2]))),
-        (SAMPLED, MedusaDrafter(t, MedusaHeads(32, 2), head(method="medusa", tree="static", tree_branching=[2, 1]))),
-        (SAMPLED, EagleDrafter(t, EagleHead(t.facts).eval(), head(method="eagle"))),
-        (GREEDY, Eagle3Drafter(t, random_eagle3_head(t, torch.arange(V)), head(method="eagle3", **tree))),
-        (SAMPLED, Eagle3Drafter(t, random_eagle3_head(t, torch.arange(V)), head(method="eagle3"))),
+        (GREEDY, MedusaDrafter(t, MedusaHeads(32, 2), head("medusa", tree="static", tree_branching=[2, 2]))),
+        (SAMPLED, MedusaDrafter(t, MedusaHeads(32, 2), head("medusa", tree="static", tree_branching=[2, 1]))),
+        (SAMPLED, EagleDrafter(t, EagleHead(t.facts).eval(), head("eagle"))),
+        (GREEDY, Eagle3Drafter(t, random_eagle3_head(t, torch.arange(V)), head("eagle3", **tree))),
+        (SAMPLED, Eagle3Drafter(t, random_eagle3_head(t, torch.arange(V)), head("eagle3"))),
     ]
 
 

@@ -19,6 +19,7 @@ PKG = ROOT / "specdraft"
 SUBPACKAGES = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").exists())
 ALLOWED = {
     "specdraft/drafters/repeat_last.py": "docs/design.md's worked example of a drafter to add",
+    "specdraft.drafters.repeat_last": "the same example, as the module its table entry names",
 }
 FILE_SUFFIXES = (".json", ".jsonl", ".md", ".txt", ".yaml", ".yml", ".png", ".safetensors", ".gguf", ".log", ".pt")
 _SUBS = "|".join(SUBPACKAGES)
@@ -78,7 +79,9 @@ def path_exists(path: str) -> bool:
 
 
 def missing_names(where, text: str) -> list[str]:
-    out = [d for d in DOTTED.findall(text) if not d.endswith(FILE_SUFFIXES) and not dotted_exists(d)]
+    out = [
+        d for d in DOTTED.findall(text) if not d.endswith(FILE_SUFFIXES) and d not in ALLOWED and not dotted_exists(d)
+    ]
     out += [p for p in PATH.findall(text) if p.rstrip(".,") not in ALLOWED and not path_exists(p)]
     return [f"{where}: {n}" for n in out]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama
-from head_util import break_sibling_residuals, random_eagle3_head
+from head_util import break_sibling_residuals, head_spec, random_eagle3_head
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.drafters import eagle as eagle_mod
@@ -195,8 +195,8 @@ def first_two(target, spec, sp, patch=None):
     return fit_pvalue(counts, exact_first_two(target, sp))
 
 
-CHAIN = SpecConfig(method="eagle3", k=3)
-TREE = SpecConfig(method="eagle3", tree="dynamic", k=3, tree_topk=4, tree_budget=8)
+CHAIN = head_spec("eagle3", k=3)
+TREE = head_spec("eagle3", tree="dynamic", k=3, tree_topk=4, tree_budget=8)
 
 
 @pytest.mark.parametrize("spec,sp", [(CHAIN, TRUNC), (TREE, T1)], ids=["chain-trunc", "tree-T1"])

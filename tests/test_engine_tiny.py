@@ -25,6 +25,11 @@ def pair():
     return tiny_llama(vocab=V), tiny_llama(vocab=V, noise_seed=5, noise=0.25)
 
 
+def draft_spec(**keys) -> SpecConfig:
+    """A draft model's spec, validated (what its drafters are made from)."""
+    return SpecConfig(method="draft_model", **keys).validate()
+
+
 def exact_first_two(target, sp):
     p1 = probs_from_logits(logits_of(target, PROMPT)[-1], sp).double()
     joint = np.zeros((V, V))
@@ -59,11 +64,11 @@ def drafter_maker(pair, method: str):
     """-> a callable making a fresh drafter for ``method`` (every sampled run gets its own)."""
     target, draft = pair
     if method == "draft_model":
-        return lambda: DraftModelDrafter(draft, SpecConfig(k=3), V)
+        return lambda: DraftModelDrafter(draft, draft_spec(k=3), V)
     if method == "static_tree":
-        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="static", tree_branching=[3, 2]), V)
+        return lambda: DraftTreeDrafter(draft, draft_spec(tree="static", tree_branching=[3, 2]), V)
     if method == "dynamic_tree":
-        return lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
+        return lambda: DraftTreeDrafter(draft, draft_spec(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V)
     if method == "early_exit":  # the target's first layer drafts (a view over its own weights)
         from specdraft.models.views import layer_view
 
@@ -78,11 +83,11 @@ def drafter_maker(pair, method: str):
         spec, dec = SpecConfig(method="layer_skip", skip_layers=[0], k=3, **tree), SpecDecoder(target, None)
         return lambda: dec.make_drafter(spec)
     if method == "prompt_lookup_tree":
-        return lambda: PromptLookupDrafter(
-            SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3)
-        )
+        tree_spec = SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3).validate()
+        return lambda: PromptLookupDrafter(tree_spec)
     if method == "prompt_lookup":
-        return lambda: PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2))
+        chain_spec = SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2).validate()
+        return lambda: PromptLookupDrafter(chain_spec)
     return NoDrafter
 
 
@@ -103,9 +108,9 @@ def test_greedy_matches_plain_and_accepts(pair):
     sp = SamplingParams(max_new_tokens=40)
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
     for spec in [
-        SpecConfig(k=3),
-        SpecConfig(k=2, schedule="heuristic", max_k=8),
-        SpecConfig(k=4, confidence_threshold=0.5),
+        draft_spec(k=3),
+        draft_spec(k=2, schedule="heuristic", max_k=8),
+        draft_spec(k=4, confidence_threshold=0.5),
     ]:
         out = generate(target, DraftModelDrafter(draft, spec, V), PROMPT, sp, eos_ids=set())
         assert out.token_ids == ref.token_ids
@@ -120,13 +125,13 @@ def test_stop_at_eos_and_max_tokens(pair):
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set()).token_ids
     eos = ref[7]
     first = ref.index(eos)
-    for drafter in [NoDrafter(), DraftModelDrafter(draft, SpecConfig(k=4), V)]:
+    for drafter in [NoDrafter(), DraftModelDrafter(draft, draft_spec(k=4), V)]:
         out = generate(target, drafter, PROMPT, sp, eos_ids={eos})
         assert out.token_ids == ref[: first + 1] and out.stats.finish_reason == "stop"
     for n in [1, 2, 3, 7]:
         out = generate(
             target,
-            DraftModelDrafter(draft, SpecConfig(k=4), V),
+            DraftModelDrafter(draft, draft_spec(k=4), V),
             PROMPT,
             SamplingParams(max_new_tokens=n),
             eos_ids=set(),
@@ -153,7 +158,7 @@ def test_cost_aware_schedule_is_exact_and_learns(pair):
     for _ in range(2):
         out = generate(
             target,
-            DraftModelDrafter(draft, SpecConfig(k=4, schedule="cost_aware"), V),
+            DraftModelDrafter(draft, draft_spec(k=4, schedule="cost_aware"), V),
             PROMPT,
             sp,
             eos_ids=set(),
@@ -204,7 +209,7 @@ def test_stop_strings_emit_nothing_past_the_stop(pair):
     ref = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set(), tokenizer=tok)
     stop = ref.text[5:7]  # a two-character stop string first completed at some token j
     first = ref.text.find(stop)
-    for drafter in [NoDrafter(), DraftModelDrafter(draft, SpecConfig(k=4), V)]:
+    for drafter in [NoDrafter(), DraftModelDrafter(draft, draft_spec(k=4), V)]:
         s = SamplingParams(max_new_tokens=30, stop=[stop])
         out = generate(target, drafter, PROMPT, s, eos_ids=set(), tokenizer=tok)
         assert out.stats.finish_reason == "stop"
@@ -222,12 +227,11 @@ def test_draft_tree_rows_match_direct_decoding(pair):
 
     target, draft = pair
     fresh = HFModel(draft.model)
+    static = draft_spec(tree="static", tree_branching=[2, 2, 1])
+    dynamic = draft_spec(tree="dynamic", k=3, tree_topk=2, tree_budget=5)
     for spec, sp in [
-        (SpecConfig(tree="static", tree_branching=[2, 2, 1]), SamplingParams(max_new_tokens=30)),
-        (
-            SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=5),
-            SamplingParams(temperature=1.0, seed=3, max_new_tokens=30),
-        ),
+        (static, SamplingParams(max_new_tokens=30)),
+        (dynamic, SamplingParams(temperature=1.0, seed=3, max_new_tokens=30)),
     ]:
         for others in ([], [[2, 3], [4, 1, 0, 5]]):
             eng = Engine(target, eos_ids=set())

@@ -37,7 +37,7 @@ def test_invalid_sampling_params(kw, msg):
         ({"method": "medusa2"}, "unknown method 'medusa2'; choose one of: plain, draft_model, prompt_lookup"),
         ({"k": 0}, r"k \(draft tokens per step\) must be >= 1"),
         ({"k": 8, "max_k": 4}, "max_k must be >= k"),
-        ({"min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
+        ({"method": "prompt_lookup", "min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
         ({"kk": 3}, r"unknown SpecConfig field\(s\) \['kk'\]"),
     ],
 )
@@ -47,7 +47,7 @@ def test_invalid_spec_config(d, msg):
 
 
 def test_spec_config_json_roundtrip():
-    c = SpecConfig(method="prompt_lookup", k=6, max_ngram=4)
+    c = SpecConfig(method="prompt_lookup", k=6, max_ngram=4).validate()
     assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
     with pytest.raises(ConfigError, match="not valid JSON"):
         SpecConfig.from_json("{method: plain")

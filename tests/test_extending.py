@@ -13,8 +13,9 @@ from conftest import tiny_llama
 from head_util import save_eagle3_head
 from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
+from specdraft.core import methods
 from specdraft.core.errors import ConfigError
-from specdraft.drafters import registry as methods
+from specdraft.drafters.runs_on import backends as method_backends
 from specdraft.models import backends
 from specdraft.models.base import Capabilities
 from specdraft.models.hf import HFModel
@@ -69,10 +70,12 @@ def toy(monkeypatch):
 
 
 def test_methods_read_what_it_offers(toy):
-    runs = {name for name, m in methods.REGISTRY.items() if "toy" in m.backends}
+    runs = {name for name, m in methods.REGISTRY.items() if "toy" in method_backends(m)}
     assert {"plain", "prompt_lookup", "draft_model", "suffix", "token_recycling", "lookahead"} <= runs
     assert not runs & {"medusa", "eagle", "eagle3", "layer_skip", "early_exit"}  # hidden / views: not offered
-    assert "toy" not in methods.REGISTRY["eagle"].backends and "toy" in methods.REGISTRY["suffix"].backends
+    assert "toy" not in method_backends(methods.REGISTRY["eagle"]) and "toy" in method_backends(
+        methods.REGISTRY["suffix"]
+    )
 
 
 def test_cli_offers_it(toy):

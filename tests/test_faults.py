@@ -18,7 +18,7 @@ class Faulty(PromptLookupDrafter):
     """Prompt lookup that raises in ``where`` on its ``at``-th call."""
 
     def __init__(self, where: str, at: int = 3):
-        super().__init__(SpecConfig(method="prompt_lookup", k=3, min_ngram=1))
+        super().__init__(SpecConfig(method="prompt_lookup", k=3, min_ngram=1).validate())
         self.where, self.at, self.calls = where, at, 0
 
     def _tick(self, name):
@@ -48,8 +48,8 @@ def test_a_failing_row_leaves_the_others_exact(pair, where):
     alone = [generate(target, NoDrafter(), p, sp, eos_ids=set()).token_ids for p in PROMPTS]
     eng = Engine(target, eos_ids=set())
     good = [
-        eng.add(PROMPTS[0], sp, DraftModelDrafter(draft, SpecConfig(k=3), V)),
-        eng.add(PROMPTS[2], sp, PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1))),
+        eng.add(PROMPTS[0], sp, DraftModelDrafter(draft, SpecConfig(method="draft_model", k=3).validate(), V)),
+        eng.add(PROMPTS[2], sp, PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3, min_ngram=1).validate())),
     ]
     bad = eng.add(PROMPTS[1], sp, Faulty(where))
     finished = []

@@ -11,7 +11,6 @@ method / tree / schedule names, alone and next to a normal request decoding conc
 batch (the normal one's text must equal decoding alone); on SmolLM2, structured-output constraints that
 dead-end (a grammar complete before min_tokens) next to a normal request."""
 
-import dataclasses
 import json
 import os
 import pickle
@@ -25,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server_util import REQUEST_COUNTS, metric_samples, running_server
-from specdraft.core.config import SpecConfig
-from specdraft.drafters.registry import REGISTRY
+from specdraft.core.config import spec_keys
+from specdraft.core.methods import REGISTRY
 from test_server_fast import tiny_pair
 
 FIELDS = [
@@ -213,7 +212,7 @@ def test_size_limits(server):
 
 
 # --- the spec object (issue 29) -------------------------------------------------------------------------
-SPEC_FIELDS = [f.name for f in dataclasses.fields(SpecConfig)]
+SPEC_FIELDS = sorted(spec_keys() | {"params"})  # the fields and every method's own settings
 SPEC_JUNK = st.one_of(
     JUNK,
     st.sampled_from([0, 1, 2, 16, 64, 65, 256, 257, 300, 4096, 10**30, -(10**30), 1e300]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import logits_of, tiny_llama, tiny_model_dir
-from head_util import break_sibling_residuals
+from head_util import break_sibling_residuals, head_spec
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.errors import ConfigError
@@ -169,9 +169,7 @@ def test_bad_head_inputs(tmp_path, tiny_dir, capsys):
     with pytest.raises(ConfigError, match=f"trained for target {trained_for}, whose LM head weights differ"):
         load_head(hd, same_shape, "medusa")
     with pytest.raises(ConfigError, match="tree is 3 deep but the Medusa head has 2 heads"):
-        MedusaDrafter(
-            same_shape, MedusaHeads(32, 2), SpecConfig(method="medusa", tree="static", tree_branching=[1, 1, 1])
-        )
+        MedusaDrafter(same_shape, MedusaHeads(32, 2), head_spec("medusa", tree="static", tree_branching=[1, 1, 1]))
 
 
 # --- sampling exactness through the engine (tiny model, first two tokens vs the exact joint) -------
@@ -253,11 +251,11 @@ def factory(target, method, patch=None):
     ``patch(drafter)`` (optional) breaks each on purpose."""
     if method.startswith("medusa"):
         tree = dict(tree="static", tree_choices=CHOICES) if method == "medusa_tree" else dict(k=3)
-        head, spec, cls = random_medusa(), SpecConfig(method="medusa", **tree), MedusaDrafter
+        head, spec, cls = random_medusa(), head_spec("medusa", **tree), MedusaDrafter
     else:
         ids = torch.tensor([0, 2, 3, 5]) if method.endswith("reduced_vocab") else None
         tree = EAGLE_TREE if method.startswith("eagle_tree") else {}
-        head, spec, cls = random_eagle(target, ids), SpecConfig(method="eagle", k=3, **tree), EagleDrafter
+        head, spec, cls = random_eagle(target, ids), head_spec("eagle", k=3, **tree), EagleDrafter
 
     def make():
         d = cls(target, head, spec)
@@ -288,7 +286,7 @@ def test_eagle_tree_level_equals_feeding_the_path(tiny_target, shape):
     cache: catches a wrong position id or a missing / extra visible slot, even with random weights.
     Two proposes: the second starts from the head's cache cropped back to its true positions."""
     head = random_eagle(tiny_target)
-    d = EagleDrafter(tiny_target, head, SpecConfig(method="eagle", **shape))
+    d = EagleDrafter(tiny_target, head, head_spec("eagle", **shape))
     d.begin(PROMPT, SamplingParams(), None)
     embed = tiny_target.model.get_input_embeddings()
     g = torch.Generator().manual_seed(1)
@@ -331,7 +329,7 @@ def test_eagle_tree_greedy_equals_plain(tiny_target, tree, reduced):
     from specdraft.drafters.base import NoDrafter
 
     ids = torch.tensor([0, 2, 3, 5]) if reduced else None
-    d = EagleDrafter(tiny_target, random_eagle(tiny_target, ids), SpecConfig(method="eagle", **tree))
+    d = EagleDrafter(tiny_target, random_eagle(tiny_target, ids), head_spec("eagle", **tree))
     sp = SamplingParams(max_new_tokens=30)
     accepted = 0
     for prompt in (PROMPT, [3, 3, 1, 0, 4, 2, 1]):

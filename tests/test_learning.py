@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from head_util import random_eagle3_head, save_eagle3_head
+from head_util import head_spec, random_eagle3_head, save_eagle3_head
 from specdraft.api import SpecDecoder
 from specdraft.cli import main
 from specdraft.core.config import SamplingParams, SpecConfig
@@ -37,8 +37,8 @@ from stat_util import fit_pvalue, sample_first_tokens
 
 V = 64
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-CHAIN = SpecConfig(method="eagle3", k=4)
-TREE = SpecConfig(method="eagle3", tree="dynamic", k=3, tree_topk=3, tree_budget=8)
+CHAIN = head_spec("eagle3", k=4)
+TREE = head_spec("eagle3", tree="dynamic", k=3, tree_topk=3, tree_budget=8)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 9, 2, 11, 3], [40, 41, 42]]
 
 

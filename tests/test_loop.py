@@ -114,7 +114,7 @@ def test_seeded_sample_does_not_depend_on_other_requests(target):
     from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
     def drafter():
-        return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2))
+        return PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=4, max_ngram=2).validate())
 
     sp = SamplingParams(temperature=1.0, seed=11, max_new_tokens=24)
     alone = generate_batch(target, [Job(PROMPT * 3, sp, drafter())], eos_ids=set(), rule=BatchRule(2, 3))[0]

@@ -155,7 +155,7 @@ def pair():
 
 
 def drafter(draft):
-    return DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(k=3), VT)
+    return DraftModelDrafter(HFModel(draft.model, None, name="d"), SpecConfig(method="draft_model", k=3).validate(), VT)
 
 
 def rule(lossy):

@@ -188,7 +188,7 @@ def test_datastore_cli_errors_are_one_line(tmp_path, args, msg):
 # --- suffix drafter ---------------------------------------------------------------------------
 def test_suffix_drafter_proposals(tmp_path):
     sp = SamplingParams()
-    spec = SpecConfig(method="suffix", k=8, tree_nodes=8, min_token_prob=0.0)
+    spec = SpecConfig(method="suffix", k=8, tree_nodes=8, min_token_prob=0.0).validate()
     text = [9, 1, 2, 3, 4, 8, 1, 2, 3, 4, 7, 1, 2, 3, 5, 6, 1, 2, 3]
     a, b = SuffixDrafter(spec), SuffixDrafter(spec)
     a.begin(text, sp, None)
@@ -200,7 +200,7 @@ def test_suffix_drafter_proposals(tmp_path):
     # best 8 of the 9 trie nodes by count (4 twice), then depth, then order
     assert ta.tokens.tolist() == [4, 5, 7, 8, 6, 1, 1, 1] and ta.parents.tolist() == [-1, -1, 0, 0, 1, 2, 3, 4]
     assert a.propose(text, 2).tokens.tolist() == [4, 5, 7, 8, 6]  # depth capped by max_tokens
-    half = SuffixDrafter(SpecConfig(method="suffix", k=8, max_spec_factor=0.5, min_token_prob=0.5))
+    half = SuffixDrafter(SpecConfig(method="suffix", k=8, max_spec_factor=0.5, min_token_prob=0.5).validate())
     half.begin(text, sp, None)
     assert half.propose(text, 8).tokens.tolist() == [4]  # ceil(0.5 x 3) = 2 deep, but only p >= 0.5
     # the global store wins when its tree is better
@@ -268,8 +268,8 @@ def test_lookahead_tree_shape_and_pool():
 # --- through the engine -----------------------------------------------------------------------
 def drafters(store=None):
     return {
-        "suffix": SuffixDrafter(SpecConfig(method="suffix", k=6)),
-        "suffix+store": SuffixDrafter(SpecConfig(method="suffix", k=6, min_token_prob=0.0), store),
+        "suffix": SuffixDrafter(SpecConfig(method="suffix", k=6).validate()),
+        "suffix+store": SuffixDrafter(SpecConfig(method="suffix", k=6, min_token_prob=0.0).validate(), store),
         "token_recycling": TokenRecyclingDrafter(SpecConfig.from_dict({"method": "token_recycling"}), V),
         "lookahead": LookaheadDrafter(SpecConfig.from_dict({"method": "lookahead"})),
     }
@@ -306,7 +306,7 @@ def test_spec_config_validation():
         with pytest.raises(ConfigError, match=msg):
             SpecConfig.from_dict(d)
     for c in (
-        SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2),
+        SpecConfig(method="suffix", datastore="/tmp/s", max_spec_factor=2).validate(),
         SpecConfig.from_dict(dict(method="token_recycling", recycle_branching=[3, 1])),
     ):  # (each method's own fields)
         assert SpecConfig.from_json(json.dumps(c.to_dict())) == c
@@ -325,7 +325,7 @@ def test_sampling_first_two_tokens_match_target(method):
     target = tiny_llama(vocab=6)
     sp = SamplingParams(temperature=0.9, top_k=5)
     if method == "suffix":
-        d = SuffixDrafter(SpecConfig(method="suffix", k=3, min_token_prob=0.0))
+        d = SuffixDrafter(SpecConfig(method="suffix", k=3, min_token_prob=0.0).validate())
     elif method == "lookahead":
         d = LookaheadDrafter(
             SpecConfig.from_dict(
@@ -353,7 +353,7 @@ def test_suffix_incremental_equals_fresh(tmp_path):
     rng = np.random.default_rng(5)
     corpus = [rng.integers(0, 4, 60) for _ in range(10)]
     store = ds.build(corpus, tmp_path / "s", sort_depth=16)
-    spec = SpecConfig(method="suffix", k=6, min_token_prob=0.0, tree_nodes=10)
+    spec = SpecConfig(method="suffix", k=6, min_token_prob=0.0, tree_nodes=10).validate()
     tokens = rng.integers(0, 4, 5).tolist()
     inc = SuffixDrafter(spec, store)
     inc.begin(tokens, SamplingParams(), None)

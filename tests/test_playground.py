@@ -234,12 +234,14 @@ def test_server_text_is_never_markup_and_the_policy_forbids_inline_script(browse
     """A method id from /v1/specdraft/methods went into innerHTML, under a policy allowing inline script: a
     plugin method named <img onerror=...> ran script. Every server string is a text node; the page's script
     is its own file, so the policy forbids inline script and framing."""
-    from specdraft.drafters import registry as methods
-    from specdraft.drafters.registry import _prompt_lookup
+    from specdraft.core import methods
+    from specdraft.drafters.factories import prompt_lookup
     from test_server_fast import tiny_pair
 
     b = browser
-    methods.REGISTRY[HOSTILE_ID] = methods.Method(HOSTILE_ID, "a plugin " + HOSTILE_ID, _prompt_lookup)
+    methods.REGISTRY[HOSTILE_ID] = methods.Method(
+        HOSTILE_ID, "a plugin " + HOSTILE_ID, prompt_lookup, params=methods.PromptLookupParams
+    )
     try:
         with running_server(tiny_pair(), model_name="tiny", default_spec={"method": "draft_model", "k": 3}) as (url, _):
             csp = httpx.get(url + "/", timeout=30).headers["content-security-policy"]

@@ -147,10 +147,12 @@ def pair():
 def drafters(pair):
     target, draft = pair
     return {
-        "draft_model": lambda: DraftModelDrafter(draft, SpecConfig(k=3), V),
-        "dynamic_tree": lambda: DraftTreeDrafter(draft, SpecConfig(tree="dynamic", k=3, tree_topk=2, tree_budget=6), V),
+        "draft_model": lambda: DraftModelDrafter(draft, SpecConfig(method="draft_model", k=3).validate(), V),
+        "dynamic_tree": lambda: DraftTreeDrafter(
+            draft, SpecConfig(method="draft_model", tree="dynamic", k=3, tree_topk=2, tree_budget=6).validate(), V
+        ),
         "prompt_lookup_tree": lambda: PromptLookupDrafter(
-            SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3)
+            SpecConfig(method="prompt_lookup", k=3, min_ngram=1, max_ngram=2, branches=3).validate()
         ),
     }
 
@@ -263,7 +265,9 @@ def test_logprobs_are_the_processed_targets(pair):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=10, logprobs=3, **PROC)
     plain = generate(target, NoDrafter(), PROMPT, sp, eos_ids=set())
-    spec = generate(target, DraftModelDrafter(draft, SpecConfig(k=3), V), PROMPT, sp, eos_ids=set())
+    spec = generate(
+        target, DraftModelDrafter(draft, SpecConfig(method="draft_model", k=3).validate(), V), PROMPT, sp, eos_ids=set()
+    )
     assert spec.token_ids == plain.token_ids and len(plain.logprobs) == 10
     for i, (e, f) in enumerate(zip(plain.logprobs, spec.logprobs)):
         out = plain.token_ids[:i]

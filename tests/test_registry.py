@@ -12,10 +12,11 @@ from conftest import tiny_llama
 from server_util import running_server
 from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
+from specdraft.commands.flags import help_text
+from specdraft.core import methods
 from specdraft.core.config import Int, SpecConfig, param
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
-from specdraft.drafters import registry as methods
 from specdraft.drafters.base import Drafter
 
 PROMPT = [1, 2, 3, 3, 3]
@@ -97,9 +98,7 @@ def test_config_reads_the_registry(repeat_last):
         SpecConfig(method="repeat_last", tree="static").validate()
     with pytest.raises(ConfigError, match="schedule 'heuristic' is not available for method 'repeat_last'"):
         SpecConfig(method="repeat_last", schedule="heuristic").validate()
-    with pytest.raises(
-        ConfigError, match="head is used by methods medusa, eagle, eagle3 and auto only, not 'repeat_last'"
-    ):
+    with pytest.raises(ConfigError, match="head is used by methods medusa, eagle, eagle3 and auto only, not 'repeat_l"):
         SpecConfig(method="repeat_last", head="h").validate()
 
 
@@ -131,7 +130,7 @@ def test_a_foreign_or_unknown_key_is_an_error(repeat_last):
         SpecConfig(method="repeat_last", params=5).validate()
     # at its default, another method's key is no setting: dropped (a spec's to_dict under another method)
     spec = SpecConfig.from_dict({"method": "prompt_lookup", "shift": 0})
-    assert spec.params is None and spec.to_dict() == SpecConfig(method="prompt_lookup").to_dict()
+    assert spec == SpecConfig(method="prompt_lookup").validate() and "shift" not in spec.to_dict()
 
 
 def test_unregistered_is_unknown():
@@ -157,7 +156,7 @@ def test_cli_offers_it(repeat_last):
     p = build_parser()
     a = p.parse_args(["generate", "--method", "repeat_last", "hi"])
     assert a.method == "repeat_last"
-    assert "repeat_last: draft the last token k times (a toy)" in methods.help_text()
+    assert "repeat_last: draft the last token k times (a toy)" in help_text()
     assert "repeat_last" in p._subparsers._group_actions[0].choices["generate"].format_help()  # --method's help
 
 
@@ -196,12 +195,101 @@ def test_bench_takes_it(repeat_last):
     assert [(n, k) for n, k, _ in build_variants(opts, {})] == [("plain", "plain"), ("repeat_last", "repeat_last")]
     opts = BenchOptions(k=3, sweep=["shift=0,2"], methods="plain,prompt_lookup,repeat_last")
     variants = build_variants(opts, {"spec": {"max_ngram": 2}})  # each method keeps the keys it reads
-    assert [(n, s.to_dict().get("shift"), s.max_ngram) for n, _, s in variants] == [
-        ("plain", None, 3),
+    assert [(n, s.get("shift"), s.get("max_ngram")) for n, _, s in variants] == [
+        ("plain", None, None),
         ("prompt_lookup[shift=0]", None, 2),
         ("prompt_lookup[shift=2]", None, 2),
-        ("repeat_last[shift=0]", 0, 3),
-        ("repeat_last[shift=2]", 2, 3),
+        ("repeat_last[shift=0]", 0, None),
+        ("repeat_last[shift=2]", 2, None),
     ]
     with pytest.raises(ConfigError, match="lookahead_window is used by method 'lookahead' only, none of plain"):
         build_variants(BenchOptions(k=3, sweep=[], methods="plain,repeat_last"), {"spec": {"lookahead_window": 6}})
+
+
+# --- the table and the spec's shape ----------------------------------------------------------------------
+def test_the_table_is_filled_where_it_is_defined():
+    """core/methods.py holds the whole table: no other module adds built-in entries (as an import side
+    effect), and every built-in factory names a function of the drafters layer, resolved on first use."""
+    import ast
+    import pathlib
+
+    import specdraft
+    from test_imports import LAYERS, layer_of
+
+    def is_table(n):
+        return getattr(n, "id", None) == "REGISTRY" or getattr(n, "attr", None) == "REGISTRY"
+
+    root = pathlib.Path(specdraft.__file__).parent
+    writers = []
+    for f in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            stored = isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del))
+            stored = stored and is_table(node.value)
+            updated = (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("update", "setdefault")
+                and is_table(node.func.value)
+            )
+            if stored or updated:
+                writers.append(str(f.relative_to(root)))
+    assert writers == []
+    assert list(methods.REGISTRY) == list(methods.METHODS) and len(methods.METHODS) == 15
+    for m in methods.REGISTRY.values():
+        for ref in (m.make, m.load_resource):
+            if ref is not None:
+                fn = methods.resolve(ref)
+                assert callable(fn) and LAYERS[layer_of(fn.__module__)][0] == "drafters", (m.name, ref)
+
+
+def test_the_spec_holds_what_every_method_shares():
+    """SpecConfig's fields are the settings every method reads; each method's own (its params dataclass,
+    groups shared by several methods) are flat keys, by the constructor too, and never a field's name."""
+    import dataclasses
+
+    from specdraft.core.config import PATH_FIELDS, spec_keys
+    from specdraft.core.methods import EarlyExitParams, PromptLookupParams
+
+    fields = [f.name for f in dataclasses.fields(SpecConfig)]
+    assert fields == ["method", "k", "schedule", "max_k", "tree", "lossy", "typical_epsilon", "typical_delta", "params"]
+    assert not set(fields) & {n for m in methods.REGISTRY.values() for n in m.param_names()}
+    assert {"head", "tree_branching", "min_ngram", "exit_layer", "datastore"} <= spec_keys()
+    assert PATH_FIELDS == ("skip_config", "datastore", "head", "autotune")
+    spec = SpecConfig(method="early_exit", exit_layer=2, tree="static", tree_branching=[2, 2]).validate()
+    assert spec.params == EarlyExitParams(exit_layer=2, tree_branching=[2, 2]) and spec.get("exit_layer") == 2
+    assert SpecConfig.from_dict(spec.to_dict()) == spec and spec.get("head") is None
+    pl = SpecConfig.from_dict({"method": "prompt_lookup", "max_ngram": 2})
+    assert pl.params == PromptLookupParams(max_ngram=2) and "head" not in pl.to_dict()
+    # a setting its method does not read is refused, never ignored (remote_draft drafts argmax tokens: no threshold)
+    with pytest.raises(ConfigError, match="confidence_threshold is used by methods draft_model, .* not 'remote_draft'"):
+        SpecConfig.from_dict({"method": "remote_draft", "confidence_threshold": 0.5})
+    methods.REGISTRY["clash"] = methods.Method("clash", "a setting named like a field", "x:y", params=Clash)
+    try:
+        with pytest.raises(ValueError, match=r"its settings \['k'\] are SpecConfig fields"):
+            SpecConfig(method="clash").validate()
+    finally:
+        del methods.REGISTRY["clash"]
+
+
+@dataclass
+class Clash:
+    k: int = param(1, Int(min=1))
+
+
+def test_validation_returns_a_checked_copy():
+    """validate never changes the object it checks (normalized values and the method's settings object are the
+    copy's); the frozen spec cannot be changed at all."""
+    import dataclasses
+
+    from specdraft.core.config import SamplingParams
+
+    raw = SpecConfig(method="prompt_lookup", typical_delta=1, max_ngram=2)
+    checked = raw.validate()
+    assert raw.typical_delta == 1 and type(raw.typical_delta) is int and raw.params == {"max_ngram": 2}
+    assert type(checked.typical_delta) is float and checked.params.max_ngram == 2 and checked is not raw
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checked.k = 3
+    sp = SamplingParams(temperature=1, stop="x")
+    out = sp.validate()
+    assert (sp.temperature, sp.stop) == (1, "x") and type(sp.temperature) is int
+    assert (out.temperature, out.stop) == (1.0, ["x"]) and type(out.temperature) is float

@@ -25,12 +25,12 @@ SEEDED = {  # method: (prompt, seed, drafter config; None: plain)
     "prompt_lookup": (
         "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
         2,
-        SpecConfig(method="prompt_lookup", k=4, max_ngram=2),
+        SpecConfig(method="prompt_lookup", k=4, max_ngram=2).validate(),
     ),
     "tree": (
         "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
         3,
-        SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3),
+        SpecConfig(method="prompt_lookup", k=3, max_ngram=2, branches=3).validate(),
     ),
 }
 OTHERS = [("Write a list of ten fruits:", 5), ("def fibonacci(n):", 24), ("The history of Rome begins", 16)]
@@ -60,7 +60,7 @@ def seeded_job(target, method, log):
 
 def other_job(target, i):
     prompt, n = OTHERS[i]
-    drafter = NoDrafter() if i % 2 else PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3))
+    drafter = NoDrafter() if i % 2 else PromptLookupDrafter(SpecConfig(method="prompt_lookup", k=3).validate())
     return Job(_ids(target, prompt), SamplingParams(temperature=0.8, max_new_tokens=n, ignore_eos=True), drafter)
 
 

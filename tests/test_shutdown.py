@@ -93,7 +93,7 @@ def test_a_failing_row_gets_500_and_the_batch_decodes_on(smol_f32, monkeypatch):
 
     def make_drafter(spec):  # requests asking for min_ngram=2 get a drafter that fails at its 3rd draft
         d = make(spec)
-        if spec.method == "prompt_lookup" and spec.min_ngram == 2:
+        if spec.method == "prompt_lookup" and spec.params.min_ngram == 2:
             calls, propose = [0], d.propose
 
             def failing(tokens, k):

@@ -256,8 +256,8 @@ class _Runner:
 def main_batchbench(opts: BatchBenchOptions) -> int:
     from ..api import SpecDecoder
     from ..core.config import SamplingParams
+    from ..core.methods import method
     from ..core.prompts import load_prompts
-    from ..drafters.registry import method
 
     sizes = _ints(opts.batch_sizes, "batch-sizes")
     if opts.prompts < 1 or opts.max_new_tokens < 1 or opts.repeats < 1:

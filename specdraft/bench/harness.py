@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 
 from ..commands.flags import add_device_args
+from ..core import methods
 from ..core import prompts as data
-from ..core.config import SamplingParams, SpecConfig, for_method, methods_needing, spec_keys, unread
+from ..core.config import SamplingParams, SpecConfig, for_method, spec_keys, unread
 from ..core.errors import ConfigError, SpecDraftError
 from ..core.extras import needs_extra
 from ..core.fidelity import output_terms
 from ..core.metrics import decode_phase
-from ..drafters import registry as methods
+from ..drafters.runs_on import unavailable
 from ..models.backends import BACKENDS
 from ..scale import cluster
 from .report import read_results, render
@@ -442,7 +443,7 @@ def make_runners(opts: BenchOptions, variants, decs: dict, threads: int) -> tupl
     for name, kind, spec in variants:
         if kind in methods.REGISTRY:
             d = decs[on_backend(name)[0] or opts.backend]
-            why = methods.method(kind).unavailable(d.backend, has_draft=True)  # a missing draft: make_drafter's error
+            why = unavailable(methods.method(kind), d.backend, has_draft=True)  # a missing draft: make_drafter's error
             if why:
                 raise ConfigError(f"{why} (or BACKEND:{kind} for a backend it runs on)")
             runners.append(EngineRunner(name, d, spec))
@@ -635,7 +636,9 @@ def plan_bench(opts: BenchOptions) -> Plan:
     )
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
     if needs_draft and not opts.draft:
-        raise ConfigError(f"{' / '.join(methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME")
+        raise ConfigError(
+            f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME"
+        )
     rows = data.preset_rows(opts.preset, opts.dataset, opts.tasks.split(",") if opts.tasks else None, opts.n_per_task)
     if not rows:
         raise SpecDraftError("no prompts selected")

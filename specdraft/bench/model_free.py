@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     out: dict = {"context": a.context, "store_tokens": a.store_tokens, "vocab": a.vocab}
-    spec = SpecConfig(method="suffix", k=16, tree_nodes=24)
+    spec = SpecConfig(method="suffix", k=16, tree_nodes=24).validate()
 
     # local automaton at a 4k context: half natural-like tokens, half copies of earlier spans
     base = zipf_tokens(rng, a.context, a.vocab).tolist()

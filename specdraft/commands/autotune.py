@@ -23,9 +23,10 @@ from ..api import ModelSettings
 from ..core import homefiles, prompts
 from ..core.config import SamplingParams, SpecConfig
 from ..core.errors import SpecDraftError
+from ..core.methods import method
 from ..core.metrics import FirstToken, decode_phase, tokens_per_second
 from ..drafters.arms import DEFAULT_ARMS, default_path, uses_model
-from ..drafters.registry import method
+from ..drafters.runs_on import unavailable
 from .flags import add_model_args
 
 
@@ -108,7 +109,7 @@ def candidates(dec, k_list=(2, 3, 4, 6)) -> dict[str, SpecConfig]:
             c["draft_model[static 2-1-1]"] = {"method": "draft_model", "tree": "static", "tree_branching": [2, 1, 1]}
     out = {}
     for n, d in c.items():
-        if method(d["method"]).unavailable(dec.backend, dec.draft is not None) is None:
+        if unavailable(method(d["method"]), dec.backend, dec.draft is not None) is None:
             out[n] = SpecConfig.from_dict(d)
     return out
 
@@ -361,8 +362,8 @@ def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: 
 
 
 def compact(spec: SpecConfig) -> dict:
-    """The method and the fields that differ from their defaults (what the file needs to rebuild it)."""
-    default = SpecConfig().to_dict()
+    """The method and the keys that differ from their defaults (what the file needs to rebuild it)."""
+    default = SpecConfig(method=spec.method).validate().to_dict()
     return {k: v for k, v in spec.to_dict().items() if k == "method" or k not in default or v != default[k]}
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..core import methods
 from ..core.config import LOSSY_RULES
 from ..core.errors import SpecDraftError
-from ..drafters import registry as methods
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -82,6 +82,14 @@ def add_backend_arg(p: argparse.ArgumentParser, default: str | None = None):
     )
 
 
+def help_text() -> str:
+    """One line per method for --method's help."""
+    return "; ".join(
+        f"{m.name}: {m.summary}" + (f" [needs a {m.needs.replace('_', ' ')}]" if m.needs else "")
+        for m in methods.REGISTRY.values()
+    )
+
+
 def method_name(name: str) -> str:
     """--method is checked by the registry: an unknown name is the one-line ``error: unknown method ...``
     (a SpecDraftError, which is no ValueError, so argparse lets it through to main)."""
@@ -99,8 +107,7 @@ def add_spec_args(p: argparse.ArgumentParser):
         type=method_name,
         choices=tuple(methods.REGISTRY),
         metavar="METHOD",
-        help=f"default auto (it picks per request and step among those this setup can run); one of: "
-        f"{methods.help_text()}",
+        help=f"default auto (it picks per request and step among those this setup can run); one of: {help_text()}",
     )
     p.add_argument("--k", type=int, default=None, help="draft tokens per step")
     p.add_argument(

@@ -7,8 +7,10 @@ import json
 import re
 from pathlib import Path
 
-from ..core.config import REGISTRY, SpecConfig
+from ..core.config import SpecConfig
 from ..core.errors import ConfigError
+from ..core.methods import REGISTRY
+from .runs_on import unavailable
 
 # auto's arms when no autotune file is there: cheap retrieval, the draft model, and the hybrid of both
 # (each only where the decoder can run it); plain is always an arm
@@ -65,17 +67,17 @@ def _arm_specs(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, dict | None
     """(name, spec, prior or None) of each arm: the autotune file's, or DEFAULT_ARMS that this decoder
     can run; ``auto_arms`` (auto's own parameter) keeps the named ones."""
     found = default_path(dec)
-    path = spec.autotune or (found if found.is_file() else None)
+    path = spec.params.autotune or (found if found.is_file() else None)
     if path == "off":  # online calibration only, whatever file exists
         path = None
     if path is not None:
         arms = file_arms(dec, path)
     else:
-        passed = {f: getattr(spec, f) for f in ARM_FIELDS}
+        passed = {f: spec.get(f) for f in ARM_FIELDS}
         arms = []
         for name, d in DEFAULT_ARMS.items():
             m = REGISTRY[d["method"]]
-            if m.unavailable(dec.backend, dec.draft is not None):
+            if unavailable(m, dec.backend, dec.draft is not None):
                 continue
             fields = {**{f: v for f, v in passed.items() if f in ("k", "max_k") or m.name == "hybrid"}, **d}
             arms.append((name, SpecConfig.from_dict(fields), None))
@@ -104,16 +106,16 @@ def file_arms(dec, path: str | Path) -> list[tuple[str, SpecConfig, dict]]:
 def _head_arms(dec, spec: SpecConfig) -> list[tuple[str, SpecConfig, None]]:
     """HEAD_ARMS when auto has a ``head``: an EAGLE-3 head for this target, on a backend that hands over its
     features (else an error: a head given is used or refused, never dropped)."""
-    if spec.head is None:
+    if spec.params.head is None:
         return []
     try:
-        problem = REGISTRY[HEAD_TYPE].unavailable(dec.backend, dec.draft is not None)
+        problem = unavailable(REGISTRY[HEAD_TYPE], dec.backend, dec.draft is not None)
         if problem:  # a head given is never left out unsaid
             raise ConfigError(problem)
         dec.head(spec)  # loaded once per decoder (as its arms' head): its type and its target checked
     except ConfigError as e:
         raise ConfigError(f"auto's head: {e} (auto drafts with it through its {HEAD_TYPE} arms)") from None
-    return [(name, SpecConfig.from_dict({**d, "head": spec.head}), None) for name, d in HEAD_ARMS.items()]
+    return [(name, SpecConfig.from_dict({**d, "head": spec.params.head}), None) for name, d in HEAD_ARMS.items()]
 
 
 def build_auto(dec, spec: SpecConfig):
@@ -136,7 +138,9 @@ def build_auto(dec, spec: SpecConfig):
             )
         arms.append(Arm(name, dec.make_drafter(s), ev, uses_model(s)))
     adopts = dec.draft is not None and getattr(dec.draft, "prefill_twin", None) is dec.target
-    return AutoDrafter(arms, costs, dec.arm_memory(spec), min_match=spec.hybrid_min_match, draft_adopts_prompt=adopts)
+    return AutoDrafter(
+        arms, costs, dec.arm_memory(spec), min_match=spec.params.hybrid_min_match, draft_adopts_prompt=adopts
+    )
 
 
 def uses_model(s: SpecConfig) -> bool:

@@ -53,19 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.config import Bool, StrList, param
 from ..core.policy import best_depth, chain_tokens, interpolate
 from .base import Drafter, NoDrafter
 from .composite import Composite, plan_of
 from .suffix import SuffixAutomaton
-
-
-@dataclass
-class AutoParams:
-    """auto's own parameters (flat keys of its spec)."""
-
-    learn_costs: bool = param(True, Bool())  # correct the start-up cost curve from observed steps (False: not)
-    auto_arms: list[str] = param([], StrList(max_len=64))  # the arms to choose among (empty: every one that runs)
 
 
 class ObservedCosts:

@@ -94,8 +94,9 @@ def common_prefix(a, b) -> int:
 
 
 def confident(threshold: float, step: int, top_prob: Callable[[], torch.Tensor]) -> bool:
-    """SpecConfig.confidence_threshold: from the second draft token on, drafting stops once the draft's
-    top probability falls below the threshold (0: never). ``top_prob`` is computed only when needed."""
+    """A model's ``confidence_threshold`` (core/methods.py ModelDraft): from the second draft token on,
+    drafting stops once the draft's top probability falls below the threshold (0: never).
+    ``top_prob`` is computed only when needed."""
     return threshold <= 0 or step == 0 or float(top_prob()) >= threshold
 
 

@@ -141,7 +141,7 @@ class CrossVocabDrafter(Drafter):
         feed = self._sync(tokens, max_tokens) if max_tokens > 0 else None
         if feed is None:
             return DraftTree.empty()
-        thr = self.spec.confidence_threshold
+        thr = self.spec.params.confidence_threshold
         n_ctx = len(self.held) + len(feed)  # the draft's context; drafted tokens follow it
         drafted, targets, probs = [], [], []
         for step in range(max_tokens):

@@ -17,12 +17,10 @@ holds exactly the context; the accepted tokens are fed with the next catch-up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from ..core.config import MAX_DRAFT, Int, SpecConfig, param
+from ..core.config import SpecConfig
 from ..core.sampling import argmax_last, probs_from_logits, sample, uniform
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix, confident
@@ -39,13 +37,6 @@ def fit_vocab(logits: torch.Tensor, target_vocab: int) -> torch.Tensor:
         return logits[..., :target_vocab]
     pad = logits.new_full((*logits.shape[:-1], target_vocab - v), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
-
-
-@dataclass
-class CascadeParams:
-    """cascade's own parameters (flat keys of its spec; cascade is this drafter with prompt lookup proposing)."""
-
-    cascade_k: int = param(4, Int(min=1, max=MAX_DRAFT))  # prompt lookup's tokens per draft-model forward
 
 
 class DraftModelDrafter(Drafter):
@@ -186,7 +177,7 @@ class DraftModelGroup:
         if n <= 0:
             return []
         ctx = np.asarray(m.tokens + [int(t) for t in out], dtype=np.int64)
-        return find_candidate(ctx, spec.min_ngram, spec.max_ngram, n).tolist()
+        return find_candidate(ctx, spec.params.min_ngram, spec.params.max_ngram, n).tolist()
 
     @staticmethod
     def _draw(
@@ -197,7 +188,7 @@ class DraftModelGroup:
         ``proposal`` is taken as the draft token when the draft model agrees: greedy, when it is the
         argmax; sampling, with probability q(proposal), else a draw from q without it, which leaves
         the token distributed exactly as q (the q reported to the verifier)."""
-        thr = m.drafter.spec.confidence_threshold
+        thr = m.drafter.spec.params.confidence_threshold
         if m.processor is not None:  # the history of this draft position: the context + the draft so far
             logits = m.processor.process(logits[None], m.tokens + [int(t) for t in out])[0]
         if m.sp.greedy:

@@ -45,6 +45,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
     reads_fed_positions = True  # feedback picks the accepted rows of the fed draft
+    growing = GrowingTree  # what a tree draft grows in
 
     def __init__(self, target: TargetModel, head: EagleHead, spec: SpecConfig):
         needs_head_io(target, f"method {self.name!r}")
@@ -122,7 +123,7 @@ class EagleDrafter(Drafter):
         f = self._step(self.feats[self.n_true :], fed, self.n_true)
         self.n_true = n - 1
         if self.spec.tree != "chain":
-            self._tree = GrowingTree(self.shape, self.sp, self.gen, ctx=self.n_true)
+            self._tree = self.growing(self.shape, self.sp, self.gen, ctx=self.n_true)
             self._pf = {-1: f}  # predicted feature of each fed node (-1: the last true position)
             self._draft = self._tree.grow(self.logits(f), k, self._score_level)
             return self._draft

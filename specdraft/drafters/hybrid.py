@@ -13,19 +13,9 @@ lossless sampling (their draft distributions differ per node), so sampling reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..core.config import Bool, param
 from ..core.tree import merge_trees
 from .composite import Composite, plan_of
 from .suffix import SuffixDrafter
-
-
-@dataclass
-class HybridParams:
-    """hybrid's own parameters (flat keys of its spec)."""
-
-    hybrid_merge: bool = param(False, Bool())  # greedy: both draft into one tree whenever retrieval matches
 
 
 class HybridDrafter(Composite):

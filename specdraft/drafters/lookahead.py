@@ -25,33 +25,11 @@ Checked statistically in tests/test_model_free.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..core.config import MAX_DRAFT, MAX_NGRAM, MAX_TREE_NODES, Int, SpecConfig, param
+from ..core.config import SpecConfig
 from ..core.tree import DraftTree, trie
 from .base import Drafter
-
-
-@dataclass
-class LookaheadParams:
-    """lookahead's own parameters (flat keys of its spec)."""
-
-    lookahead_window: int = param(4, Int(min=1, max=MAX_DRAFT, what="W"))  # Jacobi window columns
-    lookahead_ngram: int = param(3, Int(min=2, max=MAX_NGRAM, what="N"))  # n-gram length (window levels + 1)
-    lookahead_max_ngrams: int = param(4, Int(min=1, max=MAX_DRAFT, what="G"))  # pooled n-grams verified per step
-
-
-def tree_too_large(spec: SpecConfig) -> str | None:
-    """A Jacobi window of W columns and G pooled n-grams, N - 1 levels each, must fit one token tree."""
-    p = spec.params
-    if (p.lookahead_window + p.lookahead_max_ngrams) * (p.lookahead_ngram - 1) <= MAX_TREE_NODES:
-        return None
-    return (
-        f"lookahead_window ({p.lookahead_window}) + lookahead_max_ngrams ({p.lookahead_max_ngrams}), times "
-        f"lookahead_ngram - 1 ({p.lookahead_ngram - 1}), makes a tree of more than {MAX_TREE_NODES} nodes"
-    )
 
 
 class LookaheadDrafter(Drafter):

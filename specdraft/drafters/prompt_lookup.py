@@ -56,7 +56,8 @@ class PromptLookupDrafter(Drafter):
         if k <= 0:
             return DraftTree.empty()
         arr = np.asarray(tokens, dtype=np.int64)
-        if self.spec.branches > 1:
-            return trie(find_candidates(arr, self.spec.min_ngram, self.spec.max_ngram, k, self.spec.branches))
-        cand = find_candidate(arr, self.spec.min_ngram, self.spec.max_ngram, k)
+        p = self.spec.params
+        if p.branches > 1:
+            return trie(find_candidates(arr, p.min_ngram, p.max_ngram, k, p.branches))
+        cand = find_candidate(arr, p.min_ngram, p.max_ngram, k)
         return DraftTree.chain(torch.from_numpy(cand.copy()))

@@ -16,20 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.config import Bool, Int, OptStr, param
+from ..core.methods import RemoteDraftParams
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix
 
 PREFETCHED, DRAFTED = "prefetched", "drafted"  # the step's arm: made while the last step was verified, or not
-
-
-@dataclass
-class RemoteDraftParams:
-    """remote_draft's own parameters (flat keys of its spec)."""
-
-    prefetch: bool = param(True, Bool())  # draft the next block while the target verifies (False: in turns)
-    remote_threads: int = param(1, Int(min=1, max=256, what="threads of the draft's process"))
-    ray_address: str | None = param(None, OptStr("a Ray address (HOST:PORT, auto) or local"))
 
 
 class RemoteDraft:

@@ -249,30 +249,32 @@ class SuffixDrafter(Drafter):
         self._buf[n:end] = new
 
     def _depth(self, match_len: int, max_tokens: int) -> int:
-        return min(self.spec.k, max_tokens, math.ceil(self.spec.max_spec_factor * match_len))
+        return min(self.spec.k, max_tokens, math.ceil(self.spec.params.max_spec_factor * match_len))
 
     def local_tree(self, max_tokens: int):
         m = self.sam.match_len()
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0:
             return None
-        ends = np.asarray(self.sam.end_positions(self.sam.match_state(), self.spec.max_occurrences), dtype=np.int64)
+        ends = np.asarray(
+            self.sam.end_positions(self.sam.match_state(), self.spec.params.max_occurrences), dtype=np.int64
+        )
         if ends.size == 0:
             return None
         paths = continuation_paths(self._buf[: len(self.sam)], ends, depth)
-        return count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
+        return count_tree(paths, self.spec.params.tree_nodes, self.spec.params.min_token_prob)
 
     def global_tree(self, tokens: list[int], max_tokens: int, i: int = 0):
         """(the match length in global store i, its tree or None)."""
         store = self.stores[i]
         m0, at = self._g[i]  # the match can grow by at most the tokens appended since the last lookup
-        m, ends = store.lookup(tokens, self.spec.max_occurrences, None if at is None else m0 + len(tokens) - at)
+        m, ends = store.lookup(tokens, self.spec.params.max_occurrences, None if at is None else m0 + len(tokens) - at)
         self._g[i] = (m, len(tokens))
         depth = self._depth(m, max_tokens)
         if m == 0 or depth <= 0 or ends.size == 0:
             return m, None
         paths = continuation_paths(store.tokens, ends, depth)
-        return m, count_tree(paths, self.spec.tree_nodes, self.spec.min_token_prob)
+        return m, count_tree(paths, self.spec.params.tree_nodes, self.spec.params.min_token_prob)
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
         self._sync(tokens)

@@ -13,11 +13,9 @@ at depth d, child j of node x being ``M[x, j]``; one gather per depth. Determini
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..core.config import MAX_DRAFT, MAX_RECYCLE_TOPK, MAX_TREE_NODES, IntList, SpecConfig, TreeSize, param
+from ..core.config import SpecConfig
 from ..core.device import HOST
 from ..core.tree import DraftTree
 from .base import Drafter
@@ -80,17 +78,6 @@ def expand(table: torch.Tensor, root: int, branching: list[int]) -> DraftTree:
     par = parents[keep]
     par = torch.where(par >= 0, new_id[par.clamp(min=0)], par)
     return DraftTree(tokens[keep], par)
-
-
-@dataclass
-class TokenRecyclingParams:
-    """token_recycling's own parameters (flat keys of its spec)."""
-
-    recycle_branching: list[int] = param(
-        [4, 2, 2, 1],
-        IntList(min=1, max=MAX_RECYCLE_TOPK, what="children per node at each depth"),
-        TreeSize(max_depth=MAX_DRAFT, max_nodes=MAX_TREE_NODES),
-    )
 
 
 class TokenRecyclingDrafter(Drafter):

@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 
 
 def spec_shape(spec) -> TreeShape:
-    """The tree a spec's ``tree`` asks for: its static shape (``tree_choices`` or ``tree_branching``), or a
-    dynamic tree (``tree_budget``, ``tree_topk``) or a chain ``k`` deep."""
-    return TreeShape.of(spec.tree, spec.k, spec.tree_choices, spec.tree_branching, spec.tree_budget, spec.tree_topk)
+    """The tree a spec's ``tree`` asks for: its static shape (``tree_choices`` or ``tree_branching``), a dynamic
+    tree (``tree_budget``, ``tree_topk``; both the method's own settings, core/methods.py), or a chain ``k`` deep."""
+    p = spec.params
+    if spec.tree == "static":
+        return TreeShape.of("static", spec.k, p.tree_choices, p.tree_branching)
+    if spec.tree == "dynamic":
+        return TreeShape.of("dynamic", spec.k, budget=p.tree_budget, topk=p.tree_topk)
+    return TreeShape.of(spec.tree, spec.k)
 
 
 class GrowingTree:

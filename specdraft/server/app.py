@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..api import ModelSettings, default_backend
 from ..core.config import PATH_FIELDS, SPEC_OFF_AT, SPEC_SHRINK_AT, SpecConfig
 from ..core.errors import SpecDraftError
-from ..drafters.registry import REGISTRY
-from ..drafters.registry import method as registered
+from ..core.methods import REGISTRY
+from ..core.methods import method as registered
+from ..drafters.runs_on import backends, unavailable
 from .batch_worker import BatchWorker
 from .learning import LearnCollector, api_keys, curve_view, health_view, learns_from, tenancy_problem
 from .pacing import STREAM_MODES, StreamPacing, keepalive, paced, pad
@@ -258,9 +259,10 @@ def drain_check(app: FastAPI):
 
 def check_method(decoder, spec: SpecConfig):
     """A RequestError (param ``spec``) when this decoder cannot run ``spec.method`` (its backend, a draft
-    model it lacks); else the method's registry entry (its ``load_resource`` is run by the caller)."""
+    model it lacks); else the method's entry in the table (its ``load_resource`` is run by the caller)."""
     m = registered(spec.method)
-    problem = m.unavailable(
+    problem = unavailable(
+        m,
         decoder.backend,
         decoder.draft is not None,
         subject="spec.method",
@@ -300,7 +302,7 @@ def methods_listing(
                 "reason": reason,
                 "trees": list(m.trees),
                 "schedules": list(m.schedules),
-                "backends": list(m.backends),
+                "backends": list(backends(m)),
             }
         )
     d = default_spec.to_dict()
@@ -483,7 +485,7 @@ def start_learning(decoder, settings: ServerSettings, default_spec: SpecConfig, 
     problem = tenancy_problem(api_keys(settings.api_key), fixed, settings.learn_keys)
     if problem:
         raise ValueError(problem)
-    if default_spec.head is not None and default_spec.method in ("eagle3", "auto"):
+    if default_spec.get("head") is not None and default_spec.method in ("eagle3", "auto"):
         decoder.head(default_spec)
     elif not (settings.resources or {}).get("head"):
         log.warning(

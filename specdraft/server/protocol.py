@@ -24,6 +24,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from ..core.checks import is_int, is_num
 from ..core.config import PATH_FIELDS, SamplingParams, SpecConfig, for_method, spec_keys
 from ..core.errors import ConfigError, ContextLengthError, SpecDraftError
 from ..core.processors import RequestProcessor
@@ -91,31 +92,23 @@ class ParsedRequest:
     include_steps: bool = False  # stream_options.include_steps: per-step speculation in each chunk (StepTrace)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _check_types(body: dict) -> None:
     for name, kind, ok in [
-        ("max_tokens", "an integer", _is_int),
-        ("max_completion_tokens", "an integer", _is_int),
-        ("temperature", "a number", _is_num),
-        ("top_p", "a number", _is_num),
-        ("top_k", "an integer", _is_int),
-        ("seed", "an integer", _is_int),
-        ("n", "an integer", _is_int),
+        ("max_tokens", "an integer", is_int),
+        ("max_completion_tokens", "an integer", is_int),
+        ("temperature", "a number", is_num),
+        ("top_p", "a number", is_num),
+        ("top_k", "an integer", is_int),
+        ("seed", "an integer", is_int),
+        ("n", "an integer", is_int),
         ("stream", "a boolean", lambda v: isinstance(v, bool)),
         ("ignore_eos", "a boolean", lambda v: isinstance(v, bool)),
-        ("presence_penalty", "a number", _is_num),
-        ("frequency_penalty", "a number", _is_num),
-        ("repetition_penalty", "a number", _is_num),
-        ("min_tokens", "an integer", _is_int),
-        ("top_logprobs", "an integer", _is_int),
-        ("min_p", "a number", _is_num),
+        ("presence_penalty", "a number", is_num),
+        ("frequency_penalty", "a number", is_num),
+        ("repetition_penalty", "a number", is_num),
+        ("min_tokens", "an integer", is_int),
+        ("top_logprobs", "an integer", is_int),
+        ("min_p", "a number", is_num),
         ("logit_bias", "an object", lambda v: isinstance(v, dict)),
     ]:
         v = body.get(name)
@@ -226,7 +219,7 @@ def spec_over(s, default: SpecConfig, resources: dict | None = None) -> SpecConf
     s = {k: (_resource(k, v, resources or {}) if k in PATH_FIELDS else v) for k, v in s.items()}
     d = for_method(default.to_dict(), s.get("method", default.method))
     if "k" in s and "max_k" not in s:
-        d["max_k"] = max(d["max_k"], s["k"]) if _is_int(s["k"]) else d["max_k"]
+        d["max_k"] = max(d["max_k"], s["k"]) if is_int(s["k"]) else d["max_k"]
     d.update(s)
     try:
         return SpecConfig.from_dict(d)
@@ -311,7 +304,7 @@ def _prompt_ids(tokenizer, prompt, vocab: int, ctx: int) -> list[int]:
         if tokenizer is None:
             raise RequestError("this model has no tokenizer; send prompt as a list of token ids", param="prompt")
         return [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
@@ -391,7 +384,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         raise RequestError(
             "top_logprobs is a chat parameter; completions take logprobs: <number>", param="top_logprobs"
         )
-    if lp is not None and not _is_int(lp):
+    if lp is not None and not is_int(lp):
         raise RequestError(
             f"logprobs must be an integer (the number of alternatives), got {lp!r}",
             param="logprobs",

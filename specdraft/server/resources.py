@@ -16,7 +16,7 @@ import threading
 
 from ..core.config import PATH_FIELDS
 from ..core.errors import SpecDraftError
-from ..drafters.registry import method as registered
+from ..core.methods import method as registered
 from .protocol import RequestError
 from .scheduler import shutdown_error
 
@@ -73,9 +73,9 @@ def check_all(resources: dict[str, dict[str, str]]) -> None:
 
 LOADERS = {
     "head": lambda dec, spec: dec.head(spec),
-    "datastore": lambda dec, spec: dec.datastore(spec.datastore),
-    "skip_config": lambda dec, spec: dec.skip_config(spec.skip_config),
-    "autotune": lambda dec, spec: _arms_resources(dec, spec.autotune),
+    "datastore": lambda dec, spec: dec.datastore(spec.get("datastore")),
+    "skip_config": lambda dec, spec: dec.skip_config(spec.get("skip_config")),
+    "autotune": lambda dec, spec: _arms_resources(dec, spec.get("autotune")),
 }
 
 
@@ -86,9 +86,7 @@ def _read(decoder, spec, fields: list[str], on_field=lambda field: None) -> None
         on_field(field)
         LOADERS[field](decoder, spec)
     on_field(None)
-    load_resource = registered(spec.method).load_resource
-    if load_resource is not None:
-        load_resource(decoder, spec)
+    registered(spec.method).resource(decoder, spec)
 
 
 def _arms_resources(decoder, path: str) -> None:
@@ -100,9 +98,9 @@ def _arms_resources(decoder, path: str) -> None:
     for name, arm, _ in file_arms(decoder, path):
         fields = [field for field, _ in used(arm, {})]
         for field in fields:
-            why = problem(field, getattr(arm, field))
+            why = problem(field, arm.get(field))
             if why:
-                raise SpecDraftError(f"arm {name!r}: {field} {getattr(arm, field)}: {why}")
+                raise SpecDraftError(f"arm {name!r}: {field} {arm.get(field)}: {why}")
         _read(decoder, arm, fields)
 
 
@@ -111,7 +109,7 @@ def used(spec, named: dict) -> list[tuple[str, str]]:
     server's own (its --config or flags)."""
     out = []
     for field in PATH_FIELDS:
-        v = getattr(spec, field)
+        v = spec.get(field)
         if v is not None and not (field == "autotune" and v == "off"):
             out.append((field, f"resource {named[field]!r}" if field in named else f"the server's {field}"))
     return out
@@ -123,7 +121,7 @@ async def load(decoder, spec, named: dict, limit_s: float, draining) -> None:
     ``draining()``."""
     fields = used(spec, named)
     for field, what in fields:
-        why = problem(field, getattr(spec, field))
+        why = problem(field, spec.get(field))
         if why:
             raise _unavailable(field, what, spec, why)
     at = {"field": None}
@@ -155,7 +153,7 @@ async def load(decoder, spec, named: dict, limit_s: float, draining) -> None:
 
 def _unavailable(field: str, what: str, spec, why) -> RequestError:
     """The client's error names the resource; the server's log says where it is and what is wrong with it."""
-    log.warning("spec.%s: %s at %s is not available: %s", field, what, getattr(spec, field), why)
+    log.warning("spec.%s: %s at %s is not available: %s", field, what, spec.get(field), why)
     return RequestError(f"spec.{field}: {what} is not available", param=f"spec.{field}")
 
 
