@@ -229,7 +229,12 @@ def add_parser(sub):
         "--k", type=int, default=None, help="draft tokens per step for the engine's methods (and the pair_* methods)"
     )
     b.add_argument("--repeats", type=int, default=1)
-    b.add_argument("--sweep", action="append", default=[], help="FIELD=v1,v2,... over SpecConfig fields")
+    b.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        help="KEY=v1,v2,... over spec keys (SpecConfig fields or the methods' own settings)",
+    )
     b.add_argument("--no-chat", action="store_true", help="feed raw prompts instead of the chat template")
     b.add_argument("--out", default=None, help=f"default {UNGIVEN['out']}")
     b.add_argument("--no-plots", action="store_true")
@@ -285,7 +290,7 @@ def build_variants(opts: BenchOptions, cfg: dict) -> list[tuple[str, str, SpecCo
             raise ConfigError(f"--sweep expects FIELD=v1,v2,..., got {s!r}")
         f, vs = s.split("=", 1)
         if f not in spec_keys() or f == "method":
-            raise ConfigError(f"--sweep field {f!r} is not a SpecConfig field")
+            raise ConfigError(f"--sweep key {f!r} is no spec key (a SpecConfig field or a method's own setting)")
         sweeps.append((f, [_parse_value(v) for v in vs.split(",")]))
     listed = [x.strip() for x in opts.methods.split(",") if x.strip()]
     read_elsewhere = {"head"} if "ov_genai_eagle3" in listed else set()  # the head GenAI's EAGLE-3 decoding runs
