@@ -18,6 +18,7 @@ from specdraft.core.config import Int, SpecConfig, param
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 PROMPT = [1, 2, 3, 3, 3]
 
@@ -289,6 +290,9 @@ def test_validation_returns_a_checked_copy():
     assert type(checked.typical_delta) is float and checked.params.max_ngram == 2 and checked is not raw
     with pytest.raises(dataclasses.FrozenInstanceError):
         checked.k = 3
+    # a drafter reading an unchecked spec's setting is told to validate it (not a bare error or a silent default)
+    with pytest.raises(AttributeError, match="'branches' is read before the spec was validated"):
+        PromptLookupDrafter(raw).propose([1, 2, 1], 2)
     sp = SamplingParams(temperature=1, stop="x")
     out = sp.validate()
     assert (sp.temperature, sp.stop) == (1, "x") and type(sp.temperature) is int

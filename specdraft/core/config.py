@@ -294,7 +294,9 @@ class SpecConfig:
         if keys:  # flat settings, over those of ``params`` (an object of another kind is validate's to refuse)
             base = _settings(params)
             params = {**(base or {}), **keys} if base is None or isinstance(base, dict) else params
-        object.__setattr__(self, "params", params)
+        object.__setattr__(
+            self, "params", Unchecked(params or {}) if params is None or isinstance(params, dict) else params
+        )
 
     def validate(self) -> "SpecConfig":
         """A checked copy: each field's constraints, the cross-field RULES, then the method's rules from the
@@ -343,6 +345,17 @@ class SpecConfig:
     def to_dict(self) -> dict:
         """Flat: the method's own settings sit beside the fields (from_dict takes them back); a copy."""
         return {**{name: getattr(self, name) for name in _FIELD_ORDER}, **(_settings(self.params) or {})}
+
+
+class Unchecked(dict):
+    """A spec's settings before ``validate``: flat keys. Read as attributes (``spec.params.NAME``, what drafters
+    do) they say the spec needs validating, instead of a bare AttributeError or a silent default."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"spec setting {name!r} is read before the spec was validated: use SpecConfig(...).validate() "
+            "(SpecDecoder, the CLI, the server and the bench do)"
+        )
 
 
 def _settings(params: Any) -> Any:
