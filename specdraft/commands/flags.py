@@ -127,7 +127,12 @@ def add_spec_args(p: argparse.ArgumentParser):
     p.add_argument("--skip-config", default=None, help="layer_skip: the JSON written by `specdraft tune-skip`")
     p.add_argument("--exit-layer", type=int, default=None, help="early_exit: draft with the target's first N layers")
     p.add_argument("--datastore", default=None, help="suffix method: a store from `specdraft datastore build`")
-    p.add_argument("--head", default=None, help="medusa / eagle: a head directory from `specdraft train`")
+    p.add_argument(
+        "--head",
+        default=None,
+        help="medusa / eagle / eagle3 (and auto's EAGLE-3 arms): a head directory from `specdraft train` "
+        "(eagle3: or an EAGLE-3 checkpoint of SpecForge, vLLM or speculators)",
+    )
     p.add_argument(
         "--lossy",
         default=None,
