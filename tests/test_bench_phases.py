@@ -179,4 +179,6 @@ def test_every_runner_reports_its_first_token_time():
         assert len(rec["token_ids"]) == N, kind
         assert 0 < rec["first_token_s"] < rec["wall_s"], (kind, rec["first_token_s"], rec["wall_s"])
         if kind in (runners.LlamaCppRunner, runners.OVGenAIRunner):  # the fakes' own pace
-            assert rec["first_token_s"] >= FIRST and rec["wall_s"] - rec["first_token_s"] >= (N - 1) * EACH, kind
+            # 2 ms of slack: the runner's clock starts a fraction of a millisecond after a fake call began sleeping
+            assert rec["first_token_s"] >= FIRST - 0.002, kind
+            assert rec["wall_s"] - rec["first_token_s"] >= (N - 1) * EACH, kind
