@@ -14,7 +14,8 @@ from specdraft.api import SpecDecoder
 from specdraft.cli import build_parser
 from specdraft.commands.flags import help_text
 from specdraft.core import methods
-from specdraft.core.config import Int, SpecConfig, param
+from specdraft.core.checks import Int, param
+from specdraft.core.config import SpecConfig
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter

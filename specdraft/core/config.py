@@ -23,19 +23,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import (  # noqa: F401  (the constraints, also imported from here)
+from .checks import (
     MAX_DRAFT,
-    MAX_NGRAM,
-    MAX_RECYCLE_TOPK,
-    MAX_TREE_NODES,
-    Bool,
     Choice,
     Int,
-    IntList,
     JsonSchema,
     Number,
     OptStr,
-    PathArg,
     StrList,
     TokenBias,
     and_list,
@@ -43,7 +37,6 @@ from .checks import (  # noqa: F401  (the constraints, also imported from here)
     checked,
     default_of,
     field_with,
-    param,
 )
 from .errors import ConfigError
 from .methods import ALL_TREES, REGISTRY, SCHEDULES, Method, check_params, path_fields
@@ -272,7 +265,7 @@ class SpecConfig:
     )
     typical_epsilon: float = field_with(0.09, Number(min=0, max=1, min_open=True))
     typical_delta: float = field_with(0.3, Number(min=0, finite=True))
-    # the method's own settings: before validation a dict of flat keys (or None), after it the method's
+    # the method's own settings: before validation their flat keys (``Unchecked``), after it the method's
     # ``params`` dataclass, checked (None for a method without any)
     params: Any = None
 
@@ -293,10 +286,11 @@ class SpecConfig:
                 object.__setattr__(self, f.name, keys.pop(f.name) if f.name in keys else default_of(f))
         if keys:  # flat settings, over those of ``params`` (an object of another kind is validate's to refuse)
             base = _settings(params)
-            params = {**(base or {}), **keys} if base is None or isinstance(base, dict) else params
-        object.__setattr__(
-            self, "params", Unchecked(params or {}) if params is None or isinstance(params, dict) else params
-        )
+            if base is None or isinstance(base, dict):
+                params = {**(base or {}), **keys}
+        if params is None or isinstance(params, dict):
+            params = Unchecked(params or {})
+        object.__setattr__(self, "params", params)
 
     def validate(self) -> "SpecConfig":
         """A checked copy: each field's constraints, the cross-field RULES, then the method's rules from the

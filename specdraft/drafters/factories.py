@@ -1,4 +1,4 @@
-"""How each built-in method's drafter is made, and where a method can run.
+"""How each built-in method's drafter is made.
 
 The method table (core/methods.py ``REGISTRY``) names these functions (``Method.make``, ``Method.load_resource``:
 "specdraft.drafters.factories:NAME"); each is ``(decoder, spec) -> a drafter`` (or the shared resource its
