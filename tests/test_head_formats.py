@@ -6,6 +6,7 @@ unpickling code; a wrong shape or a missing tensor is one error line."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -136,6 +137,38 @@ DAMAGE = {
     ),
     "draft ids past the vocabulary": (lambda st, cfg: st.update({"d2t": st["d2t"] + V}), "outside the target"),
     "an unknown tensor": (lambda st, cfg: st.update({"midlayer.extra": torch.zeros(2)}), "does not know"),
+    # fields of a head from someone else, each refused before anything is sized by it
+    "a 400-digit hidden size": (lambda st, cfg: cfg.update(hidden_size=10**400), "hidden_size must be an integer"),
+    "a 400-digit rope_theta": (lambda st, cfg: cfg.update(rope_theta=10**400), "rope_theta must be a finite"),
+    "key/value heads that do not divide the heads": (
+        lambda st, cfg: (
+            cfg.update(num_key_value_heads=3),
+            st.update({f"midlayer.self_attn.{p}_proj.weight": torch.zeros(24, 64) for p in "kv"}),
+        ),
+        "not a multiple of num_key_value_heads 3",
+    ),
+    "a 10**12 vocabulary, t2d absent": (
+        lambda st, cfg: (cfg.update(vocab_size=10**12), st.pop("t2d")),
+        "vocab_size must be an integer from 1 to",
+    ),
+    "10**12 target and draft vocabularies, no maps": (
+        lambda st, cfg: (cfg.update(vocab_size=10**12, draft_vocab_size=10**12), st.pop("t2d"), st.pop("d2t")),
+        "vocab_size must be an integer from 1 to",
+    ),
+    "a 10**6 draft vocabulary, no maps": (  # within the bounds: the weights' shapes refuse it, before d2t is made
+        lambda st, cfg: (cfg.update(draft_vocab_size=10**6), st.pop("t2d"), st.pop("d2t")),
+        "lm_head.weight has shape",
+    ),
+    "an int8 scale of the wrong shape": (
+        lambda st, cfg: st.update({"fc.weight": st["fc.weight"].to(torch.int8), "fc.weight.int8_scale": torch.ones(3)}),
+        "one float scale per row of fc.weight",
+    ),
+    "a 0-d int8 scale": (
+        lambda st, cfg: st.update(
+            {"fc.weight": st["fc.weight"].to(torch.int8), "fc.weight.int8_scale": torch.tensor(1.0)}
+        ),
+        "one float scale per row of fc.weight",
+    ),
 }
 
 
@@ -150,3 +183,9 @@ def test_a_damaged_checkpoint_is_one_error_line(tmp_path, target, head, capsys, 
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=says):
         load_head(d, target, expect_type="eagle3")
+    if "target" in case:  # (heads info knows no target)
+        return
+    capsys.readouterr()
+    assert main(["heads", "info", str(d)]) == 2  # the CLI: one error line, no traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and re.search(says, err[0]), err

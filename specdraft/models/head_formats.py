@@ -25,6 +25,7 @@ its fingerprint, the aux layers as hidden-states indices, training facts) that t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ConfigError
+from .base import ModelFacts
 from .eagle3 import Eagle3Shape, eagle3_layers
 
 FORMATS = ("specforge", "vllm", "speculators")
@@ -78,23 +80,55 @@ def detect_format(cfg: dict) -> str:
 
 
 # --- reading -------------------------------------------------------------------------------------
-def read(path: str | Path, cfg: dict, target_layers: int) -> Eagle3Checkpoint:
-    """The checkpoint in directory ``path`` (its parsed ``cfg``), for a target of ``target_layers`` layers."""
+def read(path: str | Path, cfg: dict, target_layers: int, target: ModelFacts | None = None) -> Eagle3Checkpoint:
+    """The checkpoint in directory ``path`` (its parsed ``cfg``), for a target of ``target_layers`` layers
+    (and, where given, the ``target``'s facts). Checkpoints come from others: every config field is bounded
+    and checked against the target and the weights' shapes before anything is sized by it."""
     fmt = detect_format(cfg)
+    shape = _shape(cfg, fmt, target_layers, Path(path) / CONFIG)
+    if target is not None:
+        for what, theirs, ours in (
+            ("target hidden size", shape.target_hidden_size, target.hidden_size),
+            ("vocabulary", shape.vocab_size, target.vocab_size),
+        ):
+            if theirs != ours:
+                raise ConfigError(f"head {path} was made for a target with {what} {theirs}; this target has {ours}")
     state = _normalized(_load_tensors(Path(path)), Path(path))
-    shape = replace(_shape(cfg, fmt, target_layers, Path(path) / CONFIG), fc_bias="fc.bias" in state)
+    shape = replace(shape, fc_bias="fc.bias" in state)
+    check_state(state, shape, str(path), vocab_maps=False)  # before d2t / t2d are made at their config's sizes
     meta = cfg.get("specdraft") if isinstance(cfg.get("specdraft"), dict) else {}
     state = _with_vocab_maps(state, shape, path)
     check_state(state, shape, str(path))
     return Eagle3Checkpoint(shape, state, fmt, meta)
 
 
+# Bounds on a config's sizes, far above any model's (vocabularies reach ~260k, hidden sizes ~16k): a size
+# past one is a damaged or hostile file, refused before a tensor is allocated by it.
+MAX_SIZE = {"vocab_size": 1 << 22, "draft_vocab_size": 1 << 22, "intermediate_size": 1 << 18}
+MAX_OTHER = 1 << 16  # hidden sizes, head counts and widths
+MAX_POSITIONS = 1 << 24
+
+
 def _num(d: dict, key: str, kind, where, default=None):
+    """A positive number (an integer where ``kind`` is int) no larger than its bound; one error naming the key."""
     v = d.get(key, default)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
-    if not ok or v <= 0:
-        raise ConfigError(f"{where}: {key} must be a positive {'number' if kind is float else 'integer'}, got {v!r}")
-    return kind(v)
+    kind_ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    bound = MAX_SIZE.get(key, MAX_POSITIONS if key == "max_position_embeddings" else MAX_OTHER)
+    if kind is int:
+        ok = kind_ok and (isinstance(v, int) or (math.isfinite(v) and float(v).is_integer())) and 0 < v <= bound
+        if not ok:
+            raise ConfigError(f"{where}: {key} must be an integer from 1 to {bound}, got {_short(v)}")
+        return int(v)
+    ok = kind_ok and (abs(v) < 1e300 if isinstance(v, int) else math.isfinite(v)) and 0 < v < 1e300
+    if not ok:
+        raise ConfigError(f"{where}: {key} must be a finite positive number, got {_short(v)}")
+    return float(v)
+
+
+def _short(v) -> str:
+    """A config value for an error line: a 400-digit number as its first digits and its length."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _shape(cfg: dict, fmt: str, target_layers: int, where) -> Eagle3Shape:
@@ -105,17 +139,22 @@ def _shape(cfg: dict, fmt: str, target_layers: int, where) -> Eagle3Shape:
     heads = _num(layer, "num_attention_heads", int, where)
     rope = layer.get("rope_parameters") if isinstance(layer.get("rope_parameters"), dict) else {}
     vocab = _num(layer, "vocab_size", int, where)
+    kv = _num(layer, "num_key_value_heads", int, where, heads)
+    if heads % kv:  # grouped-query attention shares each key/value head among heads // kv query heads
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     return Eagle3Shape(
         hidden_size=H,
         target_hidden_size=_num(cfg, "target_hidden_size", int, where, H)
         if cfg.get("target_hidden_size") is not None
         else H,
         num_attention_heads=heads,
-        num_key_value_heads=_num(layer, "num_key_value_heads", int, where, heads),
+        num_key_value_heads=kv,
         head_dim=_num(layer, "head_dim", int, where, H // heads) if layer.get("head_dim") is not None else H // heads,
         intermediate_size=_num(layer, "intermediate_size", int, where),
         rms_norm_eps=_num(layer, "rms_norm_eps", float, where, 1e-6),
-        rope_theta=_num({"t": rope.get("rope_theta", layer.get("rope_theta", 10000.0))}, "t", float, where),
+        rope_theta=_num(
+            {"rope_theta": rope.get("rope_theta", layer.get("rope_theta", 10000.0))}, "rope_theta", float, where
+        ),
         max_position_embeddings=_num(layer, "max_position_embeddings", int, where, 4096),
         vocab_size=vocab,
         draft_vocab_size=_num(cfg, "draft_vocab_size", int, where, vocab),
@@ -181,7 +220,13 @@ def _normalized(state: dict, path: Path) -> dict[str, torch.Tensor]:
         if k.endswith(INT8_SCALE):
             continue
         if k in scales:
-            v = v.float() * scales[k].float()[:, None]
+            sc = scales[k]
+            if v.dim() != 2 or tuple(sc.shape) != (v.shape[0],) or not sc.is_floating_point():
+                raise ConfigError(
+                    f"{path}: {k}{INT8_SCALE} must hold one float scale per row of {k} "
+                    f"({v.shape[0] if v.dim() else 'a 0-d tensor has no rows'}), got shape {list(sc.shape)} {sc.dtype}"
+                )
+            v = v.float() * sc.float()[:, None]
         name = k[len("model.") :] if k.startswith("model.") else k
         name = "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
         if name.startswith("embed_tokens.") or name == "mask_hidden":
@@ -249,9 +294,12 @@ def expected_shapes(shape: Eagle3Shape) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_state(state: dict, shape: Eagle3Shape, where: str) -> None:
-    """Every tensor the shape needs, at its size; a foreign tensor is named (one message)."""
+def check_state(state: dict, shape: Eagle3Shape, where: str, vocab_maps: bool = True) -> None:
+    """Every tensor the shape needs, at its size; a foreign tensor is named (one message). ``vocab_maps``
+    False: d2t and t2d are checked only where present (before _with_vocab_maps makes the missing ones)."""
     want = expected_shapes(shape)
+    if not vocab_maps:
+        want = {k: v for k, v in want.items() if k not in ("d2t", "t2d") or k in state}
     missing = sorted(set(want) - set(state))
     if missing:
         raise ConfigError(

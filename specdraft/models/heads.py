@@ -313,17 +313,10 @@ def _load_eagle3(path, meta: dict, target) -> nn.Module:
     from .eagle3 import Eagle3Head
     from .head_formats import read
 
-    ck = read(path, meta, target.facts.num_layers)
-    f, s = target.facts, ck.shape
-    for what, theirs, ours in (
-        ("target hidden size", s.target_hidden_size, f.hidden_size),
-        ("vocabulary", s.vocab_size, f.vocab_size),
-    ):
-        if theirs != ours:
-            raise ConfigError(f"head {path} was made for a target with {what} {theirs}; {target.name} has {ours}")
+    ck = read(path, meta, target.facts.num_layers, target.facts)
     if ck.meta.get("target_signature"):
         check_signature(ck.meta["target_signature"], target, str(path), ck.meta.get("target"))
-    head = Eagle3Head(s)
+    head = Eagle3Head(ck.shape)
     head.load_state_dict(ck.state)
     head.meta = {**ck.meta, "format": ck.format}
     return head
