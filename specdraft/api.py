@@ -30,7 +30,15 @@ from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 from .drafters.runs_on import unavailable
 from .engine import GenerationResult, generate
 from .learning.config import learn_config
-from .models.backends import check_devices, check_named, device_kw, load_model, option_needs, placement
+from .models.backends import (
+    check_devices,
+    check_draft_flags,
+    check_named,
+    device_kw,
+    load_model,
+    option_needs,
+    placement,
+)
 from .models.hf import HFModel
 from .models.loading import check_same_tokenizer, set_threads
 from .models.views import layer_view
@@ -198,6 +206,7 @@ class SpecDecoder:
         target's). A device this machine or the backend cannot give is a ConfigError before anything loads.
         ``learn``: as in ``SpecDecoder()``."""
         learn_config(learn)  # checked before anything loads
+        check_draft_flags(draft, draft_layers=draft_layers, draft_backend=draft_backend, draft_device=draft_device)
         set_threads(threads)
         backend = backend or default_backend(target)
         draft_device = draft_device or device
@@ -414,6 +423,9 @@ class ModelSettings:
         """Before anything loads: an option given that the backend named for it does not honour (--backend
         llama --dtype float32, --backend openvino --device cuda) or a device this machine lacks is one error;
         auto chooses among the backends that honour them all."""
+        check_draft_flags(
+            self.draft, draft_layers=self.draft_layers, draft_backend=self.draft_backend, draft_device=self.draft_device
+        )
         backend = self.backend or default_backend(self.target)
         needs = option_needs(self.dtype, self.draft, self.draft_layers)
         check_named(backend, self.draft_backend, self.draft is not None, needs)
@@ -429,6 +441,10 @@ class ModelSettings:
         from .models.backends import BACKENDS, DEFAULT_DTYPE
 
         return (self.dtype or DEFAULT_DTYPE) if BACKENDS[backend].uses_dtype else "GGUF weights"
+
+    def without_draft(self) -> "ModelSettings":
+        """These settings with no draft and none of the draft's own."""
+        return dataclasses.replace(self, draft=None, draft_layers=None, draft_backend=None, draft_device=None)
 
     def load(self, shape=None, learn=None, **override) -> SpecDecoder:
         """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the

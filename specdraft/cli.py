@@ -19,7 +19,7 @@ from .api import ModelSettings
 from .commands.flags import add_model_args, add_sampling_args, add_spec_args
 from .core import methods
 from .core.config import DEFAULT_METHOD, SPEC_OFF_AT, SPEC_SHRINK_AT, SamplingParams, SpecConfig
-from .core.errors import SpecDraftError
+from .core.errors import ConfigError, SpecDraftError
 from .core.extras import require_extra
 from .drafters import runs_on
 from .learning import LearnConfig
@@ -168,7 +168,7 @@ def cmd_models(a) -> int:
 
     if a.action == "list":
         for r in catalog.status():
-            state = "ready" if r["dense"] else ("gguf only" if r["gguf"] else "not pulled")
+            state = ("ready, dense" if r["dense"] else "ready") if r["gguf"] else "not pulled"
             print(f"{r['name']:22s} {state:11s} {r['description']}")
         from .models.quantize import variants
 
@@ -185,8 +185,9 @@ def cmd_models(a) -> int:
             print(quantize(n, a.type, a.threads))
         return 0
     names = a.names or list(catalog.MODELS)
-    for n in names:
-        print(catalog.pull(n))
+    for n in names:  # the GGUF file and its tokenizer; transformers' dense copy with --dense (else when first loaded)
+        catalog.tokenizer_dir(n)
+        print(catalog.pull(n, convert=a.dense))
     return 0
 
 
@@ -199,6 +200,12 @@ def _backend_for(a, m) -> str:
     return runs_on.backends(m)[0] if named == "auto" else named
 
 
+def _drafting_methods() -> str:
+    return ", ".join(
+        n for n in methods.REGISTRY if methods.method(n).uses_draft or methods.method(n).needs == "draft_model"
+    )
+
+
 def cmd_generate(a) -> int:
     sp = sampling_from_args(a)
     spec = spec_from_args(a)
@@ -208,9 +215,10 @@ def cmd_generate(a) -> int:
         from .drafters.datastore import Datastore
 
         Datastore(store)
-    wants_draft = needs == "draft_model" or methods.method(spec.method).uses_draft
+    if a.draft and not (needs == "draft_model" or methods.method(spec.method).uses_draft):
+        raise ConfigError(f"--draft {a.draft}: method {spec.method} uses no draft model ({_drafting_methods()} do)")
     shape = RequestShape.of_text(a.prompt, sp.max_new_tokens, a.chat)  # --backend auto weighs prefill against decoding
-    dec = models_from_args(a, _runs_on(spec)).load(draft=a.draft if wants_draft else None, shape=shape)
+    dec = models_from_args(a, _runs_on(spec)).load(shape=shape)
     if a.method_defaulted:
         spec = dec.usable(spec)
     out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
@@ -465,6 +473,12 @@ def _add_models_parser(sub):
     m.add_argument("names", nargs="*")
     m.add_argument("--type", default=None, help="quantize: the llama.cpp type (Q4_0, Q8_0, Q4_K_M, ...)")
     m.add_argument("--threads", type=int, default=None, help="quantize: threads (default: all cores)")
+    m.add_argument(
+        "--dense",
+        action="store_true",
+        help="pull: also the dense float32 copy transformers (--backend hf) reads (minutes for the 1.5B; made "
+        "when first loaded otherwise)",
+    )
     return m
 
 

@@ -168,7 +168,10 @@ def test_bench_config_errors(tiny_dir, dataset, tmp_path, capsys):
     assert main(_args(tiny_dir, dataset, out, "--sweep", "bogus=1,2")) == 2
     assert "--sweep key 'bogus' is no spec key" in capsys.readouterr().err
     # a method's own setting is a spec key too: swept under the method that reads it
-    assert main(_args(tiny_dir, dataset, out, "--methods", "plain,prompt_lookup", "--sweep", "max_ngram=2,3")) == 0
+    args = _args(tiny_dir, dataset, out, "--methods", "plain,prompt_lookup", "--sweep", "max_ngram=2,3")
+    at = args.index("--draft")
+    del args[at : at + 4]  # --draft DIR --draft-layers 1: no method here uses a draft (given, it is refused)
+    assert main(args) == 0
     bad = tmp_path / "c.json"
     bad.write_text(json.dumps({"variants": {"x": {"method": "draft_model", "k": 0}}}))
     assert main(_args(tiny_dir, dataset, out, "--config", str(bad))) == 2

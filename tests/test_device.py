@@ -282,6 +282,67 @@ def test_cli_cuda_without_a_gpu_is_one_error_line(capsys, monkeypatch, tmp_path,
     assert "torch sees no such CUDA device here (0 visible)" in line, line
 
 
+BENCH_QA = ["bench", "--target", "smollm2-135m", "--tasks", "qa", "--n-per-task", "1"]
+
+
+@no_cuda
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (  # the bench refuses what generate and serve refuse, even where none of its methods would load the draft
+            [*BENCH_QA, "--methods", "plain", "--draft", "smollm2-135m", "--draft-device", "cuda"],
+            "--draft smollm2-135m: none of the methods measured (plain) uses a draft",
+        ),
+        (
+            [*BENCH_QA, "--methods", "draft_model", "--draft", "smollm2-135m", "--draft-device", "cuda"],
+            "--draft-device cuda: torch sees no such CUDA device here",
+        ),
+        ([*BENCH_QA, "--methods", "plain", "--draft-device", "cuda"], "--draft-device cuda: no draft model is given"),
+        (["generate", "--draft-device", "cuda", "hi"], "--draft-device cuda: no draft model is given"),
+        (["generate", "--draft-device", "cpu", "hi"], "--draft-device cpu: no draft model is given"),
+        (["generate", "--draft-backend", "llama", "hi"], "--draft-backend llama: no draft model is given"),
+        (
+            ["generate", "--method", "prompt_lookup", "--draft", "smollm2-135m", "hi"],
+            "--draft smollm2-135m: method prompt_lookup uses no draft model",
+        ),
+        (["serve", "--draft-device", "cuda"], "--draft-device cuda: no draft model is given"),
+        (["batchbench", "--target", "smollm2-135m", "--methods", "plain", "--draft-device", "cpu"], "no draft model"),
+    ],
+    ids=[
+        "bench-unused-draft",
+        "bench-draft",
+        "bench-no-draft",
+        "generate",
+        "generate-cpu",
+        "draft-backend",
+        "generate-unused-draft",
+        "serve",
+        "batchbench",
+    ],
+)
+def test_an_option_for_a_draft_is_never_silently_ignored(capsys, monkeypatch, tmp_path, args, says):
+    monkeypatch.setattr("specdraft.models.loading.load_hf", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.chdir(tmp_path)
+    assert says in one_error(capsys, args)
+
+
+def test_batchbench_takes_backend(capsys, monkeypatch):
+    """--backend, which every other command takes: named, it is the backend loaded (not refused by argparse)."""
+    from specdraft import api
+
+    seen = {}
+
+    def fake_load(*a, **k):
+        seen.update(k)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(api.SpecDecoder, "load", fake_load)
+    assert "stop here" in one_error(
+        capsys, ["batchbench", "--target", "smollm2-135m", "--methods", "plain", "--backend", "llama"]
+    )
+    assert seen["backend"] == "llama" and seen["dtype"] is None
+
+
 @pytest.mark.parametrize(
     "args,says",
     [

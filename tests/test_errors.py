@@ -282,7 +282,7 @@ def test_two_quantizes_of_one_variant_at_once_both_get_the_file(tmp_path, monkey
     src = tmp_path / "gguf" / catalog.MODELS["smollm2-135m"].gguf_name
     src.parent.mkdir()
     src.write_bytes(b"GGUF source")
-    monkeypatch.setattr(catalog, "pull", lambda name: tmp_path / "dense")
+    monkeypatch.setattr(catalog, "pull", lambda name, convert=True: tmp_path / "dense")
     monkeypatch.setattr(catalog, "gguf_path", lambda name: src)
     runs = []
 

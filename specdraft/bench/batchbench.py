@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..commands.flags import add_device_args
+from ..commands.flags import add_backend_arg, add_device_args, add_draft_backend_arg
 from ..core.errors import SpecDraftError
 
 
@@ -31,8 +31,10 @@ class BatchBenchOptions:
     target: str
     draft: str | None = None
     draft_layers: int | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # None: not given (bfloat16 on transformers)
     threads: int | None = None
+    backend: str = "hf"
+    draft_backend: str | None = None  # None: --backend's
     methods: str = "plain,draft_model"  # a comma list of methods or labels of --specs
     specs: str | None = None  # JSON file {label: SpecConfig}
     config: str | None = None  # SpecConfig JSON merged under every method
@@ -59,7 +61,14 @@ def add_parser(sub):
     p.add_argument("--target", required=True, help="model name, transformers directory or .gguf file")
     p.add_argument("--draft", default=None, help="draft model (for draft_model)")
     p.add_argument("--draft-layers", type=int, default=None, help="keep only the first N layers of the draft")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="transformers' weights (default bfloat16)",
+    )
+    add_backend_arg(p, default="hf")
+    add_draft_backend_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--methods",
@@ -279,10 +288,11 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
         dtype=opts.dtype,
         draft_layers=opts.draft_layers,
         threads=opts.threads,
-        backend="hf",
+        backend=opts.backend,
+        draft_backend=opts.draft_backend,
         device=opts.device,
         draft_device=opts.draft_device,
-    )  # the batched rows of transformers
+    )
     prompts = [dec.encode(r["prompt"], chat=not opts.no_chat) for r in rows]
     run = _Runner(dec, specs, sp, policy)
     print(f"warm-up: every method once at batch size {min(sizes)}, 8 tokens", file=sys.stderr)
@@ -293,6 +303,7 @@ def main_batchbench(opts: BatchBenchOptions) -> int:
         "draft": opts.draft,
         "draft_layers": opts.draft_layers,
         "dtype": opts.dtype,
+        "backend": dec.backend,
         "threads": opts.threads,
         "batch_sizes": sizes,
         "prompts": opts.prompts,

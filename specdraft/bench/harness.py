@@ -34,7 +34,7 @@ from ..core.extras import needs_extra
 from ..core.fidelity import output_terms
 from ..core.metrics import decode_phase
 from ..drafters.runs_on import unavailable
-from ..models.backends import BACKENDS
+from ..models.backends import BACKENDS, check_draft_flags
 from ..scale import cluster
 from .report import read_results, render
 
@@ -621,6 +621,9 @@ def _apply_config(opts: BenchOptions) -> tuple[BenchOptions, dict]:
 def plan_bench(opts: BenchOptions) -> Plan:
     """Options, --config, methods and prompts -> the Plan (checks everything that needs no model)."""
     opts, cfg = _apply_config(opts)
+    check_draft_flags(
+        opts.draft, draft_layers=opts.draft_layers, draft_backend=opts.draft_backend, draft_device=opts.draft_device
+    )
     schema = _read_schema(opts.json_schema) if opts.json_schema else None
     sp = SamplingParams(
         temperature=opts.temperature,
@@ -640,6 +643,11 @@ def plan_bench(opts: BenchOptions) -> Plan:
         for _, k, _ in variants
     )
     uses_draft = needs_draft or any(k in methods.REGISTRY and methods.method(k).uses_draft for _, k, _ in variants)
+    if opts.draft and not uses_draft:
+        raise ConfigError(
+            f"--draft {opts.draft}: none of the methods measured ({', '.join(n for n, _, _ in variants)}) uses a draft "
+            "model; add one that does (draft_model, auto, hf_assisted, ...) to --methods, or leave --draft out"
+        )
     if needs_draft and not opts.draft:
         raise ConfigError(
             f"{' / '.join(methods.methods_needing('draft_model'))} / hf_assisted / pair_* need --draft NAME"
@@ -664,7 +672,7 @@ def plan_bench(opts: BenchOptions) -> Plan:
         },
         "prompts": [r["id"] for r in rows],
     }
-    return Plan(opts, sp, schema, variants, rows, opts.draft if uses_draft else None, settings)
+    return Plan(opts, sp, schema, variants, rows, opts.draft, settings)
 
 
 def _devices_given(opts: BenchOptions) -> bool:

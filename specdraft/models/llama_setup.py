@@ -67,7 +67,8 @@ def pin() -> str:
 
 def cmake_args(off: set[str] | None) -> str:
     """GGML_NATIVE for the native variant; otherwise each feature of this CPU on, those in ``off`` off."""
-    base = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    # LLAVA_BUILD: llama-cpp-python's multimodal library (mtmd), which nothing here loads: a tenth of the build
+    base = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF"
     if off is None:
         return f"-DGGML_NATIVE=ON {base}"
     have, off_prefixes = set(cpu_flags()), tuple(off)
@@ -118,15 +119,14 @@ def install(wheel: Path) -> None:
 def cache_root() -> Path:
     from .catalog import home
 
-    key = hashlib.sha256(f"{pin()} {' '.join(cpu_flags())}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{pin()} {' '.join(cpu_flags())} {cmake_args(set())}".encode()).hexdigest()[:16]
     return home() / "llama-wheels" / key
 
 
 def probe_model() -> Path:
-    from .catalog import gguf_path, pull
+    from .catalog import pull
 
-    pull("smollm2-135m")
-    return gguf_path("smollm2-135m")
+    return pull("smollm2-135m", convert=False)
 
 
 def viable(name: str, needs: tuple, have: set[str]) -> bool:
@@ -200,7 +200,7 @@ def check_build(r) -> bool:
 
     from .catalog import gguf_path, status
 
-    ready = [s["name"] for s in status() if s["dense"]]
+    ready = [s["name"] for s in status() if s["gguf"]]
     model_path = gguf_path("smollm2-135m") if "smollm2-135m" in ready else None
     try:
         version = md.version("llama_cpp_python")
@@ -236,10 +236,27 @@ def check_build(r) -> bool:
     return True
 
 
+def prebuild() -> None:
+    """Build the first variant worth trying here into the cache, unless a wheel of it is there or a variant
+    was chosen already; nothing installed or probed. ``make setup`` runs it beside pip's install of the other
+    requirements (it needs only the standard library and pip), so the two overlap."""
+    root = cache_root()
+    if (root / "works").exists():
+        return
+    have = set(cpu_flags())
+    variant, _, off = next(v for v in VARIANTS if viable(v[0], v[1], have))
+    if not any((root / variant).glob("llama_cpp_python-*.whl")):
+        build_wheel(variant, off, root / variant)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("venv", nargs="?", default=".venv")
+    ap.add_argument("--build-only", action="store_true", help="build the wheel into the cache; install nothing")
     a = ap.parse_args(argv)
+    if a.build_only:
+        prebuild()
+        return 0
     setup(Path(a.venv) / ".specdraft-llama")
     return 0
 

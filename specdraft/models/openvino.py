@@ -79,13 +79,23 @@ def check_readable(gguf: Path, name: str) -> None:
         )
 
 
-def ir_path(gguf: Path, name: str) -> Path:
-    """The IR OpenVINO GenAI writes for ``gguf`` (converted once, then read from the cache)."""
+def _ir_dir(name: str) -> Path:
     from .catalog import home
 
-    d = home() / "openvino" / name.replace("/", "_").replace(":", "_")
+    return home() / "openvino" / name.replace("/", "_").replace(":", "_")
+
+
+def ir_ready(gguf: Path, name: str) -> bool:
+    """Whether ``gguf``'s IR was written already (loading it then converts nothing)."""
+    d = _ir_dir(name)
+    return gguf.exists() and (d / "openvino_model.xml").exists() and _stamp(d).get("source") == _source(gguf)
+
+
+def ir_path(gguf: Path, name: str) -> Path:
+    """The IR OpenVINO GenAI writes for ``gguf`` (converted once, then read from the cache)."""
+    d = _ir_dir(name)
     xml = d / "openvino_model.xml"
-    if xml.exists() and _stamp(d).get("source") == _source(gguf):
+    if ir_ready(gguf, name):
         return xml
     check_readable(gguf, name)
     d.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,9 @@ from ..core.policy import interpolate
 
 CURVE_TOKENS = (1, 4, 8, 16)
 PREFILL_TOKENS = (32, 512)  # prompt lengths whose prefill is measured (linear between, extended beyond)
+# What --backend auto measures itself when nothing was kept (seconds per path; doctor measures the above)
+QUICK_CURVE_TOKENS = (1, 4, 8)
+QUICK_PREFILL_TOKENS = (32, 128)
 
 
 @dataclass(frozen=True)
@@ -148,10 +151,17 @@ def write(model: str, **fields) -> Path:
 
 
 def measure_curves(
-    model: str, paths: list[str], dtype: str | None = None, say=print, fail=None, repeats: int = 3
+    model: str,
+    paths: list[str],
+    dtype: str | None = None,
+    say=print,
+    fail=None,
+    repeats: int = 3,
+    tokens: tuple[int, ...] = CURVE_TOKENS,
+    prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
 ) -> dict[str, dict[int, float]]:
-    """ms per forward of CURVE_TOKENS tokens after a 60-token context on each path (one loaded at a
-    time), the median of ``repeats``, and ms to prefill prompts of PREFILL_TOKENS; a path that cannot run
+    """ms per forward of ``tokens`` tokens after a 60-token context on each path (one loaded at a
+    time), the median of ``repeats``, and ms to prefill prompts of ``prefill_tokens``; a path that cannot run
     here goes to ``fail(path, message)`` (default: said) and is skipped. Kept in the model's file."""
     from .backends import load_model
     from .cost_curve import measure_costs, measure_prefill
@@ -168,9 +178,9 @@ def measure_curves(
         t0 = time.time()
         try:
             m = load_model(p.target(model), dtype, backend=p.backend, device="cpu")  # this CPU's paths
-            measure_costs(m, [1, CURVE_TOKENS[-1]], repeats=1)  # the first forwards of a process pay for kernel set-up
-            c = measure_costs(m, list(CURVE_TOKENS), repeats=repeats)
-            prefill[text] = measure_prefill(m, list(PREFILL_TOKENS), repeats=repeats)
+            measure_costs(m, [1, tokens[-1]], repeats=1)  # the first forwards of a process pay for kernel set-up
+            c = measure_costs(m, list(tokens), repeats=repeats)
+            prefill[text] = measure_prefill(m, list(prefill_tokens), repeats=repeats)
         except (SpecDraftError, RuntimeError, OSError) as e:
             (fail or (lambda path, msg: say(f"{path}: cannot run here: {msg}")))(text, str(e))
             continue
@@ -178,7 +188,7 @@ def measure_curves(
         curves[text] = c
         say(
             f"{text:11s} {c[1]:6.0f} ms | "
-            + " | ".join(f"{n}: {c[n] / c[1]:.2f}x" for n in CURVE_TOKENS[1:])
+            + " | ".join(f"{n}: {c[n] / c[1]:.2f}x" for n in tokens[1:])
             + " | prefill "
             + " / ".join(f"{n}: {ms:.0f} ms" for n, ms in prefill[text].items())
             + f"   ({time.time() - t0:.0f} s)"
@@ -372,12 +382,7 @@ def ranked(
         )
     curves = {k: c for k, c in curves_of(doc).items() if ModelPath.parse(k).backend in names}
     if not out and not curves:
-        check_writable(model)
-        todo = [BACKENDS[b].paths[0] for b in names if BACKENDS[b].paths]  # what auto measures when nothing was
-        say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in {file_for(model)})")
-        curves = measure_curves(model, todo, dtype, say=lambda s: say("  " + s), repeats=1)  # doctor: 3 repeats
-        if not curves:
-            raise ConfigError(f"--backend auto: no backend could run {model} here")
+        curves = _measure_first(model, names, dtype, say)
         doc = read(model)
     if shape is not None and (fit := by_shape(doc, model, names, shape, say)):
         return fit
@@ -390,6 +395,37 @@ def ranked(
     for p, why in out:  # the pick is also among the curves
         unique.setdefault(str(p), (p, why))
     return list(unique.values())
+
+
+def _measure_first(model: str, names: list[str], dtype: str | None, say) -> dict[str, dict[int, float]]:
+    """Nothing kept for ``model`` here: each backend's first path measured briefly (QUICK_*: seconds a path),
+    once, leaving out the paths whose weights would first be converted (minutes: ``Backend.converts``) unless
+    nothing else runs; `specdraft doctor` measures every path at length."""
+    from .backends import BACKENDS
+
+    check_writable(model)
+    todo = [BACKENDS[b].paths[0] for b in names if BACKENDS[b].paths]
+    ready = [p for p in todo if not BACKENDS[ModelPath.parse(p).backend].converts(model)]
+    if ready and ready != todo:
+        later = [p for p in todo if p not in ready]
+        say(
+            f"backend auto: not measuring {', '.join(later)} (its weights would first be converted, minutes; "
+            f"`specdraft doctor --model {model}` measures every path)"
+        )
+    todo = ready or todo
+    say(f"backend auto: measuring {', '.join(todo)} for {model} on this CPU (once; kept in {file_for(model)})")
+    curves = measure_curves(
+        model,
+        todo,
+        dtype,
+        say=lambda s: say("  " + s),
+        repeats=1,
+        tokens=QUICK_CURVE_TOKENS,
+        prefill_tokens=QUICK_PREFILL_TOKENS,
+    )
+    if not curves:
+        raise ConfigError(f"--backend auto: no backend could run {model} here")
+    return curves
 
 
 LOAD_ERRORS = (SpecDraftError, RuntimeError, OSError, ImportError)  # what a path that cannot load here raises

@@ -93,7 +93,7 @@ def quantize(base: str, qtype: str, threads: int | None = None) -> Path:
     quantize of the same variant at once waits for the first and takes its file."""
     check_type(qtype)
     spec = catalog.get_spec(base)
-    catalog.pull(base)
+    catalog.pull(base, convert=False)
     src = catalog.gguf_path(base)
     out = src.with_name(f"{Path(spec.gguf_name).stem}.{qtype}.gguf")
     with homefiles.locked(out.with_name(out.name + ".lock")):
