@@ -397,6 +397,34 @@ def test_demo_names_a_divergence_with_its_gap(smol_gguf, ids):
     assert same_as_plain(smol_gguf, ids[0], plain, plain + [7]) == "goes on past plain's 6 tokens: a bug"
 
 
+def test_the_demo_runs_a_chat_question_and_a_code_edit_and_says_what_paid(capsys):
+    """`specdraft demo` (here on SmolLM2 drafting for itself, 8 tokens): both prompts, every method, each run
+    checked against plain decoding, and one line per prompt saying which methods paid or that none did."""
+    from specdraft.api import ModelSettings
+    from specdraft.demo import DemoOptions, run_demo
+
+    models = ModelSettings("smollm2-135m", draft="smollm2-135m", backend="llama")
+    assert run_demo(DemoOptions(models, max_new_tokens=8)) == 0
+    out = capsys.readouterr().out
+    assert "=== [qa]" in out and "=== [code_edit]" in out
+    assert out.count("same tokens as plain") + out.count("a near-tie") == 8, out
+    verdicts = [ln for ln in out.splitlines() if ln.startswith(("  qa: ", "  code_edit: "))]
+    assert len(verdicts) == 2 and all(("paid: " in v) or ("nothing paid" in v) for v in verdicts), out
+
+
+def test_the_demos_verdict_names_what_paid_and_what_did_not():
+    from types import SimpleNamespace
+
+    from specdraft.demo import _verdict
+
+    def run(tokens, wall):
+        return SimpleNamespace(stats=SimpleNamespace(new_tokens=tokens, wall_s=wall))
+
+    runs = {"plain": run(64, 10.0), "auto": run(64, 5.0), "draft_model": run(64, 20.0)}
+    assert _verdict(runs) == "paid: auto 2.00x plain; did not pay: draft_model 0.50x"
+    assert _verdict({"plain": run(64, 10.0), "auto": run(64, 9.9)}).startswith("nothing paid: ")
+
+
 def test_ggml_runs_on_a_thread_of_its_own_where_the_build_needs_it(smol_gguf, ids, monkeypatch):
     """On AMX builds ggml's work leaves the caller's thread (torch's oneDNN would disturb its tile
     configuration there); forced on here, decoding is unchanged and runs on that thread."""

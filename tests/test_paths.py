@@ -2,6 +2,7 @@
 autotune --paths' measured pick first, else the cheapest one-token forward of doctor's curves. Bad
 paths and models that are no catalog name get one clear error."""
 
+import dataclasses
 import json
 from importlib.util import find_spec
 
@@ -216,3 +217,50 @@ def test_autotune_paths_keeps_each_paths_decode_phase_and_prefill(kept, monkeypa
     assert [t["path"] for t in tried] == ["hf", "llama"]
     assert all(t["decode_tokens_per_s"] > 0 and t["prefill_ms_per_token"] > 0 for t in tried)
     assert set(paths.path_costs(paths.read("smollm2-135m"))) == {"hf", "llama"}  # what a request's shape is weighed by
+
+
+# --- the first run: what --backend auto measures when nothing was kept ----------------------------------
+def test_nothing_kept_measures_briefly_and_converts_nothing(kept, monkeypatch):
+    """A fresh models' home: each backend's first path measured briefly (no 512-token prefill, one repeat),
+    and the paths whose weights would first be converted (transformers' dense copy, OpenVINO's IR) left out
+    while another path runs without converting."""
+    from specdraft.models import backends
+
+    calls = []
+
+    def fake_measure(model, todo, dtype=None, say=print, fail=None, repeats=3, **kw):
+        calls.append((list(todo), repeats, kw))
+        return {p: {1: 30.0, 4: 60.0, 8: 90.0} for p in todo}
+
+    monkeypatch.setattr(paths, "measure_curves", fake_measure)
+    monkeypatch.setattr(paths, "read", lambda model: {})
+    monkeypatch.setattr(paths, "check_writable", lambda model: {})
+    for name, converts in (("hf", True), ("openvino", True), ("llama", False)):
+        monkeypatch.setitem(
+            backends.BACKENDS, name, dataclasses.replace(backends.BACKENDS[name], converts=lambda m, c=converts: c)
+        )
+    said = []
+    paths.ranked("qwen2.5-coder-1.5b", say=said.append)
+    ((todo, repeats, kw),) = calls
+    assert todo == ["llama"] and repeats == 1
+    assert max(kw["prefill_tokens"]) < 512 and kw["tokens"] == paths.QUICK_CURVE_TOKENS
+    assert any("not measuring hf, openvino" in s for s in said), said
+    calls.clear()  # nothing runs without converting: then every path is measured (briefly) rather than none
+    monkeypatch.setitem(
+        backends.BACKENDS, "llama", dataclasses.replace(backends.BACKENDS["llama"], converts=lambda m: True)
+    )
+    paths.ranked("qwen2.5-coder-1.5b", say=said.append)
+    assert calls[0][0] == ["hf", "llama", "openvino"]
+
+
+def test_the_gguf_backends_never_make_the_dense_copy(tmp_path, monkeypatch):
+    """A catalog model on llama.cpp / OpenVINO reads its GGUF file and a tokenizer directory: transformers'
+    dense copy (minutes for the 1.5B) is made only when --backend hf loads the model."""
+    from specdraft.models import backends, catalog
+
+    asked = []
+    monkeypatch.setattr(catalog, "pull", lambda name, convert=True: asked.append(convert) or tmp_path / "x.gguf")
+    monkeypatch.setattr(catalog, "tokenizer_dir", lambda name: asked.append("tokenizer") or tmp_path / "tok")
+    gguf, tok = backends.resolve_gguf("qwen2.5-coder-1.5b")
+    assert tok == str(tmp_path / "tok") and gguf.name.endswith(".gguf")
+    assert True not in asked, asked
