@@ -113,3 +113,23 @@ def test_seeded_rows_equal_alone_in_every_layout(target):
                 f"{name}: {x} row was verified with other logits than alone"
             )
             assert row.stats.reproducible is True
+
+
+def test_neither_lane_waits_for_the_other(target):
+    """A seeded row's own lane and the shared lane both advance on every step: each row gets a step record
+    (and at least one token) in every step it is in, so neither a seeded request nor the batch it left can be
+    starved by the other (docs/server.md measures what the lane costs the batch)."""
+    log: list = []
+    eng = Engine(target)
+    rows = eng.add_many([seeded_job(target, "prompt_lookup", log)] + [other_job(target, i) for i in range(3)])
+    assert rows[0].own_lane and not any(r.own_lane for r in rows[1:])
+    lived = [0] * len(rows)
+    while eng.rows:
+        alive = [r in eng.rows for r in rows]
+        before = [len(r.output) for r in rows]
+        eng.step()
+        for i, r in enumerate(rows):
+            if alive[i]:
+                lived[i] += 1
+                assert len(r.output) > before[i], f"row {i} emitted nothing in a step it was in"
+    assert [len(r.stats.steps) for r in rows] == lived

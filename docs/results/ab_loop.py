@@ -1,6 +1,6 @@
 """Single-request speed of two versions of specdraft in ONE process, interleaved per prompt.
 
-Used for the one-decode-loop change (docs/benchmarks.md, "One loop: batch-1 speed before/after").
+Used for the one-decode-loop change (docs/benchmark-log.md, "One loop: batch-1 speed before/after").
 Both versions wrap the same loaded torch modules, so only the engine code differs.
 
     git archive 8c216e2 specdraft | tar -x -C /tmp/before && mv /tmp/before/specdraft /tmp/before/specdraft_before

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The "engine chooses how to draft" tables of docs/benchmarks.md: Qwen2.5-Coder 1.5B + 0.5B,
+# The "engine chooses how to draft" tables of docs/benchmark-log.md: Qwen2.5-Coder 1.5B + 0.5B,
 # core18 + code_edit (27 prompts), greedy and T=1 on the llama.cpp backend, greedy on transformers bf16.
 # Run from the repo root after `make models`. autotune first: `auto` reads the file it writes (per target,
 # draft, backend, dtype and CPU); auto_online ignores it. Each bench resumes its --out.

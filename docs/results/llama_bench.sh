@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The llama.cpp backend tables of docs/benchmarks.md (Qwen2.5-Coder 1.5B, 128 new tokens, speedups over
+# The llama.cpp backend tables of docs/benchmark-log.md (Qwen2.5-Coder 1.5B, 128 new tokens, speedups over
 # llama.cpp's own plain decoding of the same GGUF file). Run from the repo root after `make models` and
 # `.venv/bin/specdraft models quantize qwen2.5-coder-1.5b --type Q4_0`. Each run resumes its --out.
 set -euo pipefail

@@ -7,7 +7,7 @@
 Writes one ``{"text": ...}`` line per document: every Spec-Bench prompt except those of the
 excluded preset (so a store built from it never contains a test prompt), then the source files of
 this Python's standard library (tests excluded) as a code corpus, up to ``--max-chars`` characters.
-This is the corpus of the ``suffix_ds`` results in docs/benchmarks.md.
+This is the corpus of the ``suffix_ds`` results in docs/benchmark-log.md.
 
 ``--prompts-only`` writes the same Spec-Bench prompts as ``{"question_id", "category", "turns"}``
 rows (every N-th with ``--every N``) and no code: the training prompts of ``specdraft train``, which

@@ -127,7 +127,7 @@ class BenchOptions:
 
 
 def add_parser(sub):
-    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmarks.md)")
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench (see docs/benchmark-log.md)")
     b.add_argument(
         "action",
         nargs="?",
@@ -242,7 +242,7 @@ def add_parser(sub):
         b,
         "shard the PROMPTS over Ray worker actors (each loads the models once; every method of a "
         "prompt runs interleaved on one worker; speedups are computed per worker, then aggregated; "
-        "docs/benchmarks.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
+        "docs/benchmark-log.md#sharding-over-ray). No value: a local Ray instance; else a cluster address "
         "(auto, HOST:PORT). Put it after the positional arguments, or write --ray=ADDRESS",
     )
     return b

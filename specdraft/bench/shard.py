@@ -4,7 +4,7 @@
 
 bench: each worker loads the models once, warms every method up, and runs whole prompts through
 ``harness.run_prompt``, so every method of a prompt runs interleaved on one worker (the fairness
-rules of docs/benchmarks.md). The driver merges the records into one results file, saved after each
+rules of docs/benchmark-log.md). The driver merges the records into one results file, saved after each
 finished prompt, and records each worker's machine, per record and under "workers". A shard is
 timed on its own worker only, so the report computes speedups per worker, then aggregates them.
 

@@ -126,7 +126,7 @@ class ModelDraft:
     confidence_threshold: float = param(0.0, Number(min=0, max=1, max_open=True))
 
 
-# tree defaults: the best-measured shapes on this project's CPU (docs/benchmarks.md, token trees), where a
+# tree defaults: the best-measured shapes on this project's CPU (docs/benchmark-log.md, token trees), where a
 # forward costs about linear in the tokens it scores; chain stays the default there
 @dataclass
 class StaticTree:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # type hints only: config -> verify -> sampling must not impo
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` (the first maximum, as torch's): through numpy for float32 CPU tensors, whose
     argmax over a 151k vocabulary takes 0.1 ms where torch's takes 1-7 ms for 5 rows on 2 threads
-    (docs/benchmarks.md, the engine's time per step on the AMX build)."""
+    (docs/benchmark-log.md, the engine's time per step on the AMX build)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(np.asarray(x.numpy().argmax(-1)))
     return x.argmax(-1)

@@ -34,7 +34,7 @@ slower than plain for long):
   saved for it rather than spent re-trying known arms (else cheap re-tries of retrieval arms would
   keep a draft model, whose first try pays a prompt's prefill, untried forever). Before the budget
   counted whole seconds of exploring steps: on a bf16 target the first two requests then never
-  tried the draft model (docs/benchmarks.md);
+  tried the draft model (docs/benchmark-log.md);
 - otherwise the arm with the best rate drafts;
 - estimates decay (``decay`` per step of the arm), so they follow the request as it changes;
 - evidence is kept per context, repeating (the suffix automaton's match is at least ``min_match``

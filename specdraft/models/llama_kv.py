@@ -2,7 +2,7 @@
 (``--draft self:Q4_0 --draft-backend llama``) starts from the target's prompt cache instead of
 prefilling the prompt again: on 2 cores a 700-token prefill on llama.cpp costs about as much as the
 target's own (measured 2026-12-03, AMD EPYC: 7-9 s); without them the draft's time on 27 Spec-Bench
-prompts fell from 141 s to 52 s (docs/benchmarks.md).
+prompts fell from 141 s to 52 s (docs/benchmark-log.md).
 
 The only way into llama.cpp's cache is a sequence's saved state (``llama_state_seq_set_data``), whose
 layout is llama.cpp's own (src/llama-kv-cache.cpp, ``state_write``; unified cache, so one stream):

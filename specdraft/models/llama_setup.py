@@ -39,7 +39,7 @@ VARIANTS = [
     ("no-avx512", ("avx512f",), {"amx", "avx512"}),
 ]
 # GCC 12's _tile_loadconfig declares an 8-byte read of the 64-byte tile config, so the optimizer may drop
-# ggml's stores to the rest of it and ldtilecfg faults (docs/benchmarks.md). clang compiles it right but
+# ggml's stores to the rest of it and ldtilecfg faults (docs/benchmark-log.md). clang compiles it right but
 # spells the macro __AMXINT8__ where ggml tests __AMX_INT8__: the amx-clang variant defines ggml's names.
 AMX_MACROS = "-D__AMX_INT8__=1 -D__AMX_TILE__=1"
 CMAKE_OPTION = {

@@ -9,7 +9,7 @@ than bf16 here, and its int4 config needs ``mslk``, which has no CPU build. Acti
 model's dtype, except for ``w8a8``: its rows are quantized at each call and multiplied in int8 by
 oneDNN (``onednn.qlinear_pointwise``: AMX tiles or AVX-512 VNNI), which reads the weight's bytes once
 for all rows, so a forward of 16 tokens costs little more than one (the verification path of
-docs/benchmarks.md, "Cost curves of the low-bit paths").
+docs/benchmark-log.md, "Cost curves of the low-bit paths").
 
 A quantized model is a different model: its greedy output is compared with its own plain decoding.
 """

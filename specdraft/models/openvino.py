@@ -2,7 +2,7 @@
 
 OpenVINO's CPU kernels keep the 4-bit weights and read them once per forward for all the tokens fed
 (int8 activations on VNNI/AMX, bf16 where the CPU has it), so scoring 8-16 tokens costs much less than
-8-16 single-token steps (docs/benchmarks.md, "OpenVINO"). OpenVINO GenAI reads the GGUF file and
+8-16 single-token steps (docs/benchmark-log.md, "OpenVINO"). OpenVINO GenAI reads the GGUF file and
 writes an IR once (cached under ``$SPECDRAFT_HOME/openvino/``); we load that IR with the core runtime
 and change one thing in its graph: a ``logits_keep`` input slices the hidden states before the LM
 head, so a prefill computes one row of logits and a verification only the positions it reads.

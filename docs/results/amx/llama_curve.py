@@ -3,7 +3,7 @@ llama-cpp-python, so that differently built wheels can be compared in their own 
 
     VENV/bin/python docs/results/amx/llama_curve.py MODEL.gguf 1 1,2,4,8,16   # 1: extra buffer types on
 
-Used for the AMX table of docs/benchmarks.md (2026-12-02); `specdraft costs --backend llama` measures the
+Used for the AMX table of docs/benchmark-log.md (2026-12-02); `specdraft costs --backend llama` measures the
 same through the engine's interface, with the installed build.
 """
 

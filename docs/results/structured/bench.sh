@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The structured-output workload (docs/benchmarks.md "Structured output"): Spec-Bench prompts wrapped in
+# The structured-output workload (docs/benchmark-log.md "Structured output"): Spec-Bench prompts wrapped in
 # "describe this request as JSON", with and without the JSON schema, on both backends. About 45 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
