@@ -82,7 +82,7 @@ bench: models
 	$(PY) -m specdraft.cli models quantize qwen2.5-coder-1.5b --type Q4_0 >/dev/null
 	$(PY) -m specdraft.cli bench --preset headline --threads $$(nproc)
 
-# The SmolLM2-135M Medusa and EAGLE heads of docs/benchmarks.md and their bench (self-distillation on
+# The SmolLM2-135M Medusa and EAGLE heads of docs/benchmark-log.md and their bench (self-distillation on
 # the 462 Spec-Bench prompts that are not bench prompts; about 1.5 hours on one core of a 2-core CPU).
 HEADS := results/heads
 heads: models

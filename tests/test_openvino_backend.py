@@ -267,7 +267,7 @@ def test_refused_methods(dec_with_draft):
 def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
     """The bench on this backend, with OpenVINO GenAI's own plain decoding of the same IR as the
     baseline: every runner produced tokens (the lookup and draft runners differ only in the pipeline's
-    options, measured in docs/benchmarks.md)."""
+    options, measured in docs/benchmark-log.md)."""
     import json
 
     from specdraft.cli import main

@@ -97,7 +97,7 @@ def test_qwen_structured_workload_always_validates():
     dec = SpecDecoder.load("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", backend="llama")
     # 1 prompt of 3 tasks with short prompts, one per method (summarization and rag prefill 1,000+ tokens; 8
     # prompts took 199 s of the CI budget; the full workload, 24 prompts x 4 methods, all valid, is in
-    # docs/benchmarks.md)
+    # docs/benchmark-log.md)
     rows = preset_rows("structured", tasks=["mt_bench", "translation", "qa"], n_per_task=1)
     assert len(rows) == 3
     sp = SamplingParams(max_new_tokens=128, json_schema=schema)
