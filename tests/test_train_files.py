@@ -277,7 +277,11 @@ BAD_HEADS = {  # kind, damage, what the error says
         "holds no head weights",
     ),
     "draft_vocab -1": ("eagle", lambda d: edit_config(d, draft_vocab=-1), "draft_vocab must be an integer >= 1"),
-    "draft_vocab missing": ("eagle3", lambda d: edit_config(d, draft_vocab_size=None), "d2t must hold"),
+    "draft_vocab missing": (  # the full vocabulary is then assumed: the weights' shape says otherwise
+        "eagle3",
+        lambda d: edit_config(d, draft_vocab_size=None),
+        "lm_head.weight has shape [300, 32], its config needs [49152, 32]",
+    ),
     "layers abc": ("eagle3", lambda d: edit_aux(d, "abc"), "aux layer ids must be a list of 3 integers"),
     "layers past the target": ("eagle3", lambda d: edit_aux(d, [1, 2, 9]), "target of 2 layers does not have"),
     "draft ids past the vocabulary": ("eagle", past_vocab, "not ascending ids of the target's 49152 tokens"),
