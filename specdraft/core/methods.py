@@ -482,10 +482,6 @@ def methods_needing(*needs: str) -> tuple[str, ...]:
     return tuple(m.name for m in REGISTRY.values() if m.needs in needs)
 
 
-def methods_taking(tree: str) -> tuple[str, ...]:
-    return tuple(m.name for m in REGISTRY.values() if tree in m.trees)
-
-
 def path_fields() -> tuple[str, ...]:
     """The spec keys whose values are paths (``checks.PathArg``), in the table's order."""
     out: list[str] = []

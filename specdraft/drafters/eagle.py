@@ -78,8 +78,6 @@ class EagleDrafter(Drafter):
         self.sp, self.gen = sp, generator
         self.feats = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
         self._new_cache()
-        self._draft = DraftTree.empty()
-        self._hidden = None
 
     def _new_cache(self) -> None:
         self.cache = self.head.new_cache()
@@ -108,11 +106,10 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        self._draft = DraftTree.empty()
         n = len(tokens)
         k = min(self.shape.max_depth, max_tokens)
         if k <= 0 or self.feats.shape[0] == 0:
-            return self._draft
+            return DraftTree.empty()
         assert self.feats.shape[0] == n - 1, (self.feats.shape, n)
         if getattr(self.head, "version", 0) != self._weights:  # keys and values of older weights: fed again
             self._new_cache()
@@ -125,8 +122,7 @@ class EagleDrafter(Drafter):
         if self.spec.tree != "chain":
             self._tree = self.growing(self.shape, self.sp, self.gen, ctx=self.n_true)
             self._pf = {-1: f}  # predicted feature of each fed node (-1: the last true position)
-            self._draft = self._tree.grow(self.logits(f), k, self._score_level)
-            return self._draft
+            return self._tree.grow(self.logits(f), k, self._score_level)
         out, probs = [], []
         for i in range(k):
             logits = self.logits(f)
@@ -139,8 +135,7 @@ class EagleDrafter(Drafter):
             out.append(t)
             if i + 1 < k:
                 f = self._step(f[None], t.reshape(1), n - 1 + i)
-        self._draft = DraftTree.chain(torch.stack(out), torch.stack(probs) if probs else None)
-        return self._draft
+        return DraftTree.chain(torch.stack(out), torch.stack(probs) if probs else None)
 
     def _score_level(self, nodes: list[int]) -> torch.Tensor:
         """One head forward for a tree level: node i reads (its parent's predicted feature, embed of its

@@ -90,8 +90,6 @@ class MedusaDrafter(Drafter):
     def begin(self, prompt_ids, sp: SamplingParams, generator, processor=None):
         self.sp, self.gen = sp, generator
         self.feat: torch.Tensor | None = None
-        self._draft = DraftTree.empty()
-        self._hidden = None
 
     @torch.inference_mode()
     def head_logits(self, feat: torch.Tensor, depth: int) -> torch.Tensor:
@@ -100,9 +98,8 @@ class MedusaDrafter(Drafter):
         return torch.nn.functional.linear(h, self.w_out).float()
 
     def propose(self, tokens: list[int], max_tokens: int) -> DraftTree:
-        self._draft = DraftTree.empty()
         if self.feat is None or max_tokens <= 0:
-            return self._draft
+            return DraftTree.empty()
         plan = [c for c in self.shape.choices if len(c) <= max_tokens]
         depth = max(len(c) for c in plan)
         logits = self.head_logits(self.feat, depth)
@@ -138,8 +135,7 @@ class MedusaDrafter(Drafter):
             pars.append(node[parent] if parent else -1)
             qs.append(q)
         probs = None if greedy or not toks else torch.stack(qs)
-        self._draft = DraftTree.of(toks, pars, probs)
-        return self._draft
+        return DraftTree.of(toks, pars, probs)
 
     def observe(self, step) -> None:
         rows = accepted_rows(step.draft, step.hidden.shape[0], step.accepted, step.emitted)

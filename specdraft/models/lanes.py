@@ -131,14 +131,6 @@ class RowLanes:
         for lane, rows in self.lanes():
             lane.commit([keep[r] for r in rows])
 
-    def truncate(self, r: int, n: int) -> None:
-        lane, i = self._where()[r]
-        lane.truncate(i, n)
-
-    def trim(self) -> None:
-        for lane, _ in self.lanes():
-            lane.trim()
-
     def holes(self) -> int:
         """Masked cache slots over every lane (transformers lanes)."""
         return sum(lane.holes() for lane, _ in self.lanes())

@@ -31,7 +31,7 @@ from .prometheus import ServerMetrics
 from .protocol import RequestError, ResponseBuilder, StepTrace, TextStream, finish_reason, parse_request, spec_over
 from .resources import LOAD_S
 from .resources import load as load_resources
-from .scheduler import Job, QueueFull, shutdown_error
+from .scheduler import QueueFull, ServedRequest, shutdown_error
 
 log = logging.getLogger("specdraft.server")
 
@@ -202,6 +202,15 @@ def fixed_by_default(request: Request) -> bool:
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+# The API's routes, written once: a server answers each with its handler, the replicas' front relays each.
+API_ROUTES: tuple[tuple[str, str], ...] = (
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("get", "/v1/models"),
+    ("get", "/v1/specdraft/methods"),
+    ("get", "/v1/specdraft/learning"),
+)
 
 
 def _host_name(host: str) -> str:
@@ -463,11 +472,15 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
         decoder, settings, default_spec, "fixed" if pacing.locked else settings.stream_mode, worker, metrics
     )
     app.exception_handler(Exception)(_unhandled)
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat_completions)
-    app.get("/v1/models")(list_models)
-    app.get("/v1/specdraft/methods")(list_methods)
-    app.get("/v1/specdraft/learning")(learning)
+    handlers = {
+        "/v1/completions": completions,
+        "/v1/chat/completions": chat_completions,
+        "/v1/models": list_models,
+        "/v1/specdraft/methods": list_methods,
+        "/v1/specdraft/learning": learning,
+    }
+    for verb, path in API_ROUTES:
+        getattr(app, verb)(path)(handlers[path])
     add_playground(app)
     app.get("/health")(health)
     app.get("/metrics")(prom)
@@ -611,7 +624,7 @@ async def handle(request: Request, chat: bool):
     except RequestError as e:
         count(endpoint, "invalid").inc()
         return _error(e)
-    job = Job(p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop())
+    job = ServedRequest(p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop())
     job.learn = learns_from(getattr(request.state, "api_key", None), sv.settings.learn_keys)
     try:
         sv.worker.submit(job)
@@ -632,7 +645,7 @@ async def handle(request: Request, chat: bool):
     return await answer(sv, job, request, rb, p, lambda status: count(endpoint, status).inc())
 
 
-async def answer(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, p, count):
+async def answer(sv: _Serving, job: ServedRequest, request: Request, rb: ResponseBuilder, p, count):
     """A request that is not streamed: its whole answer, or its error (``count(status)`` counts it)."""
     timeout_s = sv.settings.timeout_s
     try:  # fixed mode: the answer leaves when the stream's last event would (what acceptance sped up is hidden)
@@ -669,7 +682,7 @@ async def answer(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, 
     return JSONResponse(rb.full(res.text or "", res.stats, p.spec.method, res.logprobs))
 
 
-async def next_event(worker, job: Job, request: Request, watch_disconnect: bool):
+async def next_event(worker, job: ServedRequest, request: Request, watch_disconnect: bool):
     while True:
         wait = 0.25
         if job.deadline is not None:
@@ -685,7 +698,7 @@ async def next_event(worker, job: Job, request: Request, watch_disconnect: bool)
                 raise _Disconnected() from None
 
 
-async def job_events(worker, job: Job, request: Request, watch_disconnect: bool = False):
+async def job_events(worker, job: ServedRequest, request: Request, watch_disconnect: bool = False):
     """The job's events, ending with its first non-"tokens" one; a timeout is ("timeout", None)."""
     while True:
         try:
@@ -698,7 +711,7 @@ async def job_events(worker, job: Job, request: Request, watch_disconnect: bool 
             return
 
 
-async def stream(sv: _Serving, job: Job, request: Request, rb: ResponseBuilder, p, outcome: _Outcome):
+async def stream(sv: _Serving, job: ServedRequest, request: Request, rb: ResponseBuilder, p, outcome: _Outcome):
     """A streamed request's server-sent events (fixed mode: paced, padded chunks)."""
     fixed, pacing, timeout_s = p.stream_mode == "fixed", request.app.state.stream_pacing, sv.settings.timeout_s
     sse = (lambda obj: pad(_sse(obj), pacing.pad_bytes)) if fixed else _sse

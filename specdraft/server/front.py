@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .app import (
+    API_ROUTES,
     LOOPBACK_HOSTS,
     MAX_BODY_BYTES,
     add_playground,
@@ -140,10 +141,8 @@ def create_front(
         app.middleware("http")(key_check(api_key, open_metrics))
     else:
         app.middleware("http")(origin_check(LOOPBACK_HOSTS + tuple(allowed_hosts)))
-    app.post("/v1/completions")(relay)
-    app.post("/v1/chat/completions")(relay)
-    app.get("/v1/models")(relay)
-    app.get("/v1/specdraft/methods")(relay)
+    for verb, path in API_ROUTES:
+        getattr(app, verb)(path)(relay)
     add_playground(app)
     app.get("/health")(front_health)
     app.get("/metrics")(front_metrics)

@@ -5,8 +5,8 @@ engine's one loop (specdraft.engine); ``max_batch`` 1 runs one request at a time
 ``BaseWorker`` holds what does not depend on the rows:
 
 - a bounded wait list: ``submit`` raises QueueFull when ``max_queue`` requests already wait;
-- ``Job``: what a request carries to the worker and how tokens come back (``post`` puts events on
-  the request's asyncio queue from the worker thread); ``Job.cancel`` (client disconnect or
+- ``ServedRequest``: what a request carries to the worker and how tokens come back (``post`` puts events on
+  the request's asyncio queue from the worker thread); ``ServedRequest.cancel`` (client disconnect or
   timeout) makes the engine's ``on_emit`` return True, so the row finishes "cancelled" at the next
   step and its state is freed; a job still waiting is removed from the wait list at once.
 """
@@ -53,7 +53,7 @@ def shutdown_error():
     )
 
 
-class Job:
+class ServedRequest:
     def __init__(self, prompt_ids, sampling, spec, timeout_s: float | None, loop: asyncio.AbstractEventLoop | None):
         self.id = uuid.uuid4().hex[:12]
         self.prompt_ids = prompt_ids
@@ -118,7 +118,7 @@ class BaseWorker:
         self.decoder = decoder
         self.metrics = metrics
         self.max_queue = max_queue
-        self.waiting: deque[Job] = deque()
+        self.waiting: deque[ServedRequest] = deque()
         self.cv = threading.Condition()
         self._stop = False
         self.busy_since: float | None = None  # monotonic time the current step (or request) began, None: idle
@@ -170,7 +170,7 @@ class BaseWorker:
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.running.set(self.num_running())
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: ServedRequest) -> None:
         with self.cv:
             if self._stop:
                 raise QueueFull("the server is shutting down")
@@ -180,14 +180,14 @@ class BaseWorker:
             self._update_gauges()
             self.cv.notify_all()
 
-    def cancel(self, job: Job, reason: str) -> None:
+    def cancel(self, job: ServedRequest, reason: str) -> None:
         job.cancel(reason)
         with self.cv:
             if job in self.waiting:
                 self.waiting.remove(job)
                 self._update_gauges()
 
-    def _take(self, block: bool) -> Job | None:
+    def _take(self, block: bool) -> ServedRequest | None:
         """Pop the next live waiting job (None when nothing waits and not blocking, or stopping)."""
         with self.cv:
             while True:

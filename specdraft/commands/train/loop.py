@@ -124,14 +124,6 @@ def restore(run: Run, opt) -> tuple[int, list[float], float]:
     return step, losses, float(train_s) if isinstance(train_s, (int, float)) else 0.0
 
 
-def saved_weights(out: Path) -> dict:
-    """The float32 weights of the checkpoint in ``out`` (to build a resumed head's shape from)."""
-    st = load_saved(out / STATE_FILE, "--resume: the training state")
-    if not isinstance(st.get("weights"), dict):
-        raise SpecDraftError(f"--resume: {out / STATE_FILE} holds no weights; train again without --resume")
-    return st["weights"]
-
-
 def checkpoint(run: Run, opt, extra: dict, step: int, losses: list[float], train_s: float) -> None:
     run.save(
         run.head,
