@@ -688,7 +688,12 @@ def _apply_quantize(a) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and getattr(args, "fn", None) is cmd_models and not any(x.startswith("-") for x in extra):
+            args.names += extra  # `models pull --dense A B`: argparse ends a list positional at an option
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _apply_quantize(args)
         return args.fn(args)
     except SpecDraftError as e:

@@ -264,3 +264,18 @@ def test_the_gguf_backends_never_make_the_dense_copy(tmp_path, monkeypatch):
     gguf, tok = backends.resolve_gguf("qwen2.5-coder-1.5b")
     assert tok == str(tmp_path / "tok") and gguf.name.endswith(".gguf")
     assert True not in asked, asked
+
+
+def test_models_pull_takes_dense_before_or_after_the_names(monkeypatch, capsys):
+    from specdraft.models import catalog
+
+    asked = []
+    monkeypatch.setattr(catalog, "tokenizer_dir", lambda name: None)
+    monkeypatch.setattr(catalog, "pull", lambda name, convert=True: asked.append((name, convert)) or name)
+    for argv in (["models", "pull", "--dense", "smollm2-135m"], ["models", "pull", "smollm2-135m", "--dense"]):
+        asked.clear()
+        assert main(argv) == 0 and asked == [("smollm2-135m", True)], argv
+    asked.clear()
+    assert main(["models", "pull", "smollm2-135m"]) == 0 and asked == [("smollm2-135m", False)]
+    with pytest.raises(SystemExit):  # an unknown flag is still argparse's error
+        main(["models", "pull", "smollm2-135m", "--bogus"])
