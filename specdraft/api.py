@@ -28,7 +28,7 @@ from .core.errors import ConfigError, TokenizerMismatchError
 from .core.methods import method
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
 from .drafters.runs_on import unavailable
-from .engine import GenerationResult, generate
+from .engine import GenerationResult, Job, generate
 from .learning.config import learn_config
 from .models.backends import (
     check_devices,
@@ -343,6 +343,33 @@ class SpecDecoder:
         on_emit=None,
     ) -> GenerationResult:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
+        job = self.prepare(self.encode(prompt, chat=chat), sampling, spec, on_emit=on_emit)
+        return generate(
+            self.target,
+            job.drafter,
+            job.prompt_ids,
+            job.sampling,
+            self.eos_ids,
+            self.tokenizer,
+            job.length,
+            on_emit=job.on_emit,
+            lossy=job.lossy,
+            hook=self.learner,
+        )
+
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | dict | None,
+        spec: SpecConfig | dict | None,
+        *,
+        on_emit=None,
+        tag=None,
+    ) -> Job:
+        """A request as the engine takes it: the sampling checked, the spec checked (``spec`` None, or a dict
+        naming no method: ``auto``, falling back as ``usable`` says), its drafter built once, its draft-length
+        policy and its opt-in lossy rule. The library, the server's batch worker and batchbench reach the
+        engine through it."""
         sp = SamplingParams.from_dict(sampling)
         config: SpecConfig
         if spec is None or (isinstance(spec, dict) and "method" not in spec):
@@ -350,18 +377,14 @@ class SpecDecoder:
         else:
             config = SpecConfig.from_dict(spec)
             drafter = self.make_drafter(config)
-        ids = self.encode(prompt, chat=chat)
-        return generate(
-            self.target,
-            drafter,
-            ids,
+        return Job(
+            prompt_ids,
             sp,
-            self.eos_ids,
-            self.tokenizer,
-            self.draft_length(config),
+            drafter,
             on_emit=on_emit,
+            tag=tag,
+            length=self.draft_length(config),
             lossy=config.lossy_rule(),
-            hook=self.learner,
         )
 
     def close(self) -> None:

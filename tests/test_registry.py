@@ -298,3 +298,27 @@ def test_validation_returns_a_checked_copy():
     out = sp.validate()
     assert (sp.temperature, sp.stop) == (1, "x") and type(sp.temperature) is int
     assert (out.temperature, out.stop) == (1.0, ["x"]) and type(out.temperature) is float
+
+
+def test_front_ends_reach_the_engine_only_through_prepare():
+    """The library, the CLI, the server's batch worker and batchbench build a request's engine Job through
+    ``SpecDecoder.prepare`` (one place checks it and builds its drafter): no other module of the package
+    constructs ``Job``, except the engine itself and the training-data builders, whose rows are not requests
+    (recording drafters on fixed prompts)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "specdraft"
+    allowed = {"api.py", "engine.py"}
+    found = []
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root).as_posix()
+        if rel in allowed or rel.startswith("commands/train/"):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
+                if name == "Job":
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, f"engine.Job built outside SpecDecoder.prepare: {found}"

@@ -240,21 +240,12 @@ class _Runner:
 
     def __call__(self, label: str, b: int, n_tokens: int, seqs: list[list[int]]):
         from ..core.config import SamplingParams, SpecConfig
-        from ..engine import Job, generate_batch
+        from ..engine import generate_batch
 
         dec, d = self.dec, self.specs[label]
         s = SamplingParams(**{**self.sp.to_dict(), "max_new_tokens": n_tokens})
         spec = SpecConfig.from_dict(d)
-        jobs = [
-            Job(
-                p,
-                SamplingParams(**{**s.to_dict(), "seed": i}),
-                dec.make_drafter(spec),
-                length=dec.draft_length(spec),
-                lossy=spec.lossy_rule(),
-            )
-            for i, p in enumerate(seqs)
-        ]
+        jobs = [dec.prepare(p, SamplingParams(**{**s.to_dict(), "seed": i}), spec) for i, p in enumerate(seqs)]
         t0 = time.perf_counter()
         out = generate_batch(
             dec.target, jobs, eos_ids=dec.eos_ids, tokenizer=dec.tokenizer, rule=self.policy, max_batch=b

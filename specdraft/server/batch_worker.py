@@ -11,7 +11,7 @@ from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
 from ..engine import Engine, Job, StepHook
-from .scheduler import BaseWorker, log, make_drafter
+from .scheduler import BaseWorker, log, prepare
 
 
 class BatchWorker(BaseWorker):
@@ -63,17 +63,7 @@ class BatchWorker(BaseWorker):
         items: list[Job] = []  # tagged by the server's job
         for job in jobs:
             try:
-                items.append(
-                    Job(
-                        job.prompt_ids,
-                        job.sampling,
-                        make_drafter(self.decoder, job.spec),
-                        on_emit=wrap(job),
-                        tag=job,
-                        length=self.decoder.draft_length(job.spec),
-                        lossy=job.spec.lossy_rule(),
-                    )
-                )
+                items.append(prepare(self.decoder, job.prompt_ids, job.sampling, job.spec, on_emit=wrap(job), tag=job))
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):
                     log.exception("making the drafter of request %s failed", job.id)

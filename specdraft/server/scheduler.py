@@ -29,13 +29,13 @@ class QueueFull(Exception):
     pass
 
 
-def make_drafter(decoder, spec):
-    """The request's drafter; what its spec asks that this decoder cannot make (an unknown auto arm, a
-    datastore that does not load) is a 400 naming the spec field."""
+def prepare(decoder, prompt_ids, sampling, spec, **kw):
+    """The request as the engine takes it (``SpecDecoder.prepare``); what its spec asks that this decoder cannot
+    make (an unknown auto arm, a datastore that does not load) is a 400 naming the spec field."""
     from .protocol import RequestError, spec_param
 
     try:
-        return decoder.make_drafter(spec)
+        return decoder.prepare(prompt_ids, sampling, spec, **kw)
     except RequestError:
         raise
     except SpecDraftError as e:
