@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,8 +28,9 @@ from .core.config import (
 from .core.errors import ConfigError, TokenizerMismatchError
 from .core.methods import method
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
+from .core.processors import RequestProcessor
 from .drafters.runs_on import unavailable
-from .engine import GenerationResult, Job, generate
+from .engine import Engine, GenerationResult, Job, run_one
 from .learning.config import learn_config
 from .models.backends import (
     check_devices,
@@ -74,6 +76,8 @@ class SpecDecoder:
         self._arm_memory: OrderedDict = OrderedDict()  # auto's per-arm measurements, per spec
         self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
         self.learner = _learner(target, learn)
+        self._engine: Engine | None = None  # ``run``'s, kept across calls
+        self._engine_lock = threading.Lock()
 
     def shared(self, key: tuple, make, limit: int | None = CACHE_ENTRIES):
         """The resource under ``key`` (a tuple whose first item names its kind, e.g. ("layer_view", layers)),
@@ -343,19 +347,14 @@ class SpecDecoder:
         on_emit=None,
     ) -> GenerationResult:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
-        job = self.prepare(self.encode(prompt, chat=chat), sampling, spec, on_emit=on_emit)
-        return generate(
-            self.target,
-            job.drafter,
-            job.prompt_ids,
-            job.sampling,
-            self.eos_ids,
-            self.tokenizer,
-            job.length,
-            on_emit=job.on_emit,
-            lossy=job.lossy,
-            hook=self.learner,
-        )
+        return self.run(self.prepare(self.encode(prompt, chat=chat), sampling, spec, on_emit=on_emit))
+
+    def run(self, job: Job) -> GenerationResult:
+        """Decode one prepared request alone (``prepare``) on this decoder's engine (one call at a time)."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = Engine(self.target, self.eos_ids, self.tokenizer)
+            return run_one(self._engine, job, hook=self.learner)
 
     def prepare(
         self,
@@ -365,18 +364,28 @@ class SpecDecoder:
         *,
         on_emit=None,
         tag=None,
+        defaulted: bool | None = None,
+        processor: RequestProcessor | None = None,
     ) -> Job:
         """A request as the engine takes it: the sampling checked, the spec checked (``spec`` None, or a dict
-        naming no method: ``auto``, falling back as ``usable`` says), its drafter built once, its draft-length
-        policy and its opt-in lossy rule. The library, the server's batch worker and batchbench reach the
-        engine through it."""
+        naming no method: ``auto``), its drafter built once, its draft-length policy, its opt-in lossy rule and
+        its logits processor (``processor``: one compiled already for this request). ``defaulted``: the user named
+        no method, so an ``auto`` that cannot run here falls back as ``usable`` says (None: when ``spec`` names
+        none). Values checked before (``validate``) are not checked again. The library, the CLI, the server's
+        batch worker and batchbench reach the engine through it."""
         sp = SamplingParams.from_dict(sampling)
-        config: SpecConfig
-        if spec is None or (isinstance(spec, dict) and "method" not in spec):
-            config, drafter = self._usable_drafter(spec_with_default(spec, self.draft is not None))
-        else:
-            config = SpecConfig.from_dict(spec)
-            drafter = self.make_drafter(config)
+        if defaulted is None:
+            defaulted = spec is None or (isinstance(spec, dict) and "method" not in spec)
+        config = (
+            spec_with_default(spec, self.draft is not None)
+            if spec is None or isinstance(spec, dict)
+            else SpecConfig.from_dict(spec)
+        )
+        config, drafter = self._usable_drafter(config) if defaulted else (config, self.make_drafter(config))
+        if processor is None:
+            processor = RequestProcessor.for_request(
+                sp, prompt_ids, self.target.vocab_size, self.eos_ids, self.tokenizer
+            )
         return Job(
             prompt_ids,
             sp,
@@ -385,6 +394,8 @@ class SpecDecoder:
             tag=tag,
             length=self.draft_length(config),
             lossy=config.lossy_rule(),
+            spec=config,
+            processor=processor,
         )
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ def models_from_args(a, backends: tuple[str, ...] | None = None) -> ModelSetting
 
 def spec_from_args(a) -> "SpecConfig":
     """The spec of --config and the spec flags; naming no method (--method or the config's), ``auto``
-    (config.spec_with_default; ``a.method_defaulted`` is set, for SpecDecoder.usable once models load)."""
+    (config.spec_with_default; ``a.method_defaulted`` is set: SpecDecoder.prepare falls back where auto cannot run)."""
     from .core.config import spec_with_default
 
     d = {}
@@ -219,19 +219,19 @@ def cmd_generate(a) -> int:
         raise ConfigError(f"--draft {a.draft}: method {spec.method} uses no draft model ({_drafting_methods()} do)")
     shape = RequestShape.of_text(a.prompt, sp.max_new_tokens, a.chat)  # --backend auto weighs prefill against decoding
     dec = models_from_args(a, _runs_on(spec)).load(shape=shape)
-    if a.method_defaulted:
-        spec = dec.usable(spec)
-    out = dec.generate(a.prompt, sampling=sp, spec=spec, chat=a.chat)
+    job = dec.prepare(dec.encode(a.prompt, chat=a.chat), sp, spec, defaulted=a.method_defaulted)
+    out = dec.run(job)
+    method = job.spec.method if job.spec is not None else spec.method
     if a.json:
         d = out.to_dict()
-        d["method"] = spec.method
+        d["method"] = method
         print(json.dumps(d))
     else:
         print(out.text)
         s = out.stats
         rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
         print(
-            f"[{spec.method}] {s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.2f} tok/s; "
+            f"[{method}] {s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.2f} tok/s; "
             f"steps {len(s.steps)}, MAT {s.mat:.2f}, acceptance {rate}, finish {s.finish_reason}",
             file=sys.stderr,
         )

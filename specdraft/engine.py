@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .core.config import SamplingParams
+from .core.config import SamplingParams, SpecConfig
 from .core.device import HOST
 from .core.errors import ConfigError, ContextLengthError, SpecDraftError
 from .core.metrics import GenerationStats, StepRecord
@@ -88,6 +88,8 @@ class Job:
     tag: Any = None
     length: DraftLength | None = None
     lossy: TypicalAcceptance | None = None
+    spec: SpecConfig | None = None  # the checked spec its drafter was built from (SpecDecoder.prepare)
+    processor: RequestProcessor | None = None  # its logits processor, compiled once (None: built on admission)
 
 
 @dataclass(eq=False)  # requests are compared by identity
@@ -251,7 +253,7 @@ class Engine:
         row.gen = make_generator(sp.seed, self.device)
         row.eos = set() if sp.ignore_eos else self.eos_ids
         row.stopper = _StopChecker(sp.stop, self.tokenizer) if sp.stop else None
-        row.processor = RequestProcessor.for_request(
+        row.processor = job.processor or RequestProcessor.for_request(
             sp, prompt_ids, self.target.vocab_size, self.eos_ids, self.tokenizer
         )
         row.logprobs = None if sp.logprobs is None else []
@@ -705,15 +707,28 @@ def generate(
     when the request asks for logprobs); returning True cancels the request (finish_reason
     "cancelled"). ``on_admit(row)`` (optional) sees the row once prefilled: its ``stats.steps`` gains the
     step's StepRecord before each ``on_emit``. ``hook``: a StepHook around the steps."""
+    job = Job(prompt_ids, sp, drafter, on_emit=on_emit, length=length, lossy=lossy)
+    return run_one(Engine(target, eos_ids, tokenizer), job, on_admit, hook)
+
+
+def run_one(
+    eng: Engine, job: Job, on_admit: Callable[[Request], None] | None = None, hook: StepHook | None = None
+) -> GenerationResult:
+    """Decode ``job`` alone on ``eng`` (an engine with no rows; it keeps what it caches across calls)."""
     hook = StepHook() if hook is None else hook
-    eng = Engine(target, eos_ids, tokenizer)
-    row = eng.add(prompt_ids, sp, drafter, on_emit, length=length, lossy=lossy)
+    row = eng.add_many([job])[0]
+    if isinstance(row, Exception):
+        raise row
     if on_admit is not None:
         on_admit(row)
-    while eng.rows:
-        with hook.stepping():
-            finished = eng.step()
-        hook.after_step(eng.rows, finished)
+    try:
+        while eng.rows:
+            with hook.stepping():
+                finished = eng.step()
+            hook.after_step(eng.rows, finished)
+    finally:  # (an interrupt, an engine bug: the engine is left empty for the next call)
+        for r in list(eng.rows):
+            eng.cancel(r)
     return row.outcome()
 
 

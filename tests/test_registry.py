@@ -3,6 +3,7 @@ a toy drafter registered at runtime, with a parameter of its own and a resource 
 decoder, is validated, decoded (greedy output = plain decoding), offered by the CLI, admitted by the
 server and run by the bench, with no other change."""
 
+import json
 from dataclasses import dataclass
 
 import httpx
@@ -15,7 +16,7 @@ from specdraft.cli import build_parser
 from specdraft.commands.flags import help_text
 from specdraft.core import methods
 from specdraft.core.checks import Int, param
-from specdraft.core.config import SpecConfig
+from specdraft.core.config import SamplingParams, SpecConfig
 from specdraft.core.errors import ConfigError
 from specdraft.core.tree import DraftTree
 from specdraft.drafters.base import Drafter
@@ -322,3 +323,37 @@ def test_front_ends_reach_the_engine_only_through_prepare():
                 if name == "Job":
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"engine.Job built outside SpecDecoder.prepare: {found}"
+
+
+def test_a_request_is_checked_once_and_its_drafter_built_once(tmp_path, monkeypatch, capsys):
+    """``specdraft generate`` with the method left to auto, and the library with no spec: the request's spec
+    is validated once (checked values pass through prepare and the drafter factories unchecked again) and the
+    auto drafter is built once (the fallback decision uses the drafter it built)."""
+    from conftest import tiny_model_dir
+    from specdraft import cli
+    from specdraft.core import config
+
+    checks, builds = [], []
+    real_checked, real_make = config.checked, SpecDecoder.make_drafter
+
+    def counting_checked(obj):
+        if isinstance(obj, SpecConfig) and obj.method == "auto":
+            checks.append(obj)
+        return real_checked(obj)
+
+    def counting_make(self, spec):
+        if spec.method == "auto":  # (auto builds its arms' drafters through make_drafter too)
+            builds.append(spec)
+        return real_make(self, spec)
+
+    monkeypatch.setattr(config, "checked", counting_checked)
+    monkeypatch.setattr(SpecDecoder, "make_drafter", counting_make)
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    model = tiny_model_dir(tmp_path / "tiny")
+    assert cli.main(["generate", "--target", str(model), "--max-new-tokens", "4", "--json", "x y"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "auto"
+    assert (len(checks), len(builds)) == (1, 1)
+    checks.clear(), builds.clear()
+    dec = SpecDecoder.load(str(model), dtype="float32")
+    dec.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+    assert (len(checks), len(builds)) == (1, 1)

@@ -308,6 +308,25 @@ def checked(obj: T) -> T:
     return dataclasses.replace(obj, **values)  # type: ignore[type-var]
 
 
+def is_checked(obj) -> bool:
+    """Whether ``obj`` came out of a ``validate`` unchanged since (``mark_checked``): checked values pass through
+    every later layer without being checked again."""
+    return obj.__dict__.get("_checked", False)
+
+
+def mark_checked(obj: T) -> T:
+    object.__setattr__(obj, "_checked", True)  # (frozen dataclasses too; a field set later clears it: Mutable)
+    return obj
+
+
+class Mutable:
+    """Mixin of a mutable checked dataclass: setting a field makes it unchecked again."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_checked", None)
+
+
 def check_rules(obj, rules) -> None:
     """Cross-field rules: (ok(obj) -> bool, message(obj) -> str) pairs."""
     for ok, message in rules:

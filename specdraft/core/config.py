@@ -28,6 +28,7 @@ from .checks import (
     Choice,
     Int,
     JsonSchema,
+    Mutable,
     Number,
     OptStr,
     StrList,
@@ -37,6 +38,8 @@ from .checks import (
     checked,
     default_of,
     field_with,
+    is_checked,
+    mark_checked,
 )
 from .errors import ConfigError
 from .methods import ALL_TREES, REGISTRY, SCHEDULES, Method, check_params, path_fields
@@ -71,7 +74,7 @@ def _from_dict(cls, d: dict[str, Any] | None):
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(Mutable):
     """temperature 0 means greedy, and so does any temperature below ``GREEDY_BELOW`` (1e-5): such a
     distribution is one-hot in practice, and dividing logits by it would overflow. top_k 0 and
     top_p 1.0 mean no truncation."""
@@ -130,10 +133,12 @@ class SamplingParams:
         )
 
     def validate(self) -> "SamplingParams":
-        """A checked copy (this object is left as it was)."""
+        """A checked copy (this object is left as it was); a checked one as it is."""
+        if is_checked(self):
+            return self
         out = checked(self)
         check_rules(out, self.RULES)
-        return out
+        return mark_checked(out)
 
     @classmethod
     def from_dict(cls, d):
@@ -295,13 +300,16 @@ class SpecConfig:
     def validate(self) -> "SpecConfig":
         """A checked copy: each field's constraints, the cross-field RULES, then the method's rules from the
         table (its own settings made its ``params`` dataclass, checked). Reads no files (heads, datastores
-        and skip configs are checked when loaded); this object is left as it was."""
+        and skip configs are checked when loaded); this object is left as it was. A checked spec is returned
+        as it is: a request's spec is checked once, wherever it enters."""
+        if is_checked(self):
+            return self
         out = checked(self)
         check_rules(out, self.RULES)
         m = REGISTRY[out.method]
         out = dataclasses.replace(out, params=_method_params(m, out.params))
         _check_method(m, out)
-        return out
+        return mark_checked(out)
 
     def get(self, key: str, default: Any = None) -> Any:
         """Spec key ``key``: a field, or the method's own setting (``default`` when the method has none of

@@ -624,7 +624,9 @@ async def handle(request: Request, chat: bool):
     except RequestError as e:
         count(endpoint, "invalid").inc()
         return _error(e)
-    job = ServedRequest(p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop())
+    job = ServedRequest(
+        p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop(), processor=p.processor
+    )
     job.learn = learns_from(getattr(request.state, "api_key", None), sv.settings.learn_keys)
     try:
         sv.worker.submit(job)

@@ -63,7 +63,17 @@ class BatchWorker(BaseWorker):
         items: list[Job] = []  # tagged by the server's job
         for job in jobs:
             try:
-                items.append(prepare(self.decoder, job.prompt_ids, job.sampling, job.spec, on_emit=wrap(job), tag=job))
+                items.append(
+                    prepare(
+                        self.decoder,
+                        job.prompt_ids,
+                        job.sampling,
+                        job.spec,
+                        on_emit=wrap(job),
+                        tag=job,
+                        processor=job.processor,
+                    )
+                )
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
                 if not isinstance(e, SpecDraftError):
                     log.exception("making the drafter of request %s failed", job.id)

@@ -90,6 +90,7 @@ class ParsedRequest:
     chat: bool
     stream_mode: str | None = None  # None: the server's default (server/pacing.py)
     include_steps: bool = False  # stream_options.include_steps: per-step speculation in each chunk (StepTrace)
+    processor: RequestProcessor | None = None  # its logits processing, compiled once (None: none asked)
 
 
 def _check_types(body: dict) -> None:
@@ -421,7 +422,9 @@ def _prompt(body: dict, chat: bool, target, tokenizer) -> tuple[list[int], objec
     return ids, max_tokens
 
 
-def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, tokenizer) -> SamplingParams:
+def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, tokenizer):
+    """(the request's checked SamplingParams, its processor: compiled here, once, so that a bad grammar or
+    logit_bias is a 400 before queueing)."""
     """The request's sampling fields -> SamplingParams, checked here (its grammar compiled, its logit_bias ids
     and its length against the context), so that a bad one is a 400 before queueing."""
     stop = body.get("stop")
@@ -447,8 +450,8 @@ def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, t
         field = msg.split(" ", 1)[0].split("[")[0]
         param = SAMPLING_PARAM.get(field, cparam if field in ("json_schema", "regex", "grammar") else None)
         raise RequestError(msg.replace("max_new_tokens", "max_tokens"), param=param) from None
-    try:  # compiles the grammar and checks logit_bias ids now, so that a bad one is a 400 before queueing
-        RequestProcessor.for_request(sp, ids, target.vocab_size, target.eos_token_ids(), tokenizer)
+    try:
+        processor = RequestProcessor.for_request(sp, ids, target.vocab_size, target.eos_token_ids(), tokenizer)
     except ConfigError as e:
         raise RequestError(
             str(e), param=cparam if sp.constrained and "logit_bias" not in str(e) else "logit_bias"
@@ -459,7 +462,7 @@ def _sampling(body: dict, chat: bool, ids: list[int], max_tokens: int, target, t
         raise RequestError(
             str(e).replace("max_new_tokens", "max_tokens"), param="max_tokens", code="context_length_exceeded"
         ) from None
-    return sp
+    return sp, processor
 
 
 def parse_request(
@@ -488,7 +491,7 @@ def parse_request(
     ids, max_tokens = _prompt(body, chat, target, tokenizer)
     if max_tokens is None:
         max_tokens = min(default_max_tokens, target.max_context - len(ids))
-    sp = _sampling(body, chat, ids, max_tokens, target, tokenizer)
+    sp, processor = _sampling(body, chat, ids, max_tokens, target, tokenizer)
     spec = _spec(body, default_spec, resources)
     so = body.get("stream_options") or {}
     return ParsedRequest(
@@ -500,6 +503,7 @@ def parse_request(
         chat,
         body.get("stream_mode"),
         bool(so.get("include_steps", False)),
+        processor,
     )
 
 

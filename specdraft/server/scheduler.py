@@ -54,11 +54,20 @@ def shutdown_error():
 
 
 class ServedRequest:
-    def __init__(self, prompt_ids, sampling, spec, timeout_s: float | None, loop: asyncio.AbstractEventLoop | None):
+    def __init__(
+        self,
+        prompt_ids,
+        sampling,
+        spec,
+        timeout_s: float | None,
+        loop: asyncio.AbstractEventLoop | None,
+        processor=None,
+    ):
         self.id = uuid.uuid4().hex[:12]
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.spec = spec
+        self.processor = processor  # compiled when the request was parsed (protocol.parse_request)
         self.t_arrive = time.monotonic()
         self.deadline = None if not timeout_s else self.t_arrive + timeout_s
         self.t_first: float | None = None
