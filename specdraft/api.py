@@ -28,6 +28,7 @@ from .core.config import (
 from .core.errors import ConfigError, TokenizerMismatchError
 from .core.methods import method
 from .core.policy import CostAwarePolicy, DraftLength, draft_length, interpolate
+from .core.prefix_cache import PrefixCache, default_budget_bytes
 from .core.processors import RequestProcessor
 from .drafters.runs_on import unavailable
 from .engine import Engine, GenerationResult, Job, run_one
@@ -50,10 +51,11 @@ RECYCLE_TABLES = 4  # Token Recycling tables ([V, top_k] int32 each) kept at onc
 
 
 class SpecDecoder:
-    def __init__(self, target, draft=None, learn=None):
+    def __init__(self, target, draft=None, learn=None, prefix_cache_mb: float | None = None):
         """``target``, ``draft``: models behind the model interface (models/base.py), any backend. ``learn``:
         online learning of the EAGLE-3 head from the requests decoded (specdraft/learning): True, a
-        ``LearnConfig`` or a dict of its fields; None or False: off."""
+        ``LearnConfig`` or a dict of its fields; None or False: off. ``prefix_cache_mb``: the memory the
+        prefix cache may hold (core/prefix_cache.py; None: ``default_budget_bytes``, 0: no cache)."""
         self.target = target
         self.draft = draft
         self._bridge = None  # a VocabBridge when the draft's tokenizer differs (drafters/cross_vocab.py)
@@ -77,6 +79,8 @@ class SpecDecoder:
         self._shared: dict[str, OrderedDict] = {}  # kind -> {key: resource} (``shared``)
         self.learner = _learner(target, learn)
         self._engine: Engine | None = None  # ``run``'s, kept across calls
+        budget = default_budget_bytes() if prefix_cache_mb is None else int(float(prefix_cache_mb) * 2**20)
+        self.prefix_cache = PrefixCache(budget) if budget > 0 and target.capabilities.prefixes else None
         self._engine_lock = threading.Lock()
 
     def shared(self, key: tuple, make, limit: int | None = CACHE_ENTRIES):
@@ -193,6 +197,7 @@ class SpecDecoder:
         device: str = "auto",
         draft_device: str | None = None,
         learn=None,
+        prefix_cache_mb: float | None = None,
     ) -> "SpecDecoder":
         """``draft_layers`` truncates the draft to its first N layers (e.g. draft=target, N=4).
         ``dtype``: the dense weights' (None: not given, bfloat16). ``backend``: "hf" (transformers), "llama"
@@ -208,7 +213,7 @@ class SpecDecoder:
         (core/device.py: auto, cpu, cuda, cuda:N, or gpu for OpenVINO's Intel GPUs; auto is CUDA when torch
         sees a GPU, and ``backend`` auto then takes transformers on it); ``draft_device``: the draft's (None: the
         target's). A device this machine or the backend cannot give is a ConfigError before anything loads.
-        ``learn``: as in ``SpecDecoder()``."""
+        ``learn``, ``prefix_cache_mb``: as in ``SpecDecoder()``."""
         learn_config(learn)  # checked before anything loads
         check_draft_flags(draft, draft_layers=draft_layers, draft_backend=draft_backend, draft_device=draft_device)
         set_threads(threads)
@@ -232,10 +237,10 @@ class SpecDecoder:
             t, path, d = load_fastest(
                 target, dtype, allowed=allowed, shape=shape, companion=draft_on, **device_kw(device)
             )
-            return cls(t, d, learn=learn)
+            return cls(t, d, learn=learn, prefix_cache_mb=prefix_cache_mb)
         t = load_model(target, dtype, backend=backend, **device_kw(device))
         d = load_draft(t, target, draft, dtype, draft_layers, draft_backend or backend, draft_device) if draft else None
-        return cls(t, d, learn=learn)
+        return cls(t, d, learn=learn, prefix_cache_mb=prefix_cache_mb)
 
     def with_draft(
         self,
@@ -349,11 +354,21 @@ class SpecDecoder:
         """``spec`` None, or a dict naming no method: ``auto`` (config.spec_with_default, then ``usable``)."""
         return self.run(self.prepare(self.encode(prompt, chat=chat), sampling, spec, on_emit=on_emit))
 
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache: the next request prefills its whole prompt (a timed comparison of methods
+        on the same prompts starts each run cold, as a peer reset before each run does)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def new_engine(self, **kw) -> Engine:
+        """An engine over this decoder's target that shares its prefix cache (``kw``: Engine's)."""
+        return Engine(self.target, self.eos_ids, self.tokenizer, prefix_cache=self.prefix_cache, **kw)
+
     def run(self, job: Job) -> GenerationResult:
         """Decode one prepared request alone (``prepare``) on this decoder's engine (one call at a time)."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = Engine(self.target, self.eos_ids, self.tokenizer)
+                self._engine = self.new_engine()
             return run_one(self._engine, job, hook=self.learner)
 
     def prepare(
@@ -366,12 +381,14 @@ class SpecDecoder:
         tag=None,
         defaulted: bool | None = None,
         processor: RequestProcessor | None = None,
+        partition=None,
     ) -> Job:
         """A request as the engine takes it: the sampling checked, the spec checked (``spec`` None, or a dict
         naming no method: ``auto``), its drafter built once, its draft-length policy, its opt-in lossy rule and
         its logits processor (``processor``: one compiled already for this request). ``defaulted``: the user named
         no method, so an ``auto`` that cannot run here falls back as ``usable`` says (None: when ``spec`` names
-        none). Values checked before (``validate``) are not checked again. The library, the CLI, the server's
+        none). Values checked before (``validate``) are not checked again. ``partition``: whose cached prefixes
+        it may start from (the server's tenant; core/prefix_cache.py). The library, the CLI, the server's
         batch worker and batchbench reach the engine through it."""
         sp = SamplingParams.from_dict(sampling)
         if defaulted is None:
@@ -396,7 +413,18 @@ class SpecDecoder:
             lossy=config.lossy_rule(),
             spec=config,
             processor=processor,
+            partition=partition,
+            start=self._cached_start(prompt_ids, sp, drafter, partition),
         )
+
+    def _cached_start(self, prompt_ids: list[int], sp: SamplingParams, drafter, partition):
+        """The prefix cache's longest match for the tokens a prefill computes (all but the pending last one);
+        none for a drafter that reads the prompt's features (they are not cached) or a seeded sampling request
+        (its tokens must be those of decoding it alone, where prefill chunks change a quantized backend's
+        numerics)."""
+        if self.prefix_cache is None or drafter.wants_hidden or (sp.seed is not None and not sp.greedy):
+            return None
+        return self.prefix_cache.lookup(prompt_ids[:-1], partition)
 
     def close(self) -> None:
         """Stops what the decoder runs beside decoding (the online learner's training process)."""
@@ -480,12 +508,14 @@ class ModelSettings:
         """These settings with no draft and none of the draft's own."""
         return dataclasses.replace(self, draft=None, draft_layers=None, draft_backend=None, draft_device=None)
 
-    def load(self, shape=None, learn=None, **override) -> SpecDecoder:
+    def load(self, shape=None, learn=None, prefix_cache_mb: float | None = None, **override) -> SpecDecoder:
         """The decoder of these settings; ``override`` replaces some (e.g. ``draft=None``); ``shape``: the
-        request's, for --backend auto; ``learn``: online learning (both as ``SpecDecoder.load`` takes them)."""
+        request's, for --backend auto; ``learn``, ``prefix_cache_mb``: as ``SpecDecoder.load`` takes them."""
         settings = dataclasses.replace(self, **override)
         settings.check()
-        return SpecDecoder.load(**dataclasses.asdict(settings), shape=shape, learn=learn)
+        return SpecDecoder.load(
+            **dataclasses.asdict(settings), shape=shape, learn=learn, prefix_cache_mb=prefix_cache_mb
+        )
 
 
 def _curve(model, measured: dict[int, float], n_max: int) -> dict[int, float]:

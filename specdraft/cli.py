@@ -273,6 +273,8 @@ def _serve_settings(a):
         raise SpecDraftError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     if a.replicas < 1:
         raise SpecDraftError(f"--replicas must be >= 1, got {a.replicas}")
+    if a.prefix_cache_mb is not None and not a.prefix_cache_mb >= 0:
+        raise SpecDraftError(f"--prefix-cache-mb must be >= 0, got {a.prefix_cache_mb}")
     require_extra("server", "specdraft serve")
     from .server.pacing import StreamPacing
 
@@ -317,6 +319,7 @@ def _server_settings(a, spec, api_key, pacing):
     return ServerSettings(
         model_name=a.name or a.target,
         default_spec=spec,
+        prefix_cache_mb=a.prefix_cache_mb,
         max_queue=a.max_queue,
         timeout_s=a.timeout,
         default_max_tokens=a.max_tokens,
@@ -523,6 +526,15 @@ def _add_serve_parser(sub):
     s.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get HTTP 429")
     s.add_argument("--timeout", type=float, default=None, help="seconds a request may take (queue + decode)")
     s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens when a request sets none")
+    s.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="memory for prompts and answers kept across requests, so a conversation's next turn prefills only "
+        "what is new (per API key and cache_salt; least recently used leave first; 0: off). Default: 5%% of "
+        "the machine's memory, at most 4096",
+    )
     s.add_argument(
         "--max-batch",
         type=int,

@@ -96,6 +96,7 @@ def run_demo(opts: DemoOptions) -> int:
         print(f"\n=== [{r['task']}] {r['prompt'][:90]!r} ({len(ids[r['id']])} prompt tokens)", flush=True)
         runs = {}
         for m, spec in methods.items():
+            dec.forget_prefixes()  # every method prefills the prompt, as the first would
             out = dec.generate(ids[r["id"]], sampling=sp, spec=spec)
             runs[m] = out
             s = out.stats

@@ -33,6 +33,7 @@ from .core.device import HOST
 from .core.errors import ConfigError, ContextLengthError, SpecDraftError
 from .core.metrics import GenerationStats, StepRecord
 from .core.policy import BatchRule, DraftLength
+from .core.prefix_cache import PrefixCache
 from .core.processors import RequestProcessor, logprob_entries
 from .core.sampling import NO_TOKEN, argmax_last, make_generator
 from .core.tree import DraftTree, feed_mask
@@ -90,6 +91,8 @@ class Job:
     lossy: TypicalAcceptance | None = None
     spec: SpecConfig | None = None  # the checked spec its drafter was built from (SpecDecoder.prepare)
     processor: RequestProcessor | None = None  # its logits processor, compiled once (None: built on admission)
+    partition: Any = None  # whose prefixes it may start from and leaves behind (core/prefix_cache.py)
+    start: tuple[Any, int] | None = None  # (a saved prefix, m): its prompt's first m tokens, not computed again
 
 
 @dataclass(eq=False)  # requests are compared by identity
@@ -119,6 +122,8 @@ class Request:
     logprobs: list | None = None  # the emitted tokens' entries when the request asks for logprobs
     error: Exception | None = None  # what failed in this row's own work (its drafter, its processing)
     own_lane: bool = False  # decoded apart from the other rows, exactly as alone (seeded sampling)
+    partition: Any = None  # Job.partition
+    start: tuple[Any, int] | None = None  # Job.start
 
     @property
     def output(self) -> list[int]:
@@ -155,7 +160,9 @@ class Engine:
     """Continuous batching over one target (any ``TargetModel``, models/base.py). ``rule`` (a
     ``policy.BatchRule``, optional) shrinks drafting as the batch grows. ``isolate_seeded``: each seeded
     sampling row decodes in a lane of its own, so its tokens are those of decoding it alone; False
-    batches such rows with the others (faster; their stats then say ``reproducible`` False)."""
+    batches such rows with the others (faster; their stats then say ``reproducible`` False). ``prefix_cache``
+    (core/prefix_cache.py): rows leave their committed tokens there (where the backend saves prefixes); a
+    Job's ``start`` is what it found there (SpecDecoder.prepare looks it up)."""
 
     def __init__(
         self,
@@ -165,6 +172,7 @@ class Engine:
         rule: BatchRule | None = None,
         compact_slack: int = 32,
         isolate_seeded: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.target = target
         self.device = target.device  # where its logits come back: verification and the rows' random streams
@@ -173,6 +181,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.rule = rule
         self.kv = RowLanes(lambda: target.new_rows(compact_slack))
+        self.prefix_cache = prefix_cache if target.capabilities.prefixes else None
         self.rows: list[Request] = []
         self.groups: dict = {}  # group_key -> DraftGroup
         self.last_step_s = 0.0
@@ -243,7 +252,10 @@ class Engine:
             stats=GenerationStats(prompt_tokens=len(prompt_ids)),
             t_start=time.perf_counter(),
             lossy=lossy,
+            partition=job.partition,
+            start=job.start,
         )
+        row.stats.cached_tokens = 0 if job.start is None else job.start[1]
         row.stats.lossy = lossy_label(lossy, sp)
         if row.seeded_sampling:
             row.stats.reproducible = (
@@ -263,7 +275,12 @@ class Engine:
     def _prefill(self, rows: list[Request]) -> None:
         t0 = time.perf_counter()
         want = [r.drafter.wants_hidden for r in rows]
-        self.kv.add_rows([r.prompt_ids[:-1] for r in rows], hidden=any(want), own=[r.own_lane for r in rows])
+        self.kv.add_rows(
+            [r.prompt_ids[:-1] for r in rows],
+            hidden=any(want),
+            own=[r.own_lane for r in rows],
+            start=[r.start for r in rows],
+        )
         for r, w, h in zip(rows, want, self.kv.prefill_hidden):
             r.hidden_prefix = h if w else None
         self.kv.prefill_hidden = []
@@ -299,6 +316,9 @@ class Engine:
         row.result = GenerationResult(out, text, st, row.logprobs)
 
     def _drop(self, idx: list[int]) -> None:
+        if self.prefix_cache is not None:
+            for r in idx:
+                self._save_prefix(self.prefix_cache, r)
         self.kv.remove_rows(idx)
         gone = [self.rows[i] for i in idx]
         for key, members in _by_group(gone).items():
@@ -307,6 +327,16 @@ class Engine:
                 del self.groups[key]
         drop = set(idx)
         self.rows = [r for i, r in enumerate(self.rows) if i not in drop]
+
+    def _save_prefix(self, cache: PrefixCache, r: int) -> None:
+        """A leaving row's committed tokens into the prefix cache (not a failed row's: its cache may be torn)."""
+        row = self.rows[r]
+        if row.error is not None or row.finish == "error":
+            return
+        saved = self.kv.save_prefix(r)
+        # the cache may hold accepted tokens past an end the row found mid-draft (EOS, a stop string): only
+        # those it emitted are named
+        cache.insert(row.tokens[: saved.n], saved, row.partition)
 
     # --- one step -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -124,3 +124,24 @@ def pvalue(counts, probs):
 
     keys = sorted(set(probs) | set(counts))
     return fit_pvalue(np.array([counts.get(k, 0) for k in keys]), np.array([probs.get(k, 0.0) for k in keys]))
+
+
+def check_conversation_after_hits(target, spec, label, turns=3, n=24):
+    """A chat replayed as clients send it (each turn the whole history + a new message) on a decoder with
+    the prefix cache: later turns start from cached prefixes, and every turn's greedy output is a cold
+    run's, or parts from it at a near-tie (reported). -> the gaps of the divergences."""
+    from specdraft.api import SpecDecoder
+
+    warm, cold = SpecDecoder(target), SpecDecoder(target, prefix_cache_mb=0)
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    history = warm.encode("Write a Python function that reverses a list, then explain it.", chat=True)
+    gaps = []
+    for turn in range(turns):
+        got = warm.generate(history, sp, spec)
+        assert (got.stats.cached_tokens > 0) == (turn > 0), (turn, got.stats.cached_tokens)
+        ref = cold.generate(history, sp, spec).token_ids
+        gap = check_greedy(target, history, ref, got.token_ids, f"{label} turn {turn}")
+        if gap is not None:
+            gaps.append(gap)
+        history = history + got.token_ids + warm.encode(" Now make it shorter.", chat=False)
+    return gaps

@@ -17,6 +17,7 @@ import torch
 
 from backend_util import (
     NEAR_TIE,
+    check_conversation_after_hits,
     check_greedy,
     check_tree_nodes_and_accepted_path,
     check_wrong_attention_is_caught,
@@ -448,3 +449,10 @@ def test_ggml_runs_on_a_thread_of_its_own_where_the_build_needs_it(smol_gguf, id
     finally:
         L._ggml_thread.cache_clear()  # the next test decides afresh (from the build)
     assert seen and all(name.startswith("ggml") for name in seen)
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup"])
+def test_conversation_turns_start_from_cached_prefixes(smol_gguf, method):
+    """llama.cpp: a later turn restores the cached sequence state and prefills the rest; its greedy output
+    is a cold run's, or parts at a near-tie (prefill chunks change llama.cpp's numerics)."""
+    check_conversation_after_hits(smol_gguf, {"method": method}, f"llama {method}")

@@ -14,6 +14,7 @@ import torch
 
 from backend_util import (
     NEAR_TIE,
+    check_conversation_after_hits,
     check_greedy,
     check_tree_nodes_and_accepted_path,
     check_wrong_attention_is_caught,
@@ -303,3 +304,9 @@ def test_bench_with_openvino_genai_baselines(smol_ov, tmp_path):
     got = {r["method"]: r for r in doc["records"]}
     assert set(got) == {"plain", "prompt_lookup", "ov_genai"}
     assert all(r["new_tokens"] > 0 for r in got.values())
+
+
+def test_conversation_turns_start_from_cached_prefixes(smol_ov):
+    """OpenVINO: a later turn's infer request gets the cached state tensors and prefills the rest; its greedy
+    output is a cold run's, or parts at a near-tie (prefill chunks change OpenVINO's numerics)."""
+    check_conversation_after_hits(smol_ov, {"method": "prompt_lookup"}, "openvino prompt_lookup")

@@ -25,13 +25,18 @@ from ..drafters.remote_draft import PREFETCHED
 class EngineRunner:
     kind = "engine"
 
-    def __init__(self, name: str, dec, spec: SpecConfig):
+    def __init__(self, name: str, dec, spec: SpecConfig, keep_prefixes: bool = False):
+        """``keep_prefixes``: the decoder's prefix cache is kept between runs (a conversation's turns); else
+        each run starts cold (the methods compared run the same prompts)."""
         self.name = name
         self.dec = dec
         self.spec = spec.validate()
+        self.keep_prefixes = keep_prefixes
 
     def run(self, ids: list[int], sp: SamplingParams) -> dict:
         first = FirstToken()
+        if not self.keep_prefixes:
+            self.dec.forget_prefixes()
         out = self.dec.generate(ids, sampling=sp, spec=self.spec, on_emit=first.on_emit)
         return {
             "token_ids": out.token_ids,

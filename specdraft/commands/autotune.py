@@ -346,6 +346,7 @@ def run_candidates(dec, cands: dict[str, SpecConfig], ids: list[list[int]], sp: 
     for i in tqdm(range(len(ids)), desc="autotune", unit="prompt", file=sys.stderr, dynamic_ncols=True):
         for n, spec in cands.items():
             first = FirstToken()
+            dec.forget_prefixes()  # every candidate prefills the prompt, as the first would
             out = dec.generate(ids[i], sampling=sp, spec=spec, on_emit=first.on_emit)
             runs[n].append(
                 {

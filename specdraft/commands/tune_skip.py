@@ -159,6 +159,7 @@ def measured_speedup(dec, prompts, sp, skip: list[int], k: int) -> float | None:
     tot = {"plain": [0, 0.0], "layer_skip": [0, 0.0]}
     for _, ids in prompts:
         for name, run_spec in (("plain", SpecConfig(method="plain")), ("layer_skip", spec)):
+            dec.forget_prefixes()  # both prefill the prompt
             t0 = time.perf_counter()
             out = dec.generate(ids, sampling=sp, spec=run_spec)
             tot[name][0] += len(out.token_ids)

@@ -114,6 +114,7 @@ class GenerationStats:
     new_tokens: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, the prompt's prefill (the first step's verify_s includes it)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed (core/prefix_cache.py)
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = "length"
     lossy: str | None = None  # the opt-in lossy verification rule that made this output (SpecConfig.lossy)
@@ -160,6 +161,7 @@ class GenerationStats:
     def to_dict(self, per_step: bool = False) -> dict:
         d: dict[str, object] = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "steps": len(self.steps),
             "drafted": self.drafted,

@@ -21,7 +21,7 @@ drafters that only need these calls do not change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +35,19 @@ class Capabilities:
     trees: bool = True  # forward(trees=...) scores token trees (the target's verification, model-drafted trees)
     layers: bool = False  # add_feature_layers: decoder layers' outputs handed over in those forwards (EAGLE-3)
     head_io: bool = False  # facts, embed() and output_rows(): what a trained head is built on (models/heads.py)
+    prefixes: bool = False  # save_prefix / add_rows(start=...): rows start from a saved prefix (engine/prefix_cache.py)
+
+
+@dataclass(frozen=True)
+class SavedPrefix:
+    """A copy of one row's cached keys and values, its first ``n`` tokens (``SequenceRows.save_prefix``):
+    ``data`` is the backend's own (tensors, a llama.cpp sequence state, OpenVINO state arrays), never
+    shared with a live row, so dropping it from a cache can never touch a row that started from it."""
+
+    backend: str
+    n: int
+    nbytes: int
+    data: Any
 
 
 @dataclass(frozen=True)
@@ -83,9 +96,17 @@ class SequenceRows(Protocol):
         """Cache slots held per row (holes included): what the engine reports as ``cache_len``."""
         ...
 
-    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
-        """Prefill ``prefixes`` (ragged, may be empty) as new last rows; returns their indices."""
+    def add_rows(
+        self, prefixes: list[list[int]], hidden: bool = False, start: list[tuple[SavedPrefix, int] | None] | None = None
+    ) -> list[int]:
+        """Prefill ``prefixes`` (ragged, may be empty) as new last rows; returns their indices. Where
+        capabilities.prefixes: ``start[i]`` = (saved, m) makes row i hold saved's first m tokens (those of
+        prefixes[i][:m]; m <= saved.n) without computing them, and prefill only prefixes[i][m:] (a row
+        started so with ``hidden`` gets prefill features of the tokens it computed only)."""
         ...
+
+    # only where capabilities.prefixes:
+    # def save_prefix(self, r: int) -> SavedPrefix: a copy of row r's lens[r] committed tokens' keys and values
 
     def remove_rows(self, idx: list[int]) -> None: ...
 

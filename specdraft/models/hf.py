@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from ..core.device import HOST
-from .base import Capabilities, ModelFacts
+from .base import Capabilities, ModelFacts, SavedPrefix
 
 
 def check_cache_layout(model) -> None:
@@ -68,7 +68,11 @@ class HFModel:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            hidden=self._final_norm() is not None, trees=True, layers=self._layers() is not None, head_io=True
+            hidden=self._final_norm() is not None,
+            trees=True,
+            layers=self._layers() is not None,
+            head_io=True,
+            prefixes=True,
         )
 
     @property
@@ -246,26 +250,63 @@ class HFRows:
         return self.add_rows([prefix])[0]
 
     @torch.inference_mode()
-    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+    def add_rows(
+        self, prefixes: list[list[int]], hidden: bool = False, start: list[tuple[SavedPrefix, int] | None] | None = None
+    ) -> list[int]:
         """Prefill several prefixes (ragged, may be empty) together in one forward of their own,
         then append them as new last rows (left-padded to the batch); returns their indices.
         ``hidden``: also leave each prefix's final-norm features in ``prefill_hidden`` (a row
-        [len(prefix), H], None for an empty prefix)."""
+        [len(prefix), H], None for an empty prefix). ``start``: as ``SequenceRows.add_rows``."""
         new = HFRows(self.model, self.compact_slack)
-        new.lens = [0] * len(prefixes)
-        new.valid = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=HOST)
+        m = [0 if s is None else s[1] for s in (start or [None] * len(prefixes))]
+        new._load(start or [None] * len(prefixes), m)
+        rest = [list(p[k:]) for p, k in zip(prefixes, m)]
         self.prefill_hidden = [None] * len(prefixes)
-        if any(prefixes):
-            new.forward(prefixes, keep=1, hidden=hidden)
+        if any(rest):
+            new.forward(rest, keep=1, hidden=hidden)
             if hidden:
-                self.prefill_hidden = [
-                    new.last_hidden[i, : len(p)].clone() if p else None for i, p in enumerate(prefixes)
-                ]
+                self.prefill_hidden = [new.last_hidden[i, : len(p)].clone() if p else None for i, p in enumerate(rest)]
                 new.last_hidden = None
-            new.commit([len(p) for p in prefixes])
+            new.commit([len(p) for p in rest])
         first = self.B
         self._append(new)
         return list(range(first, self.B))
+
+    def _load(self, start: list, m: list[int]) -> None:
+        """Rows, one per m[i], holding start[i]'s first m[i] tokens (right-aligned, as the batch's left padding
+        puts them; m[i] 0: empty)."""
+        self.lens = list(m)
+        M = max(m, default=0)
+        self.valid = torch.zeros(len(m), M, dtype=torch.bool, device=HOST)
+        for i, k in enumerate(m):
+            self.valid[i, M - k :] = True
+        if M == 0:
+            return
+        dev = self.model.device
+        layers = [s[0].data if s is not None else None for s in start]
+        ref = next(x for x in layers if x is not None)
+        for li, (k_ref, _) in enumerate(ref):
+            H, D = k_ref.shape[0], k_ref.shape[2]
+            k = k_ref.new_zeros(len(m), H, M, D, device=dev)
+            v = k.clone()
+            for i, (saved, n) in enumerate(zip(layers, m)):
+                if saved is not None and n:
+                    k[i, :, M - n :], v[i, :, M - n :] = saved[li][0][:, :n], saved[li][1][:, :n]
+            self.cache.update(k, v, li)
+
+    @torch.inference_mode()
+    def save_prefix(self, r: int) -> SavedPrefix:
+        """Row r's committed tokens' keys and values, copied: per layer ([kv heads, n, head dim] x 2)."""
+        sel = self.valid[r].nonzero().flatten()[: self.lens[r]]
+        layers = []
+        for layer in self._layers():
+            kv = _kv(layer)
+            if kv is None:
+                break
+            layers.append(tuple(x[r][:, sel.to(x.device)].clone() for x in kv))
+        n = self.lens[r] if layers else 0
+        nbytes = sum(x.numel() * x.element_size() for kv in layers for x in kv)
+        return SavedPrefix("hf", n, nbytes, layers)
 
     @torch.inference_mode()
     def adopt_rows(self, src: "HFRows", idx: list[int]) -> list[int]:

@@ -79,21 +79,25 @@ class RowLanes:
         """The shared lane's room (an own lane's is in ``rooms``)."""
         return None if self.shared is None else self.shared.draft_room()
 
-    def add_rows(self, prefixes: list[list[int]], hidden: bool = False, own: list[bool] | None = None) -> list[int]:
-        """Prefill ``prefixes`` as new last rows; ``own[i]``: prefix i gets a lane of its own. Nothing
-        joins when a prefill fails (the own lanes are prefilled first, the shared one last)."""
+    def add_rows(
+        self, prefixes: list[list[int]], hidden: bool = False, own: list[bool] | None = None, start: list | None = None
+    ) -> list[int]:
+        """Prefill ``prefixes`` as new last rows; ``own[i]``: prefix i gets a lane of its own; ``start``: as
+        ``SequenceRows.add_rows`` (None: none). Nothing joins when a prefill fails (the own lanes are
+        prefilled first, the shared one last)."""
         own = own or [False] * len(prefixes)
+        start = start or [None] * len(prefixes)
         lanes: list = [self._new_rows() if o else None for o in own]
         hid: list = [None] * len(prefixes)
         for i, lane in enumerate(lanes):
             if lane is not None:
-                lane.add_rows([prefixes[i]], hidden)
+                lane.add_rows([prefixes[i]], hidden, **_started([start[i]]))
                 hid[i], lane.prefill_hidden = lane.prefill_hidden[0], []
         shared = [i for i, o in enumerate(own) if not o]
         if shared:
             if self.shared is None:
                 self.shared = self._new_rows()
-            self.shared.add_rows([prefixes[i] for i in shared], hidden)
+            self.shared.add_rows([prefixes[i] for i in shared], hidden, **_started([start[i] for i in shared]))
             for i, h in zip(shared, self.shared.prefill_hidden):
                 hid[i], lanes[i] = h, self.shared
             self.shared.prefill_hidden = []
@@ -101,6 +105,11 @@ class RowLanes:
         self.lane_of += lanes
         self.prefill_hidden = hid
         return list(range(first, self.B))
+
+    def save_prefix(self, r: int):
+        """Row r's committed keys and values, copied (its lane's ``save_prefix``)."""
+        lane, i = self._where()[r]
+        return lane.save_prefix(i)
 
     def remove_rows(self, idx: list[int]) -> None:
         drop = set(idx)
@@ -134,6 +143,12 @@ class RowLanes:
     def holes(self) -> int:
         """Masked cache slots over every lane (transformers lanes)."""
         return sum(lane.holes() for lane, _ in self.lanes())
+
+
+def _started(start: list) -> dict:
+    """add_rows' ``start`` argument where a row starts from a saved prefix (none: a backend without them is
+    called as before)."""
+    return {"start": start} if any(s is not None for s in start) else {}
 
 
 def _merged(parts: list[tuple[list[int], torch.Tensor]], B: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch
 from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
-from .base import Capabilities, padded_features
+from .base import Capabilities, SavedPrefix, padded_features
 from .gguf_tensors import GGUFHeadIO
 from .llama_features import FeatureTap
 
@@ -252,7 +252,7 @@ class LlamaModel(GGUFHeadIO):
         return set(self._eos)
 
     # token trees: a sequence id per leaf (module doc); decoder layers' outputs: llama_features.py
-    capabilities = Capabilities(hidden=False, trees=True, layers=True, head_io=True)
+    capabilities = Capabilities(hidden=False, trees=True, layers=True, head_io=True, prefixes=True)
 
     def add_feature_layers(self, layers) -> list[int]:
         """Hand over these decoder layers' outputs (hidden-states indices: i = the output of decoder layer
@@ -419,14 +419,18 @@ class LlamaRows:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
     # --- rows join and leave -------------------------------------------------------------------
-    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+    def add_rows(
+        self, prefixes: list[list[int]], hidden: bool = False, start: list[tuple[SavedPrefix, int] | None] | None = None
+    ) -> list[int]:
         """Prefill ``prefixes`` as new last rows (``hidden``: ``prefill_hidden`` gets each one's feature
-        layers' outputs [len(prefix), layers * H], None for an empty prefix)."""
+        layers' outputs [len(prefix), layers * H], None for an empty prefix); ``start``: as
+        ``SequenceRows.add_rows`` (a saved state the cache has no room for is computed instead)."""
         layers = self._feature_layers(hidden)
         if len(prefixes) > len(self.free):
             raise ContextLengthError(f"the llama backend holds at most {MAX_SEQ} sequences at once")
         new = [self.free.pop() for _ in prefixes]
-        items = [(t, i, (s,), None) for s, p in zip(new, prefixes) for i, t in enumerate(p)]
+        m = [self._restore(s, *st) if st is not None else 0 for s, st in zip(new, start or [None] * len(prefixes))]
+        items = [(t, k + i, (s,), None) for s, p, k in zip(new, prefixes, m) for i, t in enumerate(p[k:])]
         try:
             feats = self._decodes(items, layers)  # no logits: the loop never reads a prefill's
         except BaseException:  # (context full): no trace of these rows, or a later row would inherit their cells
@@ -440,9 +444,30 @@ class LlamaRows:
         self.prefill_hidden = (
             [None] * len(prefixes)
             if feats is None
-            else [None if x is None else torch.from_numpy(x) for x in _per_row(feats, [len(p) for p in prefixes])]
+            else [
+                None if x is None else torch.from_numpy(x)
+                for x in _per_row(feats, [len(p) - k for p, k in zip(prefixes, m)])
+            ]
         )
         return list(range(first, self.B))
+
+    def save_prefix(self, r: int) -> SavedPrefix:
+        """Row r's sequence state (llama.cpp's own format: its cells' keys and values), copied to the host."""
+        s = self.seq[r]
+        n = int(self.ll.llama_state_seq_get_size(self.ctx, s))
+        buf = (ctypes.c_uint8 * n)()
+        got = int(self.ll.llama_state_seq_get_data(self.ctx, buf, n, s))
+        return SavedPrefix("llama", self.lens[r] if got == n else 0, n, buf)
+
+    def _restore(self, s: int, saved: SavedPrefix, m: int) -> int:
+        """Sequence s holds saved's first m tokens; -> m, or 0 where llama.cpp could not place the state."""
+        if saved.nbytes > 0 and saved.n > self.draft_room()[1]:  # (its cells and the rest's must fit)
+            return 0
+        if self.ll.llama_state_seq_set_data(self.ctx, saved.data, saved.nbytes, s) != saved.nbytes:
+            self.ll.llama_memory_seq_rm(self.mem, s, -1, -1)
+            return 0
+        self.ll.llama_memory_seq_rm(self.mem, s, m, -1)  # (the saved tokens past the shared prefix)
+        return m
 
     def adopt_rows(self, src, idx: list[int]) -> list[int]:
         """Rows holding the keys and values of ``src``'s rows ``idx`` (the transformers target whose

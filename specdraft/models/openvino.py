@@ -40,7 +40,7 @@ import torch
 from ..core.device import HOST
 from ..core.errors import ConfigError, ContextLengthError, ModelFileError
 from ..core.extras import needs_extra
-from .base import Capabilities, padded_features
+from .base import Capabilities, SavedPrefix, padded_features
 from .gguf_tensors import GGUFHeadIO
 
 DEFAULT_CTX = 8192  # slots per row (holes included); SPECDRAFT_OV_CTX overrides
@@ -243,7 +243,7 @@ class OVModel(GGUFHeadIO):
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
-    capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True)
+    capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True, prefixes=True)
 
     def __init__(
         self, gguf: str | Path, tokenizer, name: str | None = None, threads: int | None = None, ov_device: str = "CPU"
@@ -397,26 +397,48 @@ class OVRows:
             out[:, k * H : (k + 1) * H] = x
         return out
 
-    def add_rows(self, prefixes: list[list[int]], hidden: bool = False) -> list[int]:
+    def add_rows(
+        self, prefixes: list[list[int]], hidden: bool = False, start: list[tuple[SavedPrefix, int] | None] | None = None
+    ) -> list[int]:
         if hidden and not self.model.blocks:
             self.model.add_feature_layers([])  # the final norm's output at least
         first = self.B
         self.prefill_hidden = [None] * len(prefixes)
-        for p in prefixes:
+        for p, st in zip(prefixes, start or [None] * len(prefixes)):
             self.reqs.append(self.model.request())
             self.live.append(np.zeros(0, bool))
             self.lens.append(0)
             self.fed.append(0)
             try:
-                if p:  # no logits are read from a prefill: one row keeps the LM head cheap
-                    self._infer(self.B - 1, list(p), 1)
+                k = 0 if st is None else self._restore(self.B - 1, *st)
+                rest = list(p[k:])
+                if rest:  # no logits are read from a prefill: one row keeps the LM head cheap
+                    self._infer(self.B - 1, rest, 1)
                     if hidden:
-                        self.prefill_hidden[self.B - 1 - first] = torch.from_numpy(self._features(self.B - 1, len(p)))
+                        self.prefill_hidden[self.B - 1 - first] = torch.from_numpy(
+                            self._features(self.B - 1, len(rest))
+                        )
             except BaseException:
                 self.remove_rows([self.B - 1])
                 raise
             self.lens[-1] = len(p)
         return list(range(first, self.B))
+
+    def save_prefix(self, r: int) -> SavedPrefix:
+        """Row r's state tensors at its committed slots, copied: [(name, [1, kv heads, n, head dim])]."""
+        idx = np.flatnonzero(self.live[r])[: self.lens[r]]
+        arrays = [(st.name, np.ascontiguousarray(st.state.data[:, :, idx])) for st in self.reqs[r][0].query_state()]
+        return SavedPrefix("openvino", self.lens[r], sum(a.nbytes for _, a in arrays), arrays)
+
+    def _restore(self, r: int, saved: SavedPrefix, m: int) -> int:
+        """Row r (empty) holds saved's first m tokens; -> m."""
+        ov = runtime()
+        arrays = dict(saved.data)
+        for st in self.reqs[r][0].query_state():
+            st.state = ov.Tensor(np.ascontiguousarray(arrays[st.name][:, :, :m]))
+        self.live[r] = np.ones(m, bool)
+        self.lens[r] = m
+        return m
 
     def remove_rows(self, idx: list[int]) -> None:
         drop = set(idx)

@@ -387,6 +387,7 @@ class ServerSettings:
 
     model_name: str
     default_spec: SpecConfig | dict
+    prefix_cache_mb: float | None = None  # the decoder's prefix cache (SpecDecoder; None: its default, 0: off)
     max_queue: int = 64
     timeout_s: float | None = None
     default_max_tokens: int = 256
@@ -445,6 +446,7 @@ def create_app(decoder, settings: ServerSettings) -> FastAPI:
     pacing = settings.stream_pacing or StreamPacing()
     default_spec = SpecConfig.from_dict(settings.default_spec)
     metrics = ServerMetrics()
+    metrics.watch_prefix_cache(getattr(decoder, "prefix_cache", None))
     start_learning(decoder, settings, default_spec, pacing.locked or settings.stream_mode == "fixed", metrics)
     worker = make_worker(decoder, metrics, settings)
     worker.start()
@@ -627,7 +629,9 @@ async def handle(request: Request, chat: bool):
     job = ServedRequest(
         p.prompt_ids, p.sampling, p.spec, sv.settings.timeout_s, asyncio.get_running_loop(), processor=p.processor
     )
-    job.learn = learns_from(getattr(request.state, "api_key", None), sv.settings.learn_keys)
+    key = getattr(request.state, "api_key", None)
+    job.learn = learns_from(key, sv.settings.learn_keys)
+    job.partition = (key, p.cache_salt)  # cached prefixes are this tenant's and this salt's only
     try:
         sv.worker.submit(job)
     except QueueFull as e:
@@ -762,7 +766,7 @@ def build_server_app(models: ModelSettings, settings: ServerSettings, method_def
     """Loads the models and returns the FastAPI app of one engine (`specdraft serve`'s, a replica's too:
     server/replicas.py). ``method_defaulted``: the spec names no method (auto), so the decoder settles what it
     can run (SpecDecoder.usable) once the models are loaded."""
-    dec = models.load(learn=settings.learn)
+    dec = models.load(learn=settings.learn, prefix_cache_mb=settings.prefix_cache_mb)
     if (models.backend or default_backend(models.target)) == "auto":
         print(
             "serve: one path stays loaded for every request, the one --backend auto took above without a "

@@ -10,7 +10,7 @@ import time
 from ..core.config import SPEC_OFF_AT, SPEC_SHRINK_AT
 from ..core.errors import SpecDraftError
 from ..core.policy import BatchRule
-from ..engine import Engine, Job, StepHook
+from ..engine import Job, StepHook
 from .scheduler import BaseWorker, log, prepare
 
 
@@ -32,7 +32,7 @@ class BatchWorker(BaseWorker):
             self.kind, rule = "single", None
         else:
             rule = BatchRule(spec_shrink_at, spec_off_at)
-        self.engine = Engine(decoder.target, decoder.eos_ids, decoder.tokenizer, rule=rule)
+        self.engine = decoder.new_engine(rule=rule)
         self._n_rows = 0
         self._taken: list = []  # jobs the loop took from the queue and has not admitted yet
         self.hook = getattr(decoder, "learner", None) or StepHook()  # the online learner swaps weights between steps
@@ -72,6 +72,7 @@ class BatchWorker(BaseWorker):
                         on_emit=wrap(job),
                         tag=job,
                         processor=job.processor,
+                        partition=job.partition,
                     )
                 )
             except Exception as e:  # this request's own drafter: it fails alone (a bug logs and answers 500)
@@ -97,7 +98,7 @@ class BatchWorker(BaseWorker):
         """Fail every running request with ``err`` and start over with an empty batch."""
         for row in list(self.engine.rows):
             row.tag.fail(err)
-        self.engine = Engine(self.decoder.target, self.decoder.eos_ids, self.decoder.tokenizer, rule=self.engine.rule)
+        self.engine = self.decoder.new_engine(rule=self.engine.rule)
         with self.cv:
             self._n_rows = 0
             self._update_gauges()

@@ -130,7 +130,8 @@ function makeColumn(title, id) {
   const col = el("section", { className: "col", id },
     el("h2", {}, title),
     el("div", { className: "stats" }, stat("tok/s", "tps", "–"), stat("MAT", "mat", "–"),
-       stat("acceptance", "acc", "–"), stat("steps", "steps", "0"), stat("tokens", "ntok", "0")),
+       stat("acceptance", "acc", "–"), stat("steps", "steps", "0"), stat("tokens", "ntok", "0"),
+       stat("prompt cached", "cached", "–")),
     el("div", { className: "hist", title: "tokens per step" }), el("div", { className: "text" }));
   $("cols").appendChild(col);
   return { el: col, title, text: col.querySelector(".text"), tokens: {}, steps: 0, drafted: 0, accepted: 0,
@@ -196,6 +197,9 @@ function render(col) {
   q(".acc").textContent = col.drafted ? (100 * col.accepted / col.drafted).toFixed(0) + "%" : "–";
   q(".steps").textContent = state.fixed ? "–" : col.steps;
   q(".ntok").textContent = col.emitted;
+  const u = col.usage;  // prompt tokens the prefix cache held (not computed again) out of the prompt's
+  q(".cached").textContent = u && u.prompt_tokens_details
+    ? `${u.prompt_tokens_details.cached_tokens}/${u.prompt_tokens}` : "–";
   const h = q(".hist");
   const max = Math.max(1, ...Object.values(col.hist));
   const top = Math.max(1, ...Object.keys(col.hist).map(Number));

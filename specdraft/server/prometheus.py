@@ -49,6 +49,31 @@ class _SpecCollector:
         yield pos
 
 
+class _PrefixCacheCollector:
+    """The prefix cache's totals (core/prefix_cache.py), read when scraped."""
+
+    SERIES = (
+        ("lookups", "counter", "prefix cache lookups (one per admitted request)"),
+        ("hits", "counter", "lookups that found a cached prefix"),
+        ("hit_tokens", "counter", "prompt tokens taken from the prefix cache, not computed"),
+        ("looked_up_tokens", "counter", "prompt tokens of every lookup (hit_tokens / this: the token hit rate)"),
+        ("evictions", "counter", "cached prefixes evicted for memory"),
+        ("entries", "gauge", "cached prefixes held"),
+        ("bytes", "gauge", "bytes the cached prefixes hold"),
+    )
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self.cache.stats.to_dict()
+        for name, kind, doc in self.SERIES:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"specdraft_prefix_cache_{name}", doc, value=stats[name])
+
+
 class ServerMetrics:
     def __init__(self, window: int = 4096):
         self.public = CollectorRegistry()
@@ -80,6 +105,10 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._window: deque[StepRecord] = deque(maxlen=window)
         r.register(_SpecCollector(self))
+
+    def watch_prefix_cache(self, cache) -> None:
+        if cache is not None:
+            self.engine.register(_PrefixCacheCollector(cache))
 
     def exposition(self, engine: bool) -> bytes:
         """The Prometheus text of the request counters, and of the engine's series when ``engine``."""

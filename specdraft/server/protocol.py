@@ -91,6 +91,7 @@ class ParsedRequest:
     stream_mode: str | None = None  # None: the server's default (server/pacing.py)
     include_steps: bool = False  # stream_options.include_steps: per-step speculation in each chunk (StepTrace)
     processor: RequestProcessor | None = None  # its logits processing, compiled once (None: none asked)
+    cache_salt: str | None = None  # only requests with the same salt (and API key) share cached prefixes
 
 
 def _check_types(body: dict) -> None:
@@ -111,6 +112,7 @@ def _check_types(body: dict) -> None:
         ("top_logprobs", "an integer", is_int),
         ("min_p", "a number", is_num),
         ("logit_bias", "an object", lambda v: isinstance(v, dict)),
+        ("cache_salt", "a non-empty string", lambda v: isinstance(v, str) and v != ""),
     ]:
         v = body.get(name)
         if v is not None and not ok(v):
@@ -504,6 +506,7 @@ def parse_request(
         body.get("stream_mode"),
         bool(so.get("include_steps", False)),
         processor,
+        body.get("cache_salt"),
     )
 
 
@@ -514,6 +517,7 @@ def usage(stats, method: str, hide_acceptance: bool = False) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # from the prefix cache
         "method": method,  # extensions: speculative decoding of this request
     }
     if not hide_acceptance:

@@ -68,6 +68,7 @@ class ServedRequest:
         self.sampling = sampling
         self.spec = spec
         self.processor = processor  # compiled when the request was parsed (protocol.parse_request)
+        self.partition = None  # whose cached prefixes it may use: (API key, cache_salt) (core/prefix_cache.py)
         self.t_arrive = time.monotonic()
         self.deadline = None if not timeout_s else self.t_arrive + timeout_s
         self.t_first: float | None = None
