@@ -469,3 +469,29 @@ def test_a_backend_beside_the_runs_that_cannot_load_the_target_names_the_methods
         "openvino:plain, openvino:suffix_k16 run on the openvino backend, which cannot load "
         "smollm2-135m here (OpenVINO converts smollm2-135m wrongly); leave them out of --methods"
     )
+
+
+def test_multiturn_preset_resends_histories_and_hits_its_own_cache(tmp_path, monkeypatch, capsys):
+    """--preset multiturn: every method sees the same turn prompts (histories built once), a method keeping
+    its cache takes later turns' history from it, its [cold] twin never does, and outputs agree (greedy)."""
+    from conftest import tiny_model_dir
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    model = tiny_model_dir(tmp_path / "tiny")
+    out = tmp_path / "mt.json"
+    args = ["bench", "--preset", "multiturn", "--target", str(model), "--backend", "hf"]
+    rc = main(args + ["--methods", "plain,plain[cold]", "--max-new-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())["records"]
+    assert {r["kind"] for r in recs} == {"chat", "agent"} and max(r["turn"] for r in recs) == 3
+    by = {(r["conversation"], r["turn"], r["method"]): r for r in recs}
+    for (conv, turn, m), r in by.items():
+        twin = by[conv, turn, "plain[cold]" if m == "plain" else "plain"]
+        assert r["prompt_tokens"] == twin["prompt_tokens"] and r["token_ids"] == twin["token_ids"]
+        if m == "plain[cold]" or turn == 0:
+            assert r["cached_tokens"] == 0
+        else:
+            assert r["cached_tokens"] > 0
+    assert "later turns" in capsys.readouterr().out
+    assert main(args + ["--k", "3"]) == 2
+    assert "--preset multiturn does not take --k" in capsys.readouterr().err

@@ -13,11 +13,8 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -36,6 +33,7 @@ from ..core.metrics import decode_phase
 from ..drafters.runs_on import unavailable
 from ..models.backends import BACKENDS, check_draft_flags
 from ..scale import cluster
+from .environment import environment
 from .report import read_results, render
 
 BASELINES = (
@@ -210,7 +208,10 @@ def add_parser(sub):
         help="headline: the README's results table (every fastest plain and "
         "speculative CPU decoder against specdraft's methods, core18+code_edit; `make bench`); core18: 18 "
         "generic Spec-Bench prompts; code_edit: 9 snippet-rewriting prompts shipped with specdraft "
-        "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit",
+        "(bench/code_edit.jsonl); join prompt presets with +: core18+code_edit; multiturn: conversations resent "
+        "whole every turn (Spec-Bench's two-turn chats, agent-like code edits) against llama.cpp keeping its "
+        "cached prefix (bench/multiturn.py; takes --target, --backend, --methods, --n-per-task, "
+        "--max-new-tokens, --threads, --out)",
     )
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"default {UNGIVEN['max_new_tokens']}")
     b.add_argument(
@@ -354,44 +355,6 @@ def _check_read(base: dict, sweeps: list, listed: list[str]) -> None:
         problem = unread(d, listed)
         if problem:
             raise ConfigError(problem)
-
-
-def environment(dtype: str, threads: int) -> dict:
-    import transformers
-
-    from .. import __version__
-
-    def git(*args):
-        try:
-            return subprocess.run(
-                ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parents[2]
-            ).stdout.strip()
-        except Exception:
-            return None
-
-    from ..models.cost_curve import cpu_name
-
-    try:
-        from importlib.metadata import version
-
-        llama_version = version("llama_cpp_python")
-    except Exception:
-        llama_version = None
-    cpu = cpu_name()
-    return {
-        "specdraft": __version__,
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "llama_cpp_python": llama_version,
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "threads": threads,
-        "dtype": dtype,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def _save(path: Path, doc: dict) -> None:
@@ -861,7 +824,31 @@ def run_bench(opts: BenchOptions, run_sharded=None) -> tuple[dict, BenchOptions]
     return doc, opts
 
 
+MULTITURN_TAKES = ("target", "backend", "methods", "n_per_task", "max_new_tokens", "threads", "out", "preset", "action")
+
+
+def multiturn_options(opts: BenchOptions):
+    """--preset multiturn's options (bench/multiturn.py) from the flags; a flag it does not read is an error."""
+    from .multiturn import MultiturnOptions
+
+    unread_flags = [
+        "--" + f.name.replace("_", "-")
+        for f in fields(BenchOptions)
+        if f.name not in MULTITURN_TAKES and getattr(opts, f.name) != getattr(BenchOptions(), f.name)
+    ]
+    if unread_flags:
+        raise SpecDraftError(f"--preset multiturn does not take {', '.join(unread_flags)}")
+    if opts.action != "run":
+        raise SpecDraftError("--preset multiturn: only `bench run` (its summary is printed when it ends)")
+    given = {k: getattr(opts, k) for k in MULTITURN_TAKES[:-2] if getattr(opts, k) is not None}
+    return MultiturnOptions(**given)
+
+
 def main_bench(opts: BenchOptions, run_sharded=None) -> int:
+    if opts.preset == "multiturn":
+        from .multiturn import main_multiturn
+
+        return main_multiturn(multiturn_options(opts))
     if opts.action == "report":
         path = Path(opts.results or opts.with_defaults().out)
         doc = read_results(path, "name a file `specdraft bench` wrote")
