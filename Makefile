@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specdraft-installed
 MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-ray setup-browser setup-lint models models-dense demo test test-long test-fast lint bench heads clean
+.PHONY: setup setup-ray setup-browser setup-lint models models-dense demo test test-long test-fast lint bench bench-multiturn heads clean
 
 setup: $(STAMP)
 
@@ -81,6 +81,11 @@ lint: setup-lint
 bench: models
 	$(PY) -m specdraft.cli models quantize qwen2.5-coder-1.5b --type Q4_0 >/dev/null
 	$(PY) -m specdraft.cli bench --preset headline --threads $$(nproc)
+
+# README's conversations row: later turns of chats and agent edits, each method with its own cache
+bench-multiturn: models
+	$(PY) -m specdraft.cli models quantize qwen2.5-coder-1.5b --type Q4_0 >/dev/null
+	$(PY) -m specdraft.cli bench --preset multiturn --threads $$(nproc)
 
 # The SmolLM2-135M Medusa and EAGLE heads of docs/benchmark-log.md and their bench (self-distillation on
 # the 462 Spec-Bench prompts that are not bench prompts; about 1.5 hours on one core of a 2-core CPU).

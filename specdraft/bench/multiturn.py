@@ -187,10 +187,29 @@ def run_multiturn(opts: MultiturnOptions) -> dict:
                 records.append(_record(conv, t, m.name, prompts[t], rec))
             bar.update()
     bar.close()
+    mark_divergences(records, methods[0].name, dec.target)
     doc = {"settings": opts.__dict__, "environment": environment("GGUF", threads), "records": records}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(doc, indent=1))
     return doc
+
+
+def mark_divergences(records: list[dict], reference: str, target) -> None:
+    """Each record whose greedy output differs from ``reference``'s on the same turn gets ``divergence``: the
+    first position and the target's top-2 logit gap there (a cold prefill of prompt + the reference's tokens
+    before it; a near-tie or a bug?)."""
+    ref = {(r["conversation"], r["turn"]): r for r in records if r["method"] == reference}
+    for r in records:
+        want = ref[r["conversation"], r["turn"]]
+        if r["method"] == reference or r["token_ids"] == want["token_ids"]:
+            continue
+        got, exp = r["token_ids"], want["token_ids"]
+        pos = next((i for i, (a, b) in enumerate(zip(got, exp)) if a != b), min(len(got), len(exp)))
+        rows = target.new_rows()
+        ids = r["prompt_ids"] + exp[:pos]
+        rows.add_rows([ids[:-1]])
+        top = rows.forward([[ids[-1]]], keep=1)[0, -1].topk(2).values
+        r["divergence"] = {"position": pos, "top2_gap": float(top[0] - top[1])}
 
 
 def _chat_ids(dec, messages: list[dict]) -> list[int]:
@@ -212,6 +231,7 @@ def _record(conv: dict, turn: int, method: str, prompt: list[int], rec: dict) ->
         "first_token_s": ttft,
         "decode_s": wall - ttft,
         "token_ids": rec["token_ids"],
+        "prompt_ids": prompt,
     }
 
 
@@ -243,6 +263,14 @@ def summary(doc: dict) -> str:
                 hit = sum(r["cached_tokens"] for r in rs) / max(1, sum(r["prompt_tokens"] for r in rs))
                 vs = f"{e2e[m] / ref:.2f}x" if ref else "n/a"
                 lines.append(f"| {m} | {ttft:.2f} | {dec_tok:.2f} | {e2e[m]:.2f} | {vs} | {100 * hit:.1f}% |")
+    ref = next(iter({r["method"]: 0 for r in recs}))
+    lines.append(f"\nGreedy outputs against {ref}'s (every turn):")
+    for m in {r["method"]: 0 for r in recs}:
+        rs = [r for r in recs if r["method"] == m]
+        gaps = [r["divergence"]["top2_gap"] for r in rs if "divergence" in r]
+        if m != ref:
+            worst = f", divergences at top-2 gaps <= {max(gaps):.3f}" if gaps else ""
+            lines.append(f"- {m}: {len(rs) - len(gaps)}/{len(rs)} identical{worst}")
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from .checks import (
     MAX_DRAFT,
@@ -56,11 +56,14 @@ from .checks import (
 )
 from .errors import ConfigError
 
+if TYPE_CHECKING:  # (the drafters layer declares what a factory may ask of the decoder)
+    from ..drafters.base import DraftContext
+
 ALL_TREES = ("chain", "static", "dynamic")
 SCHEDULES = ("constant", "heuristic", "cost_aware")  # every schedule (SpecConfig.schedule, the CLI's choices)
 MODEL_SCHEDULES = SCHEDULES
 FREE_SCHEDULES = ("constant", "cost_aware")
-Factory = Callable[..., Any]  # (decoder: SpecDecoder, spec: SpecConfig) -> a drafter, or a shared resource
+Factory = Callable[["DraftContext", Any], Any]  # (the decoder, its SpecConfig) -> a drafter, or a shared resource
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,11 @@ class Method:
     params: type | None = None  # a dataclass of the method's own settings (spec.params)
     served: bool = True  # a server request may name it (not one that starts processes on a client's word)
 
-    def build(self, decoder, spec):
+    def build(self, decoder: "DraftContext", spec) -> Any:
         """The drafter of ``spec`` on ``decoder`` (the entry's ``make``)."""
         return resolve(self.make)(decoder, spec)
 
-    def resource(self, decoder, spec):
+    def resource(self, decoder: "DraftContext", spec) -> Any:
         """The shared resource ``spec``'s drafter reads, loaded into the decoder's cache (None: none)."""
         return None if self.load_resource is None else resolve(self.load_resource)(decoder, spec)
 

@@ -18,15 +18,46 @@ group drafts for all its rows at once (``DraftGroup``); ``propose`` is then not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..core.tree import DraftTree
 
 if TYPE_CHECKING:
-    from ..core.config import SamplingParams
+    from ..core.config import SamplingParams, SpecConfig
     from ..core.processors import RequestProcessor
+
+
+class DraftContext(Protocol):
+    """What a method's factory (core/methods.py ``Method.make``) and its drafters may ask of the decoder they
+    draft for: its models and the resources it shares between requests. ``api.SpecDecoder`` implements it;
+    nothing else of the decoder is reachable from the drafters layer."""
+
+    target: Any  # the target (models/base.py TargetModel)
+    draft: Any  # the draft model, or None
+
+    @property
+    def backend(self) -> str: ...
+
+    def draft_model(self) -> Any:
+        """The draft model; a ConfigError naming the flag when there is none."""
+        ...
+
+    def make_drafter(self, spec: "SpecConfig") -> Any: ...  # a composite's parts (auto's arms, hybrid's)
+    def shared(self, key: tuple, make: Callable[[], Any], limit: int | None = ...) -> Any: ...
+    def head(self, spec: "SpecConfig") -> Any: ...  # a trained head (models/heads.py), loaded once
+    def layer_view(self, keep) -> Any: ...  # the target's layers ``keep`` as a draft (models/views.py)
+    def skip_config(self, path: str) -> tuple[int, ...]: ...
+    def datastore(self, path: str) -> Any: ...  # a suffix datastore (drafters/datastore.py)
+    def served_outputs(self) -> Any: ...  # the store of recent outputs (online learning), or None
+    def recycle_table(self, top_k: int) -> Any: ...  # Token Recycling's adjacency table
+    def vocab_bridge(self) -> Any: ...  # the draft's and the target's tokenizers side by side, or None
+    def autotune_file(self, path) -> dict: ...
+    def arm_memory(self, spec: "SpecConfig") -> Any: ...  # auto's per-arm measurements for ``spec``
+    def observed_costs(self) -> Any: ...
+    def cost_curve(self, n_max: int) -> dict[int, float]: ...  # seconds to score n tokens (target)
+    def draft_cost_curve(self, n_max: int) -> dict[int, float]: ...
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """How each built-in method's drafter is made.
 
 The method table (core/methods.py ``REGISTRY``) names these functions (``Method.make``, ``Method.load_resource``:
-"specdraft.drafters.factories:NAME"); each is ``(decoder, spec) -> a drafter`` (or the shared resource its
+"specdraft.drafters.factories:NAME"); each is ``(decoder: DraftContext, spec) -> a drafter`` (or the shared resource its
 drafter reads) and imports its drafter lazily, so importing this module stays cheap. Where a method can
 run is drafters/runs_on.py's.
 """
@@ -14,16 +14,17 @@ import json
 from ..core.config import SpecConfig
 from ..core.errors import ConfigError
 from ..core.methods import Retrieval
+from .base import DraftContext
 
 
 # --- the factories --------------------------------------------------------------------------------------
-def plain(dec, spec):
+def plain(dec: DraftContext, spec: SpecConfig):
     from .base import NoDrafter
 
     return NoDrafter()
 
 
-def _model_drafter(draft, dec, spec):
+def _model_drafter(draft, dec: DraftContext, spec: SpecConfig):
     """A chain or token tree drafted by a model (a draft model or a view of the target's layers)."""
     if spec.tree == "chain":
         from .draft_model import DraftModelDrafter
@@ -39,7 +40,7 @@ def _model_drafter(draft, dec, spec):
     return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
 
 
-def draft_model(dec, spec):
+def draft_model(dec: DraftContext, spec: SpecConfig):
     bridge = dec.vocab_bridge()
     if bridge is None:
         return _model_drafter(dec.draft_model(), dec, spec)
@@ -54,7 +55,7 @@ def draft_model(dec, spec):
     return CrossVocabDrafter(dec.draft, bridge, spec, dec.target.vocab_size)
 
 
-def first_layers(dec, spec):
+def first_layers(dec: DraftContext, spec: SpecConfig):
     n = dec.target.num_layers
     exit_layer = spec.params.exit_layer
     if exit_layer >= n:
@@ -62,32 +63,32 @@ def first_layers(dec, spec):
     return dec.layer_view(range(exit_layer))
 
 
-def kept_layers(dec, spec):
+def kept_layers(dec: DraftContext, spec: SpecConfig):
     from ..models.views import skip_to_keep
 
-    skip = spec.params.skip_layers or dec.skip_config(spec.params.skip_config)
+    skip = list(spec.params.skip_layers or dec.skip_config(spec.params.skip_config))
     return dec.layer_view(skip_to_keep(dec.target.num_layers, skip))
 
 
-def early_exit(dec, spec):
+def early_exit(dec: DraftContext, spec: SpecConfig):
     return _model_drafter(first_layers(dec, spec), dec, spec)
 
 
-def layer_skip(dec, spec):
+def layer_skip(dec: DraftContext, spec: SpecConfig):
     return _model_drafter(kept_layers(dec, spec), dec, spec)
 
 
-def head(dec, spec):
+def head(dec: DraftContext, spec: SpecConfig):
     return dec.head(spec)
 
 
-def prompt_lookup(dec, spec):
+def prompt_lookup(dec: DraftContext, spec: SpecConfig):
     from .prompt_lookup import PromptLookupDrafter
 
     return PromptLookupDrafter(spec)
 
 
-def suffix(dec, spec):
+def suffix(dec: DraftContext, spec: SpecConfig):
     from .suffix import SuffixDrafter
 
     served = dec.served_outputs()  # on a decoder that learns online: the outputs it served lately
@@ -95,19 +96,19 @@ def suffix(dec, spec):
     return SuffixDrafter(spec, dec.datastore(store) if store else None, None if served is None else served.snapshot())
 
 
-def token_recycling(dec, spec):
+def token_recycling(dec: DraftContext, spec: SpecConfig):
     from .token_recycling import TokenRecyclingDrafter
 
     return TokenRecyclingDrafter(spec, dec.target.vocab_size, dec.recycle_table(max(spec.params.recycle_branching)))
 
 
-def lookahead(dec, spec):
+def lookahead(dec: DraftContext, spec: SpecConfig):
     from .lookahead import LookaheadDrafter
 
     return LookaheadDrafter(spec)
 
 
-def hybrid(dec, spec):
+def hybrid(dec: DraftContext, spec: SpecConfig):
     from .hybrid import HybridDrafter
 
     p = spec.params
@@ -121,7 +122,7 @@ def retrieval_spec(spec: SpecConfig) -> SpecConfig:
     return SpecConfig(method="suffix", k=p.retrieval_k, max_k=max(p.retrieval_k, 16), **kept).validate()
 
 
-def remote_draft(dec, spec):
+def remote_draft(dec: DraftContext, spec: SpecConfig):
     from .remote_draft import RemoteDraft, RemoteDraftDrafter
 
     draft = dec.draft_model()
@@ -137,25 +138,25 @@ def remote_draft(dec, spec):
     return RemoteDraftDrafter(dec.shared(key, lambda: RemoteDraft(source, p, dec.target.vocab_size)), spec)
 
 
-def auto(dec, spec):
+def auto(dec: DraftContext, spec: SpecConfig):
     from .arms import build_auto
 
     return build_auto(dec, spec)
 
 
-def medusa(dec, spec):
+def medusa(dec: DraftContext, spec: SpecConfig):
     from .medusa import MedusaDrafter
 
     return MedusaDrafter(dec.target, dec.head(spec), spec)
 
 
-def eagle(dec, spec):
+def eagle(dec: DraftContext, spec: SpecConfig):
     from .eagle import EagleDrafter
 
     return EagleDrafter(dec.target, dec.head(spec), spec)
 
 
-def eagle3(dec, spec):
+def eagle3(dec: DraftContext, spec: SpecConfig):
     from .eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(dec.target, dec.head(spec), spec)
