@@ -100,10 +100,11 @@ def test_speculation_caches_exactly_what_plain_decoding_caches(pair):
     for name, spec in [("plain", METHODS[0]), ("draft_model", METHODS[3]), ("tree", METHODS[2])]:
         dec = SpecDecoder(target, draft)
         turns = conversation(dec, spec)
+        hits[name] = dec.prefix_cache.stats.hit_tokens  # the prompts' (a draft model's rows look up uncounted)
+        assert hits[name] == sum(cached for _, _, cached in turns)
         steps = dec.generate(turns[-1][0], SamplingParams(max_new_tokens=8, ignore_eos=True), spec).stats.steps
         if name != "plain":
             assert any(s.accepted < s.drafted for s in steps)  # not vacuous: drafts were rejected
-        hits[name] = dec.prefix_cache.stats.hit_tokens
         held[name] = dec.prefix_cache.entries()
         prompt, output, _ = turns[-1]
         full = prompt + output
@@ -246,3 +247,26 @@ def test_a_real_model_in_float32_decodes_exactly_as_cold(smol_f32):
     from backend_util import check_conversation_after_hits
 
     assert check_conversation_after_hits(smol_f32, METHODS[1], "hf float32", n=32) == []
+
+
+def test_a_draft_models_rows_start_from_their_own_cached_prefix(pair):
+    """The draft model's rows leave what they computed under the draft's own partition and a later turn's
+    draft rows start from it (the draft model prefills only what is new too); outputs stay a cold run's."""
+    target, draft = pair
+    dec = SpecDecoder(target, draft)
+    turns = conversation(dec, METHODS[3])
+    held = dec.prefix_cache.entries((None, "draft", draft))
+    assert held and max(map(len, held)) >= len(turns[-1][0])
+    looked = []
+    real = dec.prefix_cache.lookup
+
+    def spy(tokens, partition=None, counted=True):
+        out = real(tokens, partition, counted)
+        looked.append((partition, None if out is None else out[1]))
+        return out
+
+    dec.prefix_cache.lookup = spy
+    prompt = turns[-1][0] + turns[-1][1] + [4, 4]
+    dec.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True), METHODS[3])
+    draft_hits = [m for p, m in looked if p == (None, "draft", draft)]
+    assert draft_hits and draft_hits[0] >= len(turns[-1][0])

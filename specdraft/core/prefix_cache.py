@@ -62,13 +62,15 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.stats = PrefixCacheStats()
 
-    def lookup(self, tokens: Sequence[int], partition: Hashable = None) -> tuple[Any, int] | None:
+    def lookup(self, tokens: Sequence[int], partition: Hashable = None, counted: bool = True) -> tuple[Any, int] | None:
         """(saved, m): the entry of ``partition`` sharing the longest prefix with ``tokens`` and that prefix's
-        length m >= 1; None when none shares a token."""
+        length m >= 1; None when none shares a token. ``counted``: in ``stats`` (the requests' prompts; a
+        draft model's rows look up uncounted, so the hit rate is the prompts')."""
         t = np.asarray(tokens, np.int64)
         with self._lock:
-            self.stats.lookups += 1
-            self.stats.looked_up_tokens += len(t)
+            if counted:
+                self.stats.lookups += 1
+                self.stats.looked_up_tokens += len(t)
             best, m = None, 0
             for key, e in self._entries.items():
                 if key[0] == partition:
@@ -78,8 +80,9 @@ class PrefixCache:
             if best is None:
                 return None
             self._entries.move_to_end(best)
-            self.stats.hits += 1
-            self.stats.hit_tokens += m
+            if counted:
+                self.stats.hits += 1
+                self.stats.hit_tokens += m
             return self._entries[best].saved, m
 
     def insert(self, tokens: Sequence[int], saved: Saved, partition: Hashable = None) -> None:

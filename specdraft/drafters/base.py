@@ -36,6 +36,7 @@ class DraftContext(Protocol):
 
     target: Any  # the target (models/base.py TargetModel)
     draft: Any  # the draft model, or None
+    prefix_cache: Any  # core/prefix_cache.PrefixCache, or None: draft models' rows share it with the target's
 
     @property
     def backend(self) -> str: ...

@@ -44,24 +44,28 @@ class DraftModelDrafter(Drafter):
 
     name = "draft_model"
 
-    def __init__(self, model, spec: SpecConfig, target_vocab: int):
+    def __init__(self, model, spec: SpecConfig, target_vocab: int, prefix_cache=None):
+        """``prefix_cache`` (core/prefix_cache.py, the decoder's): the draft's rows start from what earlier
+        requests' draft rows computed, and leave theirs there."""
         self.model = model  # a TargetModel (models/base.py) of the draft
         self.spec = spec
         self.target_vocab = target_vocab
+        self.prefix_cache = prefix_cache
         self.group_key = ("draft_model", id(getattr(model, "model", model)))
 
     def new_group(self) -> "DraftModelGroup":
-        return DraftModelGroup(self.model, self.target_vocab)
+        return DraftModelGroup(self.model, self.target_vocab, self.prefix_cache)
 
     def max_draft_depth(self) -> int:
         return self.spec.k
 
 
 class DraftModelGroup:
-    def __init__(self, draft, target_vocab: int):
+    def __init__(self, draft, target_vocab: int, prefix_cache=None):
         self.target_vocab = target_vocab
         self.draft = draft
         self.kv = draft.new_rows()
+        self.cache = prefix_cache if draft.capabilities.prefixes else None
         self.members: list = []  # engine Requests, in kv row order
         self._base: dict[int, int] = {}  # id(row) -> context length at the last propose
         self._drafted: dict[int, list[int]] = {}  # id(row) -> its last draft
@@ -74,11 +78,27 @@ class DraftModelGroup:
         src = prefix_from[0] if prefix_from is not None else None
         if src is not None and getattr(self.draft, "prefill_twin", None) is getattr(src, "model", None):
             self.kv.adopt_rows(src, prefix_from[1])
-        else:
-            self.kv.add_rows([[] for _ in rows])
+        else:  # empty rows (they catch up at their first propose), or starting from a cached prefix
+            start = [self._cached(r) for r in rows]
+            held = [list(r.tokens[: s[1]]) if s is not None else [] for r, s in zip(rows, start)]
+            self.kv.add_rows(held, **({"start": start} if any(s is not None for s in start) else {}))
         self.members.extend(rows)
 
+    def _partition(self, row):
+        return (row.partition, "draft", self.draft)  # (the draft's own entries, apart from the target's)
+
+    def _cached(self, row):
+        """(saved, m): the longest prefix of the row's prompt this draft computed for an earlier request of the
+        row's tenant; None for a seeded sampling row (its draft's numerics must be those of decoding alone)."""
+        if self.cache is None or row.seeded_sampling:
+            return None
+        return self.cache.lookup(row.tokens[:-1], self._partition(row), counted=False)
+
     def leave(self, rows) -> None:
+        for r in rows:  # what their draft rows computed stays for the tenant's next request (not a failed row's)
+            if self.cache is not None and r in self.members and r.error is None and r.finish != "error":
+                saved = self.kv.save_prefix(self.members.index(r))
+                self.cache.insert(r.tokens[: saved.n], saved, self._partition(r))
         idx = [self.members.index(r) for r in rows if r in self.members]
         self.kv.remove_rows(idx)
         drop = set(idx)

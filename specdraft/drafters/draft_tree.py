@@ -27,8 +27,8 @@ class DraftTreeDrafter(DraftModelDrafter):
 
     name = "draft_tree"
 
-    def __init__(self, model, spec: SpecConfig, target_vocab: int):
-        super().__init__(model, spec, target_vocab)
+    def __init__(self, model, spec: SpecConfig, target_vocab: int, prefix_cache=None):
+        super().__init__(model, spec, target_vocab, prefix_cache)
         self.shape = spec_shape(spec)  # what its group grows for this row each step
 
     def max_draft_depth(self) -> int:

@@ -29,7 +29,7 @@ def _model_drafter(draft, dec: DraftContext, spec: SpecConfig):
     if spec.tree == "chain":
         from .draft_model import DraftModelDrafter
 
-        return DraftModelDrafter(draft, spec, dec.target.vocab_size)
+        return DraftModelDrafter(draft, spec, dec.target.vocab_size, dec.prefix_cache)
     for m in (draft, dec.target):
         if not m.capabilities.trees:
             raise ConfigError(
@@ -37,7 +37,7 @@ def _model_drafter(draft, dec: DraftContext, spec: SpecConfig):
             )
     from .draft_tree import DraftTreeDrafter
 
-    return DraftTreeDrafter(draft, spec, dec.target.vocab_size)  # drafts through the draft model's rows group
+    return DraftTreeDrafter(draft, spec, dec.target.vocab_size, dec.prefix_cache)  # (the draft model's group)
 
 
 def draft_model(dec: DraftContext, spec: SpecConfig):
