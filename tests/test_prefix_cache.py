@@ -20,6 +20,7 @@ METHODS = [
     {"method": "prompt_lookup", "k": 3, "min_ngram": 1, "max_ngram": 2, "branches": 3},  # a token tree
     {"method": "draft_model", "k": 3},
     {"method": "suffix"},
+    {"method": "layer_skip", "skip_layers": [0], "k": 3},  # a view of the target's layers drafts: its own entries
 ]
 
 
@@ -270,3 +271,12 @@ def test_a_draft_models_rows_start_from_their_own_cached_prefix(pair):
     dec.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True), METHODS[3])
     draft_hits = [m for p, m in looked if p == (None, "draft", draft)]
     assert draft_hits and draft_hits[0] >= len(turns[-1][0])
+
+
+def test_a_layer_view_skipping_a_middle_layer_starts_from_its_own_prefix():
+    """A view of layers 0 and 2 of a 3-layer target (layer_skip) caches and loads exactly the layers it has."""
+    target = tiny_llama(vocab=V, layers=3)
+    spec = {"method": "layer_skip", "skip_layers": [1], "k": 3}
+    warm, cold = SpecDecoder(target), SpecDecoder(target, prefix_cache_mb=0)
+    for prompt, output, cached in conversation(warm, spec):
+        assert output == cold.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True), spec).token_ids

@@ -285,9 +285,11 @@ class HFRows:
         dev = self.model.device
         layers = [s[0].data if s is not None else None for s in start]
         ref = next(x for x in layers if x is not None)
-        for li, (k_ref, _) in enumerate(ref):
-            H, D = k_ref.shape[0], k_ref.shape[2]
-            k = k_ref.new_zeros(len(m), H, M, D, device=dev)
+        for li, pair in enumerate(ref):
+            if pair is None:  # a layer this model skips (a layer view): its cache stays empty
+                continue
+            H, D = pair[0].shape[0], pair[0].shape[2]
+            k = pair[0].new_zeros(len(m), H, M, D, device=dev)
             v = k.clone()
             for i, (saved, n) in enumerate(zip(layers, m)):
                 if saved is not None and n:
@@ -296,16 +298,15 @@ class HFRows:
 
     @torch.inference_mode()
     def save_prefix(self, r: int) -> SavedPrefix:
-        """Row r's committed tokens' keys and values, copied: per layer ([kv heads, n, head dim] x 2)."""
+        """Row r's committed tokens' keys and values, copied: per layer ([kv heads, n, head dim] x 2; None for a
+        layer whose cache is empty: one a layer view skips)."""
         sel = self.valid[r].nonzero().flatten()[: self.lens[r]]
-        layers = []
+        layers: list = []
         for layer in self._layers():
             kv = _kv(layer)
-            if kv is None:
-                break
-            layers.append(tuple(x[r][:, sel.to(x.device)].clone() for x in kv))
-        n = self.lens[r] if layers else 0
-        nbytes = sum(x.numel() * x.element_size() for kv in layers for x in kv)
+            layers.append(None if kv is None else tuple(x[r][:, sel.to(x.device)].clone() for x in kv))
+        n = self.lens[r] if any(kv is not None for kv in layers) else 0
+        nbytes = sum(x.numel() * x.element_size() for kv in layers if kv is not None for x in kv)
         return SavedPrefix("hf", n, nbytes, layers)
 
     @torch.inference_mode()
