@@ -278,5 +278,6 @@ def test_a_layer_view_skipping_a_middle_layer_starts_from_its_own_prefix():
     target = tiny_llama(vocab=V, layers=3)
     spec = {"method": "layer_skip", "skip_layers": [1], "k": 3}
     warm, cold = SpecDecoder(target), SpecDecoder(target, prefix_cache_mb=0)
-    for prompt, output, cached in conversation(warm, spec):
+    for turn, (prompt, output, cached) in enumerate(conversation(warm, spec)):
+        assert (cached > 0) == (turn > 0)
         assert output == cold.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True), spec).token_ids
