@@ -109,6 +109,32 @@ def test_router_fewest_running():
     assert r.stats() == {"running": 3, "waiting": 0}
 
 
+def test_router_sends_a_conversation_to_the_replica_holding_its_history():
+    """A later turn goes to the replica that served the earlier one (its prefix cache holds the history) while
+    that one is at most one request busier than the least busy; another tenant's turn does not follow it."""
+    from specdraft.server.front import history_of
+
+    r = Router(["a", "b"])
+    sys_msg = {"role": "system", "content": "You are a careful assistant who answers in full sentences. " * 2}
+    turn1 = {"messages": [sys_msg, {"role": "user", "content": "hi"}]}
+    turn2 = {
+        "messages": turn1["messages"] + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    }
+    other = {"messages": [{"role": "user", "content": "a different conversation altogether, long enough " * 3}]}
+    h = [history_of(json.dumps(b).encode()) for b in (turn1, turn2, other)]
+    assert h[1].startswith(h[0]) and not h[2].startswith(h[0][:64])
+    first = r.acquire(h[0], "alice")
+    r.release(first)
+    r.acquire(h[2], "alice")  # busies the other replica... or the same: round robin takes the next one
+    assert r.acquire(h[1], "alice") == first  # at most one busier: the history wins
+    assert r.acquire(h[1], "bob") == 1 - first  # bob has no history there: round robin among the least busy
+    r.acquire(h[2], "carol")  # now replica `first` holds 1 request, the other 2
+    assert r.acquire(h[1] + b"{}\n", "alice") == first
+    r.running[first] += 2  # the history's replica far busier than the other: load wins
+    assert r.acquire(h[1] + b"{}\n{}\n", "alice") == 1 - first
+    assert history_of(b"not json") is None and history_of(b'{"x": 1}') is None
+
+
 def test_merge_metrics_labels_each_replica():
     text = '# HELP x_total help\n# TYPE x_total counter\nx_total{a="1"} 2.0\n'
     fams = list(text_string_to_metric_families(merge_metrics([text, text])))

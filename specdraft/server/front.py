@@ -9,6 +9,7 @@ unchanged. /metrics merges every replica's metrics with a ``replica`` label; /he
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 
 import httpx
@@ -33,19 +34,45 @@ from .protocol import RequestError
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
 
 
-class Router:
-    """Picks a replica for each request: the fewest running (ties: round robin); counts per replica."""
+class _Routed:
+    """A history the front sent to a replica (a prefix cache entry without keys and values)."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, n: int, replica: int):
+        self.n, self.nbytes, self.replica = n, 8 * n, replica  # (held as int64 tokens)
+
+
+class Router:
+    """Picks a replica for each request: the one that served the longest prefix of its history (its prefix
+    cache holds it) unless that one is busier than the least busy by more than ``SLACK`` requests; else the
+    fewest running (ties: round robin). Counts per replica."""
+
+    SLACK = 1
+    MIN_SHARED = 64  # bytes of history in common that make a replica worth choosing (a system prompt or more)
+
+    def __init__(self, urls: list[str], history_bytes: int = 64 << 20):
+        from ..core.prefix_cache import PrefixCache
+
         self.urls = urls
         self.running = [0] * len(urls)
         self.routed = [0] * len(urls)
         self.last = -1
+        self.histories = PrefixCache(history_bytes)  # histories' bytes -> the replica that served them
 
-    def acquire(self) -> int:
-        """Among the least busy, the first after the last one chosen (so idle replicas take turns)."""
+    def acquire(self, history: bytes | None = None, tenant=None) -> int:
+        """``history``: the request's conversation as bytes (``history_of``), ``tenant``: whose it is (the
+        replicas' caches are per tenant too)."""
         n = len(self.urls)
-        i = min(range(n), key=lambda j: (self.running[j], (j - self.last - 1) % n))
+        least = min(range(n), key=lambda j: (self.running[j], (j - self.last - 1) % n))
+        i = least
+        if history:
+            hit = self.histories.lookup(list(history), tenant)
+            if (
+                hit is not None
+                and hit[1] >= self.MIN_SHARED
+                and self.running[hit[0].replica] <= self.running[least] + self.SLACK
+            ):
+                i = hit[0].replica
+            self.histories.insert(list(history), _Routed(len(history), i), tenant)
         self.last = i
         self.running[i] += 1
         self.routed[i] += 1
@@ -149,6 +176,29 @@ def create_front(
     return app
 
 
+def history_of(body: bytes) -> bytes | None:
+    """A generation request's conversation as bytes whose prefixes are its earlier turns' (each message, or
+    the prompt, serialized on its own), or None for any other body."""
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    parts = d.get("messages") if isinstance(d.get("messages"), list) else [d.get("prompt")]
+    if parts == [None]:
+        return None
+    return b"".join(json.dumps(p, sort_keys=True).encode() + b"\n" for p in parts)
+
+
+def _salt(body: bytes):
+    try:
+        d = json.loads(body)
+        return d.get("cache_salt") if isinstance(d, dict) else None
+    except ValueError:
+        return None
+
+
 async def relay(request: Request):
     """The request to the least busy replica; its response relayed as it arrives."""
     front = request.app.state.front
@@ -157,7 +207,7 @@ async def relay(request: Request):
         content = await read_body(request, front.max_body_bytes)
     except RequestError as e:
         return JSONResponse(e.body(), status_code=e.status)
-    i = router.acquire()
+    i = router.acquire(history_of(content), (request.headers.get("authorization"), _salt(content)))
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     try:
         up = await client.send(
