@@ -125,13 +125,9 @@ class LlamaCppMethod:
 
     def _common(self, ids: list[int]) -> int:
         """The prompt tokens llama-cpp-python will take from its cache (its own longest-prefix rule)."""
-        held = list(self.llm._input_ids[: self.llm.n_tokens])
-        n = 0
-        for a, b in zip(held, ids[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+        from ..drafters.base import common_prefix
+
+        return common_prefix(list(self.llm._input_ids[: self.llm.n_tokens]), ids[:-1])
 
 
 def make_methods(opts: MultiturnOptions, dec, threads: int) -> list:
