@@ -391,30 +391,3 @@ def test_device_cpu_named_works(tiny_dir, capsys):
         )
         == 0
     )
-
-
-@pytest.mark.slow
-def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
-    """scripts/gpu_check.py --smoke: every section on the CPU with tiny settings (SmolLM2), its report written."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "SPECDRAFT_THREADS": "1", "OUT": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--smoke"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["ok"] and report["environment"]["device"] == "cpu" and report["environment"]["date"]
-    assert set(report["sections"]) == {"identity smollm2-135m float32", "sampling", "bench"}
-    assert set(report["sections"]["bench"]["methods"]) == {"plain", "draft_model", "suffix"}
-    assert "## bench: ok" in (tmp_path / "gpu_check.md").read_text()
