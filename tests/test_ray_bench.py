@@ -146,7 +146,7 @@ def test_bench_sharded_equals_unsharded(ray_local, dataset, local_doc, tmp_path,
     assert {r["worker"] for r in doc["records"]} == {"w0", "w1"}
     for r in doc["records"]:
         info = doc["workers"][r["worker"]]
-        assert r["node"] == {k: info[k] for k in ("host", "cpu", "cores")} and info["threads"] == 1
+        assert r["node"] == {k: info[k] for k in ("host", "address", "cpu", "cores")} and info["threads"] == 1
         assert r["method"] == "plain" or r["exact"] is True
     by_prompt = {}
     for r in doc["records"]:  # every method of a prompt ran on one worker

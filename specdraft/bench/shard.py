@@ -62,7 +62,7 @@ def run_sharded(plan, doc: dict, out: Path) -> None:
         workers[wid] = info
     print(
         f"bench on Ray: {len(jobs)} prompt(s) over {n} worker(s): "
-        + ", ".join(f"{w} on {i['host']}" for w, i in infos.items()),
+        + ", ".join(f"{w} on {i['host']} ({i['address']})" for w, i in infos.items()),
         file=sys.stderr,
     )
 
@@ -73,7 +73,7 @@ def run_sharded(plan, doc: dict, out: Path) -> None:
     bar = tqdm(total=len(jobs), desc="bench (ray)", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     try:
         for wid, recs in cluster.drain(ray, actors, False, submit, jobs):
-            node = {k: workers[wid][k] for k in ("host", "cpu", "cores")}
+            node = {k: workers[wid][k] for k in ("host", "address", "cpu", "cores")}
             doc["records"] += [{**rec, "worker": wid, "node": node} for rec in recs]
             _save(out, doc)
             bar.update(1)

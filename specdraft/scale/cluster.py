@@ -45,7 +45,9 @@ def node_info() -> dict:
     """Where this process runs: recorded with every result a Ray worker produces."""
     from ..models.cost_curve import cpu_name
 
-    return {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count()}
+    ray = require_ray()
+    address = ray.util.get_node_ip_address() if ray.is_initialized() else None  # hosts may share a name
+    return {"host": platform.node(), "address": address, "cpu": cpu_name(), "cores": os.cpu_count()}
 
 
 def cluster_cpus() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -55,6 +56,7 @@ class Router:
         self.urls = urls
         self.running = [0] * len(urls)
         self.routed = [0] * len(urls)
+        self.down: set[int] = set()  # replicas that did not answer (their node lost); /health probes them again
         self.last = -1
         self.histories = PrefixCache(history_bytes)  # histories' bytes -> the replica that served them
 
@@ -62,12 +64,14 @@ class Router:
         """``history``: the request's conversation as bytes (``history_of``), ``tenant``: whose it is (the
         replicas' caches are per tenant too)."""
         n = len(self.urls)
-        least = min(range(n), key=lambda j: (self.running[j], (j - self.last - 1) % n))
+        up = [j for j in range(n) if j not in self.down] or list(range(n))
+        least = min(up, key=lambda j: (self.running[j], (j - self.last - 1) % n))
         i = least
         if history:
             hit = self.histories.lookup(list(history), tenant)
             if (
                 hit is not None
+                and hit[0].replica not in self.down
                 and hit[1] >= self.MIN_SHARED
                 and self.running[hit[0].replica] <= self.running[least] + self.SLACK
             ):
@@ -207,21 +211,38 @@ async def relay(request: Request):
         content = await read_body(request, front.max_body_bytes)
     except RequestError as e:
         return JSONResponse(e.body(), status_code=e.status)
-    i = router.acquire(history_of(content), (request.headers.get("authorization"), _salt(content)))
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-    try:
-        up = await client.send(
-            client.build_request(request.method, front.urls[i] + request.url.path, headers=headers, content=content),
-            stream=True,
-        )
-    except httpx.HTTPError as e:
-        router.release(i)
-        return _unavailable(f"replica {i} did not answer: {type(e).__name__}")
+    history, tenant = history_of(content), (request.headers.get("authorization"), _salt(content))
+    for _ in front.urls:  # a replica that cannot be reached has not seen the request: the next one takes it
+        i = router.acquire(history, tenant)
+        try:
+            up = await client.send(
+                client.build_request(
+                    request.method, front.urls[i] + request.url.path, headers=headers, content=content
+                ),
+                stream=True,
+            )
+            break
+        except httpx.HTTPError as e:
+            router.release(i)
+            router.down.add(i)
+            failure = f"replica {i} did not answer: {type(e).__name__}"
+    else:
+        return _unavailable(failure)
 
     async def body():
         try:
             async for chunk in up.aiter_raw():
                 yield chunk
+        except httpx.HTTPError as e:  # the replica (its node) was lost mid-answer: an error event ends the stream
+            router.down.add(i)
+            lost = RequestError(
+                f"replica {i} was lost mid-answer ({type(e).__name__}); retry the request",
+                status=503,
+                type="server_error",
+                code="replica_unavailable",
+            )
+            yield f"data: {json.dumps(lost.body())}\n\ndata: [DONE]\n\n".encode()
         finally:  # the client left or the replica finished: either way the replica's slot is free
             await up.aclose()
             router.release(i)
@@ -239,12 +260,14 @@ async def front_health(request: Request):
         {
             "replica": i,
             "url": u,
+            "node": urlsplit(u).hostname,
             "running": router.running[i],
             "routed": router.routed[i],
             **(r.json() if r is not None and r.status_code == 200 else {"status": "unreachable"}),
         }
         for i, (u, r) in enumerate(zip(front.urls, answers))
     ]
+    router.down = {r["replica"] for r in replicas if r["status"] == "unreachable"}
     ok = all(r["status"] == "ok" for r in replicas)
     body = {"status": "ok" if ok else "degraded"}
     if health_details(request, front.api_key):  # replica addresses and loads: the key's holders only

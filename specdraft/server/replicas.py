@@ -80,7 +80,8 @@ def start_replicas(models, settings, opts: ReplicaOptions, method_defaulted: boo
     )
     cpus = opts.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // opts.replicas)
     models = replace(models, threads=models.threads or cpus)
-    actor = ray.remote(num_cpus=cpus)(ReplicaServer)
+    # on a cluster, one replica per node as far as they go (Ray's SPREAD), so a lost node takes one replica
+    actor = ray.remote(num_cpus=cpus, scheduling_strategy="DEFAULT" if local else "SPREAD")(ReplicaServer)
     handles = [actor.remote(models, settings, method_defaulted, local) for _ in range(opts.replicas)]
     try:
         urls = ray.get([h.url.remote() for h in handles])

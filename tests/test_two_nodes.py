@@ -1,0 +1,214 @@
+"""A Ray cluster of two nodes on distinct addresses (tests/two_nodes_util.py: two network namespaces on this
+machine, one CPU each): the cluster itself, serve --replicas with one replica per node, bench --ray sharded
+across the nodes, and node B lost while it streams. SmolLM2-135M in float32, greedy."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from two_nodes_util import ADDRESS, HEAD, WORKER, Cluster, cluster_env, two_nodes, why_not
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.long
+REASON = why_not()
+if REASON:
+    pytest.skip(f"two Ray nodes need two network namespaces: {REASON}", allow_module_level=True)
+
+KEY = "two-nodes-key"
+PORT = 8791
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at", "The quick brown fox"]
+N = 10
+
+# A client run in node A's namespace: each request of argv[1] (JSON: [{path, body, key}]) at once, through
+# argv[2]; prints one JSON line per request: status, replica, text, the error event if a stream carried one.
+CLIENT = r"""
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+import httpx
+
+def one(req):
+    headers = {"Authorization": "Bearer " + req["key"]} if req.get("key") else {}
+    out = {"text": "", "error": None}
+    with httpx.stream("POST", sys.argv[2] + req["path"], json=req["body"], headers=headers, timeout=300) as r:
+        out.update(status=r.status_code, replica=r.headers.get("x-specdraft-replica"))
+        if not req["body"].get("stream"):
+            body = json.loads(r.read())
+            out["text"] = body["choices"][0]["text"] if r.status_code == 200 else None
+            out["error"] = body.get("error")
+            return out
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                else:
+                    out["text"] += event["choices"][0]["text"]
+                    print("chunk", file=sys.stderr, flush=True)
+    return out
+
+reqs = json.loads(sys.argv[1])
+with ThreadPoolExecutor(len(reqs)) as pool:
+    for res in pool.map(one, reqs):
+        print(json.dumps(res), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with two_nodes(tmp_path_factory.mktemp("two_nodes")) as c:
+        yield c
+
+
+def test_two_nodes_alive_on_distinct_addresses(cluster):
+    nodes = cluster.nodes()
+    assert sorted(n["address"] for n in nodes if n["alive"]) == [HEAD, WORKER]
+
+
+def test_a_node_that_cannot_join_fails_the_cluster(tmp_path):
+    """The fixture fails (and leaves nothing behind) when the second node does not join."""
+    c = Cluster(cluster_env(tmp_path, "x", TWO_NODES_JOIN="198.18.0.9", TWO_NODES_JOIN_TIMEOUT="5"))
+    done = c.script("up", check=False)
+    assert done.returncode != 0 and "node B did not join" in done.stderr
+    assert not (tmp_path / "cluster").exists()
+
+
+def test_bench_sharded_across_two_nodes_equals_one_node(cluster, tmp_path):
+    """(Before the replicas start: they hold both nodes' CPUs.)"""
+    dataset = tmp_path / "q.jsonl"
+    dataset.write_text(
+        "".join(
+            json.dumps({"question_id": f"p{i}", "category": "qa", "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)
+        )
+    )
+    args = ["--target", "smollm2-135m", "--dtype", "float32", "--dataset", str(dataset), "--max-new-tokens", "8"]
+    args += ["--methods", "plain,prompt_lookup", "--threads", "1", "--no-plots"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    cluster.run("A", sys.executable, "-m", "specdraft.cli", "bench", *args, "--out", str(one))
+    cluster.run(
+        "A",
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        "bench",
+        *args,
+        "--out",
+        str(two),
+        f"--ray={ADDRESS}",
+        "--ray-workers",
+        "2",
+        "--ray-worker-cpus",
+        "1",
+    )
+    tokens = lambda p: {(r["prompt_id"], r["method"]): r["token_ids"] for r in json.loads(p.read_text())["records"]}  # noqa: E731
+    assert tokens(two) == tokens(one) and len(tokens(one)) == 2 * len(PROMPTS)
+    hosts = {r.get("node", {}).get("address") for r in json.loads(two.read_text())["records"]}
+    assert hosts >= {HEAD, WORKER}, hosts
+
+
+def request(prompt: str, stream: bool = False, max_tokens: int = N, key: str | None = KEY) -> dict:
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    return {"path": "/v1/completions", "body": body, "key": key}
+
+
+def send(cluster: Cluster, url: str, reqs: list[dict]) -> list[dict]:
+    out = cluster.python("A", CLIENT, json.dumps(reqs), url)
+    return [json.loads(line) for line in out.strip().splitlines()]
+
+
+def health(cluster: Cluster, url: str) -> dict:
+    code = "import httpx, sys; print(httpx.get(sys.argv[1] + '/health', headers={'Authorization': 'Bearer %s'}).text)"
+    return json.loads(cluster.python("A", code % KEY, url))
+
+
+@pytest.fixture(scope="module")
+def served(cluster):
+    """serve --replicas 2 on the cluster, its front on node A."""
+    proc = cluster.popen(
+        "A",
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        "serve",
+        "--target",
+        "smollm2-135m",
+        "--backend",
+        "hf",
+        "--dtype",
+        "float32",
+        "--replicas",
+        "2",
+        "--ray-address",
+        ADDRESS,
+        "--api-key",
+        KEY,
+        "--host",
+        HEAD,
+        "--port",
+        str(PORT),
+    )
+    url = f"http://{HEAD}:{PORT}"
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, "serve exited"
+            try:
+                if health(cluster, url)["status"] == "ok":
+                    break
+            except (AssertionError, ValueError):
+                pass
+            assert time.time() - t0 < 180, "the replicas did not start within 180 s"
+            time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_replicas_one_per_node_answer_as_one_engine(cluster, served, smol_f32):
+    from specdraft.api import SpecDecoder
+
+    h = health(cluster, served)
+    assert h["status"] == "ok" and sorted(r["node"] for r in h["replicas"]) == [HEAD, WORKER]
+    ref = SpecDecoder(smol_f32)
+    want = [ref.generate(p, sampling={"max_new_tokens": N}, spec={"method": "plain"}).text for p in PROMPTS]
+    got = send(cluster, served, [request(p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)])
+    assert [g["text"] for g in got] == want
+    assert {g["replica"] for g in got} == {"0", "1"}  # both nodes answered
+    # the key is enforced at the front and at each replica reached directly
+    assert send(cluster, served, [request(PROMPTS[0], key=None)])[0]["status"] == 401
+    for r in h["replicas"]:
+        assert send(cluster, r["url"], [request(PROMPTS[0], key=None)])[0]["status"] == 401
+
+
+def test_node_lost_mid_stream(cluster, served):
+    """Node B's Ray stopped while both replicas stream: B's request ends with an OpenAI error event, A's
+    completes, /health says degraded and names B's replica, and the front keeps answering from A."""
+    client = cluster.popen(
+        "A",
+        sys.executable,
+        "-c",
+        CLIENT,
+        json.dumps(
+            [request(PROMPTS[0], stream=True, max_tokens=200), request(PROMPTS[1], stream=True, max_tokens=200)]
+        ),
+        served,
+        stdout=__import__("subprocess").PIPE,
+        stderr=__import__("subprocess").PIPE,
+    )
+    for _ in range(4):  # both streams under way
+        assert client.stderr.readline().strip() == "chunk"
+    cluster.script("stop", "B")
+    out, _ = client.communicate(timeout=300)
+    got = [json.loads(line) for line in out.strip().splitlines()]
+    lost = [g for g in got if g["error"]]
+    assert len(lost) == 1 and lost[0]["error"]["code"] == "replica_unavailable"
+    assert [g for g in got if not g["error"]][0]["text"]
+    h = health(cluster, served)
+    assert h["status"] == "degraded"
+    assert [r["node"] for r in h["replicas"] if r["status"] == "unreachable"] == [WORKER]
+    after = send(cluster, served, [request(p) for p in PROMPTS[:2]])
+    assert all(g["status"] == 200 and g["text"] for g in after)
