@@ -109,6 +109,41 @@ def test_bench_sharded_across_two_nodes_equals_one_node(cluster, tmp_path):
     assert hosts >= {HEAD, WORKER}, hosts
 
 
+# The target in node A's namespace, its draft (the target's first 26 layers) in an actor on node B: greedy
+# output and accepted counts equal the draft model drafting in the target's own process. argv: the spec's
+# ray_address and remote_node. Prints one JSON line.
+REMOTE = r"""
+import json, sys
+from specdraft.api import SpecDecoder
+
+dec = SpecDecoder.load("smollm2-135m", draft="smollm2-135m", draft_layers=26, dtype="float32", backend="hf")
+out = {"plain": [], "local": [], "remote": [], "local_accepted": [], "remote_accepted": []}
+remote = {"method": "remote_draft", "k": 3, "ray_address": sys.argv[1], "remote_node": sys.argv[2]}
+for prompt in json.loads(sys.argv[3]):
+    ids = dec.encode(prompt)
+    sp = {"max_new_tokens": 16}
+    out["plain"].append(dec.generate(ids, sampling=sp, spec={"method": "plain"}).token_ids)
+    for name, spec in (("local", {"method": "draft_model", "k": 3}), ("remote", remote)):
+        r = dec.generate(ids, sampling=sp, spec=spec)
+        out[name].append(r.token_ids)
+        out[name + "_accepted"].append(r.stats.accepted)
+actor = next(iter(dec._shared["remote_draft"].values())).actor
+import ray
+out["draft_node"] = ray.get(actor.ping.remote())
+print(json.dumps(out))
+"""
+
+
+def test_draft_on_node_b_target_on_node_a(cluster):
+    """(Before the replicas start: they hold both nodes' CPUs.)"""
+    out = json.loads(cluster.python("A", REMOTE, ADDRESS, WORKER, json.dumps(PROMPTS[:2])).strip().splitlines()[-1])
+    assert out["draft_node"] == WORKER
+    assert out["remote"] == out["local"] == out["plain"]
+    assert out["remote_accepted"] == out["local_accepted"] and sum(out["local_accepted"]) > 0
+    bad = cluster.run("A", sys.executable, "-c", REMOTE, ADDRESS, "198.18.0.9", json.dumps(PROMPTS[:1]), check=False)
+    assert bad.returncode != 0 and "remote_node '198.18.0.9' is no alive node" in bad.stderr
+
+
 def request(prompt: str, stream: bool = False, max_tokens: int = N, key: str | None = KEY) -> dict:
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     return {"path": "/v1/completions", "body": body, "key": key}

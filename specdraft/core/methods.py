@@ -278,6 +278,7 @@ class RemoteDraftParams:
     prefetch: bool = param(True, Bool())  # draft the next block while the target verifies (False: in turns)
     remote_threads: int = param(1, Int(min=1, max=256, what="threads of the draft's process"))
     ray_address: str | None = param(None, OptStr("a Ray address (HOST:PORT, auto) or local"))
+    remote_node: str | None = param(None, OptStr("the address of the cluster node that runs the draft"))
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.errors import ConfigError
 from ..core.methods import RemoteDraftParams
 from ..core.tree import DraftTree
 from .base import Drafter, common_prefix
@@ -32,12 +33,24 @@ class RemoteDraft:
         from ..scale.remote import DraftSide
 
         self.ray = connect(params.ray_address)
-        self.actor = self.ray.remote(num_cpus=params.remote_threads, max_concurrency=2)(DraftSide).remote(
-            source, params.remote_threads
-        )
+        where = on_node(self.ray, params.remote_node) if params.remote_node else "DEFAULT"
+        self.actor = self.ray.remote(num_cpus=params.remote_threads, max_concurrency=2, scheduling_strategy=where)(
+            DraftSide
+        ).remote(source, params.remote_threads)
         self.vocab = min(vocab, self.ray.get(self.actor.vocab.remote()))
         self.keys = 0  # the last sequence key handed out
         self.epoch = 0  # the last ahead call's number (the actor's stop marks are per actor, so per RemoteDraft)
+
+
+def on_node(ray, address: str):
+    """A scheduling strategy that runs an actor on the alive node at ``address`` (its node IP), or an error
+    naming the nodes there are."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    if address not in alive:
+        raise ConfigError(f"remote_node {address!r} is no alive node of the Ray cluster; its nodes: {sorted(alive)}")
+    return NodeAffinitySchedulingStrategy(alive[address], soft=False)
 
 
 class RemoteDraftDrafter(Drafter):
