@@ -93,7 +93,8 @@ case "${1:-}" in
       dev="$NAME-v$(echo $n | tr AB ab)"
       if [ "$2" = 0 ]; then ip -n "$(ns $n)" link show "$dev" > /dev/null && \
         ip netns exec "$(ns $n)" tc qdisc del dev "$dev" root 2>/dev/null || true
-      else ip netns exec "$(ns $n)" tc qdisc replace dev "$dev" root netem delay "$2"; fi
+      else ip netns exec "$(ns $n)" tc qdisc replace dev "$dev" root netem delay "$2" 2>/dev/null || {
+        echo "error: tc netem is not available here (the kernel lacks sch_netem)" >&2; exit 2; }; fi
     done ;;
   down) down ;;
   *) sed -n 2,17p "$0" >&2; exit 2 ;;
