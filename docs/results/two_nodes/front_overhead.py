@@ -28,5 +28,9 @@ for rnd in range(11):  # the first round warms up
             if rnd and served == str(r["replica"]):
                 times.setdefault(f"{via} {r['node']}", []).append(dt)
 med = {k: round(statistics.median(v), 4) for k, v in times.items()}
-ratio = {r["node"]: round(med[f"front {r['node']}"] / med[f"direct {r['node']}"], 3) for r in replicas if f"front {r['node']}" in med}
+ratio = {
+    r["node"]: round(med[f"front {r['node']}"] / med[f"direct {r['node']}"], 3)
+    for r in replicas
+    if f"front {r['node']}" in med
+}
 print(json.dumps({"seconds": med, "front_over_direct": ratio, "n": {k: len(v) for k, v in times.items()}}))

@@ -35,4 +35,6 @@ for rnd in range(4):  # the first round warms up
                 rates[name].append((r.stats.new_tokens - 1) / decode_s)
 tok_s = {name: round(statistics.median(v), 2) for name, v in rates.items()}
 label = sys.argv[1] if len(sys.argv) > 1 else "veth"
-print(json.dumps({"link": label, "decode_tok_s": tok_s, "b_over_a": round(tok_s["198.18.0.2"] / tok_s["198.18.0.1"], 3)}))
+print(
+    json.dumps({"link": label, "decode_tok_s": tok_s, "b_over_a": round(tok_s["198.18.0.2"] / tok_s["198.18.0.1"], 3)})
+)
