@@ -7,7 +7,7 @@
 #
 #   scripts/two_nodes.sh up               # start both nodes; waits until Ray lists both alive
 #   scripts/two_nodes.sh run A|B CMD...   # run CMD in node A's (B's) namespace, with the cluster's token
-#   scripts/two_nodes.sh stop B           # node B's Ray stopped (every process in its namespace killed)
+#   scripts/two_nodes.sh stop B           # node B lost (its processes killed); returns once Ray sees it dead
 #   scripts/two_nodes.sh start B          # node B joins again
 #   scripts/two_nodes.sh delay 1ms        # both ends of the link delayed (tc netem); `delay 0` removes it
 #   scripts/two_nodes.sh down             # everything stopped by PID, namespaces and files removed
@@ -45,7 +45,7 @@ start_node() {
       echo "error: node B did not join the head at $JOIN:$PORT" >&2; tail -3 "$DIR/node-B.log" >&2; return 1; }
   fi
 }
-wait_alive() {  # until Ray lists N alive nodes (at most 60 s)
+wait_alive() {  # until Ray lists exactly N alive nodes (at most 90 s): 1 once it has seen a stopped node dead
   in_ns A "$PY" - "$1" <<'EOF'
 import sys, time
 import ray
@@ -53,11 +53,11 @@ ray.init(address="198.18.0.1:6379", log_to_driver=False, configure_logging=False
 want, t0 = int(sys.argv[1]), time.time()
 while True:
     alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-    if len(alive) >= want:
+    if len(alive) == want:
         print("two_nodes: alive:", " ".join(alive))
         break
-    if time.time() - t0 > 60:
-        sys.exit(f"error: {len(alive)} of {want} Ray nodes alive after 60 s: {alive}")
+    if time.time() - t0 > 90:
+        sys.exit(f"error: {len(alive)} Ray nodes alive after 90 s, not {want}: {alive}")
     time.sleep(0.5)
 EOF
 }
@@ -86,7 +86,7 @@ case "${1:-}" in
     start_node A && start_node B && wait_alive 2 || { down; exit 1; }
     echo "two_nodes: the cluster is $HEAD:$PORT (scripts/two_nodes.sh run A|B CMD...)" ;;
   run) shift; node=$1; shift; in_ns "$node" "$@" ;;
-  stop) kill_node "$2" ;;
+  stop) kill_node "$2"; if [ "$2" = B ]; then wait_alive 1; fi ;;  # returns once Ray has marked B dead
   start) start_node "$2" && wait_alive 2 ;;
   delay)
     for n in A B; do

@@ -5,6 +5,7 @@ across the nodes, and node B lost while it streams. SmolLM2-135M in float32, gre
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -144,6 +145,55 @@ def test_draft_on_node_b_target_on_node_a(cluster):
     assert bad.returncode != 0 and "remote_node '198.18.0.9' is no alive node" in bad.stderr
 
 
+def test_bench_redoes_the_prompts_of_a_lost_node(cluster, tmp_path):
+    """Node B stopped while the sharded bench runs: its unfinished prompt is redone on node A, and the records
+    equal one node's, none lost, none twice; node B then joins again. (Before the replicas start.)"""
+    prompts = [f"Count from {i} to {i + 30}:" for i in range(8)]
+    dataset = tmp_path / "q.jsonl"
+    dataset.write_text(
+        "".join(
+            json.dumps({"question_id": f"p{i}", "category": "qa", "turns": [p]}) + "\n" for i, p in enumerate(prompts)
+        )
+    )
+    args = ["--target", "smollm2-135m", "--dtype", "float32", "--dataset", str(dataset), "--max-new-tokens", "24"]
+    args += ["--methods", "plain", "--threads", "1", "--no-plots"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    cluster.run("A", sys.executable, "-m", "specdraft.cli", "bench", *args, "--out", str(one))
+    run = cluster.popen(
+        "A",
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        "bench",
+        *args,
+        "--out",
+        str(two),
+        f"--ray={ADDRESS}",
+        "--ray-workers",
+        "2",
+        "--ray-worker-cpus",
+        "1",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    t0 = time.time()
+    while not two.exists() or len(json.loads(two.read_text())["records"]) < 2:  # both workers under way
+        assert run.poll() is None and time.time() - t0 < 240, run.stderr.read() if run.poll() is not None else ""
+        time.sleep(0.5)
+    cluster.script("stop", "B")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-2000:]
+    recs = json.loads(two.read_text())["records"]
+    ids = [r["prompt_id"] for r in recs]
+    assert sorted(ids) == sorted(set(ids)) == [f"p{i}" for i in range(8)]  # none lost, none twice
+    assert {r["prompt_id"]: r["token_ids"] for r in recs} == {
+        r["prompt_id"]: r["token_ids"] for r in json.loads(one.read_text())["records"]
+    }
+    assert {r["node"]["address"] for r in recs} == {HEAD, WORKER}
+    cluster.script("start", "B")
+    assert sorted(n["address"] for n in cluster.nodes() if n["alive"]) == [HEAD, WORKER]
+
+
 def request(prompt: str, stream: bool = False, max_tokens: int = N, key: str | None = KEY) -> dict:
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     return {"path": "/v1/completions", "body": body, "key": key}
@@ -231,8 +281,8 @@ def test_node_lost_mid_stream(cluster, served):
             [request(PROMPTS[0], stream=True, max_tokens=200), request(PROMPTS[1], stream=True, max_tokens=200)]
         ),
         served,
-        stdout=__import__("subprocess").PIPE,
-        stderr=__import__("subprocess").PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     for _ in range(4):  # both streams under way
         assert client.stderr.readline().strip() == "chunk"

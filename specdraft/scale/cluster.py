@@ -149,9 +149,31 @@ def stop_workers(ray, actors: list) -> None:
 
 
 def drain(ray, actors: list, ordered: bool, fn, jobs):
-    """ActorPool.map(_unordered), with workers' errors translated as in _get."""
-    from ray.util import ActorPool
-
-    pool = ActorPool(actors)
+    """Each job's result (``fn(actor, job)`` -> an ObjectRef) as it finishes (``ordered``: in job order), one job
+    per actor at a time; workers' errors translated as in _get. A job whose actor died (its node lost) goes
+    to an actor still alive: nothing a lost job began is kept, so nothing is lost or done twice. No actor
+    left: an error."""
+    queue, free, running, done, nxt = list(enumerate(jobs)), list(actors), {}, {}, 0
     with _worker_errors(ray):
-        yield from (pool.map if ordered else pool.map_unordered)(fn, jobs)
+        while queue or running:
+            while queue and free:
+                i, job = queue.pop(0)
+                actor = free.pop(0)
+                running[fn(actor, job)] = (actor, i, job)
+            ref = ray.wait(list(running), num_returns=1)[0][0]
+            actor, i, job = running.pop(ref)
+            try:
+                result = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                queue.insert(0, (i, job))
+                if not free and not running:
+                    raise SpecDraftError("every Ray worker was lost (their nodes left the cluster)") from None
+                continue
+            free.append(actor)
+            if not ordered:
+                yield result
+                continue
+            done[i] = result
+            while nxt in done:
+                yield done.pop(nxt)
+                nxt += 1
