@@ -420,10 +420,10 @@ def cmd_tune_skip(a) -> int:
 
 
 def cmd_train(a) -> int:
-    from .bench.shard import data_builder
+    from .bench.shard import RAY_BUILDERS
     from .commands.train import TrainOptions, train_main
 
-    return train_main(settings_from_args(TrainOptions, a), ray_builder=data_builder)
+    return train_main(settings_from_args(TrainOptions, a), ray_builder=RAY_BUILDERS)
 
 
 def cmd_heads(a) -> int:

@@ -105,6 +105,8 @@ def test_ray_option_errors(dataset, tmp_path, monkeypatch, capsys):
         == 2
     )
     assert not out.exists()
+    eagle3 = ["train", "eagle3", "--target", "smollm2-135m", "-o", str(tmp_path / "e3"), "--train-only", "--ray"]
+    assert main(eagle3) == 2 and "--ray make data" in capsys.readouterr().err  # nothing to shard: refused
 
 
 def test_speedup_is_per_worker_then_token_weighted():

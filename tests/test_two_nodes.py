@@ -194,6 +194,48 @@ def test_bench_redoes_the_prompts_of_a_lost_node(cluster, tmp_path):
     assert sorted(n["address"] for n in cluster.nodes() if n["alive"]) == [HEAD, WORKER]
 
 
+def test_eagle3_data_across_nodes_with_node_b_lost(cluster, tmp_path):
+    """train eagle3 --data-only --ray over both nodes, node B stopped mid-run: answers.jsonl holds every prompt's
+    answer once, token for token one process's, with features for all; node B joins again. (Before the
+    replicas start.)"""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count from {i} to {i + 30}:"}) + "\n" for i in range(8)))
+    args = ["train", "eagle3", "--target", "smollm2-135m", "--gen-backend", "hf", "--data", str(prompts)]
+    args += ["--data-only", "--max-new-tokens", "24", "--gen-batch", "1", "--threads", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    cluster.run("A", sys.executable, "-m", "specdraft.cli", *args, "-o", str(one))
+    run = cluster.popen(
+        "A",
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        *args,
+        "-o",
+        str(two),
+        f"--ray={ADDRESS}",
+        "--ray-workers",
+        "2",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    answers = two / "data" / "answers.jsonl"
+    t0 = time.time()
+    while not answers.exists() or len(answers.read_text().splitlines()) < 2:  # both workers under way
+        assert run.poll() is None and time.time() - t0 < 240, run.stderr.read() if run.poll() is not None else ""
+        time.sleep(0.5)
+    cluster.script("stop", "B")
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-2000:]
+    rows = lambda d: [json.loads(line) for line in (d / "data" / "answers.jsonl").read_text().splitlines()]  # noqa: E731
+    got = rows(two)
+    assert sorted(r["i"] for r in got) == list(range(8))  # none lost, none twice
+    assert {r["i"]: r["tokens"] for r in got} == {r["i"]: r["tokens"] for r in rows(one)}
+    assert json.loads(out.strip().splitlines()[-1])["n_seqs"] == 8
+    assert len((two / "data" / "features.jsonl").read_text().splitlines()) == 8  # features for every answer
+    assert "eagle3 answers on Ray" in err and WORKER in err
+    cluster.script("start", "B")
+
+
 def request(prompt: str, stream: bool = False, max_tokens: int = N, key: str | None = KEY) -> dict:
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     return {"path": "/v1/completions", "body": body, "key": key}

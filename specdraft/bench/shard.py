@@ -9,15 +9,19 @@ finished prompt, and records each worker's machine, per record and under "worker
 timed on its own worker only, so the report computes speedups per worker, then aggregates them.
 
 train: the training data's batches, each answered by a worker holding the target (``data_builder``),
-the same batches a local run answers (commands/train/data.py's build_data)."""
+the same batches a local run answers (commands/train/data.py's build_data); for EAGLE-3, chunks of the
+prompts not answered yet (``eagle3_answerer``)."""
 
 from __future__ import annotations
 
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..commands.train import data as train_data
 from ..commands.train.loop import progress
+from ..core.errors import SpecDraftError
 from ..scale import cluster
 from .harness import _save, done_keys, interrupted, load_bench, reference_outputs, run_prompt
 
@@ -137,3 +141,78 @@ def data_builder(ray_opts: cluster.RayOptions, target: str):
         return seqs
 
     return build
+
+
+# --- train eagle3 -------------------------------------------------------------------------------
+class Eagle3Worker:
+    """A Ray actor: EAGLE-3's generation model (train's --gen-backend), loaded once; answers chunks of prompts."""
+
+    def __init__(self, wid: str):
+        self.wid = wid
+
+    def load(self, opts, threads: int) -> dict:
+        from ..commands.train.eagle3 import generation_model
+        from ..models.loading import set_threads
+
+        set_threads(threads)
+        self.gen = generation_model(opts)
+        return {**cluster.node_info(), "threads": threads, "backend": self.gen.backend}
+
+    def answer(self, chunk: list[tuple[int, list[int]]], rows: int, max_new_tokens: int, seed: int):
+        from ..commands.train import eagle3_data
+
+        return self.wid, eagle3_data.answer_rows(self.gen, chunk, rows, max_new_tokens, seed)
+
+
+def eagle3_answerer(ray_opts: cluster.RayOptions, opts):
+    """eagle3_data.answer_with_features's stand-in for ``train eagle3 --ray``: the prompts not answered yet, in
+    chunks of ``rows``, answered on Ray workers and appended to answers.jsonl as each chunk arrives (a chunk
+    whose worker was lost is redone on another: none lost, none twice); the driver's stage 3 adds their
+    features. The answers are those of one process: the same seeds, greedy rows batch-invariant in float32."""
+    from ..commands.train import eagle3_data
+    from ..core.jsonl import AppendedJsonl
+
+    def answer(gen, encoded, data: Path, layers, rows: int, max_new_tokens: int, seed: int) -> dict:
+        todo = eagle3_data.unanswered(data, encoded)
+        chunks = [todo[j : j + rows] for j in range(0, len(todo), rows)]
+        made, t0 = 0, time.perf_counter()
+        if not chunks:
+            return {"tokens": 0, "seconds": 0.0}
+        answers = AppendedJsonl(data / "answers.jsonl", need=eagle3_data.ANSWER_FIELDS)
+        ray, n = ray_opts.start(len(chunks))
+        ids = [f"w{i}" for i in range(n)]
+        actors, infos = cluster.start_workers(ray, Eagle3Worker, ids, ray_opts.cpus, opts, ray_opts.cpus)
+        backends = {i["backend"] for i in infos.values()}
+        count = dict.fromkeys(infos, 0)
+        bar = progress(total=len(todo), desc="eagle3 answers (ray)", unit="prompt")
+        try:
+            if backends != {gen.backend}:
+                raise SpecDraftError(f"the Ray workers answer on {sorted(backends)}, this run on {gen.backend}")
+            work = lambda act, c: act.answer.remote(c, rows, max_new_tokens, seed)  # noqa: E731
+            for wid, got in cluster.drain(ray, actors, False, work, chunks):
+                answers.append(got)
+                made += sum(len(r["tokens"]) - r["n_prompt"] for r in got)
+                count[wid] += 1
+                bar.update(len(got))
+        finally:
+            cluster.stop_workers(ray, actors)
+            bar.close()
+        print(
+            "eagle3 answers on Ray: "
+            + ", ".join(f"{w} on {infos[w]['host']} ({infos[w]['address']}): {count[w]} chunk(s)" for w in infos),
+            file=sys.stderr,
+        )
+        return {"tokens": made, "seconds": round(time.perf_counter() - t0, 1)}
+
+    return answer
+
+
+@dataclass(frozen=True)
+class RayBuilders:
+    """What ``train --ray`` runs on Ray workers (commands/train's ``train_main`` takes it from the CLI)."""
+
+    heads = staticmethod(data_builder)
+    eagle3 = staticmethod(eagle3_answerer)
+
+
+RAY_BUILDERS = RayBuilders()

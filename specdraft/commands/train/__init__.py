@@ -93,6 +93,7 @@ EAGLE3_OWN = (
     "holdout",
     "data_only",
     "train_only",
+    *RAY,
 )
 
 
@@ -255,8 +256,9 @@ def _check_resume(opts: TrainOptions) -> None:
 
 
 def train_main(opts: TrainOptions, ray_builder=None) -> int:
-    """``ray_builder(ray options, target)``: data.build_data's stand-in for --ray (bench/shard.py's
-    data_builder, which the CLI passes: the bench package sits above this module)."""
+    """``ray_builder``: what --ray runs on Ray workers (bench/shard.py's RAY_BUILDERS, which the CLI passes: the
+    bench package sits above this module): ``.heads(ray options, target)``, data.build_data's stand-in, and
+    ``.eagle3(ray options, opts)``, EAGLE-3's answer stage."""
     opts = check_options(opts)
     return _kinds()[opts.kind].main(opts, opts.resume, ray_builder)
 
@@ -269,12 +271,12 @@ def _heads_main(opts: TrainOptions, resume: bool, ray_builder, setup) -> int:
     from .data import build_data, load_or_build_data
 
     if opts.ray is not None and ray_builder is None:
-        raise ConfigError("--ray needs the Ray data builder: train_main(opts, specdraft.bench.shard.data_builder)")
+        raise ConfigError("--ray needs the Ray builders: train_main(opts, specdraft.bench.shard.RAY_BUILDERS)")
     out = Path(opts.output)
     torch.manual_seed(opts.seed)
     dec = SpecDecoder.load(opts.target, dtype="float32", threads=opts.threads, backend="hf", device="cpu")
     target = dec.target
-    build = ray_builder(opts.ray_options(), opts.target) if opts.ray is not None else build_data
+    build = ray_builder.heads(opts.ray_options(), opts.target) if opts.ray is not None else build_data
     seqs, data_meta = load_or_build_data(
         dec,
         out,

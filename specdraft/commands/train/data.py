@@ -4,7 +4,7 @@ engine decodes them (``FeatureRecorder``), and the draft-vocabulary rule.
 Medusa and EAGLE (``--data PROMPTS.jsonl``) keep their data in DIR/data.pt: per sequence its tokens
 (prompt + the target's greedy answer, chat template unless ``--no-chat``), the prompt's length and the
 final-norm features of every fed position [T - 1, H] (the last token is never fed). ``--ray`` answers
-the same batches on Ray worker actors (bench/shard.py's data_builder). EAGLE-3 keeps appended,
+the same batches on Ray worker actors (bench/shard.py's data_builder, in RAY_BUILDERS). EAGLE-3 keeps appended,
 resumable data of its own (eagle3_data.py).
 """
 

@@ -33,8 +33,10 @@ EAGLE3_DRAFT_VOCAB = 12288
 
 def check(opts) -> None:
     if opts.train_only:
-        if opts.data is not None or opts.synth is not None or opts.data_only:
-            raise ConfigError("--train-only trains on -o DIR/data as it is; --data, --synth and --data-only make data")
+        if opts.data is not None or opts.synth is not None or opts.data_only or opts.ray is not None:
+            raise ConfigError(
+                "--train-only trains on -o DIR/data as it is; --data, --synth, --data-only and --ray make data"
+            )
     elif (opts.data is None) == (opts.synth is None):
         raise ConfigError("train eagle3 needs exactly one of --data PROMPTS.jsonl and --synth N (or --train-only)")
     for name in ("synth", "gen_batch", "ttt_steps", "max_len", "synth_max_tokens", "intermediate_size"):
@@ -100,10 +102,11 @@ def data_meta(opts, layers, gen, out: Path) -> dict:
 SYNTH_ROUND = 256  # synthesized prompts answered before the next ones are written (data grows in rounds)
 
 
-def make_data(opts, gen, layers, out: Path) -> dict:
+def make_data(opts, gen, layers, out: Path, answer=None) -> dict:
     """Prompts, answers and features, each stage continuing what DIR/data holds; with --synth in rounds of
     SYNTH_ROUND prompts, each answered before the next round is written, so the data usable for training
-    grows from the start; -> the data's meta."""
+    grows from the start; ``answer``: stage 2 (d3.answer_with_features; with --ray, answers made on Ray workers,
+    their features then added by stage 3's prefill); -> the data's meta."""
     from ...core.prompts import load_prompts
 
     meta = data_meta(opts, layers, gen, out)
@@ -117,7 +120,7 @@ def make_data(opts, gen, layers, out: Path) -> dict:
             )
         else:
             prompts = [r["prompt"] for r in load_prompts(opts.data)][: opts.max_prompts or None]
-        r = d3.answer_with_features(
+        r = (answer or d3.answer_with_features)(
             gen, encode_all(gen, prompts, opts), data, layers, opts.gen_batch, opts.max_new_tokens, opts.seed
         )
         made = {k: made[k] + r[k] for k in made}
@@ -216,7 +219,10 @@ def main(opts, resume: bool, ray_builder=None) -> int:
     gen = generation_model(opts)
     shape = resumed_shape(out, gen) if resume else None
     layers = shape.layers if shape is not None else eagle3_layers(gen.num_layers)
-    meta = existing_data(opts, layers, out) if opts.train_only else make_data(opts, gen, layers, out)
+    if opts.ray is not None and ray_builder is None:
+        raise ConfigError("--ray needs the Ray builders: train_main(opts, specdraft.bench.shard.RAY_BUILDERS)")
+    answer = ray_builder.eagle3(opts.ray_options(), opts) if opts.ray is not None else None
+    meta = existing_data(opts, layers, out) if opts.train_only else make_data(opts, gen, layers, out, answer)
     print(
         f"eagle3 data: {meta.get('n_seqs', '?')} sequences, {meta.get('answer_tokens', '?')} answer tokens",
         file=sys.stderr,

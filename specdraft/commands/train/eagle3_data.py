@@ -245,28 +245,21 @@ def answer_with_features(
     from ...engine import Job
 
     answers = AppendedJsonl(data / "answers.jsonl", need=ANSWER_FIELDS)
-    have = {r["i"] for r in answers.rows}
     cols = feature_columns(gen, layers)
     store = FeatureStore(data, cols.numel())
-    todo = sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
+    todo = unanswered(data, encoded)
     bar = progress(
-        total=len(have) + len(todo), initial=len(have), desc=f"answers + features ({gen.backend})", unit="prompt"
+        total=len(answers.rows) + len(todo),
+        initial=len(answers.rows),
+        desc=f"answers + features ({gen.backend})",
+        unit="prompt",
     )
     t0, made = time.perf_counter(), [0]
 
     def done(i, ids, result, recorder):
         tokens, x = recorded(ids, result, recorder)
         store.append(i, tokens, x)  # features first: an answer row always finds its features
-        answers.append(
-            [
-                {
-                    "i": i,
-                    "tokens": tokens,
-                    "n_prompt": len(ids),
-                    "sampled": i % ANSWER_SAMPLED_EVERY == ANSWER_SAMPLED_EVERY - 1,
-                }
-            ]
-        )
+        answers.append([answer_row(i, ids, tokens)])
         made[0] += len(tokens) - len(ids)
         bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")
         bar.update(1)
@@ -275,6 +268,38 @@ def answer_with_features(
     decode_stream(gen, jobs, rows, done)
     bar.close()
     return {"tokens": made[0], "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def answer_row(i: int, ids: list[int], tokens: list[int]) -> dict:
+    """answers.jsonl's row of prompt ``i`` (``ids``) answered as ``tokens`` (prompt + answer)."""
+    return {
+        "i": i,
+        "tokens": tokens,
+        "n_prompt": len(ids),
+        "sampled": i % ANSWER_SAMPLED_EVERY == ANSWER_SAMPLED_EVERY - 1,
+    }
+
+
+def unanswered(data: Path, encoded: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The (prompt index, prompt ids) that answers.jsonl has no answer for, shortest first."""
+    have = {r["i"] for r in AppendedJsonl(data / "answers.jsonl", need=ANSWER_FIELDS).rows}
+    return sorted([(i, ids) for i, ids in encoded if i not in have], key=lambda x: len(x[1]))
+
+
+def answer_rows(gen, encoded: list[tuple[int, list[int]]], rows: int, max_new_tokens: int, seed: int) -> list[dict]:
+    """The answers of ``encoded`` without features (a Ray worker's share of stage 2: the driver adds the
+    features with stage 3's prefill), at most ``rows`` decoding at once, in the order given."""
+    from ...drafters.base import NoDrafter
+    from ...engine import Job
+
+    out: dict[int, dict] = {}
+
+    def done(i, ids, result, _drafter):
+        out[i] = answer_row(i, ids, ids + result.token_ids)
+
+    jobs = [Job(ids, answer_sampling(i, max_new_tokens, seed), NoDrafter(), tag=i) for i, ids in encoded]
+    decode_stream(gen, jobs, rows, done)
+    return [out[i] for i, _ in encoded]
 
 
 # --- 3. features of answers that have none -----------------------------------------------------------
