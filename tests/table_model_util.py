@@ -29,6 +29,7 @@ class StubTok:
 class TableModel:
     backend = "table"
     source = None  # made in memory
+    prefill_twin = None
     dtype = torch.float32
     max_context = 512
 

@@ -137,7 +137,7 @@ def build_auto(dec, spec: SpecConfig):
                 steps * costs.step(prior.get("scored", 1.0), prior.get("model_tokens", 0.0)),
             )
         arms.append(Arm(name, dec.make_drafter(s), ev, uses_model(s)))
-    adopts = dec.draft is not None and getattr(dec.draft, "prefill_twin", None) is dec.target
+    adopts = dec.draft is not None and dec.draft.prefill_twin is dec.target
     return AutoDrafter(
         arms, costs, dec.arm_memory(spec), min_match=spec.params.hybrid_min_match, draft_adopts_prompt=adopts
     )

@@ -76,7 +76,7 @@ class DraftModelGroup:
         through the target's dense layers, or a low-bit copy of a transformers target on llama.cpp)
         starts from a copy of that cache instead of prefilling the prompt again."""
         src = prefix_from[0] if prefix_from is not None else None
-        if src is not None and getattr(self.draft, "prefill_twin", None) is getattr(src, "model", None):
+        if src is not None and self.draft.prefill_twin is src.model:
             self.kv.adopt_rows(src, prefix_from[1])
         else:  # empty rows (they catch up at their first propose), or starting from a cached prefix
             start = [self._cached(r) for r in rows]

@@ -81,6 +81,7 @@ def padded_features(rows: list, N: int, width: int | None = None) -> torch.Tenso
 
 
 class SequenceRows(Protocol):
+    model: "TargetModel"  # the model whose cache these rows are
     lens: list[int]  # tokens each row holds in the cache
     last_hidden: torch.Tensor | None  # [B, N, H * blocks] features of the last forward(hidden=True): the
     # final norm's output (block 0, where capabilities.hidden), then each layer the model hands over
@@ -145,6 +146,9 @@ class TargetModel(Protocol):
     tokenizer: object
     backend: str  # its key in models/backends.py ("hf", "llama", "openvino")
     source: dict | None  # load_model's arguments that load it again (another process); None: made in memory
+    # a model whose prefill computes exactly this one's cache (a self-draft's target, api._self_draft): rows of
+    # this model may start from its rows (SequenceRows.adopt_rows); None for any other model
+    prefill_twin: "TargetModel | None"
     device: torch.device  # where its logits and features come back (the host for llama.cpp and OpenVINO, whatever
     # runs their weights): verification, logits processing and the requests' random streams run there
 

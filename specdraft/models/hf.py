@@ -47,6 +47,7 @@ def check_cache_layout(model) -> None:
 class HFModel:
     backend = "hf"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    prefill_twin = None  # set by api._self_draft (models/base.py TargetModel)
 
     def __init__(self, model, tokenizer=None, name: str = "model"):
         self.model = model.eval()

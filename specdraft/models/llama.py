@@ -194,6 +194,7 @@ class LlamaModel(GGUFHeadIO):
 
     backend = "llama"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    prefill_twin = None  # set by api._self_draft (models/base.py TargetModel)
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
 
     def __init__(

@@ -242,6 +242,7 @@ class OVModel(GGUFHeadIO):
 
     backend = "openvino"
     source: dict | None = None  # set by load_model (models/backends.py); None: made in memory
+    prefill_twin = None  # set by api._self_draft (models/base.py TargetModel)
     device = HOST  # its logits and features come back as host arrays, wherever its weights run
     capabilities = Capabilities(hidden=True, trees=True, layers=True, head_io=True, prefixes=True)
 
