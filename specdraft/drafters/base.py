@@ -85,7 +85,7 @@ class Drafter:
 
     name = "drafter"
     wants_hidden = False  # observe also gets the target's final-norm features (Medusa, EAGLE)
-    group_key = None  # drafters with the same key draft together through one DraftGroup
+    group_key: tuple | None = None  # drafters with the same key draft together through one DraftGroup
     reproducible = True  # a seeded request gives the same tokens whatever else runs (docs/server.md)
     arm: str | None = None  # a composite's name for what drafted this step (drafters/composite.py), reported per step
     reads_fed_positions = False  # observe indexes the fed draft as proposed: the engine must not prune it

@@ -129,7 +129,8 @@ class Datastore:
                 f"datastore {p} was built with another tokenizer ({meta.get('target')!r}); rebuild it "
                 "with --target set to this target"
             )
-        self.path, self.meta, self.tokens, self.sa = p, meta, tokens, sa
+        self.path: Path | None = p  # None: made in memory (of_docs)
+        self.meta, self.tokens, self.sa = meta, tokens, sa
         self.sort_depth = int(meta.get("sort_depth", 64))
 
     @classmethod

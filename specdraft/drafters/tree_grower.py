@@ -81,7 +81,8 @@ class GrowingTree:
             top = torch.topk(lp, min(m, int(torch.isfinite(lp).sum())))  # never a token the draft cannot make
             return [(t, None, v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
         q = probs_from_logits(logits, self.sp)
-        out, cur = [], q
+        out: list[tuple[int, torch.Tensor | None, float]] = []
+        cur = q
         for _ in range(m):  # without replacement: each child records the distribution it came from
             s = cur.sum()
             if s <= 0:
@@ -189,5 +190,5 @@ class GrowingTree:
             keep = sorted(chosen)
         new = {old: j for j, old in enumerate(keep)}
         parents = [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
-        probs = None if greedy else torch.stack([self._q[i] for i in keep])
+        probs = None if greedy else torch.stack([q for q in (self._q[i] for i in keep) if q is not None])
         return DraftTree.of([self.tokens[i] for i in keep], parents, probs)

@@ -189,7 +189,7 @@ def history_of(body: bytes) -> bytes | None:
         return None
     if not isinstance(d, dict):
         return None
-    parts = d.get("messages") if isinstance(d.get("messages"), list) else [d.get("prompt")]
+    parts: list = d["messages"] if isinstance(d.get("messages"), list) else [d.get("prompt")]
     if parts == [None]:
         return None
     return b"".join(json.dumps(p, sort_keys=True).encode() + b"\n" for p in parts)
@@ -269,7 +269,7 @@ async def front_health(request: Request):
     ]
     router.down = {r["replica"] for r in replicas if r["status"] == "unreachable"}
     ok = all(r["status"] == "ok" for r in replicas)
-    body = {"status": "ok" if ok else "degraded"}
+    body: dict[str, object] = {"status": "ok" if ok else "degraded"}
     if health_details(request, front.api_key):  # replica addresses and loads: the key's holders only
         body["replicas"] = replicas
     return JSONResponse(body, status_code=200 if ok else 503)

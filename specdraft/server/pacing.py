@@ -95,7 +95,8 @@ async def paced(events: AsyncIterator[tuple], p: StreamPacing, t0: float | None 
                     end = (kind, payload)  # done, error or timeout: after the buffered tokens, on a tick
                     tick = tick or loop.time()
                     continue
-            else:
+            tick = loop.time() if tick is None else tick  # (set by now: by the first tokens or the end)
+            if end is not None:
                 await asyncio.sleep(max(0.0, tick - loop.time()))
             tick += p.interval_s
             if len(ids) >= p.chunk_tokens or (end is not None and ids):

@@ -76,7 +76,7 @@ def start_replicas(models, settings, opts: ReplicaOptions, method_defaulted: boo
         raise SpecDraftError(f"--replica-cpus must be >= 1, got {opts.replica_cpus}")
     # a local instance offers at least one CPU per replica, so no replica waits forever for a CPU
     ray = connect(
-        opts.ray_address, None if not local else max(os.cpu_count(), opts.replicas * (opts.replica_cpus or 1))
+        opts.ray_address, None if not local else max(os.cpu_count() or 1, opts.replicas * (opts.replica_cpus or 1))
     )
     cpus = opts.replica_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)) // opts.replicas)
     models = replace(models, threads=models.threads or cpus)
